@@ -1,0 +1,81 @@
+"""The one place `kd` imports torchtune.
+
+torchtune 0.6.1 is no longer maintained; every name `kd` uses from it is re-exported here so a
+replacement touches one module. Import from ``kd._torchtune``, never from ``torchtune`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# torchao prints a warning about its C++ extensions when torch is newer than the wheel it was
+# built for; the extensions are not used by kd (no int4 GPU kernels on this path).
+logging.getLogger("torchao").setLevel(logging.ERROR)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import torchtune
+    from torchtune import modules as tt_modules
+    from torchtune import training as tt_training
+    from torchtune.data import padded_collate_sft
+    from torchtune.models.convert_weights import get_mapped_key
+    from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+    from torchtune.modules.loss import (
+        CEWithChunkedOutputLoss,
+        ForwardKLLoss,
+        ForwardKLWithChunkedOutputLoss,
+        ReverseKLLoss,
+        ReverseKLWithChunkedOutputLoss,
+        SymmetricKLLoss,
+        SymmetricKLWithChunkedOutputLoss,
+    )
+    from torchtune.modules.peft import (
+        LoRALinear,
+        get_adapter_params,
+        get_adapter_state_dict,
+        get_lora_module_names,
+        get_merged_lora_ckpt,
+        set_trainable_params,
+        validate_missing_and_unexpected_for_lora,
+    )
+    from torchtune.modules.tied_linear import TiedLinear
+    from torchtune.training import FullModelHFCheckpointer, ModelType
+    from torchtune.training.activations import apply_selective_activation_checkpointing
+    from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+TORCHTUNE_VERSION: str = torchtune.__version__
+MODEL_KEY: str = tt_training.MODEL_KEY
+ADAPTER_KEY: str = tt_training.ADAPTER_KEY
+ADAPTER_CONFIG_KEY: str = tt_training.ADAPTER_CONFIG
+
+__all__ = [
+    "ADAPTER_CONFIG_KEY",
+    "ADAPTER_KEY",
+    "CEWithChunkedOutputLoss",
+    "ForwardKLLoss",
+    "ForwardKLWithChunkedOutputLoss",
+    "FullModelHFCheckpointer",
+    "LoRALinear",
+    "MODEL_KEY",
+    "ModelType",
+    "ReverseKLLoss",
+    "ReverseKLWithChunkedOutputLoss",
+    "SymmetricKLLoss",
+    "SymmetricKLWithChunkedOutputLoss",
+    "TORCHTUNE_VERSION",
+    "TiedLinear",
+    "TransformerDecoder",
+    "TransformerSelfAttentionLayer",
+    "apply_selective_activation_checkpointing",
+    "get_adapter_params",
+    "get_adapter_state_dict",
+    "get_cosine_schedule_with_warmup",
+    "get_lora_module_names",
+    "get_mapped_key",
+    "get_merged_lora_ckpt",
+    "padded_collate_sft",
+    "set_trainable_params",
+    "tt_modules",
+    "tt_training",
+    "validate_missing_and_unexpected_for_lora",
+]

@@ -1,0 +1,208 @@
+"""Every config key `kd` knows, with its default, type and allowed range: the one place defaults live.
+
+Recipes read scalar knobs from the resolved config after :func:`kd.config.load_config` has merged
+these defaults under the user's YAML, so no recipe calls ``cfg.get(key, default)``.
+
+Top-level keys follow torchtune's KD configs (a torchtune user changes only paths); `kd`'s own keys
+(``temperature``, ``save_every_n_steps``, ``loss_chunk_size``, ``memory``...) sit beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key.
+
+    Attributes:
+        default: value used when the YAML does not set the key (``MISSING`` = required).
+        types: accepted Python types of the resolved value (``None`` is accepted iff ``nullable``).
+        help: one line for ``kd validate`` and the docs.
+        nullable: whether ``null`` is allowed.
+        choices: allowed values, if the key is an enumeration.
+        min: inclusive lower bound for numbers.
+        max: inclusive upper bound for numbers.
+        min_exclusive: exclusive lower bound for numbers (``temperature > 0``).
+        node: the key holds a mapping (a ``_component_`` node or a section).
+    """
+
+    default: Any
+    types: tuple[type, ...] = ()
+    help: str = ""
+    nullable: bool = False
+    choices: tuple[Any, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: float | None = None
+    node: bool = False
+
+
+MISSING = "???"
+
+DIVERGENCES = (
+    "forward_kl",
+    "reverse_kl",
+    "symmetric_kl",
+    "jsd",
+    "tvd",
+    "skew_forward_kl",
+    "skew_reverse_kl",
+)
+
+_INT = (int,)
+_NUM = (int, float)
+_BOOL = (bool,)
+_STR = (str,)
+
+# Keys of the top-level config. Nodes (model, checkpointer, ...) are validated by binding their
+# `_component_` signature; their defaults here are only used when the YAML leaves them out.
+TOP_LEVEL: dict[str, Key] = {
+    "output_dir": Key(MISSING, _STR, "folder for checkpoints, metrics.jsonl and logs"),
+    "model": Key(MISSING, node=True, help="student model builder (`_component_`), full or lora_*"),
+    "teacher_model": Key(MISSING, node=True, help="teacher model builder (`_component_`)"),
+    "tokenizer": Key(MISSING, node=True, help="tokenizer builder; `max_seq_len` bounds the plan"),
+    "checkpointer": Key(MISSING, node=True, help="student checkpointer (HF safetensors)"),
+    "teacher_checkpointer": Key(MISSING, node=True, help="teacher checkpointer (HF safetensors)"),
+    "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)"),
+    "seed": Key(None, _INT, "random seed; null picks one and logs it", nullable=True),
+    "shuffle": Key(True, _BOOL, "shuffle the dataset each epoch"),
+    "batch_size": Key(4, _INT, "micro-batch size per device", min=1),
+    "optimizer": Key(
+        {"_component_": "torch.optim.AdamW", "lr": 2e-5, "weight_decay": 0.01},
+        node=True,
+        help="optimizer builder; torch.optim.* or torchao.optim.AdamW8bit",
+    ),
+    "optimizer_in_cpu": Key(False, _BOOL, "keep optimizer states on CPU (torchao CPUOffloadOptimizer)"),
+    "lr_scheduler": Key(
+        {
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": 0,
+        },
+        node=True,
+        nullable=True,
+        help="LR schedule with warmup; null keeps the LR constant",
+    ),
+    "loss": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="torchtune CE loss component; kd's loss includes CE, so this is mapped with a notice",
+    ),
+    "kd_loss": Key(
+        {"divergence": "forward_kl", "beta": 0.5, "skew_alpha": 0.1},
+        node=True,
+        help="divergence to the teacher: a name, {divergence, beta, skew_alpha} or a torchtune loss",
+    ),
+    "kd_ratio": Key(0.5, _NUM, "loss = (1 - kd_ratio) * CE + kd_ratio * KD", min=0.0, max=1.0),
+    "temperature": Key(1.0, _NUM, "softmax temperature of both models; KD is scaled by T^2", min_exclusive=0.0),
+    "fused_loss": Key(
+        True,
+        _BOOL,
+        "fused linear+CE+KD loss over labelled tokens only (no full logits); false = logits path",
+    ),
+    "loss_chunk_size": Key(1024, _INT, "tokens per chunk in the loss; memory is chunk x vocab", min=1),
+    "epochs": Key(1, _INT, "passes over the dataset", min=1),
+    "max_steps_per_epoch": Key(None, _INT, "cap on optimizer steps per epoch", nullable=True, min=1),
+    "gradient_accumulation_steps": Key(1, _INT, "micro-batches per optimizer step", min=1),
+    "clip_grad_norm": Key(None, _NUM, "max gradient norm; null disables clipping", nullable=True, min_exclusive=0.0),
+    "compile": Key(False, _BOOL, "torch.compile the decoder layers (first steps are slower)"),
+    "metric_logger": Key(
+        {"_component_": "kd.metrics.JsonlLogger"},
+        node=True,
+        help="metric logger; kd.metrics.WandBLogger logs to wandb (offline without an API key)",
+    ),
+    "log_every_n_steps": Key(1, _INT, "optimizer steps between metric rows", min=1),
+    "log_peak_memory_stats": Key(True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)"),
+    "device": Key("cuda", _STR, "cuda, cpu, or cuda:N"),
+    "dtype": Key("bf16", _STR, "parameter dtype of both models", choices=("bf16", "fp32")),
+    "enable_activation_checkpointing": Key(False, _BOOL, "recompute decoder layers in backward (less memory, ~30% slower)"),
+    "resume_from_checkpoint": Key(False, _BOOL, "continue from the newest complete step checkpoint in output_dir"),
+    "save_every_n_steps": Key(None, _INT, "optimizer steps between checkpoints; null = only at the end", nullable=True, min=1),
+    "keep_last_n": Key(2, _INT, "step checkpoints kept on disk", min=1),
+    "max_bad_steps": Key(0, _INT, "non-finite steps skipped before the run stops", min=0),
+    "trust_remote_components": Key(
+        False, _BOOL, "allow `_component_` targets outside torch, torchtune, torchao and kd"
+    ),
+    "memory": Key(
+        {"budget_gib": None, "check": "error", "seq_len": None, "reserve_gib": None},
+        node=True,
+        help="memory plan: budget_gib (null = device total), check error|warn|off, seq_len override",
+    ),
+    "fsdp": Key(
+        {"cpu_offload": False, "reshard_after_forward": True, "reduce_dtype": "fp32"},
+        node=True,
+        help="FSDP2 options of the distributed recipe",
+    ),
+}
+
+# Keys of the `memory:` section.
+MEMORY: dict[str, Key] = {
+    "budget_gib": Key(None, _NUM, "GiB per device; null = the device's total memory", nullable=True, min_exclusive=0.0),
+    "check": Key("error", _STR, "what an over-budget plan does", choices=("error", "warn", "off")),
+    "seq_len": Key(None, _INT, "tokens per sequence to plan for; null = tokenizer.max_seq_len", nullable=True, min=1),
+    "reserve_gib": Key(None, _NUM, "runtime reserve (CUDA context, allocator); null = calibrated default", nullable=True, min=0.0),
+}
+
+# Keys of the `fsdp:` section.
+FSDP: dict[str, Key] = {
+    "cpu_offload": Key(False, _BOOL, "offload parameters, gradients and optimizer states to CPU"),
+    "reshard_after_forward": Key(True, _BOOL, "free unsharded parameters after forward (less memory)"),
+    "reduce_dtype": Key("fp32", _STR, "gradient reduce-scatter dtype", choices=("fp32", "bf16")),
+}
+
+# Keys of the `kd_loss:` section (our form).
+KD_LOSS: dict[str, Key] = {
+    "divergence": Key("forward_kl", _STR, "the divergence", choices=DIVERGENCES),
+    "beta": Key(0.5, _NUM, "JSD mixture weight", min=0.0, max=1.0),
+    "skew_alpha": Key(0.1, _NUM, "skew KL mixture weight", min=0.0, max=1.0),
+}
+
+SECTIONS: dict[str, dict[str, Key]] = {"memory": MEMORY, "fsdp": FSDP, "kd_loss": KD_LOSS}
+
+# Keys torchtune's KD recipes accept that kd does not use; they are dropped with a notice.
+IGNORED_TORCHTUNE_KEYS: dict[str, str] = {
+    "enable_activation_offloading": "torchtune's KD recipe ignores it too; use enable_activation_checkpointing",
+    "profiler": "profiling is not wired into kd recipes; use scripts/ benchmarks",
+    "low_cpu_ram": "kd loads weights shard by shard already",
+    "log_level": "kd logs at INFO",
+    "cudnn_deterministic_mode": "not used",
+    "save_adapter_weights_only": "kd always saves the merged student and the adapter",
+    "fsdp_cpu_offload": "use fsdp.cpu_offload",
+    "fsdp_reshard_after_forward": "use fsdp.reshard_after_forward",
+    "custom_sharded_layers": "kd shards every decoder layer",
+    "enable_async_checkpointing": "kd checkpoints synchronously with atomic renames",
+    "tokenizer_vocab_size": "kd reads the tokenizer's ids",
+}
+
+
+def defaults() -> dict[str, Any]:
+    """The default value of every key that has one, as a plain nested dict."""
+    out: dict[str, Any] = {}
+    for name, key in TOP_LEVEL.items():
+        if key.default is MISSING:
+            continue
+        out[name] = _copy(key.default)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a config: the key (dotted) and a message ending in the fix."""
+
+    key: str
+    message: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
