@@ -18,7 +18,18 @@ with warnings.catch_warnings():
     from torchtune import modules as tt_modules
     from torchtune import training as tt_training
     from torchtune.data import padded_collate_sft
-    from torchtune.models.convert_weights import get_mapped_key
+    from torchtune.models.convert_weights import _FROM_HF as HF_TO_TUNE_KEYS
+    from torchtune.models.convert_weights import (
+        get_mapped_key,
+        hf_to_tune,
+        tune_to_hf,
+        tune_to_peft_adapter_config,
+    )
+    from torchtune.models.llama3 import llama3, lora_llama3
+    from torchtune.models.qwen2._tokenizer import bytes_to_unicode
+    from torchtune.models.qwen2_5._tokenizer import QWEN2_5_SPECIAL_TOKENS
+    from torchtune.models.qwen2 import lora_qwen2, qwen2, qwen2_hf_to_tune, qwen2_tune_to_hf
+    from torchtune.models.qwen2._convert_weights import _FROM_HF as QWEN2_HF_TO_TUNE_KEYS
     from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
     from torchtune.modules.loss import (
         CEWithChunkedOutputLoss,
@@ -57,6 +68,7 @@ __all__ = [
     "FullModelHFCheckpointer",
     "LoRALinear",
     "MODEL_KEY",
+    "QWEN2_5_SPECIAL_TOKENS",
     "ModelType",
     "ReverseKLLoss",
     "ReverseKLWithChunkedOutputLoss",
@@ -67,6 +79,7 @@ __all__ = [
     "TransformerDecoder",
     "TransformerSelfAttentionLayer",
     "apply_selective_activation_checkpointing",
+    "bytes_to_unicode",
     "get_adapter_params",
     "get_adapter_state_dict",
     "get_cosine_schedule_with_warmup",
@@ -78,4 +91,15 @@ __all__ = [
     "tt_modules",
     "tt_training",
     "validate_missing_and_unexpected_for_lora",
+    "HF_TO_TUNE_KEYS",
+    "QWEN2_HF_TO_TUNE_KEYS",
+    "hf_to_tune",
+    "llama3",
+    "lora_llama3",
+    "lora_qwen2",
+    "qwen2",
+    "qwen2_hf_to_tune",
+    "qwen2_tune_to_hf",
+    "tune_to_hf",
+    "tune_to_peft_adapter_config",
 ]

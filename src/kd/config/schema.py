@@ -62,10 +62,17 @@ _STR = (str,)
 TOP_LEVEL: dict[str, Key] = {
     "output_dir": Key(MISSING, _STR, "folder for checkpoints, metrics.jsonl and logs"),
     "model": Key(MISSING, node=True, help="student model builder (`_component_`), full or lora_*"),
-    "teacher_model": Key(MISSING, node=True, help="teacher model builder (`_component_`)"),
+    "teacher_model": Key(
+        MISSING,
+        node=True,
+        nullable=True,
+        help="teacher model builder (`_component_`); null only with kd_ratio 0 (plain fine-tuning)",
+    ),
     "tokenizer": Key(MISSING, node=True, help="tokenizer builder; `max_seq_len` bounds the plan"),
     "checkpointer": Key(MISSING, node=True, help="student checkpointer (HF safetensors)"),
-    "teacher_checkpointer": Key(MISSING, node=True, help="teacher checkpointer (HF safetensors)"),
+    "teacher_checkpointer": Key(
+        MISSING, node=True, nullable=True, help="teacher checkpointer (HF safetensors); null with teacher_model"
+    ),
     "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)"),
     "seed": Key(None, _INT, "random seed; null picks one and logs it", nullable=True),
     "shuffle": Key(True, _BOOL, "shuffle the dataset each epoch"),
@@ -110,9 +117,10 @@ TOP_LEVEL: dict[str, Key] = {
     "clip_grad_norm": Key(None, _NUM, "max gradient norm; null disables clipping", nullable=True, min_exclusive=0.0),
     "compile": Key(False, _BOOL, "torch.compile the decoder layers (first steps are slower)"),
     "metric_logger": Key(
-        {"_component_": "kd.metrics.JsonlLogger"},
+        {"_component_": "kd.metrics.StdoutLogger"},
         node=True,
-        help="metric logger; kd.metrics.WandBLogger logs to wandb (offline without an API key)",
+        help="extra metric sink beside output_dir/metrics.jsonl; kd.metrics.WandBLogger logs to wandb "
+        "(offline without an API key); torchtune's DiskLogger/WandBLogger also work",
     ),
     "log_every_n_steps": Key(1, _INT, "optimizer steps between metric rows", min=1),
     "log_peak_memory_stats": Key(True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)"),

@@ -1,0 +1,78 @@
+"""Data loading: the sampler, collate and a resumable position shared by all recipes.
+
+The sampler is torch's ``DistributedSampler`` at every world size (world size 1 on one device), so
+with ``shuffle: false`` the samples of one global batch (per-rank batch x ranks x accumulation) are the
+same set whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from kd import _torchtune as tt
+from kd.errors import KDUserError
+
+
+class SkipSampler(Sampler[int]):
+    """Wraps a sampler and drops its first ``skip`` indices (resume mid-epoch)."""
+
+    def __init__(self, base: DistributedSampler, skip: int = 0):
+        self.base = base
+        self.skip = skip
+
+    def set_epoch(self, epoch: int) -> None:
+        self.base.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        for i, idx in enumerate(self.base):
+            if i >= self.skip:
+                yield idx
+
+    def __len__(self) -> int:
+        return max(0, len(self.base) - self.skip)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    pad_id: int,
+    ignore_index: int = -100,
+    world_size: int = 1,
+    rank: int = 0,
+) -> tuple[DataLoader, SkipSampler]:
+    """A dataloader of padded ``{"tokens", "labels"}`` batches ``[b, s]`` (last partial batch dropped)."""
+    if len(dataset) == 0:
+        raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
+    if len(dataset) < batch_size * world_size:
+        raise KDUserError(
+            f"dataset: {len(dataset)} examples is fewer than one batch ({batch_size} x {world_size} "
+            f"ranks); lower batch_size or add data"
+        )
+    base = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+    )
+    sampler = SkipSampler(base)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=functools.partial(
+            tt.padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index
+        ),
+    )
+    return loader, sampler
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The tokenizer's padding id (0 when it has none)."""
+    pad = getattr(tokenizer, "pad_id", None)
+    return int(pad) if pad is not None else 0

@@ -1,0 +1,190 @@
+"""Teacher and student models: building, loading, vocab checks and the hidden-state forward.
+
+Both models are torchtune ``TransformerDecoder``s built by torchtune builders and loaded through
+torchtune checkpointers (all imported via :mod:`kd._torchtune`). The recipes run the decoders *without*
+their output projection (:func:`set_hidden_output`) and hand the final-norm hidden states plus the
+projection weight (:func:`output_weight`) to the fused loss, so no full-vocab logits tensor is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from kd import _torchtune as tt
+from kd.errors import KDUserError
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules in ``dtype`` (parameters are created directly in it, no fp32 copy)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def vocab_size(model: nn.Module) -> int:
+    """Rows of the output projection (the padded vocabulary size)."""
+    return int(output_weight(model).shape[0])
+
+
+def has_plain_output(model: nn.Module) -> bool:
+    """Whether the output projection is a plain (or tied) linear the fused loss can use directly.
+
+    A LoRA output projection (``apply_lora_to_output``) is not: its logits need the adapter path, so the
+    recipe uses the unfused loss for such students.
+    """
+    out = model.output
+    return isinstance(out, tt.TiedLinear) or type(out) is nn.Linear
+
+
+def output_weight(model: nn.Module) -> torch.Tensor:
+    """The output projection weight ``[V, D]`` (the embedding for tied models; the base weight of LoRA)."""
+    out = model.output
+    if isinstance(out, tt.TiedLinear):
+        return out.tied_module.weight
+    return out.weight
+
+
+def _unembed_hidden(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    # Replaces TransformerDecoder.unembed for this instance: final norm only, no projection and no
+    # fp32 upcast of [b, s, v] logits.
+    return self.norm(h)
+
+
+def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:
+    """Make ``model(tokens)`` return final-norm hidden states ``[b, s, d]`` instead of logits.
+
+    The module's forward (and so FSDP's hooks on it) still runs; only the last projection is skipped.
+    """
+    if enabled:
+        model.unembed = types.MethodType(_unembed_hidden, model)
+    elif "unembed" in model.__dict__:
+        del model.__dict__["unembed"]
+
+
+def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Full logits ``[..., V]`` in fp32 from hidden states (the unfused path and evaluation)."""
+    return model.output(hidden).float()
+
+
+def num_params(model: nn.Module, *, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, tt.LoRALinear) for m in model.modules())
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Teacher mode: eval, no gradients anywhere."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def reset_rope_buffers(model: nn.Module) -> None:
+    """Recompute RoPE caches after ``to_empty`` (they are buffers, not in the checkpoint)."""
+    for m in model.modules():
+        if hasattr(m, "rope_init"):
+            m.rope_init()
+
+
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], *, lora: bool, source: str) -> None:
+    """Load a torchtune-format state dict into ``model``.
+
+    A LoRA student loads its base weights (adapters start from their init); anything else must match
+    exactly. Mismatches are user errors (wrong checkpoint or wrong builder for it).
+    """
+    try:
+        if lora:
+            missing, unexpected = model.load_state_dict(state_dict, strict=False)
+            lora_names = {n for n in missing if "lora" in n or "magnitude" in n}
+            missing = [n for n in missing if n not in lora_names]
+            if missing or unexpected:
+                raise RuntimeError(f"missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
+        else:
+            model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0][:300]
+        raise KDUserError(
+            f"{source}: the checkpoint does not match the model builder ({first}); check that "
+            f"{source}.checkpoint_dir holds weights of the model named in the builder"
+        ) from e
+
+
+def setup_lora_trainable(model: nn.Module) -> None:
+    """Only adapter weights train; everything else is frozen."""
+    tt.set_trainable_params(model, tt.get_adapter_params(model))
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward (saves ~all per-layer activations but its input)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=checkpoint_wrapper,
+        check_fn=lambda m: isinstance(m, tt.TransformerSelfAttentionLayer),
+    )
+
+
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile each decoder layer (per-layer compile keeps compile time bounded)."""
+    for layer in model.layers:
+        layer.compile()
+
+
+def tokenizer_max_id(tokenizer: Any) -> int:
+    """Largest token id the tokenizer can emit (base vocabulary and special tokens)."""
+    ids: list[int] = []
+    for attr in ("encoder", "special_tokens"):
+        table = getattr(tokenizer, attr, None)
+        if isinstance(table, dict) and table:
+            ids.append(max(int(v) for v in table.values()))
+    tt_model = getattr(tokenizer, "tt_model", None)  # tiktoken-based (llama3)
+    if tt_model is not None and hasattr(tt_model, "tt_model"):
+        ids.append(int(tt_model.tt_model.n_vocab) - 1)
+    for attr in ("vocab_size",):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            ids.append(value - 1)
+    if not ids:
+        raise KDUserError(
+            "tokenizer: cannot read its vocabulary size; use a torchtune tokenizer builder"
+        )
+    return max(ids)
+
+
+def check_vocab(*, tokenizer_max: int, student_vocab: int, teacher_vocab: int | None) -> list[str]:
+    """Problems with token ids against both models' vocabularies (empty when fine).
+
+    Teacher and student may have different *padded* vocabularies (Qwen2.5-14B 152064 vs 3B 151936):
+    that is fine as long as every id the tokenizer emits fits both; the KD term is computed on the
+    shared first ``min(Vs, Vt)`` entries.
+    """
+    problems = []
+    if tokenizer_max >= student_vocab:
+        problems.append(
+            f"tokenizer: emits ids up to {tokenizer_max} but the student (model) has only "
+            f"{student_vocab} vocab rows; use the tokenizer that belongs to the student"
+        )
+    if teacher_vocab is not None and tokenizer_max >= teacher_vocab:
+        problems.append(
+            f"tokenizer: emits ids up to {tokenizer_max} but the teacher (teacher_model) has only "
+            f"{teacher_vocab} vocab rows; teacher and student must share a tokenizer (same family)"
+        )
+    return problems

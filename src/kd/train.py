@@ -1,0 +1,197 @@
+"""The training step shared by every recipe (single device and FSDP2).
+
+Normalisation is over the *whole accumulated batch*: the recipe first counts the labelled tokens of
+all micro-batches of one optimizer step (all-reduced across ranks), then each micro-batch contributes
+``mean_loss * local_tokens / total_tokens``. So batch b x accumulation k gives exactly the update of
+batch b*k x accumulation 1 (torchtune's KD recipes divide by the token count twice; see
+shared research kd_anchors.md, style_anchors.md section 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kd import losses, models
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How the loss is computed.
+
+    Attributes:
+        kd_ratio: weight of the divergence; ``loss = (1 - kd_ratio) * CE + kd_ratio * KD``.
+        temperature: softmax temperature of both models (KD is scaled by T^2).
+        divergence: one of :data:`kd.losses.DIVERGENCES`.
+        beta: JSD mixture weight.
+        skew_alpha: skew-KL mixture weight.
+        chunk_size: tokens per loss chunk (memory is chunk x vocab).
+        fused: fused linear+loss over labelled tokens (no full logits) instead of the logits path.
+        ignore_index: label value of positions without a target.
+    """
+
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    divergence: str = "forward_kl"
+    beta: float = 0.5
+    skew_alpha: float = 0.1
+    chunk_size: int = 1024
+    fused: bool = True
+    ignore_index: int = -100
+
+
+@dataclass
+class MicroStepResult:
+    """Detached contributions of one micro-batch, already scaled by ``local / total`` tokens."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kd: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Align labels with positions: position i predicts token i+1. ``[b, s] -> [b, s]``."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def count_tokens(labels: Iterable[torch.Tensor], ignore_index: int = -100) -> torch.Tensor:
+    """Labelled positions over several (shifted) label tensors, as a 0-d int64 tensor."""
+    total = torch.zeros((), dtype=torch.int64)
+    for lab in labels:
+        total = total + (lab != ignore_index).sum().to(total.device)
+    return total
+
+
+def compute_loss(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    settings: LossSettings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward both models and return ``(loss, ce, kd)``, each a mean over labelled positions.
+
+    Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`). The teacher runs
+    without autograd. Without a teacher (plain fine-tuning, ``kd_ratio == 0``) kd is 0.
+
+    Args:
+        student: the trainable decoder.
+        teacher: the frozen decoder, or None.
+        tokens: input ids ``[b, s]``.
+        labels: shifted labels ``[b, s]`` (:func:`shift_labels`).
+        settings: loss settings.
+    """
+    s_hidden = student(tokens)  # [b, s, d_s]
+    teacher_hidden = None
+    if teacher is not None:
+        with torch.no_grad():
+            teacher_hidden = teacher(tokens)  # [b, s, d_t]
+    if teacher is None:
+        logits = models.logits_from_hidden(student, s_hidden)
+        ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
+        return ce, ce.detach(), torch.zeros_like(ce).detach()
+    if settings.fused and models.has_plain_output(student):
+        return losses.fused_linear_kd_loss(
+            s_hidden,
+            models.output_weight(student),
+            teacher_hidden,
+            models.output_weight(teacher),
+            labels,
+            divergence=settings.divergence,
+            temperature=settings.temperature,
+            kd_ratio=settings.kd_ratio,
+            ignore_index=settings.ignore_index,
+            chunk_size=settings.chunk_size,
+            beta=settings.beta,
+            skew_alpha=settings.skew_alpha,
+        )
+    s_logits = models.logits_from_hidden(student, s_hidden)  # [b, s, v_s] fp32
+    with torch.no_grad():
+        t_logits = models.logits_from_hidden(teacher, teacher_hidden)  # [b, s, v_t] fp32
+    ce = losses.ce_loss(s_logits, labels, ignore_index=settings.ignore_index)
+    kd = losses.kd_loss(
+        s_logits,
+        t_logits,
+        labels,
+        divergence=settings.divergence,
+        temperature=settings.temperature,
+        ignore_index=settings.ignore_index,
+        beta=settings.beta,
+        skew_alpha=settings.skew_alpha,
+    )
+    loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+    return loss, ce, kd
+
+
+def micro_step(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    settings: LossSettings,
+    num_tokens_total: torch.Tensor | int,
+    grad_scale: float = 1.0,
+) -> MicroStepResult:
+    """Forward and backward of one micro-batch, scaled for exact accumulation.
+
+    No ``.item()`` and no data-dependent branches, so the memory planner can trace it under
+    FakeTensorMode.
+
+    Args:
+        student: trainable decoder in hidden-output mode.
+        teacher: frozen decoder in hidden-output mode, or None.
+        tokens: ``[b, s]`` input ids.
+        labels: ``[b, s]`` shifted labels.
+        settings: loss settings.
+        num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all ranks).
+        grad_scale: extra factor on the backward only (FSDP averages gradients over ranks; the
+            distributed recipe passes the world size to turn that average back into a sum).
+    """
+    local = (labels != settings.ignore_index).sum()
+    total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
+    scale = local.to(torch.float32) / total.to(torch.float32)
+    loss, ce, kd = compute_loss(student, teacher, tokens, labels, settings=settings)
+    scaled = loss * scale.to(loss.device)
+    (scaled * grad_scale).backward()
+    return MicroStepResult(
+        loss=scaled.detach(),
+        ce=(ce.detach() * scale.to(ce.device)),
+        kd=(kd.detach() * scale.to(kd.device)),
+        num_tokens=local.detach(),
+    )
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], *, max_norm: float | None) -> torch.Tensor:
+    """Total L2 norm of the gradients; clips them to ``max_norm`` when given."""
+    params = [p for p in parameters if p.grad is not None]
+    if max_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+
+def optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    clip_grad_norm: float | None,
+) -> tuple[torch.Tensor, bool]:
+    """Clip (optionally), step and zero the gradients; never steps on NaN/inf gradients.
+
+    Returns:
+        ``(grad_norm, stepped)``; ``stepped`` is False when the norm is NaN/inf (the gradients are
+        dropped and the weights left untouched; the recipe decides whether to stop).
+    """
+    norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    stepped = math.isfinite(float(norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, stepped
