@@ -58,7 +58,9 @@ def write_hf_qwen2(dest: Path, spec: dict[str, Any], seed: int) -> Path:
 
 def builder(spec: dict[str, Any], lora: bool = False) -> dict[str, Any]:
     node: dict[str, Any] = {
-        "_component_": "torchtune.models.qwen2.lora_qwen2" if lora else "torchtune.models.qwen2.qwen2",
+        "_component_": "torchtune.models.qwen2.lora_qwen2"
+        if lora
+        else "torchtune.models.qwen2.qwen2",
         "vocab_size": spec["vocab"],
         "num_layers": spec["layers"],
         "num_heads": spec["heads"],
@@ -71,7 +73,10 @@ def builder(spec: dict[str, Any], lora: bool = False) -> dict[str, Any]:
     }
     if lora:
         node.update(
-            lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8
+            lora_attn_modules=["q_proj", "v_proj"],
+            apply_lora_to_mlp=True,
+            lora_rank=4,
+            lora_alpha=8,
         )
     return node
 
@@ -97,7 +102,9 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def make_config(assets: dict[str, Path], output_dir: Path, *, lora: bool = False, **top: Any) -> dict:
+def make_config(
+    assets: dict[str, Path], output_dir: Path, *, lora: bool = False, **top: Any
+) -> dict:
     """A complete kd config (plain dict) for the tiny assets."""
     tok = assets["tokenizer"]
     cfg: dict[str, Any] = {

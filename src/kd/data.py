@@ -11,7 +11,6 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kd import _torchtune as tt

@@ -1,13 +1,32 @@
-"""torch.distributed plumbing: process group, FSDP2 sharding of student and teacher, rank-0 gathers.
+"""torch.distributed plumbing: process group, FSDP2 sharding of student and teacher, full state dicts.
 
-Everything here is a no-op at world size 1, so one recipe serves one device and N ranks (as in
-torchtitan, FSDP with one shard is not applied at all on a single device).
+Everything here is a no-op (or the plain single-process operation) at world size 1, so one recipe
+serves one device and N ranks (as in torchtitan, FSDP with one shard is not applied at all on a
+single device).
+
+Sharding layout (:func:`shard_model`), the same for student and teacher:
+
+* every decoder layer is its own FSDP2 group (gathered for its forward, freed after it when
+  ``reshard_after_forward``, gathered again for its backward);
+* an untied ``tok_embeddings`` is its own group too (only needed at the start of forward);
+* the root group holds the rest: the final norm and the output projection (the embedding itself when
+  tied). The root is *not* resharded after forward, because the fused loss
+  (:func:`kd.losses.fused_linear_kd_loss`) reads the output projection weight
+  (:func:`kd.models.output_weight`) after the model's forward returned. While the root is gathered,
+  ``module.weight`` is the unsharded parameter FSDP2 all-gathered, so the loss's weight gradient
+  accumulates into it and FSDP2 reduce-scatters it to the sharded parameter in its post-backward
+  callback. For the student, backward reshards the root. The teacher has no backward: its root
+  stays gathered between steps unless :func:`reshard` is called.
+
+State dicts use ``torch.distributed.checkpoint.state_dict`` at every world size, so the resume state
+has one format (full tensors keyed by parameter name) whatever the number of ranks.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +37,14 @@ from kd import _torchtune as tt
 
 @dataclass(frozen=True)
 class WorldInfo:
+    """Where this process sits in the job.
+
+    Attributes:
+        world_size: number of ranks (1 without torchrun).
+        rank: global rank of this process.
+        local_rank: rank on this node (the CUDA device index).
+    """
+
     world_size: int
     rank: int
     local_rank: int
@@ -32,15 +59,20 @@ class WorldInfo:
 
 
 def init_distributed(device_type: str) -> WorldInfo:
-    """Join the torchrun process group when launched by torchrun (``WORLD_SIZE`` > 1)."""
+    """Join the torchrun process group when launched by torchrun with ``WORLD_SIZE`` > 1.
+
+    CUDA runs use NCCL for CUDA tensors and gloo for CPU tensors (CPU-offloaded state); CPU runs use
+    gloo.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend)
+            dist.init_process_group(backend="cuda:nccl,cpu:gloo")
+        else:
+            dist.init_process_group(backend="gloo")
     return WorldInfo(world_size=world_size, rank=rank, local_rank=local_rank)
 
 
@@ -53,50 +85,166 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def barrier() -> None:
+    """Wait for every rank (no-op at world size 1)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
 
 def destroy() -> None:
+    """Leave the process group (no-op at world size 1)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def shard_model(
     model: nn.Module,
     *,
+    device_type: str,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    mesh: Any = None,
 ) -> nn.Module:
-    """FSDP2 ``fully_shard`` each decoder layer, then the root (tok_embeddings, norm, output)."""
+    """FSDP2 ``fully_shard`` each decoder layer, an untied embedding, then the root.
+
+    Call it after loading weights, LoRA setup and activation checkpointing (it shards the existing
+    parameters in place; every rank keeps 1/world of each). See the module docstring for the
+    layout and why the root keeps its parameters gathered after forward.
+
+    Args:
+        model: a torchtune ``TransformerDecoder`` (``layers``, ``tok_embeddings``, ``output``) on CPU.
+        device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
+        param_dtype: dtype of the gathered parameters in forward/backward.
+        reduce_dtype: dtype of the gradient reduce-scatter (fp32 sums bf16 gradients exactly).
+        reshard_after_forward: free gathered layers after their forward (less memory, one more
+            all-gather per layer in backward).
+        cpu_offload: keep sharded parameters, their gradients and the optimizer states in CPU
+            memory (``CPUOffloadPolicy``; the optimizer step runs on CPU).
+        mesh: a 1-D ``DeviceMesh`` over all ranks; default: one built for ``device_type``.
+
+    Returns:
+        ``model`` itself (its class now also subclasses ``FSDPModule``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict = {
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "reshard_after_forward": reshard_after_forward,
     }
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.layers:
-        if isinstance(layer, nn.Module):
-            fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    if not isinstance(model.output, tt.TiedLinear):
+        # Untied: the embedding is only needed at the start of forward (and for its own gradient).
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root keeps norm + output projection gathered after forward: the fused loss uses the
+    # projection weight after model(tokens) returned.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP group of ``model`` (no-op when not sharded).
+
+    Useful for the teacher, whose root group stays gathered after its forward (no backward
+    reshards it); call it after the loss of the step was computed.
+    """
+    if not _is_fsdp(model):
+        return
+    for module in model.modules():
+        if _is_fsdp(module):
+            module.reshard()
+
+
 def full_state_dict(model: nn.Module, *, world: WorldInfo) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU (complete on rank 0; empty elsewhere when distributed)."""
+    """The unsharded model state dict on CPU (complete on rank 0; empty elsewhere when distributed).
+
+    Every rank must call it when distributed (it all-gathers).
+    """
     if not world.distributed:
         return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return sd if world.is_rank_zero else {}
 
 
 def adapter_state_dict(model: nn.Module, *, world: WorldInfo) -> dict[str, torch.Tensor]:
-    """LoRA adapter weights only, unsharded on CPU."""
+    """LoRA adapter weights only, unsharded on CPU (complete on rank 0; collective when distributed)."""
     full = full_state_dict(model, world=world)
     return tt.get_adapter_state_dict(full) if full else {}
+
+
+def load_full_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, strict: bool, world: WorldInfo
+) -> None:
+    """Load full (unsharded) tensors into ``model``, sharded or not.
+
+    Every rank passes the complete ``state_dict`` (each keeps its shard of every tensor).
+
+    Args:
+        model: the model, after :func:`shard_model` when distributed.
+        state_dict: parameter name -> full tensor (e.g. read from the checkpoint on every rank).
+        strict: every model key must be present (False for a LoRA adapter on its own).
+        world: this process's place in the job.
+    """
+    if not world.distributed:
+        model.load_state_dict(state_dict, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(
+        model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict)
+    )
+
+
+def optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, world: WorldInfo
+) -> dict[str, Any]:
+    """The optimizer state with full (unsharded) CPU tensors, keyed by parameter name.
+
+    The same format at every world size, so a checkpoint resumes on any number of ranks. Collective
+    when distributed (complete on rank 0, empty elsewhere).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return sd if world.is_rank_zero else {}
+
+
+def load_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    *,
+    world: WorldInfo,
+) -> None:
+    """Inverse of :func:`optimizer_state_dict`; every rank passes the complete state.
+
+    A state keyed by parameter index (``optimizer.state_dict()`` of an older single-device
+    checkpoint) loads directly at world size 1.
+    """
+    groups = state_dict.get("param_groups", [])
+    if any(isinstance(p, int) for g in groups for p in g["params"]):
+        optimizer.load_state_dict(state_dict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(
+        model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True)
+    )

@@ -41,12 +41,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, models, train
 from kd import _torchtune as tt
+from kd import checkpoint, data, distributed, models, train
 from kd.config import instantiate
 from kd.errors import KDUserError
 from kd.metrics import JsonlWriter, peak_memory_gib
-from kd.signals import GracefulStop
+from kd.signals import GracefulStop, resume_hint
 
 log = logging.getLogger("kd")
 
@@ -65,6 +65,7 @@ class KDRecipe:
         self.dtype = models.DTYPES[cfg.dtype]
         self.output_dir = Path(cfg.output_dir)
         self.seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+        cfg.seed = self.seed  # the snapshot records the seed actually used
         self.settings = train.LossSettings(
             kd_ratio=float(cfg.kd_ratio),
             temperature=float(cfg.temperature),
@@ -166,17 +167,27 @@ class KDRecipe:
         if plan is not None:
             self.planned_peak_gib = plan.peak_gib
             if self.world.is_rank_zero:
-                log.info("memory plan: peak %.2f GiB (%s) of %.2f GiB", plan.peak_gib, plan.phase, plan.budget_gib)
+                log.info(
+                    "memory plan: peak %.2f GiB (%s) of %.2f GiB",
+                    plan.peak_gib,
+                    plan.phase,
+                    plan.budget_gib,
+                )
 
     def _build(self, node: DictConfig) -> torch.nn.Module:
-        with models.default_dtype(self.dtype), torch.device("cpu" if self.world.distributed else self.device):
+        with (
+            models.default_dtype(self.dtype),
+            torch.device("cpu" if self.world.distributed else self.device),
+        ):
             return instantiate(node)
 
     def _load_teacher(self) -> torch.nn.Module:
         teacher = self._build(self.cfg.teacher_model)
         ckpt = instantiate(self.cfg.teacher_checkpointer, should_load_recipe_state=False)
         state = ckpt.load_checkpoint()[tt.MODEL_KEY]
-        models.load_weights(teacher, state, lora=models.is_lora(teacher), source="teacher_checkpointer")
+        models.load_weights(
+            teacher, state, lora=models.is_lora(teacher), source="teacher_checkpointer"
+        )
         del state
         models.freeze(teacher)
         models.set_hidden_output(teacher)
@@ -199,15 +210,16 @@ class KDRecipe:
     def _place(self, model: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
         if self.world.distributed:
             fsdp = self.cfg.fsdp
+            # fully_shard moves the shards (and buffers) to the device, or keeps them in CPU
+            # memory with cpu_offload.
             model = distributed.shard_model(
                 model,
+                device_type=self.device.type,
                 param_dtype=self.dtype,
                 reduce_dtype=torch.float32 if fsdp.reduce_dtype == "fp32" else torch.bfloat16,
                 reshard_after_forward=bool(fsdp.reshard_after_forward),
                 cpu_offload=bool(fsdp.cpu_offload),
             )
-            if not bool(fsdp.cpu_offload):
-                model.to(self.device)
         if self.cfg.compile:
             models.compile_layers(model)
         return model
@@ -215,6 +227,11 @@ class KDRecipe:
     # ----------------------------------------------------------- checkpoints
     def _find_resume(self) -> Path | None:
         if not self.cfg.resume_from_checkpoint:
+            if any(self.output_dir.glob("step_*")):
+                raise KDUserError(
+                    f"output_dir: {self.output_dir} already holds step checkpoints of another run; "
+                    f"set resume_from_checkpoint=true to continue it, or choose a new output_dir"
+                )
             return None
         found = checkpoint.find_latest_checkpoint(self.output_dir)
         if found is None:
@@ -233,7 +250,9 @@ class KDRecipe:
         else:
             hf = checkpoint.load_hf_weights(ckpt)
             tune_sd = checkpoint.hf_to_tune_state_dict(
-                hf, model_type=str(self.cfg.checkpointer.model_type), hf_config=self._student_ckpt._config
+                hf,
+                model_type=str(self.cfg.checkpointer.model_type),
+                hf_config=self._student_ckpt._config,
             )
             self.student.load_state_dict(tune_sd, strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -268,8 +287,8 @@ class KDRecipe:
             return None
         adapter = adapter_cfg = None
         if self.lora:
+            # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
             adapter = tt.get_adapter_state_dict(full)
-            full = tt.get_merged_lora_ckpt(full, rank=self.cfg.model.lora_rank, alpha=self.cfg.model.lora_alpha)
             adapter_cfg = {
                 "r": int(self.cfg.model.lora_rank),
                 "lora_alpha": float(self.cfg.model.lora_alpha),
@@ -315,7 +334,13 @@ class KDRecipe:
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
         bad_steps = 0
         show = self.world.is_rank_zero
-        bar = tqdm(total=self.total_steps, initial=self.global_step, disable=not show, desc="kd", dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.global_step,
+            disable=not show,
+            desc="kd",
+            dynamic_ncols=True,
+        )
         with GracefulStop() as stop:
             for epoch in range(start_epoch, self.epochs):
                 self.epoch = epoch
@@ -353,7 +378,9 @@ class KDRecipe:
                                 f"the last good checkpoint is kept in {self.output_dir}; lower the optimizer lr, "
                                 f"set clip_grad_norm, or allow skips with max_bad_steps"
                             )
-                        log.warning("step %d: non-finite values, step skipped", self.global_step + 1)
+                        log.warning(
+                            "step %d: non-finite values, step skipped", self.global_step + 1
+                        )
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
                     self.global_step += 1
@@ -364,21 +391,28 @@ class KDRecipe:
                     t0 = time.perf_counter()
                     if self.save_every is not None and self.global_step % int(self.save_every) == 0:
                         self.save(final=False)
-                    if stop.requested:
+                    if self._stop_requested(stop.requested):
                         self._stop(stop.signal_name)
                         bar.close()
                         return
         bar.close()
         self.save(final=True)
 
+    def _stop_requested(self, local: bool) -> bool:
+        """A signal on any rank stops every rank after the same step."""
+        if not self.world.distributed:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        return bool(distributed.all_reduce_sum(flag).item() > 0)
+
     def _stop(self, signal_name: str | None) -> None:
         path = self.save(final=False)
         if self.world.is_rank_zero:
             print(
-                f"kd: received {signal_name}; saved step {self.global_step} to {path}. "
-                f"Resume with the same command plus resume_from_checkpoint=true",
+                f"kd: received {signal_name}; stopped after step {self.global_step}",
                 file=sys.stderr,
             )
+            print(resume_hint(["kd", *sys.argv[1:]], path), file=sys.stderr)
 
     def _log(self, sums: torch.Tensor, norm: torch.Tensor, num_tokens: int, dt: float) -> None:
         row: dict[str, Any] = {
@@ -397,7 +431,9 @@ class KDRecipe:
             if self.planned_peak_gib is not None:
                 row["planned_peak_gib"] = self.planned_peak_gib
         self.metrics.write(row)
-        self.metric_logger.log_dict({k: v for k, v in row.items() if k != "step"}, step=self.global_step)
+        self.metric_logger.log_dict(
+            {k: v for k, v in row.items() if k != "step"}, step=self.global_step
+        )
 
     def cleanup(self) -> None:
         if self.world.is_rank_zero and hasattr(self, "metrics"):

@@ -1,0 +1,104 @@
+"""Graceful stop on SIGTERM / SIGINT: finish the current step, save, exit 0.
+
+Shared GPUs pre-empt jobs with SIGTERM (Slurm, Kubernetes, torchrun forwarding it to every rank) and
+users press Ctrl-C. Both only set a flag here; the training loop polls ``stop.requested`` after each
+optimizer step, saves a step checkpoint and returns. A second Ctrl-C means "stop now": the default
+handler comes back and ``KeyboardInterrupt`` is raised at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import signal
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+logger = logging.getLogger("kd")
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+    """Context manager that turns SIGTERM / SIGINT into a stop request.
+
+    Attributes:
+        requested: True once a handled signal arrived.
+        signal_name: name of the first signal received (``"SIGTERM"``), or None.
+        active: whether handlers were installed (False outside the main thread, where Python
+            cannot install signal handlers; the manager is then a no-op).
+
+    Example::
+
+        with GracefulStop() as stop:
+            for batch in loader:
+                step(batch)
+                if stop.requested:
+                    save(...)
+                    break
+    """
+
+    def __init__(self) -> None:
+        self.requested: bool = False
+        self.signal_name: str | None = None
+        self.active: bool = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in _HANDLED:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+        self.active = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            # getsignal() returns None for handlers installed from C; SIG_DFL is the closest.
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.active = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested and signum == signal.SIGINT:
+            # Second Ctrl-C: the user does not want to wait for the save.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.signal_name = name
+        self.requested = True
+        logger.warning(
+            "received %s: finishing the current step, then saving a checkpoint "
+            "(press Ctrl-C again to stop without saving)",
+            name,
+        )
+
+
+def resume_hint(command: list[str], checkpoint: Path) -> str:
+    """The message printed after a stop: where the checkpoint is and how to continue.
+
+    Args:
+        command: the command line that started the run (``["kd", "run", recipe, "--config", ...]``);
+            any ``resume_from_checkpoint=...`` override in it is replaced.
+        checkpoint: the step checkpoint just written.
+
+    Returns:
+        Two lines: the checkpoint folder and the command that resumes from it.
+    """
+    kept = [a for a in command if not a.lstrip("~").startswith("resume_from_checkpoint")]
+    return (
+        f"saved checkpoint {checkpoint}\n"
+        f"to resume, run: {shlex.join([*kept, 'resume_from_checkpoint=True'])}"
+    )

@@ -1,0 +1,466 @@
+"""kd.checkpoint: HF round trips (Qwen2 tied, Llama, LoRA), atomic step checkpoints, resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kd import _torchtune as tt
+from kd import checkpoint as ck
+from kd.errors import KDUserError
+
+VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, MAX_SEQ = 256, 32, 64, 2, 4, 2, 64
+LORA_ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
+RANK, ALPHA = 4, 8.0
+
+
+def _hf_model(kind: str, dest: Path) -> tuple[torch.nn.Module, dict]:
+    """A tiny transformers model saved as safetensors + config.json (+ a tokenizer-like file)."""
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_SEQ,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    # Random init has tiny norms / zero biases; perturb everything so a wrong mapping shows.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    model.save_pretrained(dest, safe_serialization=True)
+    (dest / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    return model, json.loads((dest / "config.json").read_text())
+
+
+def _tune_builder(kind: str, lora: bool = False):
+    args = dict(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        embed_dim=HIDDEN,
+        intermediate_dim=INTER,
+        max_seq_len=MAX_SEQ,
+        norm_eps=1e-6,
+        rope_base=10000.0,
+    )
+    if lora:
+        args.update(
+            lora_attn_modules=LORA_ATTN, apply_lora_to_mlp=True, lora_rank=RANK, lora_alpha=ALPHA
+        )
+    if kind == "qwen2":
+        return (tt.lora_qwen2 if lora else tt.qwen2)(**args, tie_word_embeddings=True)
+    return (tt.lora_llama3 if lora else tt.llama3)(**args)
+
+
+MODEL_TYPE = {"qwen2": "QWEN2", "llama": "LLAMA3"}
+TOKENS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 250, 8, 2, 2, 7]])
+
+
+def _hf_logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS).logits.float()
+
+
+def _tune_logits(model: torch.nn.Module) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(TOKENS).float()
+
+
+def _load_transformers(path: Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_hf_round_trip_matches_transformers_logits(kind: str, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    hf_model, hf_config = _hf_model(kind, src)
+    hf_sd = ck.load_hf_weights(src)
+    if kind == "qwen2":
+        assert "lm_head.weight" not in hf_sd  # tied: transformers does not store it
+    tune_sd = ck.hf_to_tune_state_dict(hf_sd, model_type=MODEL_TYPE[kind], hf_config=hf_config)
+    model = _tune_builder(kind)
+    model.load_state_dict(tune_sd, strict=True)
+    expected = _hf_logits(hf_model)
+    torch.testing.assert_close(_tune_logits(model), expected, atol=1e-4, rtol=1e-4)
+
+    # Perturb the torchtune weights so the saved model is not just a copy of the source file.
+    with torch.no_grad():
+        model.layers[0].attn.q_proj.weight.add_(0.1)
+        model.layers[1].attn.k_proj.weight.mul_(1.5)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    ck.save_hf_model(dest, model.state_dict(), model_type=MODEL_TYPE[kind], source_dir=src)
+    assert (dest / "tokenizer_config.json").exists() and (dest / "config.json").exists()
+    saved = load_file(str(dest / ck.MODEL_FILE))
+    assert ("lm_head.weight" in saved) == (kind == "llama")
+    reloaded = _load_transformers(dest)
+    torch.testing.assert_close(_hf_logits(reloaded), _tune_logits(model), atol=1e-4, rtol=1e-4)
+
+
+def test_untied_config_gets_lm_head_from_tied_tune_model() -> None:
+    emb = torch.randn(VOCAB, HIDDEN)
+    out = ck.tune_to_hf_state_dict(
+        {"tok_embeddings.weight": emb, "norm.scale": torch.ones(HIDDEN)},
+        model_type="LLAMA3_2",
+        hf_config={"num_attention_heads": HEADS, "hidden_size": HIDDEN},
+    )
+    torch.testing.assert_close(out["lm_head.weight"], emb)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_lora_saved_merged_and_as_peft_adapter(kind: str, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    _, hf_config = _hf_model(kind, src)
+    base_hf = ck.load_hf_weights(src)
+    model = _tune_builder(kind, lora=True)
+    base_tune = ck.hf_to_tune_state_dict(base_hf, model_type=MODEL_TYPE[kind], hf_config=hf_config)
+    missing, unexpected = model.load_state_dict(base_tune, strict=False)
+    assert not unexpected and all("lora" in k for k in missing)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)  # lora_b starts at zero; make it matter
+    state = model.state_dict()
+    adapter = tt.get_adapter_state_dict(state)
+    adapter_config = {
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "target_modules": tt.get_lora_module_names(LORA_ATTN, True, False),
+    }
+    dest = tmp_path / "out"
+    dest.mkdir()
+    ck.save_hf_model(
+        dest,
+        state,
+        model_type=MODEL_TYPE[kind],
+        source_dir=src,
+        adapter_state_dict=adapter,
+        adapter_config=adapter_config,
+    )
+    assert "layers.0.attn.q_proj.lora_a.weight" in state  # the caller's dict is not merged in place
+
+    # Merged: transformers' logits equal the LoRA model's.
+    torch.testing.assert_close(
+        _hf_logits(_load_transformers(dest)), _tune_logits(model), atol=1e-4, rtol=1e-4
+    )
+
+    # PEFT: names, config, and W_merged = W_base + alpha / r * B @ A in HF layout for every module.
+    peft_cfg = json.loads((dest / ck.ADAPTER_CONFIG_FILE).read_text())
+    assert peft_cfg["r"] == RANK and peft_cfg["lora_alpha"] == ALPHA
+    assert set(peft_cfg["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    peft = load_file(str(dest / ck.ADAPTER_MODEL_FILE))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in peft
+    merged = load_file(str(dest / ck.MODEL_FILE))
+    a_keys = [k for k in peft if k.endswith(".lora_A.weight")]
+    assert len(a_keys) == LAYERS * 7
+    for a_key in a_keys:
+        module = a_key[len("base_model.model.") : -len(".lora_A.weight")]
+        b = peft[module.join(["base_model.model.", ".lora_B.weight"])]
+        expected = base_hf[module + ".weight"] + (ALPHA / RANK) * b @ peft[a_key]
+        torch.testing.assert_close(merged[module + ".weight"], expected, atol=1e-5, rtol=1e-5)
+
+    # Resume path: the PEFT file converts back to the exact torchtune adapter.
+    back = ck.load_adapter_weights(dest, model_type=MODEL_TYPE[kind], hf_config=hf_config)
+    assert back.keys() == adapter.keys()
+    for k in adapter:
+        assert torch.equal(back[k], adapter[k]), k
+
+
+def test_save_hf_model_casts_dtype_and_records_it(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    model, _ = _hf_model("qwen2", src)
+    tune_sd = ck.hf_to_tune_state_dict(
+        ck.load_hf_weights(src), model_type="qwen2", hf_config=ck.read_hf_config(src)
+    )
+    dest = tmp_path / "out"
+    dest.mkdir()
+    ck.save_hf_model(dest, tune_sd, model_type="QWEN2", source_dir=src, dtype=torch.bfloat16)
+    assert {v.dtype for v in load_file(str(dest / ck.MODEL_FILE)).values()} == {torch.bfloat16}
+    cfg = json.loads((dest / "config.json").read_text())
+    assert "bfloat16" in {cfg.get("dtype"), cfg.get("torch_dtype")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic step checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def _writer(payload: bytes = b"weights"):
+    def write_model(dest: Path) -> None:
+        (dest / ck.MODEL_FILE).write_bytes(payload)
+        (dest / "config.json").write_text("{}")
+
+    return write_model
+
+
+def _recipe_state(step: int) -> dict:
+    return {"optimizer": {"state": {0: {"exp_avg": torch.full((3,), float(step))}}}, "step": step}
+
+
+def _save(out: Path, step: int, keep: int = 2, write_model=None, state=True) -> Path:
+    return ck.save_checkpoint(
+        out,
+        step,
+        epoch=0,
+        write_model=write_model or _writer(),
+        recipe_state=_recipe_state(step) if state else None,
+        config_yaml="seed: 1\n",
+        config_hash=ck.config_hash("seed: 1\n"),
+        keep_last_n=keep,
+    )
+
+
+def test_save_layout_marker_and_load(tmp_path: Path) -> None:
+    path = _save(tmp_path, 10)
+    assert path == tmp_path / "step_000010"
+    marker = json.loads((path / ck.MARKER_FILE).read_text())
+    assert marker["step"] == 10 and marker["epoch"] == 0
+    assert set(marker["files"]) == {
+        ck.MODEL_FILE,
+        "config.json",
+        ck.RECIPE_STATE_FILE,
+        "config.yaml",
+    }
+    assert "sha256" in marker["files"][ck.RECIPE_STATE_FILE]
+    assert marker["config_hash"] == ck.config_hash("seed: 1\n")
+    assert ck.load_recipe_state(path)["optimizer"]["state"][0]["exp_avg"].tolist() == [10.0] * 3
+    assert ck.load_checkpoint_config(path) == "seed: 1\n"
+    assert ck.find_latest_checkpoint(tmp_path) == path
+    assert not list(tmp_path.glob(".tmp_*"))
+
+    final = _save(tmp_path, 12, state=False)
+    assert final == tmp_path / "final" and not (final / ck.RECIPE_STATE_FILE).exists()
+    assert json.loads((final / ck.MARKER_FILE).read_text())["step"] == 12
+    assert ck.find_latest_checkpoint(tmp_path) == path  # final/ is not a resume point
+
+
+def test_keep_last_n_and_stale_tmp_removed(tmp_path: Path) -> None:
+    stale = tmp_path / ".tmp_step_000004_999999999"
+    stale.mkdir(parents=True)
+    for step in (2, 4, 6, 8):
+        _save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000008"]
+    _save(tmp_path, 8, keep=2)  # the same step again replaces it in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000008"]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError(
+            "[enforce fail at inline_container.cc] PytorchStreamWriter failed writing file"
+            " data/0: file write failed"
+        ),
+    ],
+)
+def test_disk_full_leaves_previous_checkpoint_intact(tmp_path: Path, error: Exception) -> None:
+    good = _save(tmp_path, 10)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+
+    def failing(dest: Path) -> None:
+        (dest / ck.MODEL_FILE).write_bytes(b"partial")
+        raise error
+
+    with pytest.raises(KDUserError, match=r"step_000020.*free disk space"):
+        _save(tmp_path, 20, write_model=failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert ck.find_latest_checkpoint(tmp_path) == good
+
+
+def test_torch_save_failure_is_a_user_error(tmp_path: Path, monkeypatch) -> None:
+    _save(tmp_path, 10)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    with pytest.raises(KDUserError, match="No space left"):
+        _save(tmp_path, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
+
+
+def test_non_io_error_propagates_and_cleans_up(tmp_path: Path) -> None:
+    def buggy(dest: Path) -> None:
+        (dest / "x").write_text("x")
+        raise ValueError("bug")
+
+    with pytest.raises(ValueError, match="bug"):
+        _save(tmp_path, 10, write_model=buggy)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recipe_state_must_be_weights_only(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"recipe_state\['bad'\]"):
+        ck.save_checkpoint(
+            tmp_path,
+            1,
+            epoch=0,
+            write_model=_writer(),
+            recipe_state={"bad": object()},
+            config_yaml="",
+            config_hash="",
+            keep_last_n=1,
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_find_latest_skips_incomplete_and_corrupt(tmp_path: Path, caplog) -> None:
+    good = _save(tmp_path, 10, keep=5)
+    truncated = _save(tmp_path, 20, keep=5)
+    rs = truncated / ck.RECIPE_STATE_FILE
+    rs.write_bytes(rs.read_bytes()[:-7])
+    flipped = _save(tmp_path, 25, keep=5)
+    data = bytearray((flipped / ck.RECIPE_STATE_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (flipped / ck.RECIPE_STATE_FILE).write_bytes(bytes(data))
+    no_marker = _save(tmp_path, 30, keep=5)
+    (no_marker / ck.MARKER_FILE).unlink()
+    bad_json = _save(tmp_path, 40, keep=5)
+    (bad_json / ck.MARKER_FILE).write_text('{"step": 4')
+
+    with caplog.at_level(logging.WARNING, logger="kd"):
+        assert ck.find_latest_checkpoint(tmp_path) == good
+    text = caplog.text
+    assert "step_000040" in text and "unreadable" in text
+    assert "step_000030" in text and "did not finish" in text
+    assert "step_000025" in text and "sha256" in text
+    assert "step_000020" in text and "truncated" in text
+    assert ck.find_latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_load_recipe_state_rejects_pickles(tmp_path: Path) -> None:
+    torch.save({"f": random.Random}, tmp_path / ck.RECIPE_STATE_FILE)  # a pickled class
+    with pytest.raises(KDUserError, match="recipe_state.pt"):
+        ck.load_recipe_state(tmp_path)
+
+
+_KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from kd import checkpoint as ck
+    out = Path(sys.argv[1])
+    step = 0
+    print("ready", flush=True)
+    while True:
+        step += 1
+        ck.save_checkpoint(out, step, epoch=0,
+            write_model=lambda d: (d / "model.safetensors").write_bytes(bytes(200_000)),
+            recipe_state={"w": torch.full((50_000,), float(step))},
+            config_yaml="seed: 1\\n", config_hash="h", keep_last_n=2)
+    """
+)
+
+
+def test_kill_9_never_leaves_newest_checkpoint_unreadable(tmp_path: Path) -> None:
+    script = tmp_path / "saver.py"
+    script.write_text(_KILL_SCRIPT)
+    out = tmp_path / "out"
+    for delay in (0.05, 0.13, 0.31):
+        proc = subprocess.Popen([sys.executable, str(script), str(out)], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        latest = ck.find_latest_checkpoint(out)
+        if latest is None:  # killed before the first save of the first run finished
+            continue
+        state = ck.load_recipe_state(latest)
+        step = ck.read_checkpoint_marker(latest)["step"]
+        assert torch.equal(state["w"], torch.full((50_000,), float(step)))
+    assert ck.find_latest_checkpoint(out) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG and config compatibility
+# ---------------------------------------------------------------------------------------------
+
+
+def _draw() -> tuple:
+    return (random.random(), random.gauss(0, 1), float(np.random.rand()), torch.rand(3).tolist())
+
+
+def test_rng_capture_restore_reproduces_draws(tmp_path: Path) -> None:
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gaussian in Python's state
+    state = ck.capture_rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    first = _draw()
+    _draw()
+    ck.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert _draw() == first
+
+
+BASE_CFG = """
+output_dir: /tmp/a
+seed: 1
+batch_size: 2
+optimizer: {_component_: torch.optim.AdamW, lr: 2.0e-05}
+checkpointer: {checkpoint_dir: /m/student, output_dir: /tmp/a}
+log_every_n_steps: 1
+memory: {budget_gib: 10}
+"""
+
+
+def test_config_compatibility() -> None:
+    benign = (
+        BASE_CFG.replace("/tmp/a", "/tmp/b")
+        .replace("log_every_n_steps: 1", "log_every_n_steps: 5")
+        .replace("budget_gib: 10", "budget_gib: 20")
+    )
+    ck.check_resume_compatible(BASE_CFG, benign)
+    assert ck.config_hash(BASE_CFG) == ck.config_hash(benign)
+
+    changed = BASE_CFG.replace("lr: 2.0e-05", "lr: 1.0e-04").replace("seed: 1", "seed: 2")
+    changed += "kd_ratio: 0.9\n"
+    assert ck.config_hash(BASE_CFG) != ck.config_hash(changed)
+    with pytest.raises(KDUserError) as info:
+        ck.check_resume_compatible(BASE_CFG, changed, checkpoint=Path("/o/step_000010"))
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("kd_ratio: unset in the checkpoint, 0.9 now")
+    assert lines[1].startswith("optimizer.lr: 2e-05 in the checkpoint, 0.0001 now")
+    assert lines[2].startswith("seed: 1 in the checkpoint, 2 now")
+    assert "/o/step_000010/config.yaml" in lines[-1] and len(lines) == 4

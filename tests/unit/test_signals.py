@@ -1,0 +1,72 @@
+"""kd.signals.GracefulStop: SIGTERM / SIGINT set a flag; a second Ctrl-C stops at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from kd.signals import GracefulStop, resume_hint
+
+
+def _deliver(sig: signal.Signals) -> None:
+    os.kill(os.getpid(), sig)
+    # The Python-level handler runs between bytecodes of the main thread; a sleep-free spin
+    # of a few statements is enough, signal.sigwait is not needed.
+    for _ in range(1000):
+        pass
+
+
+def test_sigterm_sets_requested_and_handlers_are_restored() -> None:
+    before_term = signal.getsignal(signal.SIGTERM)
+    before_int = signal.getsignal(signal.SIGINT)
+    with GracefulStop() as stop:
+        assert stop.active and not stop.requested
+        _deliver(signal.SIGTERM)
+        assert stop.requested and stop.signal_name == "SIGTERM"
+        _deliver(signal.SIGTERM)  # a second SIGTERM keeps waiting for the save
+        assert stop.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before_term
+    assert signal.getsignal(signal.SIGINT) is before_int
+
+
+def test_second_sigint_raises_keyboard_interrupt() -> None:
+    before_int = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), GracefulStop() as stop:
+        _deliver(signal.SIGINT)
+        assert stop.requested and stop.signal_name == "SIGINT"
+        _deliver(signal.SIGINT)
+        pytest.fail("the second SIGINT did not interrupt")
+    assert signal.getsignal(signal.SIGINT) is before_int
+
+
+def test_noop_outside_main_thread() -> None:
+    seen: list[bool] = []
+
+    def run() -> None:
+        with GracefulStop() as stop:
+            seen.append(stop.active)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [False]
+
+
+def test_resume_hint_replaces_resume_override() -> None:
+    cmd = [
+        "kd",
+        "run",
+        "kd_single_device",
+        "--config",
+        "my run.yaml",
+        "resume_from_checkpoint=False",
+    ]
+    text = resume_hint(cmd, Path("/o/step_000010"))
+    assert text.splitlines() == [
+        "saved checkpoint /o/step_000010",
+        "to resume, run: kd run kd_single_device --config 'my run.yaml' resume_from_checkpoint=True",
+    ]
