@@ -1,0 +1,439 @@
+"""The ``kd`` command: ``ls``, ``cp``, ``run``, ``validate`` (and ``plan`` / ``demo`` when installed).
+
+Examples::
+
+    kd ls
+    kd cp qwen2_5/14B_to_3B_full_single_device ./my_kd.yaml
+    kd validate --config ./my_kd.yaml
+    kd run kd_single_device --config ./my_kd.yaml batch_size=2 ~lr_scheduler
+    kd run --nproc_per_node 4 kd_distributed --config ./my_kd.yaml
+
+Every user mistake prints ``kd: error: <one line per problem>`` on stderr and exits with status 2;
+``--debug`` (or ``KD_DEBUG=1``) shows the traceback instead. torch and torchtune are imported only
+by the commands that need them, so ``kd ls`` and ``kd --help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from kd import __version__
+from kd.errors import KDUserError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from kd.registry import Recipe
+
+# Optional subcommands written elsewhere: (module, name). Each module defines
+# add_parser(subparsers) and run(args) -> int | None.
+_OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (("kd.memory.cli", "plan"), ("kd.demo", "demo"))
+
+_RUN_USAGE = "kd run [TORCHRUN-OPTIONS] <recipe> --config <name|path> [key=value ...] [~key ...]"
+_RUN_EPILOG = textwrap.dedent(
+    """\
+    torchrun options (before the recipe name) launch the recipe through torchrun, e.g.
+      --nproc_per_node N  --nnodes N  --node_rank R  --master_addr A  --master_port P
+      --rdzv_backend B  --rdzv_endpoint E  --standalone  (any option of `torchrun --help`)
+    Without them the recipe runs in this process.
+
+    overrides (after --config):
+      key=value                 set a key (OmegaConf dotlist: optimizer.lr=1e-4, seed=null)
+      ~key                      delete a key (a nullable key becomes null, others their default)
+      model=dotted.path         shorthand for model._component_=dotted.path
+      kd_loss=reverse_kl        choose the divergence
+
+    examples:
+      kd run kd_single_device --config ./my_kd.yaml batch_size=2
+      kd run --nproc_per_node 4 kd_distributed --config ./my_kd.yaml
+    """
+)
+
+
+class _UsageError(Exception):
+    """A command-line mistake found by argparse (printed as one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message}; see {self.prog} --help")
+
+
+def is_rank_zero() -> bool:
+    """Whether this process prints (always true outside torchrun)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _print_error(err: KDUserError | _UsageError) -> None:
+    if not is_rank_zero():
+        return
+    for line in str(err).splitlines() or ["unknown error"]:
+        print(f"kd: error: {line}", file=sys.stderr)
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("KD_DEBUG", "") not in ("", "0")
+
+
+def _split_config_args(argv: list[str]) -> tuple[str, list[str]]:
+    """Split ``--config X [overrides]`` into the config and the override items."""
+    config: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        if item == "--config" or item.startswith("--config="):
+            if config is not None:
+                raise KDUserError(
+                    "--config given twice; pass one config and use key=value overrides"
+                )
+            if item == "--config":
+                if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                    raise KDUserError(
+                        "--config needs a value; pass --config <built-in name or path>"
+                    )
+                config = argv[i + 1]
+                i += 2
+                continue
+            config = item.split("=", 1)[1]
+        else:
+            overrides.append(item)
+        i += 1
+    if not config:
+        raise KDUserError(
+            "missing --config; pass --config <built-in name or path> (kd ls lists them)"
+        )
+    return config, overrides
+
+
+def run_recipe(fn: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
+    """Parse ``--config X [key=value ...] [~key ...]``, load and validate the config, call ``fn``.
+
+    Args:
+        fn: the recipe's ``recipe_main(cfg)``.
+        argv: command-line items (default ``sys.argv[1:]``); ``--debug`` shows tracebacks.
+
+    Returns:
+        0 on success, 2 for a user mistake (config or inside the recipe), 130 on Ctrl-C.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        from kd.config import load_config, validate_config
+
+        config, overrides = _split_config_args(argv)
+        cfg = load_config(config, overrides)
+        validate_config(cfg)
+        fn(cfg)
+    except KDUserError as e:
+        if debug:
+            raise
+        _print_error(e)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _version_line() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for package in ("torch", "torchtune", "torchao"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            parts.append(f"{package} not installed")
+    return f"kd {__version__} ({', '.join(parts)})"
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from kd.registry import list_configs, list_recipes
+
+    recipes = list_recipes()
+    rows: list[tuple[str, str]] = []
+    attached: set[str] = set()
+    for recipe in recipes:
+        rows += [(recipe.name, c) for c in recipe.configs] or [(recipe.name, "")]
+        attached.update(recipe.configs)
+    rows += [("-", c) for c in list_configs() if c not in attached]
+    width = max(len("RECIPE"), *(len(r) for r, _ in rows)) + 4
+    print(f"{'RECIPE':<{width}}CONFIG")
+    previous = None
+    for recipe_name, config in rows:
+        shown = recipe_name if recipe_name != previous else ""
+        previous = recipe_name
+        print(f"{shown:<{width}}{config}".rstrip())
+    return 0
+
+
+def _cmd_cp(args: argparse.Namespace) -> int:
+    from kd.registry import configs_dir, list_configs
+
+    name = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
+    builtin = list_configs()
+    if name not in builtin:
+        import difflib
+
+        close = difflib.get_close_matches(name, builtin, n=1)
+        hint = f"did you mean {close[0]}?" if close else "kd ls lists them"
+        raise KDUserError(f"cp: {args.config} is not a built-in config; {hint}")
+    src = configs_dir() / f"{name}.yaml"
+    dst = Path(args.destination).expanduser()
+    if dst.is_dir():
+        dst = dst / src.name
+    elif not dst.suffix:
+        dst = dst.with_suffix(".yaml")
+    if dst.exists() and not args.force:
+        raise KDUserError(f"cp: {dst} already exists; pass --force to overwrite it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    print(f"Copied {name} to {dst}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from kd.config import load_config, validate_config
+
+    cfg = load_config(args.config, list(args.overrides))
+    validate_config(cfg)
+    memory = _optional_module("kd.memory")
+    check_memory = getattr(memory, "check_memory", None)
+    if check_memory is not None:
+        # Honours memory.check: off skips the plan, error raises with the table and fit options.
+        plan = check_memory(
+            cfg,
+            world_size=args.nproc_per_node,
+            device_total_bytes=_device_total_bytes(str(cfg.device)),
+        )
+        if plan is not None:
+            print(plan.table())
+    print("config OK")
+    return 0
+
+
+def _device_total_bytes(device: str) -> int | None:
+    """Total memory of the config's CUDA device when one is present (the default budget)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _optional_module(name: str) -> Any:
+    """Import ``name`` if it exists; None if that module itself is absent."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            return None
+        raise
+
+
+def _split_torchrun_args(tokens: list[str]) -> tuple[list[str], int]:
+    """Split the torchrun options before the recipe name, using torchrun's own parser.
+
+    Returns:
+        The torchrun tokens and the index of the recipe name in ``tokens``.
+    """
+    from torch.distributed.run import get_args_parser
+
+    takes_value: dict[str, bool] = {}
+    for action in get_args_parser()._actions:
+        for option in action.option_strings:
+            takes_value[option] = action.nargs != 0
+    i = 0
+    while i < len(tokens) and tokens[i].startswith("-"):
+        option = tokens[i].split("=", 1)[0]
+        if option in ("-h", "--help") or option not in takes_value:
+            raise KDUserError(
+                f"run: unknown torchrun option {option}; see torchrun --help (kd options go after "
+                "the recipe: --config and key=value)"
+            )
+        i += 2 if takes_value[option] and "=" not in tokens[i] else 1
+    return tokens[:i], i
+
+
+def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from kd.config import load_config, validate_config
+
+    # Check the config here so a mistake is one clean error, not one per worker plus torchrun's
+    # failure report; the workers load it again (without repeating the notices).
+    config, overrides = _split_config_args(recipe_args)
+    validate_config(load_config(config, overrides))
+    args = get_args_parser().parse_args([*torchrun_tokens, str(recipe.file_path()), *recipe_args])
+    if not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1"):
+        # A single-node run without an endpoint: standalone picks a free port, so several jobs
+        # can share a machine (as torchtune does).
+        args.standalone = True
+    previous = os.environ.get("KD_NOTICES_SHOWN")
+    os.environ["KD_NOTICES_SHOWN"] = "1"  # inherited by the workers
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values() if f.exitcode]
+        return codes[0] if codes else 1
+    finally:
+        if previous is None:
+            os.environ.pop("KD_NOTICES_SHOWN", None)
+        else:
+            os.environ["KD_NOTICES_SHOWN"] = previous
+    return 0
+
+
+def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool) -> int:
+    from kd.registry import find_recipe
+
+    if not tokens or tokens[0] in ("-h", "--help"):
+        if not tokens:
+            raise _UsageError(f"run: missing recipe; usage: {_RUN_USAGE}")
+        run_parser.print_help()
+        return 0
+    torchrun_tokens: list[str] = []
+    start = 0
+    if tokens[0].startswith("-"):
+        torchrun_tokens, start = _split_torchrun_args(tokens)
+    if start >= len(tokens):
+        raise _UsageError(f"run: missing recipe after the torchrun options; usage: {_RUN_USAGE}")
+    recipe = find_recipe(tokens[start])
+    recipe_args = tokens[start + 1 :]
+    if "-h" in recipe_args or "--help" in recipe_args:
+        run_parser.print_help()
+        return 0
+    if torchrun_tokens:
+        if not recipe.supports_distributed:
+            raise KDUserError(
+                f"run: {recipe.name} runs on one device and cannot take torchrun options "
+                f"({' '.join(torchrun_tokens)}); use kd_distributed, or drop the options"
+            )
+        return _launch_torchrun(torchrun_tokens, recipe, recipe_args)
+    _split_config_args(recipe_args)  # a missing --config is reported before importing torch
+    module = _optional_module(recipe.module)
+    if module is None:
+        raise KDUserError(
+            f"run: recipe module {recipe.module} is not installed; reinstall kd (pip install -e .)"
+        )
+    return run_recipe(module.recipe_main, [*recipe_args, *(["--debug"] if debug else [])])
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    parser = _Parser(
+        prog="kd",
+        description="Knowledge-distillation fine-tuning for LLMs that checks the memory budget "
+        "before loading a weight.",
+    )
+    parser.add_argument("--version", action="store_true", help="print versions and exit")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+
+    sub.add_parser(
+        "ls",
+        help="list recipes and their built-in configs",
+        description="List recipes and their built-in configs.",
+    ).set_defaults(func=_cmd_ls)
+
+    cp = sub.add_parser(
+        "cp",
+        help="copy a built-in config to edit it",
+        description="Copy a built-in config to a file.",
+    )
+    cp.add_argument("config", help="built-in config name (see kd ls)")
+    cp.add_argument("destination", help="file or folder to copy to (.yaml is added if missing)")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    cp.set_defaults(func=_cmd_cp)
+
+    run = sub.add_parser(
+        "run",
+        help="run a recipe (torchrun options before the recipe launch it distributed)",
+        usage=_RUN_USAGE,
+        description="Run a recipe with a config and overrides.",
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("recipe", help="kd_single_device or kd_distributed (see kd ls)")
+
+    validate = sub.add_parser(
+        "validate",
+        help="check a config (keys, types, files, components, memory plan) without loading weights",
+        description="Check a config completely without loading any weight.",
+    )
+    validate.add_argument("--config", required=True, help="built-in config name or YAML path")
+    validate.add_argument(
+        "--nproc_per_node", type=int, default=1, help="devices the memory plan shards over"
+    )
+    validate.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
+    validate.set_defaults(func=_cmd_validate)
+
+    for module_name, command in _OPTIONAL_COMMANDS:
+        module = _optional_module(module_name)
+        if module is None:
+            continue
+        module.add_parser(sub)
+        if command in sub.choices:
+            sub.choices[command].set_defaults(func=lambda a, _m=module: _m.run(a) or 0)
+    return parser, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kd`` console script.
+
+    Args:
+        argv: command-line items (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 on success, 2 for a user mistake, 130 on Ctrl-C.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        parser, run_parser = _build_parser()
+        command_index = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+        if command_index < len(argv) and argv[command_index] == "run":
+            parser.parse_args(argv[:command_index])  # global options before `run`
+            return _cmd_run(argv[command_index + 1 :], run_parser, debug)
+        args = parser.parse_args(argv)
+        if args.version:
+            print(_version_line())
+            return 0
+        if args.command is None:
+            raise _UsageError(
+                "missing command; choose one of " + ", ".join(_commands(parser)) + "; see kd --help"
+            )
+        return int(args.func(args) or 0)
+    except (KDUserError, _UsageError) as e:
+        if debug:
+            raise
+        _print_error(e)
+        return 2
+    except SystemExit as e:  # argparse --help
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

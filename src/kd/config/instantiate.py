@@ -1,0 +1,183 @@
+"""Build objects from ``_component_`` nodes, limited to an allow-list of packages.
+
+``_component_: dotted.path`` runs code named by a config file, so a config downloaded from
+somewhere could execute anything importable. Targets outside torch, torchtune, torchao and kd are
+refused unless the config opts in with ``trust_remote_components: true``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kd.errors import KDUserError
+
+ALLOWED_PREFIXES: tuple[str, ...] = ("torch", "torchtune", "torchao", "kd")
+
+_TRUST_FIX = "set trust_remote_components: true in the config if you trust this code"
+
+
+def is_allowed(target: str) -> bool:
+    """Whether ``target``'s top-level package is on the allow-list."""
+    return target.split(".", 1)[0] in ALLOWED_PREFIXES
+
+
+def _quiet_import(name: str) -> Any:
+    # torchao logs a warning about its C++ extensions when torch is newer than its wheel; kd
+    # does not use them (same reasoning as kd._torchtune).
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return importlib.import_module(name)
+
+
+def locate_target(target: str, *, allow_any: bool = False) -> tuple[Any, str | None]:
+    """Import the object a ``_component_`` names.
+
+    Args:
+        target: dotted path, e.g. ``torchtune.models.qwen2_5.qwen2_5_3b``.
+        allow_any: accept targets outside :data:`ALLOWED_PREFIXES`.
+
+    Returns:
+        ``(object, None)`` on success, or ``(None, message)`` where the message says what is
+        wrong and ends with the fix (without the key, which the caller knows).
+    """
+    if not isinstance(target, str) or not target.strip():
+        return None, "is empty; set it to a dotted path such as torch.optim.AdamW"
+    if not allow_any and not is_allowed(target):
+        allowed = ", ".join(ALLOWED_PREFIXES)
+        return None, f"{target} is outside the allowed packages ({allowed}); {_TRUST_FIX}"
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj = _quiet_import(module_name)
+        except ModuleNotFoundError as e:
+            # Only "this prefix is not a module" means: try a shorter prefix. A module that
+            # exists but fails to import its own dependency is a real error.
+            if e.name is not None and (
+                module_name == e.name or module_name.startswith(e.name + ".")
+            ):
+                continue
+            return None, f"importing {module_name} failed ({e}); install the missing package"
+        except Exception as e:  # noqa: BLE001 - any import-time failure is reported, not raised
+            return (
+                None,
+                f"importing {module_name} failed ({type(e).__name__}: {e}); fix that module",
+            )
+        for j in range(i, len(parts)):
+            attr = parts[j]
+            if not hasattr(obj, attr):
+                where = ".".join(parts[:j])
+                close = difflib.get_close_matches(
+                    attr, [n for n in dir(obj) if not n.startswith("_")], n=1
+                )
+                fix = f"did you mean {where}.{close[0]}?" if close else "fix the dotted path"
+                return None, f"{target} not found: {where} has no {attr}; {fix}"
+            obj = getattr(obj, attr)
+        return obj, None
+    return None, f"{target} not found: no module named {parts[0]}; fix the dotted path"
+
+
+def unknown_kwargs(obj: Any, kwargs: Mapping[str, Any]) -> list[tuple[str, str | None]]:
+    """Keyword arguments that do not bind to ``obj``'s signature.
+
+    Args:
+        obj: a callable (function or class).
+        kwargs: the node's keys other than ``_component_``.
+
+    Returns:
+        ``(name, closest valid name or None)`` for each argument that does not bind; empty when
+        the signature cannot be inspected or takes ``**kwargs``.
+    """
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    try:
+        sig.bind_partial(**kwargs)
+        return []
+    except TypeError:
+        pass
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [n for n, p in sig.parameters.items() if p.kind in kinds]
+    out = []
+    for name in kwargs:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            out.append((name, close[0] if close else None))
+    return out
+
+
+def _node_key(node: Any) -> str:
+    if isinstance(node, DictConfig):
+        key = node._get_full_key(None)
+        if key:
+            return str(key)
+    return "<node>"
+
+
+def instantiate(node: Any, *args: Any, allow_any: bool = False, **kwargs: Any) -> Any:
+    """Build ``node._component_`` with the node's other keys plus ``kwargs`` as keyword arguments.
+
+    Nested mappings that have their own ``_component_`` are built first (same allow-list), so a
+    dataset node can carry, e.g., a message transform.
+
+    Args:
+        node: a ``DictConfig`` or mapping with ``_component_``; ``None`` returns ``None`` (an
+            optional component such as ``lr_scheduler: null``).
+        *args: positional runtime arguments, e.g. ``model.parameters()`` for an optimizer.
+        allow_any: the config's ``trust_remote_components``; without it targets outside
+            torch, torchtune, torchao and kd are refused.
+        **kwargs: runtime keyword arguments; they override the node's keys.
+
+    Returns:
+        Whatever the component returns.
+
+    Raises:
+        KDUserError: the node has no ``_component_``, the target is refused or does not import,
+            or a node key is not an argument of the target.
+    """
+    if node is None:
+        return None
+    key = _node_key(node)
+    if isinstance(node, DictConfig):
+        data = OmegaConf.to_container(node, resolve=True)
+    elif isinstance(node, Mapping):
+        data = dict(node)
+    else:
+        raise KDUserError(
+            f"{key}: expected a mapping with _component_, got {node!r}; fix the config"
+        )
+    assert isinstance(data, dict)
+    return _build(data, key, args, kwargs, allow_any)
+
+
+def _build(
+    data: dict[str, Any], key: str, args: tuple[Any, ...], kwargs: dict[str, Any], allow_any: bool
+) -> Any:
+    target = data.pop("_component_", None)
+    if target is None:
+        raise KDUserError(
+            f"{key}._component_: missing; set it to a dotted path such as torch.optim.AdamW"
+        )
+    obj, reason = locate_target(target, allow_any=allow_any)
+    if reason is not None:
+        raise KDUserError(f"{key}._component_: {reason}")
+    bad = unknown_kwargs(obj, data)
+    if bad:
+        name, close = bad[0]
+        fix = f"did you mean {close}?" if close else "remove it"
+        raise KDUserError(f"{key}.{name}: not an argument of {target}; {fix}")
+    for name, value in data.items():
+        if isinstance(value, Mapping) and "_component_" in value:
+            data[name] = _build(dict(value), f"{key}.{name}", (), {}, allow_any)
+    data.update(kwargs)
+    return obj(*args, **data)

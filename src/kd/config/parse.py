@@ -1,0 +1,256 @@
+"""Read a config: YAML, torchtune compatibility, schema defaults, command-line overrides.
+
+Order of operations in :func:`load_config`:
+
+1. read the YAML (a built-in name or a path);
+2. map torchtune keys and losses (:mod:`kd.config.compat`);
+3. merge schema defaults under it (``memory:``, ``fsdp:``, ``kd_loss:`` key by key; other nodes
+   only when absent, since merging kwargs of a different ``_component_`` would be wrong);
+4. apply ``key=value`` / ``~key`` overrides, then steps 2-3 again for what they changed;
+5. resolve ``${...}`` interpolations.
+
+``~key`` on a top-level key removes what the YAML set: a nullable key (``lr_scheduler``,
+``seed``...) becomes ``null``, any other key goes back to its schema default, and a required
+key stays absent so validation names it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kd.config import schema
+from kd.config.compat import apply_compat
+from kd.errors import KDUserError
+from kd.registry import find_config
+
+_KEY_RE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*$")
+
+
+def is_rank_zero() -> bool:
+    """Whether this process should print (always true outside torchrun)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def print_notices(notices: list[str]) -> None:
+    """Print each distinct notice once as ``kd: notice: ...`` on stderr (rank 0 only).
+
+    ``kd run --nproc_per_node`` prints them before launching torchrun and sets
+    ``KD_NOTICES_SHOWN=1`` so the workers do not repeat them.
+    """
+    if not is_rank_zero() or os.environ.get("KD_NOTICES_SHOWN") == "1":
+        return
+    seen: set[str] = set()
+    for line in notices:
+        if line not in seen:
+            seen.add(line)
+            print(f"kd: notice: {line}", file=sys.stderr)
+
+
+def read_yaml(config: str) -> DictConfig:
+    """Load the YAML file a config argument names.
+
+    Raises:
+        KDUserError: no such file or built-in; malformed YAML (names file and line); not a mapping.
+    """
+    path = find_config(config)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise KDUserError(f"config {where}: malformed YAML ({problem}); fix the file") from e
+    except OSError as e:
+        raise KDUserError(f"config {path}: cannot be read ({e.strerror}); check the path") from e
+    except OmegaConfBaseException as e:
+        raise KDUserError(f"config {path}: {e}; fix the file") from e
+    if isinstance(cfg, ListConfig):
+        raise KDUserError(f"config {path}: top level is a list; it must be a mapping of keys")
+    return cfg
+
+
+def fill_defaults(cfg: DictConfig, cleared: set[str] | None = None) -> None:
+    """Merge schema defaults under ``cfg`` in place.
+
+    Args:
+        cfg: the config.
+        cleared: top-level keys removed with ``~key``; nullable ones become ``null``.
+    """
+    cleared = cleared or set()
+    for name, key in schema.TOP_LEVEL.items():
+        if key.default is schema.MISSING:
+            continue
+        if name not in cfg:
+            cfg[name] = None if (name in cleared and key.nullable) else schema._copy(key.default)
+            continue
+        section = schema.SECTIONS.get(name)
+        if section is None:
+            continue
+        node = cfg._get_node(name)
+        if isinstance(node, DictConfig):
+            for sub, sub_key in section.items():
+                if sub not in node:
+                    node[sub] = schema._copy(sub_key.default)
+
+
+def _parse_value(item: str, raw: str) -> Any:
+    try:
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise KDUserError(f"override {item!r}: value cannot be parsed ({e}); quote it") from e
+    assert isinstance(parsed, dict)
+    return parsed["v"]
+
+
+def _suggest(cfg: DictConfig, dotted: str) -> str:
+    import difflib
+
+    parent_key, _, leaf = dotted.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    names = [str(k) for k in parent] if isinstance(parent, DictConfig) else []
+    close = difflib.get_close_matches(leaf, names, n=1)
+    prefix = f"{parent_key}." if parent_key else ""
+    return (
+        f"did you mean ~{prefix}{close[0]}?"
+        if close
+        else "check the key (kd validate shows the config)"
+    )
+
+
+def _delete(cfg: DictConfig, item: str, cleared: set[str]) -> None:
+    dotted = item[1:]
+    if not _KEY_RE.match(dotted):
+        raise KDUserError(f"override {item!r}: write ~key to delete a key, e.g. ~lr_scheduler")
+    parent_key, _, leaf = dotted.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if not isinstance(parent, DictConfig) or leaf not in parent:
+        raise KDUserError(
+            f"override {item!r}: no key {dotted} in the config; {_suggest(cfg, dotted)}"
+        )
+    del parent[leaf]
+    if not parent_key:
+        cleared.add(leaf)
+
+
+def _set(cfg: DictConfig, item: str) -> None:
+    dotted, _, raw = item.partition("=")
+    dotted = dotted.strip()
+    if not dotted:
+        raise KDUserError(
+            f"override {item!r}: no key before '='; write key=value, e.g. batch_size=2"
+        )
+    if not _KEY_RE.match(dotted):
+        raise KDUserError(
+            f"override {item!r}: {dotted!r} is not a config key; write key=value with a dotted key, "
+            "e.g. optimizer.lr=1e-4"
+        )
+    if raw == "":
+        raise KDUserError(f"override {item!r}: no value after '='; write {dotted}=null to clear it")
+    value = _parse_value(item, raw)
+    top = dotted.split(".", 1)[0]
+    if dotted == "kd_loss" and isinstance(value, str):
+        # Normalised now so a later `kd_loss.beta=...` merges into the mapping; a dotted path
+        # (torchtune loss) is mapped by compat afterwards.
+        cfg["kd_loss"] = {"_component_": value} if "." in value else {"divergence": value}
+        return
+    if "." not in dotted and isinstance(value, str) and top != "kd_loss":
+        node = cfg._get_node(top) if top in cfg else None
+        spec = schema.TOP_LEVEL.get(top)
+        is_component = isinstance(node, DictConfig) and "_component_" in node
+        if is_component or (
+            node is None and spec is not None and spec.node and top not in schema.SECTIONS
+        ):
+            # torchtune shorthand: `model=torchtune.models.qwen2_5.qwen2_5_3b` swaps the builder
+            # and keeps the node's other keys.
+            if node is None or not isinstance(cfg.get(top), DictConfig):
+                cfg[top] = {}
+            cfg[top]["_component_"] = value
+            return
+    existing = OmegaConf.select(cfg, dotted, throw_on_resolution_failure=False)
+    if isinstance(existing, DictConfig) and not isinstance(value, dict):
+        # Replacing a mapping by a scalar (e.g. `kd_loss=reverse_kl`, `lr_scheduler=null`).
+        OmegaConf.update(cfg, dotted, value, merge=False)
+        return
+    OmegaConf.update(cfg, dotted, value, merge=True)
+
+
+def apply_overrides(cfg: DictConfig, overrides: list[str]) -> set[str]:
+    """Apply ``key=value`` and ``~key`` overrides in order.
+
+    Args:
+        cfg: modified in place.
+        overrides: command-line items.
+
+    Returns:
+        The top-level keys deleted with ``~key``.
+
+    Raises:
+        KDUserError: an item is neither ``key=value`` nor ``~key``, or deletes an absent key.
+    """
+    cleared: set[str] = set()
+    for item in overrides:
+        if item.startswith("~"):
+            _delete(cfg, item, cleared)
+        elif "=" in item:
+            _set(cfg, item)
+            cleared.discard(item.split("=", 1)[0].strip())
+        elif item.startswith("-"):
+            raise KDUserError(
+                f"unknown option {item!r}; only --config and key=value / ~key overrides are accepted"
+            )
+        else:
+            raise KDUserError(
+                f"override {item!r}: expected key=value or ~key; write {item}=<value> to set it or "
+                f"~{item} to delete it"
+            )
+    return cleared
+
+
+def resolve(cfg: DictConfig) -> None:
+    """Resolve ``${...}`` interpolations in place.
+
+    Raises:
+        KDUserError: an interpolation names a missing key or fails; names the key.
+    """
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        msg = str(e).splitlines()[0]
+        raise KDUserError(
+            f"{key}: interpolation cannot be resolved ({msg}); fix the ${{...}} reference"
+        ) from e
+
+
+def load_config(config: str, overrides: list[str]) -> DictConfig:
+    """Read a config, map torchtune keys, merge defaults, apply overrides, resolve interpolations.
+
+    Args:
+        config: a built-in name (``qwen2_5/14B_to_3B_full_single_device``, ``.yaml`` optional)
+            or a YAML path.
+        overrides: ``key=value`` (OmegaConf dotlist values), ``~key`` (delete), and
+            ``node=dotted.path`` (sets ``node._component_``).
+
+    Returns:
+        The resolved config; every schema key with a default is present.
+
+    Raises:
+        KDUserError: missing or malformed file, bad override, unresolvable interpolation.
+    """
+    cfg = read_yaml(config)
+    notices: list[str] = []
+    apply_compat(cfg, notices)
+    fill_defaults(cfg)
+    cleared = apply_overrides(cfg, list(overrides))
+    apply_compat(cfg, notices)
+    fill_defaults(cfg, cleared)
+    resolve(cfg)
+    print_notices(notices)
+    return cfg

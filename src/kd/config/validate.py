@@ -1,0 +1,421 @@
+"""Check a loaded config completely before any weight is loaded; report every problem at once."""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kd.config import schema
+from kd.config.compat import TORCHTUNE_KD_LOSSES
+from kd.config.instantiate import locate_target, unknown_kwargs
+from kd.config.schema import Key, Problem
+from kd.errors import ConfigError
+
+# Nodes built with `_component_`; their keys are checked against the target's signature.
+COMPONENT_NODES: tuple[str, ...] = (
+    "model",
+    "teacher_model",
+    "tokenizer",
+    "checkpointer",
+    "teacher_checkpointer",
+    "dataset",
+    "optimizer",
+    "lr_scheduler",
+    "metric_logger",
+)
+
+# `dataset.source` values that load local files named by `dataset.data_files` (Hugging Face
+# `load_dataset` builders).
+FILE_SOURCES: frozenset[str] = frozenset({"json", "csv", "text", "parquet", "arrow"})
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
+    """Check keys, types, ranges, choices, components and files of a loaded config.
+
+    Nothing is built and no weight is read; ``_component_`` targets are imported to bind their
+    signatures.
+
+    Args:
+        cfg: a config from :func:`kd.config.load_config` (defaults merged, interpolations resolved).
+        check_paths: also check that input files exist and ``output_dir`` is writable.
+
+    Raises:
+        ConfigError: with every problem found, each naming the key and the fix.
+    """
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        raise ConfigError(
+            [Problem(str(key), f"cannot be resolved ({e}); fix the reference")]
+        ) from e
+    assert isinstance(data, dict)
+    problems: list[Problem] = []
+    _check_keys(data, schema.TOP_LEVEL, "", problems)
+    for name, section in schema.SECTIONS.items():
+        node = data.get(name)
+        if isinstance(node, dict):
+            _check_kd_loss_component(name, node, problems)
+            _check_keys(node, section, f"{name}.", problems, required=False)
+    _check_loss(data.get("loss"), problems)
+    _check_teacher(data, problems)
+    device = data.get("device")
+    if isinstance(device, str) and not _DEVICE_RE.match(device):
+        problems.append(
+            Problem(
+                "device",
+                f"{device!r} is not a device kd runs on; set device to cuda, cuda:N or cpu",
+            )
+        )
+    allow_any = data.get("trust_remote_components") is True
+    for name in COMPONENT_NODES:
+        _check_component_node(name, data.get(name), schema.TOP_LEVEL[name], allow_any, problems)
+    if check_paths:
+        _check_paths(data, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else repr(x) if isinstance(x, str) else str(x)
+
+
+def _expected(key: Key) -> str:
+    """What a key accepts, for the end of a message ("an integer >= 1")."""
+    if key.node:
+        return "a mapping of its keys (or remove it to use the defaults)"
+    if key.choices is not None:
+        return "one of " + ", ".join(str(c) for c in key.choices)
+    if key.types == (bool,):
+        return "true or false"
+    if key.types == (str,):
+        return "a string"
+    noun = "an integer" if key.types == (int,) else "a number"
+    if key.min is not None and key.max is not None:
+        return f"{noun} between {_fmt(key.min)} and {_fmt(key.max)}"
+    if key.min_exclusive is not None:
+        return f"{noun} greater than {_fmt(key.min_exclusive)}"
+    if key.min is not None:
+        return f"{noun} >= {_fmt(key.min)}"
+    return noun
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is a subclass of int in Python, but `batch_size: true` is a mistake.
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def check_value(dotted: str, value: Any, key: Key) -> str | None:
+    """The problem with ``value`` for ``key``, as a message ending in the fix, or None."""
+    fix = f"set {dotted} to {_expected(key)}"
+    if value is None:
+        return None if key.nullable else f"null is not allowed; {fix}"
+    if key.node:
+        if not isinstance(value, dict):
+            return f"expected a mapping, got {_fmt(value)}; write {dotted}: as a block of keys"
+        return None
+    if key.types and not _type_ok(value, key.types):
+        return f"{_fmt(value)} is not {_expected(Key(None, key.types))}; {fix}"
+    if key.choices is not None and value not in key.choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in key.choices], n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        return f"{_fmt(value)} is not allowed; {hint}{fix}"
+    if isinstance(value, (int, float)):
+        if key.min is not None and key.max is not None and not key.min <= value <= key.max:
+            return f"{_fmt(value)} is outside [{_fmt(key.min)}, {_fmt(key.max)}]; set {dotted} to a value between {_fmt(key.min)} and {_fmt(key.max)}"
+        if key.min is not None and value < key.min:
+            return f"{_fmt(value)} is below the minimum {_fmt(key.min)}; {fix}"
+        if key.max is not None and value > key.max:
+            return f"{_fmt(value)} is above the maximum {_fmt(key.max)}; {fix}"
+        if key.min_exclusive is not None and value <= key.min_exclusive:
+            return f"{_fmt(value)} must be greater than {_fmt(key.min_exclusive)}; {fix}"
+    return None
+
+
+def _check_keys(
+    data: dict[str, Any],
+    keys: dict[str, Key],
+    prefix: str,
+    problems: list[Problem],
+    required: bool = True,
+) -> None:
+    for name, value in data.items():
+        dotted = f"{prefix}{name}"
+        if name not in keys:
+            if prefix == "kd_loss." and name == "_component_":
+                continue  # reported by _check_kd_loss_component
+            close = difflib.get_close_matches(str(name), list(keys), n=1)
+            fix = f"did you mean {prefix}{close[0]}?" if close else "remove it (kd does not use it)"
+            problems.append(Problem(dotted, f"unknown key; {fix}"))
+            continue
+        if value == schema.MISSING:
+            if keys[name].default is not schema.MISSING:
+                problems.append(
+                    Problem(dotted, "is ??? (unset); set it or remove the line to use the default")
+                )
+            continue  # a required key left at ??? is reported below as missing
+        message = check_value(dotted, value, keys[name])
+        if message:
+            problems.append(Problem(dotted, message))
+    if not required:
+        return
+    for name, key in keys.items():
+        if key.default is schema.MISSING and (name not in data or data[name] == schema.MISSING):
+            problems.append(
+                Problem(f"{prefix}{name}", f"required key is missing; add it ({key.help})")
+            )
+
+
+def _check_kd_loss_component(section: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    if section != "kd_loss" or "_component_" not in node:
+        return
+    known = ", ".join(schema.DIVERGENCES)
+    tt = ", ".join(sorted(TORCHTUNE_KD_LOSSES))
+    problems.append(
+        Problem(
+            "kd_loss._component_",
+            f"{node['_component_']} is not a KD loss kd supports; set kd_loss to one of {known} "
+            f"(torchtune's {tt} are mapped automatically)",
+        )
+    )
+
+
+def _check_loss(value: Any, problems: list[Problem]) -> None:
+    if value is None:
+        return
+    target = value.get("_component_") if isinstance(value, dict) else value
+    problems.append(
+        Problem(
+            "loss",
+            f"{target} is not used: kd computes (1 - kd_ratio) * CE + kd_ratio * KD itself; "
+            "set loss to null (choose the divergence with kd_loss)",
+        )
+    )
+
+
+def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teacher_model: null`` is plain fine-tuning: only with ``kd_ratio: 0``."""
+    if "teacher_model" in data and data["teacher_model"] is None:
+        ratio = data.get("kd_ratio")
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio != 0:
+            problems.append(
+                Problem(
+                    "teacher_model",
+                    f"null means no teacher, but kd_ratio is {_fmt(ratio)}; set teacher_model to a "
+                    "builder, or kd_ratio=0 for plain fine-tuning",
+                )
+            )
+    elif "teacher_checkpointer" in data and data["teacher_checkpointer"] is None:
+        problems.append(
+            Problem(
+                "teacher_checkpointer",
+                "null, but teacher_model is set; set teacher_checkpointer to the teacher's "
+                "checkpointer (or teacher_model to null with kd_ratio=0)",
+            )
+        )
+
+
+def _check_component_node(
+    name: str, value: Any, key: Key, allow_any: bool, problems: list[Problem]
+) -> None:
+    if value is None or value == schema.MISSING:
+        return  # a missing required node or a null optional one is reported by _check_keys
+    # torchtune allows a list of dataset nodes (concatenated datasets).
+    nodes = (
+        list(enumerate(value)) if name == "dataset" and isinstance(value, list) else [(None, value)]
+    )
+    for index, node in nodes:
+        dotted = name if index is None else f"{name}[{index}]"
+        if not isinstance(node, dict):
+            if index is not None:
+                problems.append(
+                    Problem(dotted, "expected a mapping with _component_; fix the list entry")
+                )
+            continue  # the non-mapping top-level value is reported by check_value
+        target = node.get("_component_")
+        if target is None:
+            problems.append(
+                Problem(
+                    f"{dotted}._component_",
+                    f"missing; add _component_ with the builder's dotted path ({key.help})",
+                )
+            )
+            continue
+        obj, reason = locate_target(target, allow_any=allow_any)
+        if reason is not None:
+            problems.append(Problem(f"{dotted}._component_", reason))
+            continue
+        kwargs = {k: v for k, v in node.items() if k != "_component_"}
+        for arg, close in unknown_kwargs(obj, kwargs):
+            fix = f"did you mean {dotted}.{close}?" if close else "remove it"
+            problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+
+
+def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
+    output_dir = data.get("output_dir")
+    if isinstance(output_dir, str) and output_dir != schema.MISSING:
+        message = writable_dir_problem(output_dir)
+        if message:
+            problems.append(Problem("output_dir", message))
+    for name in ("checkpointer", "teacher_checkpointer"):
+        node = data.get(name)
+        if isinstance(node, dict):
+            _check_checkpointer(name, node, problems)
+    tokenizer = data.get("tokenizer")
+    if isinstance(tokenizer, dict):
+        for sub in ("path", "merges_file", "special_tokens_path"):
+            path = tokenizer.get(sub)
+            if isinstance(path, str) and not Path(path).expanduser().exists():
+                problems.append(
+                    Problem(
+                        f"tokenizer.{sub}",
+                        f"{path} does not exist; download the tokenizer or fix the path",
+                    )
+                )
+    dataset = data.get("dataset")
+    nodes = dataset if isinstance(dataset, list) else [dataset]
+    for i, node in enumerate(nodes):
+        if isinstance(node, dict):
+            _check_dataset(
+                "dataset" if len(nodes) == 1 and not isinstance(dataset, list) else f"dataset[{i}]",
+                node,
+                problems,
+            )
+
+
+def _checkpoint_file_names(files: Any) -> list[str] | None:
+    """Entries of ``checkpoint_files``: a list, or torchtune's ``{filename_format, max_filename}``."""
+    if isinstance(files, list):
+        return [str(f) for f in files]
+    if isinstance(files, str):
+        return [files]
+    if isinstance(files, dict) and "filename_format" in files and "max_filename" in files:
+        fmt, last = str(files["filename_format"]), str(files["max_filename"])
+        if not last.isdigit():
+            return None
+        return [fmt.format(str(i).zfill(len(last)), last) for i in range(1, int(last) + 1)]
+    return None
+
+
+def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    folder = node.get("checkpoint_dir")
+    if not isinstance(folder, str):
+        problems.append(
+            Problem(
+                f"{name}.checkpoint_dir",
+                "missing; set it to the folder that holds the model's weights",
+            )
+        )
+        return
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        problems.append(
+            Problem(
+                f"{name}.checkpoint_dir",
+                f"{folder} does not exist; download the model there or fix the path",
+            )
+        )
+        return
+    names = _checkpoint_file_names(node.get("checkpoint_files"))
+    if names is None:
+        problems.append(
+            Problem(
+                f"{name}.checkpoint_files",
+                "expected a list of file names or {filename_format, max_filename}; fix the entry",
+            )
+        )
+        return
+    for i, file_name in enumerate(names):
+        path = root / file_name
+        if not path.is_file():
+            problems.append(
+                Problem(
+                    f"{name}.checkpoint_files[{i}]",
+                    f"{path} does not exist; fix the file name or re-download",
+                )
+            )
+
+
+def _is_local_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
+
+
+def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    source = node.get("source")
+    if not isinstance(source, str):
+        return
+    files = node.get("data_files")
+    if source in FILE_SOURCES:
+        if files is None:
+            problems.append(
+                Problem(
+                    f"{dotted}.data_files",
+                    f"missing; {dotted}.source is {source}, so set {dotted}.data_files to the file(s)",
+                )
+            )
+            return
+        base = Path(".")
+    elif _is_local_path(source):
+        base = Path(source).expanduser()
+        if not base.exists():
+            problems.append(Problem(f"{dotted}.source", f"{source} does not exist; fix the path"))
+            return
+        if files is None:
+            return
+        if base.is_file():
+            base = base.parent
+    else:
+        return  # a hub dataset name; nothing local to check
+    entries: list[str] = []
+    if isinstance(files, str):
+        entries = [files]
+    elif isinstance(files, list):
+        entries = [str(f) for f in files]
+    elif isinstance(files, dict):
+        for split_files in files.values():
+            entries += (
+                [split_files]
+                if isinstance(split_files, str)
+                else [str(f) for f in split_files or []]
+            )
+    for entry in entries:
+        if "://" in entry:
+            continue  # remote file; load_dataset fetches it
+        path = Path(entry).expanduser()
+        path = path if path.is_absolute() else base / path
+        exists = bool(glob.glob(str(path))) if any(c in entry for c in "*?[") else path.exists()
+        if not exists:
+            problems.append(Problem(f"{dotted}.data_files", f"{path} does not exist; fix the path"))
+
+
+def writable_dir_problem(folder: str) -> str | None:
+    """Why ``folder`` cannot be used as an output folder, or None. Creates nothing.
+
+    Walks up to the first existing ancestor and checks it is a writable directory.
+    """
+    path = Path(folder).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{folder} is a file; set output_dir to a folder"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{folder} is not writable; set output_dir to a folder you can write to"
+        return None
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{folder} cannot be created because {parent} is a file; set output_dir to another folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{folder} cannot be created in {parent} (not writable); set output_dir to a folder you can write to"
+    return None

@@ -1,0 +1,135 @@
+"""Recipes `kd` ships and the built-in configs that belong to each.
+
+A built-in config is a YAML file under the installed package's ``configs/`` folder, named by its
+path relative to that folder without ``.yaml`` (``qwen2_5/14B_to_3B_full_single_device``). A
+config belongs to ``kd_single_device`` when its file name ends with ``_single_device.yaml`` and to
+``kd_distributed`` when it ends with ``_distributed.yaml``.
+
+This module must stay cheap to import (``kd ls`` and ``kd --help`` use it): no torch, no torchtune.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kd.errors import KDUserError
+
+
+@dataclass
+class Recipe:
+    """One runnable recipe.
+
+    Attributes:
+        name: what ``kd run <name>`` takes.
+        module: dotted module that defines ``recipe_main(cfg)``.
+        configs: built-in config names that belong to this recipe.
+        supports_distributed: whether the recipe may be launched through torchrun.
+    """
+
+    name: str
+    module: str
+    configs: list[str] = field(default_factory=list)
+    supports_distributed: bool = False
+
+    def file_path(self) -> Path:
+        """Path of the recipe's source file (what torchrun launches), without importing it.
+
+        Raises:
+            KDUserError: the recipe module is not installed.
+        """
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or spec.origin is None:
+            raise KDUserError(
+                f"recipe {self.name}: module {self.module} is not installed; reinstall kd "
+                "(pip install -e .)"
+            )
+        return Path(spec.origin)
+
+
+# (name, module, config file suffix, supports_distributed)
+_RECIPES: tuple[tuple[str, str, str, bool], ...] = (
+    ("kd_single_device", "kd.recipes.kd_single_device", "_single_device", False),
+    ("kd_distributed", "kd.recipes.kd_distributed", "_distributed", True),
+)
+
+
+def configs_dir() -> Path:
+    """The folder that holds the built-in YAML configs (may not exist in a bare checkout)."""
+    return Path(str(importlib.resources.files("kd") / "configs"))
+
+
+def _config_files() -> dict[str, Path]:
+    root = configs_dir()
+    if not root.is_dir():
+        return {}
+    files = {}
+    for path in sorted(root.rglob("*.yaml")):
+        name = path.relative_to(root).with_suffix("").as_posix()
+        files[name] = path
+    return files
+
+
+def list_configs() -> list[str]:
+    """Names of every built-in config, sorted."""
+    return sorted(_config_files())
+
+
+def list_recipes() -> list[Recipe]:
+    """Every recipe with its built-in configs attached."""
+    names = list_configs()
+    return [
+        Recipe(name, module, [c for c in names if c.endswith(suffix)], distributed)
+        for name, module, suffix, distributed in _RECIPES
+    ]
+
+
+def find_recipe(name: str) -> Recipe:
+    """The recipe called ``name``.
+
+    Raises:
+        KDUserError: no such recipe; the message names the closest one.
+    """
+    recipes = list_recipes()
+    for recipe in recipes:
+        if recipe.name == name:
+            return recipe
+    known = [r.name for r in recipes]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(known)}"
+    raise KDUserError(f"unknown recipe {name!r}; {hint} (kd ls lists recipes and configs)")
+
+
+def find_config(name_or_path: str) -> Path:
+    """Resolve a config argument to a file.
+
+    An existing file wins over a built-in of the same name, so a config copied with ``kd cp`` and
+    edited in place is the one that runs.
+
+    Args:
+        name_or_path: a YAML path, or a built-in name with or without ``.yaml``.
+
+    Returns:
+        Path of the YAML file.
+
+    Raises:
+        KDUserError: neither a file nor a built-in config; names the closest built-in.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    builtin = _config_files()
+    name = name_or_path[: -len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
+    if name in builtin:
+        return builtin[name]
+    if path.exists():
+        raise KDUserError(f"config {name_or_path}: is a folder, not a YAML file; pass the file")
+    close = difflib.get_close_matches(name, list(builtin), n=1)
+    hint = f"; did you mean the built-in {close[0]}?" if close else ""
+    raise KDUserError(
+        f"config {name_or_path}: no such file or built-in config{hint} "
+        "(kd ls lists built-in configs)"
+    )

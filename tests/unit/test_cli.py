@@ -1,0 +1,326 @@
+"""The `kd` command line: ls, cp, run, validate, --version, error handling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from test_config import tiny_config, write
+
+import kd
+from kd import registry
+from kd.cli import main, run_recipe
+from kd.errors import KDUserError
+
+
+@pytest.fixture
+def fake_configs(tmp_path, monkeypatch) -> Path:
+    """A built-in configs folder with one config per recipe and one that belongs to none."""
+    root = tmp_path / "configs"
+    for name in ("fam/A_to_B_full_single_device", "fam/A_to_B_full_distributed", "misc/other"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{name}.yaml").write_text(f"# {name}\nkd_ratio: 0.25\n")
+    monkeypatch.setattr(registry, "configs_dir", lambda: root)
+    return root
+
+
+def kd_subprocess(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_registry_recipes_and_real_configs():
+    recipes = {r.name: r for r in registry.list_recipes()}
+    assert recipes["kd_single_device"].module == "kd.recipes.kd_single_device"
+    assert recipes["kd_single_device"].supports_distributed is False
+    assert recipes["kd_distributed"].supports_distributed is True
+    # Whatever built-in configs exist are attached by suffix and resolve to files.
+    for name in registry.list_configs():
+        assert registry.find_config(name).is_file()
+        assert registry.find_config(name + ".yaml") == registry.find_config(name)
+        if name.endswith("_single_device"):
+            assert name in recipes["kd_single_device"].configs
+    with pytest.raises(KDUserError, match="did you mean kd_distributed"):
+        registry.find_recipe("kd_distribute")
+
+
+def test_registry_with_fake_configs(fake_configs, tmp_path):
+    recipes = {r.name: r for r in registry.list_recipes()}
+    assert recipes["kd_single_device"].configs == ["fam/A_to_B_full_single_device"]
+    assert recipes["kd_distributed"].configs == ["fam/A_to_B_full_distributed"]
+    assert registry.list_configs() == sorted(
+        ["fam/A_to_B_full_distributed", "fam/A_to_B_full_single_device", "misc/other"]
+    )
+    assert registry.find_config("misc/other.yaml") == fake_configs / "misc/other.yaml"
+    local = tmp_path / "mine.yaml"
+    local.write_text("kd_ratio: 1\n")
+    assert registry.find_config(str(local)) == local
+    with pytest.raises(KDUserError, match="did you mean the built-in misc/other"):
+        registry.find_config("misc/othr")
+
+
+def test_ls(fake_configs, capsys):
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["RECIPE", "CONFIG"]
+    assert out[1].split() == ["kd_single_device", "fam/A_to_B_full_single_device"]
+    assert out[2].split() == ["kd_distributed", "fam/A_to_B_full_distributed"]
+    assert out[3].split() == ["-", "misc/other"]
+
+
+def test_ls_real_configs(capsys):
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert "kd_single_device" in out and "kd_distributed" in out
+    for name in registry.list_configs():
+        assert name in out
+
+
+def test_cp(fake_configs, tmp_path, capsys):
+    dest = tmp_path / "work" / "my_kd"
+    assert main(["cp", "fam/A_to_B_full_single_device", str(dest)]) == 0
+    copied = dest.with_suffix(".yaml")
+    assert copied.read_text() == (fake_configs / "fam/A_to_B_full_single_device.yaml").read_text()
+    assert main(["cp", "misc/other", str(copied)]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert main(["cp", "misc/other", str(copied), "--force"]) == 0
+    assert "misc/other" in copied.read_text()
+    assert main(["cp", "misc/other.yaml", str(tmp_path / "work")]) == 0  # into a folder
+    assert (tmp_path / "work" / "other.yaml").is_file()
+    assert main(["cp", "misc/othr", str(tmp_path / "x.yaml")]) == 2
+    assert "did you mean misc/other?" in capsys.readouterr().err
+
+
+def test_version_subprocess():
+    result = kd_subprocess("--version")
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"kd {kd.__version__} (torch ")
+    assert "torchtune" in result.stdout
+
+
+def test_help_everywhere(capsys):
+    for argv in (
+        ["--help"],
+        ["ls", "--help"],
+        ["cp", "--help"],
+        ["validate", "--help"],
+        ["run", "--help"],
+    ):
+        assert main(argv) == 0, argv
+        assert "usage:" in capsys.readouterr().out
+
+
+def test_cli_modules_do_not_import_torch():
+    code = (
+        "import sys, kd.cli, kd.registry, kd.config; kd.cli.main(['ls']); kd.cli.main(['--help']); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr
+
+
+def test_optional_commands_delegate(capsys):
+    import importlib.util
+
+    for module, command in (("kd.memory.cli", "plan"), ("kd.demo", "demo")):
+        if importlib.util.find_spec(module) is None:
+            continue
+        assert main([command, "--help"]) == 0
+        assert f"usage: kd {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["nosuchcommand"], "invalid choice"),
+        ([], "missing command"),
+        (["ls", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run", "kd_single"], "did you mean kd_single_device?"),
+        (["run", "kd_single_device"], "missing --config"),
+        (
+            ["run", "--nproc_per_node", "2", "kd_single_device", "--config", "x.yaml"],
+            "use kd_distributed",
+        ),
+        (
+            ["run", "--nproc_per_nod", "2", "kd_distributed", "--config", "x.yaml"],
+            "unknown torchrun option",
+        ),
+        (["validate"], "the following arguments are required: --config"),
+        (["validate", "--config", "no/such/config"], "no such file or built-in config"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kd: error: "), err
+    assert needle in err
+
+
+def test_user_errors_subprocess_no_traceback(tmp_path):
+    result = kd_subprocess("frobnicate")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("kd: error: ")
+    bad = write(
+        tmp_path / "bad.yaml", tiny_config(tmp_path, kd_ratio=1.5, temperature=0, kd_ration=1)
+    )
+    result = kd_subprocess("validate", "--config", bad, "batch_size=0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("kd: error: ") for line in lines), result.stderr
+    assert {line.split(":")[2].strip() for line in lines} == {
+        "kd_ratio",
+        "temperature",
+        "kd_ration",
+        "batch_size",
+    }
+
+
+def test_debug_shows_the_exception(tmp_path):
+    bad = write(tmp_path / "bad.yaml", tiny_config(tmp_path, kd_ratio=1.5))
+    with pytest.raises(KDUserError, match="kd_ratio"):
+        main(["--debug", "validate", "--config", bad])
+
+
+def test_validate_ok(tmp_path, capsys):
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    assert main(["validate", "--config", path, "kd_ratio=0.9"]) == 0  # memory.check: off
+    assert capsys.readouterr().out.splitlines() == ["config OK"]
+    assert not (tmp_path / "out").exists()  # validation creates nothing
+
+
+def test_validate_prints_memory_plan(tmp_path, capsys):
+    import kd.memory
+
+    if not hasattr(kd.memory, "check_memory"):
+        pytest.skip("kd.memory has no check_memory yet")
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    argv = ["validate", "--config", path, "memory.check=error", "memory.budget_gib=16"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "config OK" and len(out) > 2  # the plan table, then OK
+    assert main([*argv, "memory.budget_gib=0.000001"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kd: error: memory:") and "Traceback" not in err
+
+
+def test_validate_bad_override_and_malformed_yaml(tmp_path, capsys):
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    assert main(["validate", "--config", path, "kd_ratio"]) == 2
+    assert "write kd_ratio=<value>" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    assert main(["validate", "--config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}:" in err and err.count("\n") == 1
+
+
+# --- run / run_recipe --------------------------------------------------------------------------
+
+
+def test_run_recipe_success_error_and_interrupt(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    seen = []
+    assert run_recipe(seen.append, ["--config", path, "batch_size=3", "~lr_scheduler"]) == 0
+    assert seen[0].batch_size == 3 and seen[0].lr_scheduler is None
+
+    def fails(cfg):
+        raise KDUserError("memory: over budget\nbatch_size: lower it")
+
+    assert run_recipe(fails, [f"--config={path}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "kd: error: memory: over budget",
+        "kd: error: batch_size: lower it",
+    ]
+    with pytest.raises(KDUserError):
+        run_recipe(fails, ["--config", path, "--debug"])
+    monkeypatch.setenv("RANK", "1")
+    assert run_recipe(fails, ["--config", path]) == 2
+    assert capsys.readouterr().err == ""  # only rank 0 prints
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    assert run_recipe(interrupted, ["--config", path]) == 130
+
+
+def test_run_recipe_reads_sys_argv(tmp_path, monkeypatch):
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["recipe.py", "--config", path, "epochs=3"])
+    seen = []
+    assert run_recipe(seen.append) == 0
+    assert seen[0].epochs == 3
+
+
+def test_run_in_process_calls_recipe_main(tmp_path, monkeypatch, capsys):
+    seen = []
+    fake = types.ModuleType("kd.recipes.kd_single_device")
+    fake.recipe_main = seen.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kd.recipes.kd_single_device", fake)
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
+    assert main(["run", "kd_single_device", "--config", path, "kd_loss=reverse_kl"]) == 0
+    assert seen[0].kd_loss.divergence == "reverse_kl"
+    assert main(["run", "kd_single_device", "--config", path, "kd_ratio=2"]) == 2
+    assert "kd: error: kd_ratio: 2 is outside [0, 1]" in capsys.readouterr().err
+
+
+def test_run_distributed_validates_before_torchrun(tmp_path, capsys):
+    path = write(tmp_path / "bad.yaml", tiny_config(tmp_path, batch_size=0))
+    argv = ["run", "--nproc_per_node", "2", "--standalone", "kd_distributed", "--config", path]
+    assert main(argv) == 2
+    assert "kd: error: batch_size" in capsys.readouterr().err
+
+
+def test_cp_then_load(fake_configs, tmp_path):
+    from kd.config import load_config
+
+    dest = tmp_path / "c.yaml"
+    assert main(["cp", "misc/other", str(dest)]) == 0
+    assert yaml.safe_load(dest.read_text()) == {"kd_ratio": 0.25}
+    assert load_config("misc/other", []).kd_ratio == 0.25
+
+
+_FAKE_RECIPE = """
+import os, sys
+import kd.cli
+from kd.errors import KDUserError
+
+def recipe_main(cfg):
+    if cfg.seed == 7:
+        raise KDUserError("seed: 7 is unlucky; pick another")
+    out = os.path.join(cfg.output_dir, "rank" + os.environ["RANK"])
+    with open(out, "w") as f:
+        f.write(f"{cfg.batch_size} {os.environ['WORLD_SIZE']}")
+
+if __name__ == "__main__":
+    sys.exit(kd.cli.run_recipe(recipe_main))
+"""
+
+
+@pytest.mark.slow
+def test_run_hands_over_to_torchrun(tmp_path, monkeypatch, capfd):
+    (tmp_path / "kd_fake_recipe.py").write_text(_FAKE_RECIPE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = ("kd_fake", "kd_fake_recipe", "_fake", True)
+    monkeypatch.setattr(registry, "_RECIPES", (*registry._RECIPES, fake))
+    out = tmp_path / "out"
+    out.mkdir()
+    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path, output_dir=str(out)))
+    argv = ["run", "--nproc_per_node", "2", "kd_fake", "--config", path, "batch_size=3"]
+    assert main(argv) == 0
+    assert sorted(p.read_text() for p in out.glob("rank*")) == ["3 2", "3 2"]
+    capfd.readouterr()
+    assert main([*argv, "seed=7"]) == 2  # a worker's user error comes back as exit 2
+    err = capfd.readouterr().err
+    assert err.count("kd: error: seed: 7 is unlucky") == 1  # rank 0 only
