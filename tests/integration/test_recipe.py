@@ -55,10 +55,14 @@ def _recipe_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
         return models.logits_from_hidden(model, model(tokens))
 
 
-def test_full_student_cli_run(assets, tmp_path):
+def test_full_student_cli_run(assets, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no_netrc"))
     out = tmp_path / "run"
-    path = write_config(tmp_path / "cfg.yaml", make_config(assets, out))
+    wandb_logger = {"_component_": "kd.metrics.WandBLogger", "log_dir": str(out / "wandb_logs")}
+    path = write_config(tmp_path / "cfg.yaml", make_config(assets, out, metric_logger=wandb_logger))
     assert cli.main(["run", "kd_single_device", "--config", str(path)]) == 0
+    assert list((out / "wandb_logs" / "wandb").glob("offline-run-*"))
     rows = read_metrics(out)
     assert len(rows) == 3
     assert REQUIRED_METRICS <= set(rows[0])
