@@ -26,6 +26,7 @@ with warnings.catch_warnings():
         tune_to_peft_adapter_config,
     )
     from torchtune.models.llama3 import llama3, lora_llama3
+    from torchtune.models.llama3_1 import Llama3ScaledRoPE
     from torchtune.models.qwen2 import lora_qwen2, qwen2, qwen2_hf_to_tune, qwen2_tune_to_hf
     from torchtune.models.qwen2._convert_weights import _FROM_HF as QWEN2_HF_TO_TUNE_KEYS
     from torchtune.models.qwen2._tokenizer import bytes_to_unicode
@@ -67,6 +68,7 @@ __all__ = [
     "ForwardKLWithChunkedOutputLoss",
     "FullModelHFCheckpointer",
     "LoRALinear",
+    "Llama3ScaledRoPE",
     "MODEL_KEY",
     "QWEN2_5_SPECIAL_TOKENS",
     "ModelType",

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from kd import _torchtune as tt
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,19 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def any_rank(flag: bool, *, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank (``flag`` itself at world size 1).
+
+    For decisions that change which collectives run next (stop and save on SIGTERM): every rank
+    must take the same branch, even when the signal reached them on different sides of a step.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def barrier() -> None:
     """Wait for every rank (no-op at world size 1)."""
     if dist.is_available() and dist.is_initialized():
@@ -110,7 +126,7 @@ def shard_model(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` each decoder layer, an untied embedding, then the root.
 
@@ -122,7 +138,7 @@ def shard_model(
         model: a torchtune ``TransformerDecoder`` (``layers``, ``tok_embeddings``, ``output``) on CPU.
         device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
         param_dtype: dtype of the gathered parameters in forward/backward.
-        reduce_dtype: dtype of the gradient reduce-scatter (fp32 sums bf16 gradients exactly).
+        reduce_dtype: dtype of the gradient reduce-scatter (fp32 avoids bf16 rounding in the sum).
         reshard_after_forward: free gathered layers after their forward (less memory, one more
             all-gather per layer in backward).
         cpu_offload: keep sharded parameters, their gradients and the optimizer states in CPU
@@ -142,7 +158,8 @@ def shard_model(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     }
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned memory needs an accelerator; on a CPU-only run the policy changes nothing anyway.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     if not isinstance(model.output, tt.TiedLinear):
@@ -193,11 +210,13 @@ def load_full_state_dict(
 ) -> None:
     """Load full (unsharded) tensors into ``model``, sharded or not.
 
-    Every rank passes the complete ``state_dict`` (each keeps its shard of every tensor).
+    When distributed, only rank 0's ``state_dict`` is read (the others pass ``{}``): rank 0
+    broadcasts tensor by tensor and every rank keeps its shard, so no other rank ever holds a full
+    copy. Collective when distributed.
 
     Args:
         model: the model, after :func:`shard_model` when distributed.
-        state_dict: parameter name -> full tensor (e.g. read from the checkpoint on every rank).
+        state_dict: parameter name -> full tensor (rank 0).
         strict: every model key must be present (False for a LoRA adapter on its own).
         world: this process's place in the job.
     """
@@ -207,8 +226,19 @@ def load_full_state_dict(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(
-        model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict)
+        model,
+        state_dict,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict),
     )
+
+
+def broadcast_object(obj: Any, *, world: WorldInfo) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank; ``obj`` itself at world size 1."""
+    if not world.distributed:
+        return obj
+    box = [obj if world.is_rank_zero else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def optimizer_state_dict(
@@ -234,17 +264,21 @@ def load_optimizer_state_dict(
     *,
     world: WorldInfo,
 ) -> None:
-    """Inverse of :func:`optimizer_state_dict`; every rank passes the complete state.
+    """Inverse of :func:`optimizer_state_dict`.
 
-    A state keyed by parameter index (``optimizer.state_dict()`` of an older single-device
-    checkpoint) loads directly at world size 1.
+    When distributed, only rank 0's ``state_dict`` is read (the others pass ``{}``) and broadcast;
+    each rank keeps the shards of its parameters. A state keyed by parameter index (plain
+    ``optimizer.state_dict()``) loads directly at world size 1.
     """
     groups = state_dict.get("param_groups", [])
-    if any(isinstance(p, int) for g in groups for p in g["params"]):
+    if not world.distributed and any(isinstance(p, int) for g in groups for p in g["params"]):
         optimizer.load_state_dict(state_dict)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(
-        model, optimizer, state_dict, options=StateDictOptions(full_state_dict=True)
+        model,
+        optimizer,
+        state_dict,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=world.distributed),
     )

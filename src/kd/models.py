@@ -100,7 +100,9 @@ def reset_rope_buffers(model: nn.Module) -> None:
             m.rope_init()
 
 
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], *, lora: bool, source: str) -> None:
+def load_weights(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], *, lora: bool, source: str
+) -> None:
     """Load a torchtune-format state dict into ``model``.
 
     A LoRA student loads its base weights (adapters start from their init); anything else must match

@@ -79,6 +79,8 @@ def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
     allow_any = data.get("trust_remote_components") is True
     for name in COMPONENT_NODES:
         _check_component_node(name, data.get(name), schema.TOP_LEVEL[name], allow_any, problems)
+    _check_families(data, problems)
+    _check_model_types(data, problems)
     if check_paths:
         _check_paths(data, problems)
     if problems:
@@ -419,3 +421,108 @@ def writable_dir_problem(folder: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{folder} cannot be created in {parent} (not writable); set output_dir to a folder you can write to"
     return None
+
+
+# torchtune model packages that share one tokenizer (and so token ids): KD compares the two
+# models' distributions id by id, so teacher, student and tokenizer must come from one group.
+_FAMILIES: dict[str, str] = {
+    "qwen2": "qwen2",
+    "qwen2_5": "qwen2",
+    "llama3": "llama3",
+    "llama3_1": "llama3",
+    "llama3_2": "llama3",
+    "llama3_3": "llama3",
+    "llama3_2_vision": "llama3",
+    "llama2": "llama2",
+    "code_llama2": "llama2",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "mistral": "mistral",
+    "phi3": "phi3",
+    "phi4": "phi4",
+}
+# torchtune ModelType name -> family of the builders it converts weights for.
+_MODEL_TYPE_FAMILIES: dict[str, str] = {
+    "QWEN2": "qwen2",
+    "LLAMA2": "llama2",
+    "LLAMA3": "llama3",
+    "LLAMA3_2": "llama3",
+    "LLAMA3_VISION": "llama3",
+    "GEMMA": "gemma",
+    "GEMMA2": "gemma",
+    "MISTRAL": "mistral",
+    "PHI3_MINI": "phi3",
+    "PHI4": "phi4",
+}
+
+
+def model_family(target: Any) -> str | None:
+    """Tokenizer family of a torchtune builder path (``torchtune.models.qwen2_5.qwen2_5_3b`` ->
+    ``qwen2``), or None for builders outside ``torchtune.models`` (nothing is known about them)."""
+    if not isinstance(target, str):
+        return None
+    parts = target.split(".")
+    if len(parts) < 4 or parts[:2] != ["torchtune", "models"]:
+        return None
+    return _FAMILIES.get(parts[2], parts[2])
+
+
+def _target(data: dict[str, Any], name: str) -> Any:
+    node = data.get(name)
+    return node.get("_component_") if isinstance(node, dict) else None
+
+
+def _check_families(data: dict[str, Any], problems: list[Problem]) -> None:
+    """Teacher, student and tokenizer of different families use different token ids."""
+    student = _target(data, "model")
+    family = model_family(student)
+    if family is None:
+        return
+    for name, what in (("teacher_model", "teacher"), ("tokenizer", "tokenizer")):
+        target = _target(data, name)
+        other = model_family(target)
+        if other is not None and other != family:
+            problems.append(
+                Problem(
+                    f"{name}._component_",
+                    f"{target} is a {other} {what} but the student ({student}) is {family}; their "
+                    f"vocabularies differ and KD compares token ids, so use a {family} {what} "
+                    "(teacher, student and tokenizer of one family)",
+                )
+            )
+
+
+def _check_model_types(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``checkpointer.model_type`` must name a torchtune ModelType of the builder's family."""
+    for name, model in (("checkpointer", "model"), ("teacher_checkpointer", "teacher_model")):
+        node = data.get(name)
+        if not isinstance(node, dict) or "model_type" not in node:
+            continue
+        value = node["model_type"]
+        key = f"{name}.model_type"
+        from kd._torchtune import ModelType  # torchtune is imported by the component checks
+
+        names = list(ModelType.__members__)
+        if not isinstance(value, str) or value not in names:
+            close = difflib.get_close_matches(str(value).upper(), names, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(
+                Problem(
+                    key,
+                    f"{_fmt(value)} is not a torchtune model type; {hint}set it to one of "
+                    + ", ".join(names),
+                )
+            )
+            continue
+        builder = _target(data, model)
+        family = model_family(builder)
+        expected = _MODEL_TYPE_FAMILIES.get(value)
+        if family is not None and expected is not None and family != expected:
+            fit = [n for n, f in _MODEL_TYPE_FAMILIES.items() if f == family]
+            problems.append(
+                Problem(
+                    key,
+                    f"{value} converts {expected} weights but {model} is {builder}; set it to "
+                    + " or ".join(fit),
+                )
+            )

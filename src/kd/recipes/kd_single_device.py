@@ -29,11 +29,14 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
+import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,41 @@ from kd.signals import GracefulStop, resume_hint
 log = logging.getLogger("kd")
 
 
+def _brief(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of ``e`` and of its root cause, shortened to fit one
+    error line (a wrapper such as ``DatasetGenerationError`` hides the useful part in its cause)."""
+
+    def one(x: BaseException) -> str:
+        lines = str(x).strip().splitlines()
+        return f"{type(x).__name__}: {lines[0]}" if lines else type(x).__name__
+
+    root = e
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = one(e) if root is e else f"{one(e)} <- {one(root)}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Drop rows after ``step`` (logged by a run that was killed later) from ``metrics.jsonl``.
+
+    The resumed run logs those steps again; unreadable lines (a row cut by ``kill -9``) go too.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class KDRecipe:
     """Distil ``teacher_model`` into ``model`` (the student). See the module docstring for knobs."""
 
@@ -64,6 +102,7 @@ class KDRecipe:
             self.device = torch.device("cuda", self.world.local_rank)
         self.dtype = models.DTYPES[cfg.dtype]
         self.output_dir = Path(cfg.output_dir)
+        self.seed_given = cfg.seed is not None  # seed: null adopts the checkpoint's on resume
         self.seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
         cfg.seed = self.seed  # the snapshot records the seed actually used
         self.settings = train.LossSettings(
@@ -96,10 +135,14 @@ class KDRecipe:
         torch.manual_seed(self.seed)
         random.seed(self.seed)
         # 1. Shapes only (meta device): vocab checks and the memory plan need no weights.
-        self.tokenizer = instantiate(cfg.tokenizer)
+        self.tokenizer = self._instantiate("tokenizer", "check the tokenizer files and arguments")
         with torch.device("meta"):
-            student_meta = instantiate(cfg.model)
-            teacher_meta = instantiate(cfg.teacher_model) if cfg.teacher_model is not None else None
+            student_meta = self._instantiate("model", "fix the builder's arguments")
+            teacher_meta = (
+                self._instantiate("teacher_model", "fix the builder's arguments")
+                if cfg.teacher_model is not None
+                else None
+            )
         self.lora = models.is_lora(student_meta)
         problems = models.check_vocab(
             tokenizer_max=models.tokenizer_max_id(self.tokenizer),
@@ -112,11 +155,13 @@ class KDRecipe:
         self._check_memory()
         # 2. Resume state is located before loading weights so a bad resume fails fast.
         self.resume_from = self._find_resume()
-        # 3. Weights: teacher first (frozen), then the student.
-        self.teacher = self._load_teacher() if cfg.teacher_model is not None else None
-        self.student = self._load_student()
-        # 4. Data, optimizer, schedule.
-        self.dataset = instantiate(cfg.dataset, self.tokenizer)
+        # 3. Data before weights: a bad data file fails in seconds, not after loading the teacher.
+        self.dataset = self._instantiate(
+            "dataset",
+            "check dataset.source, dataset.data_files and the file's contents",
+            self.tokenizer,
+        )
+        self._check_dataset()
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=self.batch_size,
@@ -135,22 +180,144 @@ class KDRecipe:
                 f"only {len(self.loader)}; lower gradient_accumulation_steps or batch_size"
             )
         self.total_steps = self.steps_per_epoch * self.epochs
+        if self.resume_from is not None:
+            marker = checkpoint.read_checkpoint_marker(self.resume_from)
+            done_in_epoch = int(marker["step"]) - int(marker["epoch"]) * self.steps_per_epoch
+            if not 0 <= done_in_epoch <= self.steps_per_epoch:
+                raise KDUserError(
+                    f"max_steps_per_epoch: the checkpoint is at step {marker['step']} in epoch "
+                    f"{marker['epoch']}, which does not fit epochs of {self.steps_per_epoch} steps; "
+                    "resume with the max_steps_per_epoch the run started with"
+                )
+        # 4. Weights: teacher first (frozen), then the student.
+        self.teacher = (
+            self._loading("teacher_checkpointer", self._load_teacher)
+            if cfg.teacher_model is not None
+            else None
+        )
+        self.student = self._loading("checkpointer", self._load_student)
+        # 5. Optimizer, schedule, resume state.
         trainable = [p for p in self.student.parameters() if p.requires_grad]
-        self.optimizer = instantiate(cfg.optimizer, trainable)
+        self.optimizer = self._instantiate("optimizer", "fix the optimizer's arguments", trainable)
         self.lr_scheduler = (
-            instantiate(cfg.lr_scheduler, self.optimizer, num_training_steps=self.total_steps)
+            self._instantiate(
+                "lr_scheduler",
+                "fix the scheduler's arguments",
+                self.optimizer,
+                num_training_steps=self.total_steps,
+            )
             if cfg.lr_scheduler is not None
             else None
         )
         if self.resume_from is not None:
             self._restore(self.resume_from)
         if self.world.is_rank_zero:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(self.config_yaml)
-            self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
-            self.metric_logger = instantiate(cfg.metric_logger)
+            try:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                (self.output_dir / "config.yaml").write_text(self.config_yaml)
+                if self.resume_from is not None:
+                    _trim_metrics(self.output_dir / "metrics.jsonl", self.global_step)
+                self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
+            except OSError as e:
+                raise KDUserError(
+                    f"output_dir: cannot write to {self.output_dir} ({e.strerror or e}); "
+                    f"set output_dir to a writable folder with free space"
+                ) from e
+            self.metric_logger = self._instantiate("metric_logger", "fix the logger's arguments")
             if hasattr(self.metric_logger, "log_config"):
                 self.metric_logger.log_config(cfg)
+
+    def _instantiate(self, key: str, fix: str, *args: Any, **kwargs: Any) -> Any:
+        """Build the config node ``key``; a failure inside the user's component names the key.
+
+        Args:
+            key: top-level config key (``dataset``, ``optimizer``...).
+            fix: the end of the error message (what the user should check).
+            *args: positional runtime arguments of the component.
+            **kwargs: runtime keyword arguments of the component.
+        """
+        node = self.cfg[key]
+        try:
+            return instantiate(
+                node, *args, allow_any=bool(self.cfg.trust_remote_components), **kwargs
+            )
+        except KDUserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the user's component raises is reported
+            target = node.get("_component_") if isinstance(node, DictConfig) else node
+            if key == "dataset" and "corresponds to no data" in str(e):
+                # Hugging Face's words for a data file without rows.
+                files = node.get("data_files") if isinstance(node, DictConfig) else None
+                raise KDUserError(
+                    f"dataset: {files or 'the data'} has no examples; point dataset.data_files at "
+                    "a file with examples"
+                ) from e
+            raise KDUserError(f"{key}: {target} failed ({_brief(e)}); {fix}") from e
+
+    def _loading(self, key: str, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """Run ``load`` (a weight loader); unreadable files become an error naming ``key``."""
+        try:
+            return load()
+        except (KDUserError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types for bad files
+            folder = self.cfg[key].get("checkpoint_dir")
+            raise KDUserError(
+                f"{key}: cannot load the weights in {folder} ({_brief(e)}); check that "
+                f"{key}.checkpoint_files are complete safetensors of the model its builder names "
+                "(re-download truncated files)"
+            ) from e
+
+    def _check_dataset(self, sample: int = 32) -> None:
+        """Fail fast when no example can teach the student anything.
+
+        torchtune truncates every example to ``tokenizer.max_seq_len``; when the prompts are that
+        long, truncation removes the whole response and every label is masked, and training would
+        silently run on zero tokens. ``sample`` examples spread over the dataset are checked.
+        """
+        try:
+            n = len(self.dataset)
+        except TypeError:
+            return  # an iterable dataset: nothing to index
+        if n == 0:
+            raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
+        k = min(n, sample)
+        indices = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+        max_len = self.cfg.tokenizer.get("max_seq_len")
+        labelled = truncated = 0
+        for i in indices:
+            try:
+                example = self.dataset[i]
+                labels = list(example["labels"])
+                length = len(example["tokens"])
+            except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
+                raise KDUserError(
+                    f"dataset: example {i} cannot be read ({_brief(e)}); check dataset.column_map "
+                    "against the columns of the data file"
+                ) from e
+            # Position j predicts token j+1 (train.shift_labels), so labels[0] never trains.
+            labelled += any(int(x) != -100 for x in labels[1:])
+            truncated += max_len is not None and length >= int(max_len)
+        if labelled:
+            if truncated and self.world.is_rank_zero:
+                log.warning(
+                    "%d of %d examples checked reach tokenizer.max_seq_len=%s and are truncated",
+                    truncated,
+                    len(indices),
+                    max_len,
+                )
+            return
+        if truncated == len(indices):
+            raise KDUserError(
+                f"tokenizer.max_seq_len: every example checked ({len(indices)} of {n}) is at least "
+                f"{max_len} tokens, so truncation removed every response token; raise "
+                "tokenizer.max_seq_len or shorten the prompts"
+            )
+        raise KDUserError(
+            f"dataset: every label is masked in the {len(indices)} examples checked (of {n}), so "
+            "there is nothing to train on; check the response column in dataset.column_map and "
+            "the dataset's masking (train_on_input)"
+        )
 
     def _check_memory(self) -> None:
         from kd import memory
@@ -239,39 +406,67 @@ class KDRecipe:
                 f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; "
                 f"set resume_from_checkpoint=false to start fresh"
             )
-        saved = (found / "config.yaml").read_text()
-        checkpoint.check_resume_compatible(saved, self.config_yaml)
+        saved = checkpoint.load_checkpoint_config(found)
+        saved_seed = OmegaConf.create(saved).get("seed")
+        if not self.seed_given and isinstance(saved_seed, int):
+            # seed: null drew a fresh seed for this process; the run being resumed drew its own.
+            self.seed = saved_seed
+            self.cfg.seed = saved_seed
+            self.config_yaml = OmegaConf.to_yaml(self.cfg, resolve=True)
+        checkpoint.check_resume_compatible(saved, self.config_yaml, checkpoint=found)
         return found
 
     def _restore(self, ckpt: Path) -> None:
-        state = checkpoint.load_recipe_state(ckpt)
+        # Rank 0 reads the files and broadcasts (tensor by tensor when distributed), so no other
+        # rank holds a full copy of the weights or the optimizer state.
+        rank0 = self.world.is_rank_zero
+        state = checkpoint.load_recipe_state(ckpt) if rank0 else {}
+        weights: dict[str, torch.Tensor] = {}
         if self.lora:
-            self.student.load_state_dict(state["adapter"], strict=False)
-        else:
-            hf = checkpoint.load_hf_weights(ckpt)
-            tune_sd = checkpoint.hf_to_tune_state_dict(
-                hf,
+            weights = state.get("adapter", {})
+        elif rank0:
+            weights = checkpoint.hf_to_tune_state_dict(
+                checkpoint.load_hf_weights(ckpt),
                 model_type=str(self.cfg.checkpointer.model_type),
                 hf_config=self._student_ckpt._config,
             )
-            self.student.load_state_dict(tune_sd, strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_full_state_dict(
+            self.student, weights, strict=not self.lora, world=self.world
+        )
+        del weights
+        distributed.load_optimizer_state_dict(
+            self.student, self.optimizer, state.pop("optimizer", {}), world=self.world
+        )
+        state.pop("adapter", None)
+        state = distributed.broadcast_object(state, world=self.world)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self.seed = int(state["seed"])
         checkpoint.restore_rng_state(state["rng"])
-        if self.world.is_rank_zero:
+        saved_world = int(state.get("world_size", self.world.world_size))
+        if rank0 and saved_world != self.world.world_size:
+            log.warning(
+                "resuming a %d-rank checkpoint on %d ranks: batch_size is per rank, so the global "
+                "batch changes and the run will not match an uninterrupted one",
+                saved_world,
+                self.world.world_size,
+            )
+        if rank0:
             log.info("resumed from %s at step %d", ckpt, self.global_step)
 
     def _recipe_state(self) -> dict[str, Any]:
+        # Collective when distributed (gathers the optimizer state); complete on rank 0 only.
         state: dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": distributed.optimizer_state_dict(
+                self.student, self.optimizer, world=self.world
+            ),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
             "global_step": self.global_step,
             "epoch": self.epoch,
             "seed": self.seed,
+            "world_size": self.world.world_size,
             "rng": checkpoint.capture_rng_state(),
         }
         if self.lora:
@@ -326,13 +521,20 @@ class KDRecipe:
 
     # ------------------------------------------------------------------ train
     def _next_micro_batches(self, it) -> list[dict[str, torch.Tensor]]:
-        return [next(it) for _ in range(self.grad_accum)]
+        try:
+            return [next(it) for _ in range(self.grad_accum)]
+        except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
+            raise KDUserError(
+                f"dataset: reading the batches of step {self.global_step + 1} failed ({_brief(e)}); "
+                "fix that row of the data file (the last checkpoint is kept)"
+            ) from e
 
     def train(self) -> None:
         """The loop: accumulate, step, log, checkpoint; stop cleanly on SIGTERM/SIGINT."""
         start_epoch = self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
         bad_steps = 0
+        saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         show = self.world.is_rank_zero
         bar = tqdm(
             total=self.total_steps,
@@ -341,7 +543,8 @@ class KDRecipe:
             desc="kd",
             dynamic_ncols=True,
         )
-        with GracefulStop() as stop:
+        # Closing the bar on any exit ends its line, so an error message starts a line of its own.
+        with bar, GracefulStop() as stop:
             for epoch in range(start_epoch, self.epochs):
                 self.epoch = epoch
                 self.sampler.set_epoch(epoch)
@@ -365,7 +568,11 @@ class KDRecipe:
                             grad_scale=float(self.world.world_size),
                         )
                         sums += torch.stack([r.loss, r.ce, r.kd]).float()
+                        # Free the teacher's gathered root (norm + output) before backward peaks.
+                        distributed.reshard(self.teacher)
                     sums = distributed.all_reduce_sum(sums)
+                    # optimizer_step never applies NaN/inf gradients, so the weights stay those
+                    # of the last good step whatever happens below.
                     norm, stepped = train.optimizer_step(
                         self.student, self.optimizer, clip_grad_norm=self.clip_grad_norm
                     )
@@ -374,12 +581,16 @@ class KDRecipe:
                         bad_steps += 1
                         if bad_steps > self.max_bad_steps:
                             raise KDUserError(
-                                f"step {self.global_step + 1}: non-finite loss ({loss}) or grad norm ({float(norm)}); "
-                                f"the last good checkpoint is kept in {self.output_dir}; lower the optimizer lr, "
-                                f"set clip_grad_norm, or allow skips with max_bad_steps"
+                                self._non_finite_message(loss, float(norm), bad_steps)
                             )
                         log.warning(
-                            "step %d: non-finite values, step skipped", self.global_step + 1
+                            "step %d: non-finite loss (%s) or grad norm (%s); step skipped "
+                            "(%d of max_bad_steps=%d)",
+                            self.global_step + 1,
+                            loss,
+                            float(norm),
+                            bad_steps,
+                            self.max_bad_steps,
                         )
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step()
@@ -390,29 +601,56 @@ class KDRecipe:
                         self._log(sums, norm, int(total), dt)
                     t0 = time.perf_counter()
                     if self.save_every is not None and self.global_step % int(self.save_every) == 0:
-                        self.save(final=False)
+                        saved = (self.global_step, self.save(final=False))
                     if self._stop_requested(stop.requested):
-                        self._stop(stop.signal_name)
                         bar.close()
+                        just_saved = saved[1] if saved and saved[0] == self.global_step else None
+                        self._stop(stop.signal_name, just_saved)
                         return
-        bar.close()
         self.save(final=True)
+
+    def _non_finite_message(self, loss: float, norm: float, bad_steps: int) -> str:
+        latest = checkpoint.find_latest_checkpoint(self.output_dir)
+        kept = (
+            f"the last good checkpoint is {latest} (resume_from_checkpoint=true continues from it)"
+            if latest is not None
+            else "no step checkpoint was saved (save_every_n_steps keeps some)"
+        )
+        return (
+            f"step {self.global_step + 1}: non-finite loss ({loss}) or gradient norm ({norm}), "
+            f"{bad_steps} such steps with max_bad_steps={self.max_bad_steps}; stopped without "
+            f"saving and {kept}; lower optimizer.lr, set clip_grad_norm, or raise max_bad_steps to "
+            "skip such steps"
+        )
 
     def _stop_requested(self, local: bool) -> bool:
         """A signal on any rank stops every rank after the same step."""
-        if not self.world.distributed:
-            return local
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
-        return bool(distributed.all_reduce_sum(flag).item() > 0)
+        return distributed.any_rank(local, device=self.device)
 
-    def _stop(self, signal_name: str | None) -> None:
-        path = self.save(final=False)
+    def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
+        """Save (unless this step was just saved), then say where and how to resume."""
+        path = just_saved if just_saved is not None else self.save(final=False)
         if self.world.is_rank_zero:
             print(
                 f"kd: received {signal_name}; stopped after step {self.global_step}",
                 file=sys.stderr,
             )
-            print(resume_hint(["kd", *sys.argv[1:]], path), file=sys.stderr)
+            print(resume_hint(self._command_line(), path), file=sys.stderr)
+
+    def _command_line(self) -> list[str]:
+        """The ``kd run ...`` command that started this process, for the resume hint."""
+        argv = list(sys.argv)
+        if argv[1:2] == ["run"]:  # kd run ... / python -m kd.cli run ...
+            return ["kd", *argv[1:]]
+        # Launched as a recipe file (torchrun kd_distributed.py --config ...).
+        recipe = Path(argv[0]).stem if argv and argv[0].endswith(".py") else "kd_single_device"
+        launcher: list[str] = []
+        if self.world.distributed:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.world_size))
+            launcher = [f"--nproc_per_node={local}"]
+            if self.world.world_size > local:
+                launcher.append(f"--nnodes={self.world.world_size // local}")
+        return ["kd", "run", *launcher, recipe, *argv[1:]]
 
     def _log(self, sums: torch.Tensor, norm: torch.Tensor, num_tokens: int, dt: float) -> None:
         row: dict[str, Any] = {

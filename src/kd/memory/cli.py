@@ -1,0 +1,145 @@
+"""``kd plan``: the memory plan of a config, before any weight exists on disk.
+
+    kd plan --config qwen2_5/14B_to_3B_full_single_device
+    kd plan --config my.yaml batch_size=8 --budget-gib 24 --fit
+    kd plan --config my.yaml --json --trace        # also run the real step under FakeTensorMode
+    kd plan --config my.yaml --plot plan.png
+
+Exit status: 0 when the plan fits the budget (or no budget is known), 1 when it does not, 2 for a
+config mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+from kd.memory.estimate import GIB
+
+_EPILOG = """\
+The plan assumes every sequence is tokenizer.max_seq_len tokens long (memory.seq_len overrides it).
+--fit searches activation checkpointing, micro-batch (accumulation raised to keep the global batch),
+loss chunk size, 8-bit AdamW and CPU-offloaded optimizer states, and prints the settings that fit,
+fastest first, as overrides; a LoRA student and a quantized teacher are only suggested.
+--trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
+(FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters)."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to ``kd``'s argparse subparsers."""
+    p = subparsers.add_parser(
+        "plan",
+        help="memory plan of a config: peak per device, by component and phase (no weights needed)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", required=True, help="built-in config name or YAML path")
+    p.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="per-device budget (default: memory.budget_gib, else the device's memory)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="FSDP2 ranks to plan for (default 1; per-rank numbers)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also trace the real step under FakeTensorMode and report its peaks",
+    )
+    p.add_argument(
+        "--fit", action="store_true", help="when over budget, print the settings that fit"
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, help="write a stacked bar chart of the components"
+    )
+    return p
+
+
+def _device_budget_gib(cfg: Any) -> tuple[float | None, str | None]:
+    """The device's memory when neither --budget-gib nor memory.budget_gib is set."""
+    device = str(cfg.get("device", "cuda"))
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            idx = torch.device(device).index or 0
+            return torch.cuda.get_device_properties(idx).total_memory / GIB, None
+        return None, "no CUDA device on this machine: pass --budget-gib (or set memory.budget_gib)"
+    import psutil
+
+    return psutil.virtual_memory().total / GIB, "budget = this machine's RAM (device=cpu)"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
+    from kd.config import load_config
+    from kd.memory.estimate import estimate
+    from kd.memory.fit import fit_options, format_options
+    from kd.memory.plan import inputs_from_config, make_plan
+
+    t0 = time.perf_counter()
+    cfg = load_config(args.config, list(args.overrides))
+    world = args.world_size or 1
+    inputs = inputs_from_config(cfg, world_size=world, config_name=args.config)
+    budget = args.budget_gib
+    if budget is None and cfg.memory.get("budget_gib") is not None:
+        budget = float(cfg.memory.budget_gib)
+    if budget is None:
+        budget, note = _device_budget_gib(cfg)
+        if note:
+            inputs.notes.append(note)
+    if args.world_size is None and "distributed" in str(args.config):
+        inputs.notes.append(
+            "planned for 1 rank; pass --world-size N for the per-rank plan of N ranks"
+        )
+    plan = make_plan(inputs, budget)
+    if args.trace:
+        from kd.memory.trace import trace_config
+
+        if world > 1:
+            inputs.notes.append("--trace runs one device; FSDP2 terms are estimated only")
+        result = trace_config(cfg, world_size=1)
+        plan.traced = result.phase_peaks
+        plan.traced_wall_s = result.wall_s
+        plan.trace_estimate = estimate(
+            inputs.student, inputs.teacher, dataclasses.replace(inputs.knobs, select_labelled=False)
+        )
+    if args.fit and not plan.fits:
+        plan.fit = fit_options(
+            inputs.student,
+            inputs.teacher,
+            inputs.knobs,
+            budget_bytes=int((plan.budget_gib or 0) * GIB),
+            student_component=inputs.student_component,
+            optimizer_keys=inputs.optimizer_keys,
+        )
+    if args.plot:
+        from kd.memory.report import plot_plan
+
+        plot_plan(plan, args.plot)
+    if args.json:
+        out = plan.to_json()
+        out["plan_wall_s"] = round(time.perf_counter() - t0, 3)
+        print(json.dumps(out, indent=2))
+    else:
+        print(plan.table())
+        if args.fit and plan.fits:
+            print("fit: the plan fits as it is; nothing to change")
+        elif args.fit:
+            print(format_options(plan.fit))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    sys.stdout.flush()
+    return 0 if plan.fits else 1

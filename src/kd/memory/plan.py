@@ -1,0 +1,442 @@
+"""The memory plan of a config: the config adapter, the plan object, its table, and the recipe check.
+
+Only this module (and ``kd.memory.cli``) reads config objects; the estimator and the fit search take
+:class:`~kd.memory.shapes.ModelShape` and :class:`~kd.memory.estimate.TrainKnobs`.
+Importing it imports neither torch nor torchtune.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kd.errors import KDUserError
+from kd.memory.estimate import (
+    COMPONENTS,
+    GIB,
+    PHASES,
+    Estimate,
+    OptimizerSpec,
+    TrainKnobs,
+    estimate,
+)
+from kd.memory.shapes import ModelShape, ShapeError, shape_from_component
+
+PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer_step": "optim step"}
+
+
+@dataclass
+class PlanInputs:
+    """What the planner needs from a config, already typed.
+
+    Attributes:
+        student: student shape.
+        teacher: teacher shape (None for plain fine-tuning).
+        knobs: memory-relevant knobs.
+        seq_len_source: which key set the planned sequence length (for the table).
+        config_name: the config as given (for the table).
+        overrides: the command-line overrides (the fit search appends to them).
+    """
+
+    student: ModelShape
+    teacher: ModelShape | None
+    knobs: TrainKnobs
+    seq_len_source: str = "tokenizer.max_seq_len"
+    config_name: str = ""
+    optimizer_component: str = "torch.optim.AdamW"
+    student_component: str = ""
+    optimizer_keys: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemoryPlan:
+    """The planned peak memory of one device and whether it fits the budget.
+
+    Attributes:
+        peak_bytes: planned peak (allocated + runtime reserve).
+        phase: the phase of the peak (forward, backward or optimizer_step).
+        budget_gib: the budget per device (None when unknown).
+        fits: ``peak_bytes <= budget``.
+        components: component -> bytes at the peak phase (sums to ``peak_bytes``).
+        estimate: the per-phase estimate.
+        inputs: shapes and knobs the plan was made from.
+        traced: phase -> traced allocated bytes (``kd plan --trace``), when run.
+        fit: options that fit (``--fit`` or over budget).
+    """
+
+    peak_bytes: int
+    phase: str
+    budget_gib: float | None
+    fits: bool
+    components: dict[str, int]
+    estimate: Estimate
+    inputs: PlanInputs
+    traced: dict[str, int] | None = None
+    traced_wall_s: float | None = None
+    trace_estimate: Estimate | None = None
+    fit: list[Any] = field(default_factory=list)
+
+    def _trace_est(self) -> Estimate:
+        # The estimate of the fake-tensor path the trace runs (no labelled-row gather).
+        return self.trace_estimate or self.estimate
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.components.get("runtime_reserve", 0)
+
+    @property
+    def traced_peak_gib(self) -> float | None:
+        """Traced allocated peak plus the same runtime reserve (comparable with ``peak_gib``)."""
+        if not self.traced:
+            return None
+        return (max(self.traced.values()) + self.reserve_bytes) / GIB
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``peak_gib``, ``budget_gib``, ``fits``, ``phase``, ``components`` (GiB)..."""
+        e, k = self.estimate, self.inputs.knobs
+        out: dict[str, Any] = {
+            "peak_gib": round(self.peak_gib, 4),
+            "budget_gib": self.budget_gib,
+            "fits": bool(self.fits),
+            "phase": self.phase,
+            "components": {c: round(b / GIB, 4) for c, b in self.components.items()},
+            "phases": {p: round(e.total(p) / GIB, 4) for p in PHASES},
+            "phase_components": {
+                p: {c: round(b / GIB, 4) for c, b in e.phases[p].items()} for p in PHASES
+            },
+            "allocated_peak_gib": round(e.allocated_peak_bytes / GIB, 4),
+            "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
+            "student": {
+                "builder": self.inputs.student.name,
+                "params": e.student_params,
+                "trainable_params": e.trainable_params,
+            },
+            "teacher": (
+                {"builder": self.inputs.teacher.name, "params": e.teacher_params}
+                if self.inputs.teacher is not None
+                else None
+            ),
+            "batch_size": k.batch_size,
+            "seq_len": k.seq_len,
+            "gradient_accumulation_steps": k.grad_accum,
+            "world_size": k.world_size,
+            "notes": list(self.inputs.notes) + list(e.notes),
+        }
+        if self.traced:
+            out["traced_peak_gib"] = round(self.traced_peak_gib or 0.0, 4)
+            out["traced_allocated_gib"] = {p: round(b / GIB, 4) for p, b in self.traced.items()}
+            out["traced_wall_s"] = round(self.traced_wall_s or 0.0, 2)
+            out["trace_vs_estimate"] = round(
+                self._trace_est().allocated_peak_bytes / max(1, max(self.traced.values())), 4
+            )
+        if self.fit:
+            out["fit"] = [opt.to_json() for opt in self.fit]
+        return out
+
+    def table(self) -> str:
+        """A readable table: components by phase, share of the budget, the peak and the verdict."""
+        e, inp, k = self.estimate, self.inputs, self.inputs.knobs
+        lines = []
+        where = f"world size {k.world_size}, per device" if k.world_size > 1 else "one device"
+        lines.append(f"memory plan ({where}){': ' + inp.config_name if inp.config_name else ''}")
+        lines.append(
+            f"  student {inp.student.name}: {e.student_params:,} params, {e.trainable_params:,} trainable"
+        )
+        if inp.teacher is not None:
+            lines.append(f"  teacher {inp.teacher.name}: {e.teacher_params:,} params (frozen)")
+        lines.append(
+            f"  micro-batch {k.batch_size} x {k.seq_len} tokens ({inp.seq_len_source}), "
+            f"accumulation {k.grad_accum}, {'bf16' if k.dtype_bytes == 2 else 'fp32'}, "
+            f"activation checkpointing {'on' if k.activation_checkpointing else 'off'}, "
+            f"{'fused' if k.fused_loss else 'unfused'} loss"
+            + (f" (chunk {k.loss_chunk_size})" if k.fused_loss else "")
+        )
+        budget = self.budget_gib
+        head = f"  {'component':<18}" + "".join(f"{PHASE_LABELS[p]:>12}" for p in PHASES)
+        head += f"{'% budget':>10}"
+        lines.append(head)
+        for c in COMPONENTS:
+            vals = [e.phases[p][c] for p in PHASES]
+            if not any(vals):
+                continue
+            share = f"{100 * self.components[c] / (budget * GIB):9.1f}%" if budget else f"{'':>10}"
+            row = f"  {c:<18}" + "".join(f"{v / GIB:12.2f}" for v in vals) + share
+            lines.append(row)
+        tot = f"  {'total GiB':<18}" + "".join(f"{e.total(p) / GIB:12.2f}" for p in PHASES)
+        if budget:
+            tot += f"{100 * self.peak_bytes / (budget * GIB):9.1f}%"
+        lines.append(tot)
+        if self.traced:
+            lines.append(
+                f"  {'traced (alloc.)':<18}"
+                + "".join(
+                    f"{self.traced[p] / GIB:12.2f}" if p in self.traced else f"{'-':>12}"
+                    for p in PHASES
+                )
+            )
+            lines.append(
+                f"  {'estimate (alloc.)':<18}"
+                + "".join(f"{self._trace_est().allocated(p) / GIB:12.2f}" for p in PHASES)
+            )
+        verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
+        if budget is None:
+            verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
+        elif self.fits:
+            verdict += f"; budget {budget:.2f} GiB: fits ({budget - self.peak_gib:.2f} GiB free)"
+        else:
+            verdict += f"; budget {budget:.2f} GiB: DOES NOT FIT (over by {self.peak_gib - budget:.2f} GiB)"
+        lines.append(verdict)
+        if self.traced:
+            lines.append(
+                f"traced peak {self.traced_peak_gib:.2f} GiB (allocated "
+                f"{max(self.traced.values()) / GIB:.2f} + reserve {self.reserve_bytes / GIB:.2f}); "
+                "estimate/trace (same path) "
+                f"{self._trace_est().allocated_peak_bytes / max(1, max(self.traced.values())):.4f}"
+            )
+        for note in list(inp.notes) + list(e.notes):
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- config adapter
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        try:
+            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+        except Exception:  # omegaconf raises on missing interpolations
+            return default
+    return default if node is None else node
+
+
+def _node_kwargs(node: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(node, DictConfig):
+        data = OmegaConf.to_container(node, resolve=True)
+    else:
+        data = dict(node)
+    assert isinstance(data, dict)
+    comp = str(data.pop("_component_", ""))
+    return comp, data
+
+
+def _hf_config_path(cfg: Any, key: str) -> str | None:
+    ckpt_dir = _get(cfg, f"{key}.checkpoint_dir")
+    if not ckpt_dir:
+        return None
+    return os.path.join(os.path.expanduser(str(ckpt_dir)), "config.json")
+
+
+def _shape(cfg: Any, model_key: str, ckpt_key: str) -> ModelShape:
+    node = _get(cfg, model_key)
+    if node is None:
+        raise KDUserError(f"{model_key}: missing; set its _component_ (a torchtune model builder)")
+    comp, kwargs = _node_kwargs(node)
+    try:
+        return shape_from_component(comp, kwargs, hf_config_path=_hf_config_path(cfg, ckpt_key))
+    except ShapeError as e:
+        raise KDUserError(
+            f"{model_key}: cannot plan memory: {e}; use a torchtune builder or set "
+            "memory.check=off to skip the plan"
+        ) from e
+
+
+def _optimizer(cfg: Any) -> tuple[OptimizerSpec, str]:
+    node = _get(cfg, "optimizer")
+    comp = (
+        str(_get(node, "_component_", "torch.optim.AdamW"))
+        if node is not None
+        else "torch.optim.AdamW"
+    )
+    name = comp.rsplit(".", 1)[-1].lower()
+    in_cpu = bool(_get(cfg, "optimizer_in_cpu", False))
+    fused = bool(_get(node, "fused", False)) if node is not None else False
+    foreach = _get(node, "foreach") if node is not None else None
+    if "8bit" in name:
+        kind = "adamw8bit"
+    elif name == "sgd":
+        kind = "sgd"
+    else:
+        kind = "adamw"
+    momentum = float(_get(node, "momentum", 0.0) or 0.0) if node is not None else 0.0
+    return (
+        OptimizerSpec(
+            kind=kind,
+            fused=fused,
+            foreach=None if foreach is None else bool(foreach),
+            momentum=momentum,
+            in_cpu=in_cpu,
+        ),
+        comp,
+    )
+
+
+def inputs_from_config(cfg: Any, *, world_size: int = 1, config_name: str = "") -> PlanInputs:
+    """Typed planner inputs from a resolved config (``kd.config.load_config`` output).
+
+    Raises:
+        KDUserError: a model whose shape cannot be determined.
+    """
+    notes: list[str] = []
+    student = _shape(cfg, "model", "checkpointer")
+    teacher = None
+    if _get(cfg, "teacher_model") is not None:
+        teacher = _shape(cfg, "teacher_model", "teacher_checkpointer")
+    seq = _get(cfg, "memory.seq_len")
+    source = "memory.seq_len"
+    if seq is None:
+        seq = _get(cfg, "tokenizer.max_seq_len")
+        source = "tokenizer.max_seq_len"
+    if seq is None:
+        seq = student.max_seq_len
+        source = "model max_seq_len"
+        notes.append(
+            f"tokenizer.max_seq_len is not set: planned for the model's {seq} tokens; "
+            "set tokenizer.max_seq_len (or memory.seq_len)"
+        )
+    opt, opt_comp = _optimizer(cfg)
+    divergence = _get(cfg, "kd_loss.divergence", "forward_kl")
+    reserve = _get(cfg, "memory.reserve_gib")
+    reduce = str(_get(cfg, "fsdp.reduce_dtype", "fp32"))
+    knobs = TrainKnobs(
+        batch_size=int(_get(cfg, "batch_size", 1)),
+        seq_len=int(seq),
+        grad_accum=int(_get(cfg, "gradient_accumulation_steps", 1)),
+        dtype_bytes=4 if str(_get(cfg, "dtype", "bf16")) == "fp32" else 2,
+        activation_checkpointing=bool(_get(cfg, "enable_activation_checkpointing", False)),
+        optimizer=opt,
+        fused_loss=bool(_get(cfg, "fused_loss", True)),
+        loss_chunk_size=int(_get(cfg, "loss_chunk_size", 1024)),
+        divergence=str(divergence),
+        kd_ratio=float(_get(cfg, "kd_ratio", 0.5)),
+        temperature=float(_get(cfg, "temperature", 1.0)),
+        world_size=int(world_size),
+        fsdp_cpu_offload=bool(_get(cfg, "fsdp.cpu_offload", False)),
+        reshard_after_forward=bool(_get(cfg, "fsdp.reshard_after_forward", True)),
+        reduce_dtype_bytes=4 if reduce == "fp32" else 2,
+        reserve_bytes=None if reserve is None else int(float(reserve) * GIB),
+    )
+    if student.lora is not None and student.lora.use_dora:
+        notes.append(
+            "use_dora: DoRA's weight-norm temporaries are not in the closed form; check with --trace"
+        )
+    if bool(_get(cfg, "compile", False)):
+        notes.append("compile=true: planned as eager (compiled layers usually save less)")
+    return PlanInputs(
+        student=student,
+        teacher=teacher,
+        knobs=knobs,
+        seq_len_source=source,
+        config_name=config_name,
+        optimizer_component=opt_comp,
+        student_component=str(_get(cfg, "model._component_", "")),
+        optimizer_keys=tuple(str(key) for key in (_get(cfg, "optimizer") or {})),
+        notes=notes,
+    )
+
+
+def make_plan(inputs: PlanInputs, budget_gib: float | None) -> MemoryPlan:
+    """Estimate ``inputs`` and compare the peak with ``budget_gib``."""
+    est = estimate(inputs.student, inputs.teacher, inputs.knobs)
+    comps = dict(est.phases[est.peak_phase])
+    fits = True if budget_gib is None else est.peak_bytes <= budget_gib * GIB
+    return MemoryPlan(
+        peak_bytes=est.peak_bytes,
+        phase=est.peak_phase,
+        budget_gib=None if budget_gib is None else float(budget_gib),
+        fits=fits,
+        components=comps,
+        estimate=est,
+        inputs=inputs,
+    )
+
+
+def plan_from_config(
+    cfg: DictConfig, *, world_size: int = 1, budget_gib: float | None = None
+) -> MemoryPlan:
+    """The memory plan of a resolved config (no weights, no torch import).
+
+    Args:
+        cfg: config from ``kd.config.load_config``.
+        world_size: FSDP2 ranks (per-rank numbers).
+        budget_gib: per-device budget; None uses ``memory.budget_gib`` (which may be None too).
+
+    Raises:
+        KDUserError: a model shape that cannot be determined.
+    """
+    if budget_gib is None:
+        b = _get(cfg, "memory.budget_gib")
+        budget_gib = None if b is None else float(b)
+    return make_plan(inputs_from_config(cfg, world_size=world_size), budget_gib)
+
+
+def check_memory(
+    cfg: DictConfig, *, world_size: int, device_total_bytes: int | None
+) -> MemoryPlan | None:
+    """The recipe's check before any weight loads, honouring ``memory.check``.
+
+    * ``error``: over budget raises :class:`~kd.errors.KDUserError` whose message is the table and the
+      overrides that fit (``kd plan --fit``).
+    * ``warn``: over budget prints the table on stderr and returns the plan.
+    * ``off``: returns None without planning.
+
+    Args:
+        cfg: the resolved config.
+        world_size: ranks (per-rank plan).
+        device_total_bytes: the device's total memory (CPU: RAM), the budget when
+            ``memory.budget_gib`` is null.
+
+    Returns:
+        The plan (None with ``check: off``).
+    """
+    raw = _get(cfg, "memory.check", "error")
+    # YAML 1.1 (OmegaConf) reads a bare `off` as False.
+    mode = "off" if raw is False else str(raw)
+    if mode == "off":
+        return None
+    budget = _get(cfg, "memory.budget_gib")
+    if budget is None and device_total_bytes is not None:
+        budget = device_total_bytes / GIB
+    try:
+        plan = plan_from_config(
+            cfg, world_size=world_size, budget_gib=None if budget is None else float(budget)
+        )
+    except KDUserError as e:
+        if mode == "warn":
+            print(f"kd: warning: {e}", file=sys.stderr)
+            return None
+        raise
+    if plan.fits:
+        return plan
+    from kd.memory.fit import fit_options, format_options
+
+    plan.fit = fit_options(
+        plan.inputs.student,
+        plan.inputs.teacher,
+        plan.inputs.knobs,
+        budget_bytes=int(plan.budget_gib * GIB) if plan.budget_gib else 0,
+        student_component=plan.inputs.student_component,
+        optimizer_keys=plan.inputs.optimizer_keys,
+    )
+    message = (
+        f"memory: the plan needs {plan.peak_gib:.2f} GiB per device in {plan.phase} but the budget "
+        f"is {plan.budget_gib:.2f} GiB (memory.budget_gib); nothing was loaded or written\n"
+        + plan.table()
+        + "\n"
+        + format_options(plan.fit)
+        + "\nset memory.check=warn to run anyway"
+    )
+    if mode == "warn":
+        print(message, file=sys.stderr)
+        return plan
+    raise KDUserError(message)

@@ -1,0 +1,240 @@
+"""Trace one FSDP2 training step of rank 0 of N ranks, on fake CPU tensors (``kd plan --trace``).
+
+The world-size-1 trace (:mod:`kd.memory.trace`) runs the real step under FakeTensorMode; this one
+runs it as rank 0 of a *fake* process group of ``world_size`` ranks (collectives are no-ops that
+produce correctly shaped fake outputs), with the student and teacher sharded exactly as the recipe
+shards them (:func:`kd.distributed.shard_model`). torch's ``FSDPMemTracker`` attributes every
+storage to a category: sharded / unsharded parameters and gradients, all-gather and reduce-scatter
+buffers, activations, temporaries, optimizer states.
+
+Caveats (memory_anchors.md section 6):
+
+* fake CPU tensors only (fake CUDA aborts on autograd); so ``fsdp.cpu_offload`` cannot be traced
+  (its point is the device/host split) and CUDA-only buffer behaviour (streams, allocator rounding,
+  NCCL workspace) is not seen: add the plan's runtime reserve on top;
+* the optimizer is traced with ``foreach=False``: with ``foreach=True`` FSDPMemTracker reported
+  optimizer-step temporaries of 6-15x the sharded parameter bytes in the research probe, which
+  looks like an artefact of foreach on DTensors and is unverified on a GPU;
+* one process plays rank 0 only; with the recipe's even sharding the other ranks differ by at most
+  the padding of one row per parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from kd.errors import KDUserError
+from kd.memory.trace import TraceResult, _quiet, _snapshot, _split_at_backward, _take_phase_peak
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int) -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise KDUserError(
+            "--trace: a process group is already initialized; run kd plan outside torchrun"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(node: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The configured optimizer with ``foreach=False`` for torch optimizers (see module caveats)."""
+    from kd.config import instantiate
+
+    if node is None:
+        return torch.optim.AdamW(params, foreach=False)
+    data = (
+        OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    )
+    assert isinstance(data, dict)
+    extra: dict[str, Any] = {}
+    if str(data.get("_component_", "")).startswith("torch.optim.") and not data.get("fused"):
+        data.pop("foreach", None)
+        extra["foreach"] = False
+    return instantiate(OmegaConf.create(data), params, **extra)
+
+
+def trace_fsdp_step(
+    *,
+    model: Any,
+    teacher_model: Any,
+    optimizer: Any,
+    world_size: int,
+    batch_size: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    dtype: str = "bf16",
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    reduce_dtype: str = "fp32",
+    clip_grad_norm: float | None = None,
+    loss: dict[str, Any] | None = None,
+) -> TraceResult:
+    """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
+
+    Same arguments and result as :func:`kd.memory.trace.trace_step` plus the FSDP knobs; the
+    categories are FSDPMemTracker's (``Sharded Param``, ``Unsharded Param``, ``Buffer``,
+    ``Sharded Grad``, ``Unsharded Grad``, ``Activation``, ``Temp``, ``All Gather``,
+    ``Reduce Scatter``, ``OptState``, ``Inputs``, ``Total``), per phase (``forward``, ``backward``,
+    ``optimizer_step``) and per sub-phase (``student_forward``, ``teacher_forward``,
+    ``loss_forward``, ``backward``, ``optimizer_step``).
+
+    Args:
+        model: student ``_component_`` node.
+        teacher_model: teacher node or None.
+        optimizer: optimizer node (None = AdamW).
+        world_size: ranks (> 1).
+        batch_size: per-rank micro-batch b.
+        seq_len: tokens per sequence s (every position labelled: the worst case).
+        grad_accum: > 1 pre-creates the sharded gradients of the earlier micro-batches.
+        dtype: ``bf16`` or ``fp32`` (parameters, as the recipe builds them).
+        activation_checkpointing: recompute decoder layers in backward.
+        reshard_after_forward: ``fsdp.reshard_after_forward`` (decoder layers and embeddings).
+        reduce_dtype: ``fsdp.reduce_dtype`` (``fp32`` or ``bf16``).
+        clip_grad_norm: traced like the recipe (norm, optional clip).
+        loss: ``kd.train.LossSettings`` fields.
+
+    Returns:
+        Per-phase allocated peaks (bytes, rank 0) and their categories.
+
+    Raises:
+        KDUserError: ``world_size`` < 2, or a process group already exists.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from kd import distributed, models, train
+    from kd.config import instantiate
+
+    if world_size < 2:
+        raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")
+    t0 = time.perf_counter()
+    settings = train.LossSettings(**(loss or {}))
+    tdtype = models.DTYPES[dtype]
+    rdtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
+    gc.collect()
+    phases: dict[str, dict[str, int]] = {}
+    subphases: dict[str, dict[str, int]] = {}
+    currents: dict[str, int] = {}
+    with _quiet(), _fake_process_group(world_size) as mesh, FakeTensorMode():
+        torch.manual_seed(0)
+        with models.default_dtype(tdtype):
+            student = instantiate(model)
+            teacher = instantiate(teacher_model) if teacher_model is not None else None
+        if models.is_lora(student):
+            models.setup_lora_trainable(student)
+        if activation_checkpointing:
+            models.enable_activation_checkpointing(student)
+        models.set_hidden_output(student)
+        shard = {
+            "device_type": "cpu",
+            "param_dtype": tdtype,
+            "reduce_dtype": rdtype,
+            "reshard_after_forward": reshard_after_forward,
+            "cpu_offload": False,
+            "mesh": mesh,
+        }
+        distributed.shard_model(student, **shard)
+        if teacher is not None:
+            models.freeze(teacher)
+            models.set_hidden_output(teacher)
+            distributed.shard_model(teacher, **shard)
+        trainable = [p for p in student.parameters() if p.requires_grad]
+        opt = _optimizer(optimizer, trainable)
+        # Steady state: optimizer states exist from the first step on.
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if grad_accum > 1:
+            for p in trainable:
+                p.grad = torch.zeros_like(p)
+        vocab = models.vocab_size(student)
+        tokens = torch.randint(0, vocab, (batch_size, seq_len))
+        labels = torch.randint(0, vocab, (batch_size, seq_len))
+        total = torch.tensor(batch_size * seq_len * grad_accum * world_size)
+
+        mt = FSDPMemTracker(student, opt)
+        # FSDPMemTracker instruments the FSDP modules under one root; give it both models (it only
+        # walks .modules() and .buffers() of the root after construction).
+        both = nn.Module()
+        both.student = student
+        if teacher is not None:
+            both.teacher = teacher
+        mt._root_mod = both
+        mt.track_inputs((tokens, labels))
+
+        def mark(name: str) -> None:
+            subphases[name] = _take_phase_peak(mt)
+
+        def now(name: str) -> None:
+            currents[name] = _snapshot(mt, "current").get("Total", 0)
+
+        def start_backward() -> None:
+            now("before_backward")
+            mark("loss_forward")
+            phases["forward"] = max(
+                (subphases[k] for k in ("student_forward", "teacher_forward", "loss_forward")),
+                key=lambda d: d.get("Total", 0),
+            )
+
+        def end_backward() -> None:
+            now("after_backward")
+            mark("backward")
+            phases["backward"] = subphases["backward"]
+
+        def after(name: str) -> Any:
+            def hook(*_: Any) -> None:  # returns None: the module's output is kept
+                mark(f"{name}_forward")
+                now(f"after_{name}_forward")
+
+            return hook
+
+        hooks = [student.register_forward_hook(after("student"))]
+        if teacher is not None:
+            hooks.append(teacher.register_forward_hook(after("teacher")))
+        else:
+            subphases["teacher_forward"] = {}
+        with mt:
+            _take_phase_peak(mt)
+            with _split_at_backward(start_backward, end_backward):
+                train.micro_step(
+                    student,
+                    teacher,
+                    tokens,
+                    labels,
+                    settings=settings,
+                    num_tokens_total=total,
+                    grad_scale=float(world_size),
+                )
+            train.grad_norm(trainable, max_norm=clip_grad_norm)
+            opt.step()
+            phases["optimizer_step"] = _take_phase_peak(mt)
+            opt.zero_grad(set_to_none=True)
+        for h in hooks:
+            h.remove()
+    subphases.pop("teacher_forward", None) if teacher is None else None
+    return TraceResult(
+        phase_peaks={p: v.get("Total", 0) for p, v in phases.items()},
+        subphases={p: v.get("Total", 0) for p, v in subphases.items()},
+        subphase_categories=subphases,
+        currents=currents,
+        categories=phases,
+        wall_s=time.perf_counter() - t0,
+    )

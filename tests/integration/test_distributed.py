@@ -1,0 +1,207 @@
+"""kd_distributed on 2 CPU processes (gloo, FSDP2) against kd_single_device with the same global batch.
+
+Each 2-rank launch goes through the command a user types (``kd run --nproc_per_node 2
+kd_distributed``) and costs ~15-30 s of process start-up and imports, so every launch checks as much
+as it can: per-step metrics, final weights, the saved resume state. fp32, shuffle off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write_config
+from safetensors.torch import load_file
+
+from kd import cli
+
+TOL = 1e-5
+COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
+
+
+def _launch(cfg_path: Path, *overrides: str) -> None:
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "kd_distributed"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--config", str(cfg_path), *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _single(cfg_path: Path, *overrides: str) -> None:
+    assert cli.main(["run", "kd_single_device", "--config", str(cfg_path), *overrides]) == 0
+
+
+def _pair(
+    assets, root: Path, name: str, *, global_batch: int, accum: int, **top
+) -> tuple[Path, Path]:
+    """Run one config on one device (batch = global) and on 2 ranks (batch = global / 2)."""
+    one, two = root / f"{name}_1", root / f"{name}_2"
+    per_step = global_batch // accum
+    _single(write_config(root / f"{name}_1.yaml", _config(assets, one, per_step, accum, **top)))
+    _launch(
+        write_config(root / f"{name}_2.yaml", _config(assets, two, per_step // 2, accum, **top))
+    )
+    return one, two
+
+
+def _config(assets, out: Path, batch: int, accum: int, **top) -> dict:
+    model = top.pop("model", None)
+    teacher = top.pop("teacher_model", None)
+    cfg = make_config(assets, out, batch_size=batch, gradient_accumulation_steps=accum, **top)
+    if model is not None:
+        cfg["model"], cfg["teacher_model"] = model, teacher
+    return cfg
+
+
+def _assert_same_metrics(a: Path, b: Path, steps: int) -> None:
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] and len(ra) == steps
+    for x, y in zip(ra, rb, strict=True):
+        for key in COMPARED:
+            assert y[key] == pytest.approx(x[key], abs=TOL, rel=0), (x["step"], key)
+
+
+def _assert_same_tensors(a: dict, b: dict, tol: float = TOL) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=tol, rtol=0, msg=k)
+
+
+def _assert_same_files(a: Path, b: Path, name: str = "model.safetensors") -> None:
+    _assert_same_tensors(load_file(a / name), load_file(b / name))
+
+
+@pytest.fixture(scope="module")
+def full_runs(assets, tmp_path_factory) -> tuple[Path, Path]:
+    """Tied full student, accumulation 2, activation checkpointing, clipping, LR schedule, a step
+    checkpoint at step 2: 8 x 2 on one device vs 4 x 2 ranks x 2."""
+    root = tmp_path_factory.mktemp("full")
+    return _pair(
+        assets,
+        root,
+        "full",
+        global_batch=16,
+        accum=2,
+        enable_activation_checkpointing=True,
+        clip_grad_norm=0.5,  # below the ~1.1 norms: clipping is active
+        save_every_n_steps=2,
+        lr_scheduler={
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": 1,
+            "num_cycles": 0.25,  # lr never reaches 0, so the last step still moves the weights
+        },
+    )
+
+
+@pytest.mark.slow
+def test_full_student_same_loss_weights_and_resume_state(full_runs):
+    one, two = full_runs
+    _assert_same_metrics(one, two, steps=3)
+    _assert_same_files(one / "final", two / "final")
+    _assert_same_files(one / "step_000002", two / "step_000002")
+    # The resume state holds the full optimizer state keyed by parameter name at any world size.
+    sa = torch.load(one / "step_000002" / "recipe_state.pt", weights_only=True)
+    sb = torch.load(two / "step_000002" / "recipe_state.pt", weights_only=True)
+    assert "tok_embeddings.weight" in sb["optimizer"]["state"]
+    assert sorted(sa["optimizer"]["state"]) == sorted(sb["optimizer"]["state"])
+    for name, entry in sa["optimizer"]["state"].items():
+        _assert_same_tensors(entry, sb["optimizer"]["state"][name])
+    assert sb["global_step"] == 2 and sb["lr_scheduler"] == sa["lr_scheduler"]
+
+
+@pytest.mark.slow
+def test_resume_on_two_ranks(full_runs, tmp_path):
+    one, two = full_runs
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(two / "step_000002", out / "step_000002")
+    # The 2-rank run's own config, with the output folder that holds the copied checkpoint.
+    _launch(two.parent / f"{two.name}.yaml", f"output_dir={out}", "resume_from_checkpoint=true")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [3]
+    assert rows[0]["loss"] == pytest.approx(read_metrics(one)[2]["loss"], abs=TOL, rel=0)
+    _assert_same_files(one / "final", out / "final")
+
+
+@pytest.mark.slow
+def test_lora_student(assets, tmp_path):
+    """Tied LoRA student without accumulation: 8 x 1 on one device vs 4 x 2 ranks x 1."""
+    one, two = _pair(assets, tmp_path, "lora", global_batch=8, accum=1, lora=True)
+    _assert_same_metrics(one, two, steps=3)
+    _assert_same_files(one / "final", two / "final")
+    _assert_same_files(one / "final", two / "final", "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_untied_full_student_with_cpu_offload(assets, tmp_path):
+    """Untied student (its embedding is its own FSDP group) and a tied teacher, with the CPU
+    offload policy and layers kept gathered after forward."""
+    swapped = {**assets, "student": assets["teacher"], "teacher": assets["student"]}
+    one, two = _pair(
+        swapped,
+        tmp_path,
+        "untied",
+        global_batch=8,
+        accum=1,
+        model=builder(TEACHER),
+        teacher_model=builder(STUDENT),
+        fsdp={"cpu_offload": True, "reshard_after_forward": False, "reduce_dtype": "fp32"},
+    )
+    _assert_same_metrics(one, two, steps=3)
+    _assert_same_files(one / "final", two / "final")
+
+
+def test_fsdp_trace_shards_per_rank():
+    """The FSDP2 trace (fake process group) sees 1/N of the parameters and optimizer states."""
+    from kd.memory.trace import trace_step
+    from kd.memory.trace_fsdp import trace_fsdp_step
+
+    kw = dict(
+        model=builder(STUDENT),
+        teacher_model=builder(TEACHER),
+        optimizer=None,
+        batch_size=2,
+        seq_len=32,
+        activation_checkpointing=True,
+        loss={"chunk_size": 16},
+    )
+    one = trace_step(**kw)
+    two, four = (trace_fsdp_step(world_size=n, **kw) for n in (2, 4))
+    params = one.categories["forward"]["Parameter"]  # student + teacher, bf16
+    assert two.categories["forward"]["Sharded Param"] == params // 2
+    assert four.categories["forward"]["Sharded Param"] == params // 4
+    opt2, opt4 = (r.categories["forward"]["OptState"] for r in (two, four))
+    assert opt4 < opt2 < one.categories["forward"]["Optstate"]
+    # The layer being computed is gathered in full on every rank.
+    assert four.categories["forward"]["Unsharded Param"] > 0
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert four.phase_peaks[phase] < two.phase_peaks[phase] <= one.phase_peaks[phase]
+
+
+def test_any_rank_and_broadcast_on_a_one_rank_group(tmp_path):
+    """The helpers the loop uses to keep ranks on the same branch run on a real (gloo) group."""
+    import torch.distributed as dist
+
+    from kd import distributed
+
+    world = distributed.WorldInfo(world_size=2, rank=0, local_rank=0)  # take the collective path
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        assert distributed.any_rank(True, device=cpu) is True
+        assert distributed.any_rank(False, device=cpu) is False
+        assert distributed.broadcast_object({"step": 3}, world=world) == {"step": 3}
+        assert distributed.all_reduce_sum(torch.tensor([2.0])).item() == 2.0
+    finally:
+        dist.destroy_process_group()

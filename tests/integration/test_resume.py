@@ -1,0 +1,312 @@
+"""Exact resume and signals, through the paths a user takes.
+
+The reference is one uninterrupted run (CPU, fp32, shuffling, gradient accumulation, AdamW, warmup +
+cosine schedule, two epochs). Every interrupted-and-resumed run must end with ``final/`` weights
+bit-identical to it (``torch.equal``) and the same metric rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import make_config, read_metrics, write_config
+from safetensors.torch import load_file
+
+from kd import checkpoint, cli
+from kd.recipes.kd_single_device import KDRecipe
+
+RECIPE = ["run", "kd_single_device"]
+# Fields that depend on wall time or memory, not on the trajectory.
+_UNTIMED = {"tokens_per_second", "peak_memory_gib", "peak_memory_reserved_gib", "planned_peak_gib"}
+
+
+def trajectory_config(assets: dict, out: Path, **top) -> dict:
+    """8 optimizer steps over 2 epochs; every knob that carries state across a resume is on."""
+    base = dict(
+        shuffle=True,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        epochs=2,
+        max_steps_per_epoch=4,
+        save_every_n_steps=2,
+        keep_last_n=2,
+        optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-3, "weight_decay": 0.01},
+        lr_scheduler={
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": 2,
+        },
+        metric_logger={"_component_": "kd.metrics.StdoutLogger"},
+    )
+    base.update(top)
+    return make_config(assets, out, **base)
+
+
+def run_cli(config: Path, *overrides: str) -> int:
+    return cli.main([*RECIPE, "--config", str(config), *overrides])
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def assert_bit_identical(a: Path, b: Path) -> None:
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in _UNTIMED} for r in read_metrics(out)]
+
+
+def assert_same_metrics(a: Path, b: Path) -> None:
+    ra, rb = metric_rows(a), metric_rows(b)
+    # The resumed run trims the rows a killed run logged after its checkpoint: one row per step.
+    assert [r["step"] for r in rb] == list(range(1, len(rb) + 1))
+    assert ra == rb
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread here and in the subprocesses: the same float reductions everywhere,
+    and tiny models run many times faster than with threads spinning on shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def subprocess_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def start_cli(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kd.cli", *RECIPE, "--config", str(config), *overrides],
+            stdout=out,
+            stderr=err,
+            env=subprocess_env(),
+        )
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the event"
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.01)
+
+
+def sigterm_at_step(monkeypatch, step: int) -> None:
+    """Send this process a real SIGTERM right after the given step is logged."""
+    original = KDRecipe._log
+
+    def log_then_signal(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.global_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory) -> Path:
+    """The uninterrupted run (in-process); its output folder."""
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "run"
+    config = write_config(root / "cfg.yaml", trajectory_config(assets, out))
+    assert run_cli(config) == 0
+    assert (out / "final" / "model.safetensors").exists()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9 and SIGTERM through the command line
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill_9_after_checkpoint_then_resume_is_bit_identical(assets, reference, tmp_path):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    marker = out / checkpoint.step_dirname(2) / checkpoint.MARKER_FILE
+    proc = start_cli(config, tmp_path / "killed")
+    try:
+        wait_for(marker.exists, proc)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "final").exists()
+    resumed_from = checkpoint.read_checkpoint_marker(checkpoint.find_latest_checkpoint(out))
+    assert resumed_from["step"] < 8
+
+    proc = start_cli(config, tmp_path / "resumed", "resume_from_checkpoint=true")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "resumed.err").read_text()[-2000:]
+    assert "Traceback" not in (tmp_path / "resumed.err").read_text()
+    assert_bit_identical(reference, out)
+    assert_same_metrics(reference, out)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_prints_resume_command_and_exits_0(assets, reference, tmp_path):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    metrics = out / "metrics.jsonl"
+    proc = start_cli(config, tmp_path / "stopped")
+    try:
+        wait_for(lambda: metrics.exists() and metrics.read_text().strip() != "", proc)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+        proc.wait()
+    stderr = (tmp_path / "stopped.err").read_text()
+    assert code == 0, stderr[-2000:]
+    assert "Traceback" not in stderr
+    latest = checkpoint.find_latest_checkpoint(out)
+    assert latest is not None and not (out / "final").exists()
+    step = checkpoint.read_checkpoint_marker(latest)["step"]
+    assert step == read_metrics(out)[-1]["step"] < 8
+    assert f"stopped after step {step}" in stderr
+    assert f"saved checkpoint {latest}" in stderr
+    hint = f"to resume, run: kd run kd_single_device --config {config} resume_from_checkpoint=True"
+    assert hint in stderr
+
+    # The printed command, run as printed, finishes the run where the uninterrupted one ends.
+    assert run_cli(config, "resume_from_checkpoint=True") == 0
+    assert_bit_identical(reference, out)
+    assert_same_metrics(reference, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process interruptions (a real SIGTERM to this process), full and LoRA students
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sigterm_mid_epoch_then_resume_is_bit_identical(assets, reference, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    with monkeypatch.context() as m:
+        sigterm_at_step(m, 3)  # mid epoch 0; the resumed run crosses into epoch 1
+        assert run_cli(config) == 0
+    assert checkpoint.read_checkpoint_marker(checkpoint.find_latest_checkpoint(out))["step"] == 3
+    assert not (out / "final").exists()
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    assert_bit_identical(reference, out)
+    assert_same_metrics(reference, out)
+
+
+def test_lora_with_seed_null_resumes_bit_identical(assets, tmp_path, monkeypatch):
+    """LoRA restores adapters and their optimizer state; ``seed: null`` adopts the saved seed."""
+    out = tmp_path / "run"
+    config = write_config(
+        tmp_path / "cfg.yaml", trajectory_config(assets, out, lora=True, seed=None)
+    )
+    with monkeypatch.context() as m:
+        sigterm_at_step(m, 5)
+        assert run_cli(config) == 0
+    latest = checkpoint.find_latest_checkpoint(out)
+    seed = yaml.safe_load(checkpoint.load_checkpoint_config(latest))["seed"]
+    assert isinstance(seed, int)
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == seed
+
+    ref = tmp_path / "ref"
+    ref_config = write_config(
+        tmp_path / "ref.yaml", trajectory_config(assets, ref, lora=True, seed=seed)
+    )
+    assert run_cli(ref_config) == 0
+    assert_bit_identical(ref, out)
+    assert_same_metrics(ref, out)
+    adapter_a = load_file(ref / "final" / "adapter_model.safetensors")
+    adapter_b = load_file(out / "final" / "adapter_model.safetensors")
+    assert all(torch.equal(adapter_a[k], adapter_b[k]) for k in adapter_a)
+
+
+def test_resume_skips_corrupt_newest_checkpoint(assets, reference, tmp_path, caplog):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "final")
+    newest = checkpoint.find_latest_checkpoint(out)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # torn write
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    assert f"skipping checkpoint {newest}" in caplog.text
+    assert_bit_identical(reference, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume mistakes: exit 2, one line naming the key, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+def _errors(capsys) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("kd: error:")]
+
+
+def test_resume_with_changed_config_names_the_key(assets, reference, tmp_path, capsys):
+    before = snapshot(reference)
+    config = write_config(
+        tmp_path / "cfg.yaml", trajectory_config(assets, reference, kd_ratio=0.25)
+    )
+    assert run_cli(config, "resume_from_checkpoint=true") == 2
+    errors = _errors(capsys)
+    assert any(e.startswith("kd: error: kd_ratio: 0.5 in the checkpoint, 0.25 now") for e in errors)
+    assert any("resume_from_checkpoint" in e for e in errors)
+    assert snapshot(reference) == before
+
+
+def test_resume_with_changed_max_steps_per_epoch_mid_epoch(assets, reference, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    shutil.rmtree(out / checkpoint.step_dirname(8))  # newest is now step 6: epoch 1, 2 steps in
+    before = snapshot(out)
+    assert run_cli(config, "resume_from_checkpoint=true", "max_steps_per_epoch=8") == 2
+    (error,) = _errors(capsys)
+    assert error.startswith("kd: error: max_steps_per_epoch:")
+    assert snapshot(out) == before
+
+
+def test_resume_without_checkpoint(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("kept")
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    assert run_cli(config, "resume_from_checkpoint=true") == 2
+    (error,) = _errors(capsys)
+    assert "resume_from_checkpoint: no complete checkpoint under" in error
+    assert snapshot(out) == {"notes.txt": b"kept"}
+
+
+def test_fresh_run_into_folder_with_checkpoints(assets, reference, tmp_path, capsys):
+    before = snapshot(reference)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, reference))
+    assert run_cli(config) == 2
+    (error,) = _errors(capsys)
+    assert error.startswith("kd: error: output_dir:") and "resume_from_checkpoint=true" in error
+    assert snapshot(reference) == before
