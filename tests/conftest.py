@@ -5,15 +5,23 @@ code runs. Models are built with transformers' classes; the teacher has a larger
 from __future__ import annotations
 
 import json
+import os
 import random
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 warnings.filterwarnings("ignore")
+
+# Tiny models: one intra-op thread is much faster than two fighting over a 2-core machine, for this
+# process and the `kd` subprocesses the tests start (they inherit the environment).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(1)
 
 STUDENT = dict(vocab=288, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, tied=True)
 TEACHER = dict(vocab=320, hidden=48, inter=96, layers=2, heads=4, kv_heads=2, tied=False)

@@ -114,6 +114,19 @@ def _split_config_args(argv: list[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 
+def _setup_logging() -> None:
+    """Show the recipes' INFO lines (plan, resume, saves) on stderr, once, on rank 0 only."""
+    import logging
+
+    logger = logging.getLogger("kd")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kd: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+
+
 def run_recipe(fn: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
     """Parse ``--config X [key=value ...] [~key ...]``, load and validate the config, call ``fn``.
 
@@ -127,6 +140,7 @@ def run_recipe(fn: Callable[[DictConfig], None], argv: list[str] | None = None) 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
     argv = [a for a in argv if a != "--debug"]
+    _setup_logging()
     try:
         from kd.config import load_config, validate_config
 

@@ -118,7 +118,9 @@ def load_weights(
         else:
             model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0][:300]
+        # torch's first line is a generic header; the key names follow it.
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        first = " ".join(lines[1:] or lines)[:300]
         raise KDUserError(
             f"{source}: the checkpoint does not match the model builder ({first}); check that "
             f"{source}.checkpoint_dir holds weights of the model named in the builder"

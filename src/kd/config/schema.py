@@ -71,7 +71,10 @@ TOP_LEVEL: dict[str, Key] = {
     "tokenizer": Key(MISSING, node=True, help="tokenizer builder; `max_seq_len` bounds the plan"),
     "checkpointer": Key(MISSING, node=True, help="student checkpointer (HF safetensors)"),
     "teacher_checkpointer": Key(
-        MISSING, node=True, nullable=True, help="teacher checkpointer (HF safetensors); null with teacher_model"
+        MISSING,
+        node=True,
+        nullable=True,
+        help="teacher checkpointer (HF safetensors); null with teacher_model",
     ),
     "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)"),
     "seed": Key(None, _INT, "random seed; null picks one and logs it", nullable=True),
@@ -82,7 +85,9 @@ TOP_LEVEL: dict[str, Key] = {
         node=True,
         help="optimizer builder; torch.optim.* or torchao.optim.AdamW8bit",
     ),
-    "optimizer_in_cpu": Key(False, _BOOL, "keep optimizer states on CPU (torchao CPUOffloadOptimizer)"),
+    "optimizer_in_cpu": Key(
+        False, _BOOL, "keep optimizer states on CPU (torchao CPUOffloadOptimizer)"
+    ),
     "lr_scheduler": Key(
         {
             "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
@@ -104,17 +109,25 @@ TOP_LEVEL: dict[str, Key] = {
         help="divergence to the teacher: a name, {divergence, beta, skew_alpha} or a torchtune loss",
     ),
     "kd_ratio": Key(0.5, _NUM, "loss = (1 - kd_ratio) * CE + kd_ratio * KD", min=0.0, max=1.0),
-    "temperature": Key(1.0, _NUM, "softmax temperature of both models; KD is scaled by T^2", min_exclusive=0.0),
+    "temperature": Key(
+        1.0, _NUM, "softmax temperature of both models; KD is scaled by T^2", min_exclusive=0.0
+    ),
     "fused_loss": Key(
         True,
         _BOOL,
         "fused linear+CE+KD loss over labelled tokens only (no full logits); false = logits path",
     ),
-    "loss_chunk_size": Key(1024, _INT, "tokens per chunk in the loss; memory is chunk x vocab", min=1),
+    "loss_chunk_size": Key(
+        1024, _INT, "tokens per chunk in the loss; memory is chunk x vocab", min=1
+    ),
     "epochs": Key(1, _INT, "passes over the dataset", min=1),
-    "max_steps_per_epoch": Key(None, _INT, "cap on optimizer steps per epoch", nullable=True, min=1),
+    "max_steps_per_epoch": Key(
+        None, _INT, "cap on optimizer steps per epoch", nullable=True, min=1
+    ),
     "gradient_accumulation_steps": Key(1, _INT, "micro-batches per optimizer step", min=1),
-    "clip_grad_norm": Key(None, _NUM, "max gradient norm; null disables clipping", nullable=True, min_exclusive=0.0),
+    "clip_grad_norm": Key(
+        None, _NUM, "max gradient norm; null disables clipping", nullable=True, min_exclusive=0.0
+    ),
     "compile": Key(False, _BOOL, "torch.compile the decoder layers (first steps are slower)"),
     "metric_logger": Key(
         {"_component_": "kd.metrics.StdoutLogger"},
@@ -123,12 +136,24 @@ TOP_LEVEL: dict[str, Key] = {
         "(offline without an API key); torchtune's DiskLogger/WandBLogger also work",
     ),
     "log_every_n_steps": Key(1, _INT, "optimizer steps between metric rows", min=1),
-    "log_peak_memory_stats": Key(True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)"),
+    "log_peak_memory_stats": Key(
+        True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)"
+    ),
     "device": Key("cuda", _STR, "cuda, cpu, or cuda:N"),
     "dtype": Key("bf16", _STR, "parameter dtype of both models", choices=("bf16", "fp32")),
-    "enable_activation_checkpointing": Key(False, _BOOL, "recompute decoder layers in backward (less memory, ~30% slower)"),
-    "resume_from_checkpoint": Key(False, _BOOL, "continue from the newest complete step checkpoint in output_dir"),
-    "save_every_n_steps": Key(None, _INT, "optimizer steps between checkpoints; null = only at the end", nullable=True, min=1),
+    "enable_activation_checkpointing": Key(
+        False, _BOOL, "recompute decoder layers in backward (less memory, ~30% slower)"
+    ),
+    "resume_from_checkpoint": Key(
+        False, _BOOL, "continue from the newest complete step checkpoint in output_dir"
+    ),
+    "save_every_n_steps": Key(
+        None,
+        _INT,
+        "optimizer steps between checkpoints; null = only at the end",
+        nullable=True,
+        min=1,
+    ),
     "keep_last_n": Key(2, _INT, "step checkpoints kept on disk", min=1),
     "max_bad_steps": Key(0, _INT, "non-finite steps skipped before the run stops", min=0),
     "trust_remote_components": Key(
@@ -148,16 +173,36 @@ TOP_LEVEL: dict[str, Key] = {
 
 # Keys of the `memory:` section.
 MEMORY: dict[str, Key] = {
-    "budget_gib": Key(None, _NUM, "GiB per device; null = the device's total memory", nullable=True, min_exclusive=0.0),
+    "budget_gib": Key(
+        None,
+        _NUM,
+        "GiB per device; null = the device's total memory",
+        nullable=True,
+        min_exclusive=0.0,
+    ),
     "check": Key("error", _STR, "what an over-budget plan does", choices=("error", "warn", "off")),
-    "seq_len": Key(None, _INT, "tokens per sequence to plan for; null = tokenizer.max_seq_len", nullable=True, min=1),
-    "reserve_gib": Key(None, _NUM, "runtime reserve (CUDA context, allocator); null = calibrated default", nullable=True, min=0.0),
+    "seq_len": Key(
+        None,
+        _INT,
+        "tokens per sequence to plan for; null = tokenizer.max_seq_len",
+        nullable=True,
+        min=1,
+    ),
+    "reserve_gib": Key(
+        None,
+        _NUM,
+        "runtime reserve (CUDA context, allocator); null = calibrated default",
+        nullable=True,
+        min=0.0,
+    ),
 }
 
 # Keys of the `fsdp:` section.
 FSDP: dict[str, Key] = {
     "cpu_offload": Key(False, _BOOL, "offload parameters, gradients and optimizer states to CPU"),
-    "reshard_after_forward": Key(True, _BOOL, "free unsharded parameters after forward (less memory)"),
+    "reshard_after_forward": Key(
+        True, _BOOL, "free unsharded parameters after forward (less memory)"
+    ),
     "reduce_dtype": Key("fp32", _STR, "gradient reduce-scatter dtype", choices=("fp32", "bf16")),
 }
 

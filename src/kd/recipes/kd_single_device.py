@@ -104,6 +104,8 @@ class KDRecipe:
         self.output_dir = Path(cfg.output_dir)
         self.seed_given = cfg.seed is not None  # seed: null adopts the checkpoint's on resume
         self.seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
+        # Every rank must shuffle alike: a drawn seed comes from rank 0.
+        self.seed = int(distributed.broadcast_object(self.seed, world=self.world))
         cfg.seed = self.seed  # the snapshot records the seed actually used
         self.settings = train.LossSettings(
             kd_ratio=float(cfg.kd_ratio),
@@ -346,11 +348,15 @@ class KDRecipe:
             models.default_dtype(self.dtype),
             torch.device("cpu" if self.world.distributed else self.device),
         ):
-            return instantiate(node)
+            return instantiate(node, allow_any=bool(self.cfg.trust_remote_components))
 
     def _load_teacher(self) -> torch.nn.Module:
         teacher = self._build(self.cfg.teacher_model)
-        ckpt = instantiate(self.cfg.teacher_checkpointer, should_load_recipe_state=False)
+        ckpt = instantiate(
+            self.cfg.teacher_checkpointer,
+            should_load_recipe_state=False,
+            allow_any=bool(self.cfg.trust_remote_components),
+        )
         state = ckpt.load_checkpoint()[tt.MODEL_KEY]
         models.load_weights(
             teacher, state, lora=models.is_lora(teacher), source="teacher_checkpointer"
@@ -362,7 +368,11 @@ class KDRecipe:
 
     def _load_student(self) -> torch.nn.Module:
         student = self._build(self.cfg.model)
-        self._student_ckpt = instantiate(self.cfg.checkpointer, should_load_recipe_state=False)
+        self._student_ckpt = instantiate(
+            self.cfg.checkpointer,
+            should_load_recipe_state=False,
+            allow_any=bool(self.cfg.trust_remote_components),
+        )
         state = self._student_ckpt.load_checkpoint()[tt.MODEL_KEY]
         models.load_weights(student, state, lora=self.lora, source="checkpointer")
         del state
