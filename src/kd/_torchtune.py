@@ -17,7 +17,7 @@ with warnings.catch_warnings():
     import torchtune
     from torchtune import modules as tt_modules
     from torchtune import training as tt_training
-    from torchtune.data import padded_collate_sft
+    from torchtune.data import Message, padded_collate_sft
     from torchtune.models.convert_weights import _FROM_HF as HF_TO_TUNE_KEYS
     from torchtune.models.convert_weights import (
         get_mapped_key,
@@ -61,6 +61,7 @@ ADAPTER_KEY: str = tt_training.ADAPTER_KEY
 ADAPTER_CONFIG_KEY: str = tt_training.ADAPTER_CONFIG
 
 __all__ = [
+    "Message",
     "ADAPTER_CONFIG_KEY",
     "ADAPTER_KEY",
     "CEWithChunkedOutputLoss",

@@ -458,6 +458,61 @@ def load_adapter_weights(
 # ----------------------------------------------------------------------------------------------
 
 
+# Tensor subclasses that may sit in optimizer state (torchao's low-bit AdamW states). They are stored
+# as their plain inner tensors plus the class name, so torch.load(weights_only=True) still reads the
+# file, and rebuilt exactly on load (bit-identical resume with AdamW8bit too).
+_SUBCLASS_KEY = "__kd_tensor_subclass__"
+_SUBCLASS_MODULES = ("torchao.optim.",)
+
+
+def encode_tensor_subclasses(obj: Any) -> Any:
+    """Replace allow-listed tensor subclasses by ``{_SUBCLASS_KEY: name, inner..., ctx, size}`` dicts."""
+    if isinstance(obj, torch.Tensor) and type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        cls = type(obj)
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name.startswith(_SUBCLASS_MODULES) and hasattr(obj, "__tensor_flatten__"):
+            inner_names, ctx = obj.__tensor_flatten__()
+            return {
+                _SUBCLASS_KEY: name,
+                "inner": {n: getattr(obj, n) for n in inner_names},
+                "ctx": list(ctx) if isinstance(ctx, tuple) else ctx,
+                "size": list(obj.size()),
+                "stride": list(obj.stride()),
+            }
+        return obj
+    if isinstance(obj, dict):
+        return {k: encode_tensor_subclasses(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [encode_tensor_subclasses(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(encode_tensor_subclasses(v) for v in obj)
+    return obj
+
+
+def decode_tensor_subclasses(obj: Any) -> Any:
+    """Inverse of :func:`encode_tensor_subclasses` (only allow-listed classes are rebuilt)."""
+    if isinstance(obj, dict):
+        name = obj.get(_SUBCLASS_KEY)
+        if isinstance(name, str):
+            if not name.startswith(_SUBCLASS_MODULES):
+                raise KDUserError(f"recipe state names tensor class {name}, which kd does not load")
+            import importlib
+
+            module, _, qual = name.rpartition(".")
+            cls = getattr(importlib.import_module(module), qual)
+            ctx = obj["ctx"]
+            ctx = tuple(ctx) if isinstance(ctx, list) else ctx
+            return cls.__tensor_unflatten__(
+                obj["inner"], ctx, torch.Size(obj["size"]), tuple(obj["stride"])
+            )
+        return {k: decode_tensor_subclasses(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_tensor_subclasses(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(decode_tensor_subclasses(v) for v in obj)
+    return obj
+
+
 def _check_weights_only(obj: Any, path: str = "recipe_state") -> None:
     """Fail at save time (not hours later at resume) if obj is not weights_only-loadable."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -488,11 +543,12 @@ def load_recipe_state(ckpt: Path) -> dict[str, Any]:
     """``recipe_state.pt`` of a step checkpoint, loaded with ``weights_only=True`` on CPU."""
     path = Path(ckpt) / RECIPE_STATE_FILE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise KDUserError(
             f"{path}: cannot read the recipe state ({e}); delete {Path(ckpt).name} to resume from an older checkpoint"
         ) from e
+    return decode_tensor_subclasses(state)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -794,6 +850,7 @@ def save_checkpoint(
         tmp.mkdir()
         write_model(tmp)
         if recipe_state is not None:
+            recipe_state = encode_tensor_subclasses(recipe_state)
             _check_weights_only(recipe_state)
             with open(tmp / RECIPE_STATE_FILE, "wb") as f:
                 torch.save(recipe_state, f)

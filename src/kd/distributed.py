@@ -20,22 +20,33 @@ Sharding layout (:func:`shard_model`), the same for student and teacher:
 
 State dicts use ``torch.distributed.checkpoint.state_dict`` at every world size, so the resume state
 has one format (full tensors keyed by parameter name) whatever the number of ranks.
+
+Loading weights when distributed (host memory of one full copy per node, not one per rank): only
+rank 0 reads the checkpoint files into a model built on CPU (:func:`on_rank_zero`); every rank,
+rank 0 included, builds the same model on the meta device, shards it, and
+:func:`load_into_meta_sharded` gives the shards storage and fills them from rank 0's full state
+dict, tensor by tensor. Rank 0's dict includes everything its builder initialised (LoRA adapters),
+so every rank gets the weights a single-device run would have.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from kd import _torchtune as tt
+from kd.errors import KDUserError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -130,12 +141,14 @@ def shard_model(
 ) -> nn.Module:
     """FSDP2 ``fully_shard`` each decoder layer, an untied embedding, then the root.
 
-    Call it after loading weights, LoRA setup and activation checkpointing (it shards the existing
-    parameters in place; every rank keeps 1/world of each). See the module docstring for the
+    Call it after LoRA setup and activation checkpointing (it shards the existing parameters in
+    place; every rank keeps 1/world of each). Meta parameters stay meta until
+    :func:`load_into_meta_sharded`. See the module docstring for the
     layout and why the root keeps its parameters gathered after forward.
 
     Args:
-        model: a torchtune ``TransformerDecoder`` (``layers``, ``tok_embeddings``, ``output``) on CPU.
+        model: a torchtune ``TransformerDecoder`` (``layers``, ``tok_embeddings``, ``output``) on
+            the meta device (then :func:`load_into_meta_sharded`) or on CPU.
         device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
         param_dtype: dtype of the gathered parameters in forward/backward.
         reduce_dtype: dtype of the gradient reduce-scatter (fp32 avoids bf16 rounding in the sum).
@@ -230,6 +243,67 @@ def load_full_state_dict(
         state_dict,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict),
     )
+
+
+def on_rank_zero(fn: Callable[[], T], *, world: WorldInfo) -> T | None:
+    """``fn()`` on rank 0 only (``fn()`` itself at world size 1); ``None`` on the other ranks.
+
+    For work only rank 0 does before a collective, such as reading checkpoint files: a failure
+    there must not leave the other ranks waiting in the next collective, so every rank learns of
+    it. Rank 0 raises its own exception; the others raise a :class:`KDUserError` that says rank 0
+    failed (the CLI prints rank 0's message only). Collective when distributed.
+    """
+    if not world.distributed:
+        return fn()
+    result: T | None = None
+    error: Exception | None = None
+    if world.is_rank_zero:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks know
+            error = e
+    failed = broadcast_object(None if error is None else type(error).__name__, world=world)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise KDUserError(f"rank 0 failed ({failed}); see its error message")
+    return result
+
+
+def sync_cpu_rng(*, world: WorldInfo) -> None:
+    """Give every rank rank 0's torch CPU RNG state (no-op at world size 1).
+
+    Building on the meta device draws no random numbers, so after rank 0 alone built a real model
+    (drawing its random init) the ranks' generators differ; this makes them equal again, as they
+    are when every rank builds the same model.
+    """
+    if world.distributed:
+        torch.set_rng_state(broadcast_object(torch.get_rng_state(), world=world))
+
+
+def load_into_meta_sharded(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    init_device: torch.device,
+    world: WorldInfo,
+) -> None:
+    """Give a model built on the meta device and sharded storage, then rank 0's full weights.
+
+    Every rank allocates only its shards (``to_empty``: uninitialised memory) and copies its part of
+    each tensor rank 0 broadcasts (:func:`load_full_state_dict`, strict). Non-persistent buffers
+    (RoPE caches) are not in any state dict: they hold garbage afterwards and the caller recomputes
+    them (:func:`kd.models.reset_rope_buffers`). Collective.
+
+    Args:
+        model: built on the meta device, after :func:`shard_model`.
+        state_dict: rank 0: every parameter and persistent buffer, full, on CPU (a LoRA model's
+            adapters included); other ranks: ``{}``.
+        init_device: where the shards live: the training device, or CPU with ``cpu_offload``.
+        world: this process's place in the job (distributed).
+    """
+    model.to_empty(device=init_device)
+    load_full_state_dict(model, state_dict, strict=True, world=world)
 
 
 def broadcast_object(obj: Any, *, world: WorldInfo) -> Any:

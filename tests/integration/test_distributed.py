@@ -24,9 +24,27 @@ TOL = 1e-5
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
 
 
+# Loaded at start-up by every process of a 2-rank launch: a rank other than 0 that opens a
+# safetensors file (a checkpoint) fails, so each launch checks that only rank 0 reads weights.
+_RANK0_ONLY_GUARD = """
+import os
+if os.environ.get("RANK", "0") != "0":
+    import safetensors
+
+    def _refuse(path, *args, **kwargs):
+        raise RuntimeError(f"rank {os.environ['RANK']} opened {path}; only rank 0 may read weights")
+
+    safetensors.safe_open = _refuse
+"""
+
+
 def _launch(cfg_path: Path, *overrides: str) -> None:
     cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "kd_distributed"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    guard = cfg_path.parent / f"{cfg_path.stem}_guard"
+    guard.mkdir(exist_ok=True)
+    (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD)
+    path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [*cmd, "--config", str(cfg_path), *overrides],
         capture_output=True,

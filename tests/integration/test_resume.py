@@ -244,6 +244,26 @@ def test_lora_with_seed_null_resumes_bit_identical(assets, tmp_path, monkeypatch
     assert all(torch.equal(adapter_a[k], adapter_b[k]) for k in adapter_a)
 
 
+def test_adamw8bit_state_resumes_bit_identical(assets, tmp_path, monkeypatch):
+    """torchao's quantized optimizer states (a tensor subclass) survive a weights_only checkpoint."""
+    optimizer = {"_component_": "torchao.optim.AdamW8bit", "lr": 2e-3}
+    ref = tmp_path / "ref"
+    ref_config = write_config(
+        tmp_path / "ref.yaml", trajectory_config(assets, ref, optimizer=optimizer)
+    )
+    assert run_cli(ref_config) == 0
+    out = tmp_path / "run"
+    config = write_config(
+        tmp_path / "cfg.yaml", trajectory_config(assets, out, optimizer=optimizer)
+    )
+    with monkeypatch.context() as m:
+        sigterm_at_step(m, 3)
+        assert run_cli(config) == 0
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    assert_bit_identical(ref, out)
+    assert_same_metrics(ref, out)
+
+
 def test_resume_skips_corrupt_newest_checkpoint(assets, reference, tmp_path, caplog):
     out = tmp_path / "run"
     shutil.copytree(reference, out)

@@ -101,6 +101,11 @@ class KDRecipe:
         if self.world.distributed and self.device.type == "cuda":
             self.device = torch.device("cuda", self.world.local_rank)
         self.dtype = models.DTYPES[cfg.dtype]
+        if cfg.optimizer_in_cpu and (self.device.type != "cuda" or self.world.distributed):
+            raise KDUserError(
+                "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
+                "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
+            )
         self.output_dir = Path(cfg.output_dir)
         self.seed_given = cfg.seed is not None  # seed: null adopts the checkpoint's on resume
         self.seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(2**31)
@@ -200,7 +205,11 @@ class KDRecipe:
         self.student = self._loading("checkpointer", self._load_student)
         # 5. Optimizer, schedule, resume state.
         trainable = [p for p in self.student.parameters() if p.requires_grad]
-        self.optimizer = self._instantiate("optimizer", "fix the optimizer's arguments", trainable)
+        self.optimizer = (
+            self._cpu_offload_optimizer(trainable)
+            if cfg.optimizer_in_cpu
+            else self._instantiate("optimizer", "fix the optimizer's arguments", trainable)
+        )
         self.lr_scheduler = (
             self._instantiate(
                 "lr_scheduler",
@@ -228,6 +237,25 @@ class KDRecipe:
             self.metric_logger = self._instantiate("metric_logger", "fix the logger's arguments")
             if hasattr(self.metric_logger, "log_config"):
                 self.metric_logger.log_config(cfg)
+
+    def _cpu_offload_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The configured optimizer with its states and step on the CPU (torchao).
+
+        Frees the GPU of the optimizer states (for AdamW twice the trainable weights) at the cost of
+        a host round trip of the gradients each step.
+        """
+        from torchao.optim import CPUOffloadOptimizer
+
+        from kd.config.instantiate import locate_target
+
+        node = self.cfg.optimizer
+        cls, reason = locate_target(
+            node._component_, allow_any=bool(self.cfg.trust_remote_components)
+        )
+        if reason is not None:
+            raise KDUserError(f"optimizer._component_: {reason}")
+        kwargs = {k: v for k, v in node.items() if k != "_component_"}
+        return CPUOffloadOptimizer(params, optimizer_class=cls, **kwargs)
 
     def _instantiate(self, key: str, fix: str, *args: Any, **kwargs: Any) -> Any:
         """Build the config node ``key``; a failure inside the user's component names the key.
@@ -343,60 +371,127 @@ class KDRecipe:
                     plan.budget_gib,
                 )
 
-    def _build(self, node: DictConfig) -> torch.nn.Module:
-        with (
-            models.default_dtype(self.dtype),
-            torch.device("cpu" if self.world.distributed else self.device),
-        ):
+    def _build(self, node: DictConfig, *, meta: bool = False) -> torch.nn.Module:
+        """Instantiate a model builder in the run's dtype.
+
+        ``meta``: shapes only (no memory, no random draws), the skeleton every rank shards before
+        rank 0's weights arrive. Otherwise on the device at world size 1, and on CPU when
+        distributed (rank 0's full copy).
+        """
+        if meta:
+            device = torch.device("meta")
+        else:
+            device = torch.device("cpu") if self.world.distributed else self.device
+        with models.default_dtype(self.dtype), device:
             return instantiate(node, allow_any=bool(self.cfg.trust_remote_components))
 
     def _load_teacher(self) -> torch.nn.Module:
-        teacher = self._build(self.cfg.teacher_model)
-        ckpt = instantiate(
-            self.cfg.teacher_checkpointer,
-            should_load_recipe_state=False,
-            allow_any=bool(self.cfg.trust_remote_components),
-        )
-        state = ckpt.load_checkpoint()[tt.MODEL_KEY]
-        models.load_weights(
-            teacher, state, lora=models.is_lora(teacher), source="teacher_checkpointer"
-        )
-        del state
+        node = self.cfg.teacher_model
+
+        def load() -> torch.nn.Module:
+            teacher = self._build(node)
+            ckpt = instantiate(
+                self.cfg.teacher_checkpointer,
+                should_load_recipe_state=False,
+                allow_any=bool(self.cfg.trust_remote_components),
+            )
+            state = ckpt.load_checkpoint()[tt.MODEL_KEY]
+            models.load_weights(
+                teacher, state, lora=models.is_lora(teacher), source="teacher_checkpointer"
+            )
+            return teacher
+
+        # Only rank 0 reads the files; the others get its weights after sharding (_place).
+        teacher = distributed.on_rank_zero(load, world=self.world)
+        full: dict[str, torch.Tensor] = {}
+        if self.world.distributed:
+            if teacher is not None:
+                full = teacher.state_dict()  # the tensors outlive the module; one full copy
+            distributed.sync_cpu_rng(world=self.world)
+            teacher = self._build(node, meta=True)
+        assert teacher is not None
         models.freeze(teacher)
         models.set_hidden_output(teacher)
-        return self._place(teacher, trainable=False)
+        return self._place(teacher, trainable=False, full_state_dict=full)
 
     def _load_student(self) -> torch.nn.Module:
-        student = self._build(self.cfg.model)
-        self._student_ckpt = instantiate(
-            self.cfg.checkpointer,
-            should_load_recipe_state=False,
-            allow_any=bool(self.cfg.trust_remote_components),
-        )
-        state = self._student_ckpt.load_checkpoint()[tt.MODEL_KEY]
-        models.load_weights(student, state, lora=self.lora, source="checkpointer")
-        del state
+        node = self.cfg.model
+        self._student_ckpt = None  # rank 0's checkpointer (its HF config converts resume weights)
+
+        def load() -> torch.nn.Module:
+            student = self._build(node)
+            self._student_ckpt = instantiate(
+                self.cfg.checkpointer,
+                should_load_recipe_state=False,
+                allow_any=bool(self.cfg.trust_remote_components),
+            )
+            state = self._student_ckpt.load_checkpoint()[tt.MODEL_KEY]
+            # A LoRA student's adapters keep the builder's random init (drawn under the seed).
+            models.load_weights(student, state, lora=self.lora, source="checkpointer")
+            return student
+
+        student = distributed.on_rank_zero(load, world=self.world)
+        full: dict[str, torch.Tensor] = {}
+        if self.world.distributed:
+            # Rank 0 broadcasts base weights *and* adapters, so every rank starts from the
+            # adapters a single-device run draws.
+            if student is not None:
+                full = student.state_dict()
+            distributed.sync_cpu_rng(world=self.world)
+            student = self._build(node, meta=True)
+        assert student is not None
+        # The same wrapping and flags on every rank, before sharding.
         if self.lora:
             models.setup_lora_trainable(student)
         if self.cfg.enable_activation_checkpointing:
             models.enable_activation_checkpointing(student)
         models.set_hidden_output(student)
         student.train()
-        return self._place(student, trainable=True)
+        return self._place(student, trainable=True, full_state_dict=full)
 
-    def _place(self, model: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+    def _place(
+        self,
+        model: torch.nn.Module,
+        *,
+        trainable: bool,
+        full_state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> torch.nn.Module:
+        """Shard a meta-built model and load rank 0's ``full_state_dict`` into it (distributed),
+        then compile; at world size 1 the loaded model is used as it is."""
         if self.world.distributed:
             fsdp = self.cfg.fsdp
-            # fully_shard moves the shards (and buffers) to the device, or keeps them in CPU
-            # memory with cpu_offload.
+            # Non-persistent buffers are in no state dict; kd recomputes RoPE caches only.
+            unknown = [
+                f"{name}.{buf}" if name else buf
+                for name, m in model.named_modules()
+                if not hasattr(m, "rope_init")
+                for buf in m._non_persistent_buffers_set
+            ]
+            if unknown:
+                raise KDUserError(
+                    f"{'model' if trainable else 'teacher_model'}: non-persistent buffers "
+                    f"{unknown[:3]} cannot be recomputed after distributed loading; use a builder "
+                    "whose only non-persistent buffers are RoPE caches, or run on one device"
+                )
+            cpu_offload = bool(fsdp.cpu_offload)
             model = distributed.shard_model(
                 model,
                 device_type=self.device.type,
                 param_dtype=self.dtype,
                 reduce_dtype=torch.float32 if fsdp.reduce_dtype == "fp32" else torch.bfloat16,
                 reshard_after_forward=bool(fsdp.reshard_after_forward),
-                cpu_offload=bool(fsdp.cpu_offload),
+                cpu_offload=cpu_offload,
             )
+            # Shards live on the device, or in CPU memory with cpu_offload.
+            distributed.load_into_meta_sharded(
+                model,
+                full_state_dict or {},
+                init_device=torch.device("cpu") if cpu_offload else self.device,
+                world=self.world,
+            )
+            # Buffers are not offloaded: the RoPE caches belong on the compute device.
+            with self.device:
+                models.reset_rope_buffers(model)
         if self.cfg.compile:
             models.compile_layers(model)
         return model
