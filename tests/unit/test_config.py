@@ -450,3 +450,12 @@ def test_torchtune_kd_configs_load_with_only_missing_path_problems(capsys):
                 message,
             )
             assert "does not exist" in message, (key, message)
+
+
+def test_memory_check_off_unquoted_in_yaml(tmp_path):
+    from kd.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: /tmp/x\nmemory:\n  check: off\n")
+    assert load_config(str(path), []).memory.check == "off"
+    assert load_config(str(path), ["memory.check=off"]).memory.check == "off"

@@ -252,5 +252,13 @@ def load_config(config: str, overrides: list[str]) -> DictConfig:
     apply_compat(cfg, notices)
     fill_defaults(cfg, cleared)
     resolve(cfg)
+    _normalise_yaml_off(cfg)
     print_notices(notices)
     return cfg
+
+
+def _normalise_yaml_off(cfg: DictConfig) -> None:
+    """YAML 1.1 reads an unquoted ``off`` as False; ``memory.check: off`` means the string."""
+    memory = cfg.get("memory")
+    if isinstance(memory, DictConfig) and memory.get("check") is False:
+        memory.check = "off"
