@@ -121,7 +121,17 @@ def _setup_logging() -> None:
     logger = logging.getLogger("kd")
     if logger.handlers:
         return
-    handler = logging.StreamHandler(sys.stderr)
+    class _CurrentStderr(logging.StreamHandler):
+        # Resolve sys.stderr at each record: it may be replaced after setup (pytest, notebooks).
+        @property
+        def stream(self):  # type: ignore[override]
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, value: Any) -> None:
+            pass
+
+    handler = _CurrentStderr()
     handler.setFormatter(logging.Formatter("kd: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
