@@ -121,6 +121,7 @@ def _setup_logging() -> None:
     logger = logging.getLogger("kd")
     if logger.handlers:
         return
+
     class _CurrentStderr(logging.StreamHandler):
         # Resolve sys.stderr at each record: it may be replaced after setup (pytest, notebooks).
         @property

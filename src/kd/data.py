@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kd import _torchtune as tt
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 
 
 class SkipSampler(Sampler[int]):
@@ -75,3 +75,53 @@ def pad_id_of(tokenizer: Any) -> int:
     """The tokenizer's padding id (0 when it has none)."""
     pad = getattr(tokenizer, "pad_id", None)
     return int(pad) if pad is not None else 0
+
+
+def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) -> tuple[int, int]:
+    """Fail fast when no example can teach the student anything.
+
+    torchtune truncates every example to ``tokenizer.max_seq_len``; when the prompts are that long,
+    truncation removes the whole response and every label is masked, and training would silently
+    run on zero tokens. ``sample`` examples spread over the dataset are checked.
+
+    Returns:
+        ``(truncated, checked)``: examples that reach ``max_seq_len``, of those checked.
+
+    Raises:
+        KDUserError: no examples, an unreadable example, or no labelled token in any checked one.
+    """
+    try:
+        n = len(dataset)
+    except TypeError:
+        return 0, 0  # an iterable dataset: nothing to index
+    if n == 0:
+        raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
+    k = min(n, sample)
+    indices = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+    labelled = truncated = 0
+    for i in indices:
+        try:
+            example = dataset[i]
+            labels = list(example["labels"])
+            length = len(example["tokens"])
+        except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
+            raise KDUserError(
+                f"dataset: example {i} cannot be read ({brief(e)}); check dataset.column_map "
+                "against the columns of the data file"
+            ) from e
+        # Position j predicts token j+1 (train.shift_labels), so labels[0] never trains.
+        labelled += any(int(x) != -100 for x in labels[1:])
+        truncated += max_seq_len is not None and length >= int(max_seq_len)
+    if labelled:
+        return truncated, len(indices)
+    if truncated == len(indices):
+        raise KDUserError(
+            f"tokenizer.max_seq_len: every example checked ({len(indices)} of {n}) is at least "
+            f"{max_seq_len} tokens, so truncation removed every response token; raise "
+            "tokenizer.max_seq_len or shorten the prompts"
+        )
+    raise KDUserError(
+        f"dataset: every label is masked in the {len(indices)} examples checked (of {n}), so "
+        "there is nothing to train on; check the response column in dataset.column_map and "
+        "the dataset's masking (train_on_input)"
+    )

@@ -23,3 +23,18 @@ class ConfigError(KDUserError):
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def brief(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of ``e`` and of its root cause, shortened to fit one
+    error line (a wrapper such as ``DatasetGenerationError`` hides the useful part in its cause)."""
+
+    def one(x: BaseException) -> str:
+        lines = str(x).strip().splitlines()
+        return f"{type(x).__name__}: {lines[0]}" if lines else type(x).__name__
+
+    root = e
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = one(e) if root is e else f"{one(e)} <- {one(root)}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

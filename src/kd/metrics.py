@@ -36,6 +36,26 @@ class JsonlWriter:
         self._f.close()
 
 
+def trim_jsonl(path: Path, step: int) -> None:
+    """Drop rows after ``step`` (logged by a run that was killed later) from a metrics file.
+
+    The resumed run logs those steps again; unreadable lines (a row cut by ``kill -9``) go too.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"

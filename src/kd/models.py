@@ -100,6 +100,21 @@ def reset_rope_buffers(model: nn.Module) -> None:
             m.rope_init()
 
 
+def unrecomputable_buffers(model: nn.Module) -> list[str]:
+    """Non-persistent buffers other than RoPE caches.
+
+    Non-persistent buffers are in no state dict, so after distributed loading (meta build + rank 0
+    broadcast) kd can only recompute RoPE caches (:func:`reset_rope_buffers`); anything else would
+    be left uninitialised.
+    """
+    return [
+        f"{name}.{buf}" if name else buf
+        for name, m in model.named_modules()
+        if not hasattr(m, "rope_init")
+        for buf in m._non_persistent_buffers_set
+    ]
+
+
 def load_weights(
     model: nn.Module, state_dict: dict[str, torch.Tensor], *, lora: bool, source: str
 ) -> None:

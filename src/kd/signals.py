@@ -9,6 +9,7 @@ handler comes back and ``KeyboardInterrupt`` is raised at once.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import signal
 import threading
@@ -102,3 +103,24 @@ def resume_hint(command: list[str], checkpoint: Path) -> str:
         f"saved checkpoint {checkpoint}\n"
         f"to resume, run: {shlex.join([*kept, 'resume_from_checkpoint=True'])}"
     )
+
+
+def launch_command(argv: list[str], *, world_size: int) -> list[str]:
+    """The ``kd run ...`` command that started this process (for the resume hint).
+
+    Args:
+        argv: ``sys.argv`` of this process.
+        world_size: ranks of the run; under torchrun the launcher flags are rebuilt from the
+            environment (``LOCAL_WORLD_SIZE``).
+    """
+    if argv[1:2] == ["run"]:  # kd run ... / python -m kd.cli run ...
+        return ["kd", *argv[1:]]
+    # Launched as a recipe file (torchrun kd_distributed.py --config ...).
+    recipe = Path(argv[0]).stem if argv and argv[0].endswith(".py") else "kd_single_device"
+    launcher: list[str] = []
+    if world_size > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        launcher = [f"--nproc_per_node={local}"]
+        if world_size > local:
+            launcher.append(f"--nnodes={world_size // local}")
+    return ["kd", "run", *launcher, recipe, *argv[1:]]

@@ -29,10 +29,8 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -47,46 +45,11 @@ from tqdm import tqdm
 from kd import _torchtune as tt
 from kd import checkpoint, data, distributed, models, train
 from kd.config import instantiate
-from kd.errors import KDUserError
-from kd.metrics import JsonlWriter, peak_memory_gib
-from kd.signals import GracefulStop, resume_hint
+from kd.errors import KDUserError, brief
+from kd.metrics import JsonlWriter, peak_memory_gib, trim_jsonl
+from kd.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
-
-
-def _brief(e: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message`` of ``e`` and of its root cause, shortened to fit one
-    error line (a wrapper such as ``DatasetGenerationError`` hides the useful part in its cause)."""
-
-    def one(x: BaseException) -> str:
-        lines = str(x).strip().splitlines()
-        return f"{type(x).__name__}: {lines[0]}" if lines else type(x).__name__
-
-    root = e
-    while root.__cause__ is not None and root.__cause__ is not root:
-        root = root.__cause__
-    text = one(e) if root is e else f"{one(e)} <- {one(root)}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    """Drop rows after ``step`` (logged by a run that was killed later) from ``metrics.jsonl``.
-
-    The resumed run logs those steps again; unreadable lines (a row cut by ``kill -9``) go too.
-    """
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class KDRecipe:
@@ -168,7 +131,15 @@ class KDRecipe:
             "check dataset.source, dataset.data_files and the file's contents",
             self.tokenizer,
         )
-        self._check_dataset()
+        truncated, checked = data.check_dataset(
+            self.dataset, max_seq_len=self.cfg.tokenizer.get("max_seq_len")
+        )
+        if truncated and self.world.is_rank_zero:
+            log.warning(
+                "%d of %d examples checked reach tokenizer.max_seq_len and are truncated",
+                truncated,
+                checked,
+            )
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=self.batch_size,
@@ -227,7 +198,7 @@ class KDRecipe:
                 self.output_dir.mkdir(parents=True, exist_ok=True)
                 (self.output_dir / "config.yaml").write_text(self.config_yaml)
                 if self.resume_from is not None:
-                    _trim_metrics(self.output_dir / "metrics.jsonl", self.global_step)
+                    trim_jsonl(self.output_dir / "metrics.jsonl", self.global_step)
                 self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
             except OSError as e:
                 raise KDUserError(
@@ -282,7 +253,7 @@ class KDRecipe:
                     f"dataset: {files or 'the data'} has no examples; point dataset.data_files at "
                     "a file with examples"
                 ) from e
-            raise KDUserError(f"{key}: {target} failed ({_brief(e)}); {fix}") from e
+            raise KDUserError(f"{key}: {target} failed ({brief(e)}); {fix}") from e
 
     def _loading(self, key: str, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         """Run ``load`` (a weight loader); unreadable files become an error naming ``key``."""
@@ -293,61 +264,10 @@ class KDRecipe:
         except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types for bad files
             folder = self.cfg[key].get("checkpoint_dir")
             raise KDUserError(
-                f"{key}: cannot load the weights in {folder} ({_brief(e)}); check that "
+                f"{key}: cannot load the weights in {folder} ({brief(e)}); check that "
                 f"{key}.checkpoint_files are complete safetensors of the model its builder names "
                 "(re-download truncated files)"
             ) from e
-
-    def _check_dataset(self, sample: int = 32) -> None:
-        """Fail fast when no example can teach the student anything.
-
-        torchtune truncates every example to ``tokenizer.max_seq_len``; when the prompts are that
-        long, truncation removes the whole response and every label is masked, and training would
-        silently run on zero tokens. ``sample`` examples spread over the dataset are checked.
-        """
-        try:
-            n = len(self.dataset)
-        except TypeError:
-            return  # an iterable dataset: nothing to index
-        if n == 0:
-            raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
-        k = min(n, sample)
-        indices = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
-        max_len = self.cfg.tokenizer.get("max_seq_len")
-        labelled = truncated = 0
-        for i in indices:
-            try:
-                example = self.dataset[i]
-                labels = list(example["labels"])
-                length = len(example["tokens"])
-            except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
-                raise KDUserError(
-                    f"dataset: example {i} cannot be read ({_brief(e)}); check dataset.column_map "
-                    "against the columns of the data file"
-                ) from e
-            # Position j predicts token j+1 (train.shift_labels), so labels[0] never trains.
-            labelled += any(int(x) != -100 for x in labels[1:])
-            truncated += max_len is not None and length >= int(max_len)
-        if labelled:
-            if truncated and self.world.is_rank_zero:
-                log.warning(
-                    "%d of %d examples checked reach tokenizer.max_seq_len=%s and are truncated",
-                    truncated,
-                    len(indices),
-                    max_len,
-                )
-            return
-        if truncated == len(indices):
-            raise KDUserError(
-                f"tokenizer.max_seq_len: every example checked ({len(indices)} of {n}) is at least "
-                f"{max_len} tokens, so truncation removed every response token; raise "
-                "tokenizer.max_seq_len or shorten the prompts"
-            )
-        raise KDUserError(
-            f"dataset: every label is masked in the {len(indices)} examples checked (of {n}), so "
-            "there is nothing to train on; check the response column in dataset.column_map and "
-            "the dataset's masking (train_on_input)"
-        )
 
     def _check_memory(self) -> None:
         from kd import memory
@@ -460,13 +380,7 @@ class KDRecipe:
         then compile; at world size 1 the loaded model is used as it is."""
         if self.world.distributed:
             fsdp = self.cfg.fsdp
-            # Non-persistent buffers are in no state dict; kd recomputes RoPE caches only.
-            unknown = [
-                f"{name}.{buf}" if name else buf
-                for name, m in model.named_modules()
-                if not hasattr(m, "rope_init")
-                for buf in m._non_persistent_buffers_set
-            ]
+            unknown = models.unrecomputable_buffers(model)
             if unknown:
                 raise KDUserError(
                     f"{'model' if trainable else 'teacher_model'}: non-persistent buffers "
@@ -630,7 +544,7 @@ class KDRecipe:
             return [next(it) for _ in range(self.grad_accum)]
         except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
             raise KDUserError(
-                f"dataset: reading the batches of step {self.global_step + 1} failed ({_brief(e)}); "
+                f"dataset: reading the batches of step {self.global_step + 1} failed ({brief(e)}); "
                 "fix that row of the data file (the last checkpoint is kept)"
             ) from e
 
@@ -740,22 +654,10 @@ class KDRecipe:
                 f"kd: received {signal_name}; stopped after step {self.global_step}",
                 file=sys.stderr,
             )
-            print(resume_hint(self._command_line(), path), file=sys.stderr)
-
-    def _command_line(self) -> list[str]:
-        """The ``kd run ...`` command that started this process, for the resume hint."""
-        argv = list(sys.argv)
-        if argv[1:2] == ["run"]:  # kd run ... / python -m kd.cli run ...
-            return ["kd", *argv[1:]]
-        # Launched as a recipe file (torchrun kd_distributed.py --config ...).
-        recipe = Path(argv[0]).stem if argv and argv[0].endswith(".py") else "kd_single_device"
-        launcher: list[str] = []
-        if self.world.distributed:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.world_size))
-            launcher = [f"--nproc_per_node={local}"]
-            if self.world.world_size > local:
-                launcher.append(f"--nnodes={self.world.world_size // local}")
-        return ["kd", "run", *launcher, recipe, *argv[1:]]
+            print(
+                resume_hint(launch_command(sys.argv, world_size=self.world.world_size), path),
+                file=sys.stderr,
+            )
 
     def _log(self, sums: torch.Tensor, norm: torch.Tensor, num_tokens: int, dt: float) -> None:
         row: dict[str, Any] = {
