@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -71,6 +72,7 @@ class ModelShape:
     num_kv_heads: int
     embed_dim: int
     intermediate_dim: int
+    max_seq_len: int = MAX_SEQ_LEN
 
     def builder(self) -> dict[str, Any]:
         """The ``model:`` / ``teacher_model:`` config node."""
@@ -82,7 +84,7 @@ class ModelShape:
             "num_kv_heads": self.num_kv_heads,
             "embed_dim": self.embed_dim,
             "intermediate_dim": self.intermediate_dim,
-            "max_seq_len": MAX_SEQ_LEN,
+            "max_seq_len": self.max_seq_len,
             "norm_eps": 1e-6,
             "rope_base": 1_000_000.0,
             "tie_word_embeddings": True,
@@ -99,7 +101,7 @@ class ModelShape:
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
-            "max_position_embeddings": MAX_SEQ_LEN,
+            "max_position_embeddings": self.max_seq_len,
             "max_window_layers": self.num_layers,
             "rms_norm_eps": 1e-6,
             "rope_theta": 1_000_000.0,
@@ -394,12 +396,25 @@ def write_config(path: Path, cfg: dict[str, Any], header: str) -> Path:
     return path
 
 
+def _quiet_step_checkpoints(record: logging.LogRecord) -> bool:
+    # The demo saves a step checkpoint every few steps for its held-out curves; one line each
+    # would bury the progress bar.
+    return (
+        not record.getMessage().startswith("saved checkpoint") or "step_" not in record.getMessage()
+    )
+
+
 def train(config_path: Path) -> None:
     """Run ``kd run kd_single_device --config <config_path>`` in this process."""
     from kd.cli import run_recipe
     from kd.recipes.kd_single_device import recipe_main
 
-    rc = run_recipe(recipe_main, ["--config", str(config_path)])
+    log = logging.getLogger("kd")
+    log.addFilter(_quiet_step_checkpoints)
+    try:
+        rc = run_recipe(recipe_main, ["--config", str(config_path)])
+    finally:
+        log.removeFilter(_quiet_step_checkpoints)
     if rc != 0:
         raise KDUserError(f"demo: training with {config_path} failed (exit status {rc}); see above")
 
