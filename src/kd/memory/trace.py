@@ -267,7 +267,6 @@ def trace_step(
     settings = train.LossSettings(**(loss or {}))
     tdtype = models.DTYPES[dtype]
     gc.collect()
-    phases: dict[str, dict[str, int]] = {}
     _check_traceable_optimizer(optimizer)
     with _quiet(), _fake_friendly_rope(), FakeTensorMode():
         torch.manual_seed(0)
@@ -307,43 +306,81 @@ def trace_step(
         if opt is not None:
             mt.track_external(opt)
 
-        subphases: dict[str, dict[str, int]] = {}
-        currents: dict[str, int] = {}
+        result = trace_step_phases(
+            mt,
+            student=student,
+            teacher=teacher,
+            tokens=tokens,
+            labels=labels,
+            settings=settings,
+            num_tokens_total=total,
+            trainable=trainable,
+            optimizer=opt,
+            clip_grad_norm=clip_grad_norm,
+        )
+    result.wall_s = time.perf_counter() - t0
+    return result
 
-        def mark(name: str) -> None:
-            subphases[name] = _take_phase_peak(mt)
 
-        def now(name: str) -> None:
-            currents[name] = _snapshot(mt, "current").get("Total", 0)
+def trace_step_phases(
+    mt: Any,
+    *,
+    student: nn.Module,
+    teacher: nn.Module | None,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    settings: Any,
+    num_tokens_total: torch.Tensor,
+    trainable: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    clip_grad_norm: float | None,
+    grad_scale: float = 1.0,
+) -> TraceResult:
+    """Run one micro-step and the optimizer step inside tracker ``mt``; peaks per phase.
 
-        def start_backward() -> None:
-            now("before_backward")
-            mark("loss_forward")
-            phases["forward"] = max(
-                (
-                    subphases[k]
-                    for k in ("student_forward", "teacher_forward", "loss_forward")
-                    if k in subphases
-                ),
-                key=lambda d: d.get("Total", 0),
-            )
+    Shared by the one-device trace (MemTracker) and the FSDP2 trace (FSDPMemTracker): forward
+    (student, teacher, loss sub-phases), backward, optimizer step.
+    """
+    from kd import train
 
-        def end_backward() -> None:
-            now("after_backward")
-            mark("backward")
-            phases["backward"] = subphases["backward"]
+    phases: dict[str, dict[str, int]] = {}
+    subphases: dict[str, dict[str, int]] = {}
+    currents: dict[str, int] = {}
 
-        def after(name: str) -> Any:
-            def hook(*_: Any) -> None:  # returns None: the module's output is kept
-                mark(f"{name}_forward")
-                now(f"after_{name}_forward")
+    def mark(name: str) -> None:
+        subphases[name] = _take_phase_peak(mt)
 
-            return hook
+    def now(name: str) -> None:
+        currents[name] = _snapshot(mt, "current").get("Total", 0)
 
-        hooks = [student.register_forward_hook(after("student"))]
-        if teacher is not None:
-            hooks.append(teacher.register_forward_hook(after("teacher")))
+    def start_backward() -> None:
+        now("before_backward")
+        mark("loss_forward")
+        phases["forward"] = max(
+            (
+                subphases[k]
+                for k in ("student_forward", "teacher_forward", "loss_forward")
+                if k in subphases
+            ),
+            key=lambda d: d.get("Total", 0),
+        )
 
+    def end_backward() -> None:
+        now("after_backward")
+        mark("backward")
+        phases["backward"] = subphases["backward"]
+
+    def after(name: str) -> Any:
+        def hook(*_: Any) -> None:  # returns None: the module's output is kept
+            mark(f"{name}_forward")
+            now(f"after_{name}_forward")
+
+        return hook
+
+    hooks = [student.register_forward_hook(after("student"))]
+    if teacher is not None:
+        hooks.append(teacher.register_forward_hook(after("teacher")))
+    try:
         with mt:
             _take_phase_peak(mt)
             with _split_at_backward(start_backward, end_backward):
@@ -353,14 +390,16 @@ def trace_step(
                     tokens,
                     labels,
                     settings=settings,
-                    num_tokens_total=total,
+                    num_tokens_total=num_tokens_total,
+                    grad_scale=grad_scale,
                 )
             train.grad_norm(trainable, max_norm=clip_grad_norm)
-            if opt is not None:
-                opt.step()
+            if optimizer is not None:
+                optimizer.step()
             phases["optimizer_step"] = _take_phase_peak(mt)
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+    finally:
         for h in hooks:
             h.remove()
     return TraceResult(
@@ -369,5 +408,5 @@ def trace_step(
         subphase_categories=subphases,
         currents=currents,
         categories=phases,
-        wall_s=time.perf_counter() - t0,
+        wall_s=0.0,
     )

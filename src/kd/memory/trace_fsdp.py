@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kd.errors import KDUserError
-from kd.memory.trace import TraceResult, _quiet, _snapshot, _split_at_backward, _take_phase_peak
+from kd.memory.trace import TraceResult, _quiet, trace_step_phases
 
 
 @contextlib.contextmanager
@@ -129,9 +129,6 @@ def trace_fsdp_step(
     tdtype = models.DTYPES[dtype]
     rdtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
     gc.collect()
-    phases: dict[str, dict[str, int]] = {}
-    subphases: dict[str, dict[str, int]] = {}
-    currents: dict[str, int] = {}
     with _quiet(), _fake_process_group(world_size) as mesh, FakeTensorMode():
         torch.manual_seed(0)
         with models.default_dtype(tdtype):
@@ -180,61 +177,18 @@ def trace_fsdp_step(
         mt._root_mod = both
         mt.track_inputs((tokens, labels))
 
-        def mark(name: str) -> None:
-            subphases[name] = _take_phase_peak(mt)
-
-        def now(name: str) -> None:
-            currents[name] = _snapshot(mt, "current").get("Total", 0)
-
-        def start_backward() -> None:
-            now("before_backward")
-            mark("loss_forward")
-            phases["forward"] = max(
-                (subphases[k] for k in ("student_forward", "teacher_forward", "loss_forward")),
-                key=lambda d: d.get("Total", 0),
-            )
-
-        def end_backward() -> None:
-            now("after_backward")
-            mark("backward")
-            phases["backward"] = subphases["backward"]
-
-        def after(name: str) -> Any:
-            def hook(*_: Any) -> None:  # returns None: the module's output is kept
-                mark(f"{name}_forward")
-                now(f"after_{name}_forward")
-
-            return hook
-
-        hooks = [student.register_forward_hook(after("student"))]
-        if teacher is not None:
-            hooks.append(teacher.register_forward_hook(after("teacher")))
-        else:
-            subphases["teacher_forward"] = {}
-        with mt:
-            _take_phase_peak(mt)
-            with _split_at_backward(start_backward, end_backward):
-                train.micro_step(
-                    student,
-                    teacher,
-                    tokens,
-                    labels,
-                    settings=settings,
-                    num_tokens_total=total,
-                    grad_scale=float(world_size),
-                )
-            train.grad_norm(trainable, max_norm=clip_grad_norm)
-            opt.step()
-            phases["optimizer_step"] = _take_phase_peak(mt)
-            opt.zero_grad(set_to_none=True)
-        for h in hooks:
-            h.remove()
-    subphases.pop("teacher_forward", None) if teacher is None else None
-    return TraceResult(
-        phase_peaks={p: v.get("Total", 0) for p, v in phases.items()},
-        subphases={p: v.get("Total", 0) for p, v in subphases.items()},
-        subphase_categories=subphases,
-        currents=currents,
-        categories=phases,
-        wall_s=time.perf_counter() - t0,
-    )
+        result = trace_step_phases(
+            mt,
+            student=student,
+            teacher=teacher,
+            tokens=tokens,
+            labels=labels,
+            settings=settings,
+            num_tokens_total=total,
+            trainable=trainable,
+            optimizer=opt,
+            clip_grad_norm=clip_grad_norm,
+            grad_scale=float(world_size),
+        )
+    result.wall_s = time.perf_counter() - t0
+    return result
