@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from kd.demo import ModelShape, write_random_model, write_tokenizer
+from kd.demo import ModelShape, tokenizer_node, write_random_model, write_tokenizer
 
 VOCAB = 151936  # Qwen2.5-0.5B..3B padded vocabulary
 GIB = 1024**3
@@ -111,17 +111,7 @@ def write_data(path: Path, *, seq_len: int, num_examples: int, tokenizer_dir: Pa
 def _tokenizer(tokenizer_dir: Path) -> Any:
     from kd.config import instantiate
 
-    return instantiate(_tokenizer_node(tokenizer_dir, None))
-
-
-def _tokenizer_node(tokenizer_dir: Path, max_seq_len: int | None) -> dict[str, Any]:
-    return {
-        "_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
-        "path": str(tokenizer_dir / "vocab.json"),
-        "merges_file": str(tokenizer_dir / "merges.txt"),
-        "special_tokens_path": str(tokenizer_dir / "tokenizer.json"),
-        "max_seq_len": max_seq_len,
-    }
+    return instantiate(tokenizer_node(tokenizer_dir, None))
 
 
 def _builder(shape: ModelShape, lora: bool) -> dict[str, Any]:
@@ -149,7 +139,7 @@ def common_config(size: Size, assets: dict[str, Path], out: Path) -> dict[str, A
         "output_dir": str(out),
         "model": _builder(size.student, lora=True),
         "teacher_model": _builder(size.teacher, lora=False),
-        "tokenizer": _tokenizer_node(assets["tokenizer"], size.seq_len),
+        "tokenizer": tokenizer_node(assets["tokenizer"], size.seq_len),
         "checkpointer": _checkpointer(assets["student"], out),
         "teacher_checkpointer": _checkpointer(assets["teacher"], out),
         "resume_from_checkpoint": False,

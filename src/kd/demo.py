@@ -297,13 +297,14 @@ def _builder_kwargs(shape: ModelShape) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ configs
-def tokenizer_node(tokenizer_dir: Path) -> dict[str, Any]:
+def tokenizer_node(tokenizer_dir: Path, max_seq_len: int | None = MAX_SEQ_LEN) -> dict[str, Any]:
+    """The ``tokenizer:`` node of the byte-level Qwen2.5 tokenizer written by the demo."""
     return {
         "_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
         "path": str(tokenizer_dir / "vocab.json"),
         "merges_file": str(tokenizer_dir / "merges.txt"),
         "special_tokens_path": str(tokenizer_dir / "tokenizer.json"),
-        "max_seq_len": MAX_SEQ_LEN,
+        "max_seq_len": max_seq_len,
     }
 
 
