@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kd import losses, models
 
@@ -170,11 +171,35 @@ def micro_step(
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], *, max_norm: float | None) -> torch.Tensor:
-    """Total L2 norm of the gradients; clips them to ``max_norm`` when given."""
+    """Total L2 norm of the gradients; clips them to ``max_norm`` when given.
+
+    FSDP2 gradients (DTensor shards) are reduced from their local shards: a sum of squares per rank
+    and one all-reduce. torch's generic norm over DTensors can gather whole gradients (a trace of
+    the 8B template showed a transient of the full unsharded gradient size per rank).
+    """
     params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if grads and isinstance(grads[0], DTensor):
+        return _sharded_grad_norm(grads, max_norm=max_norm)
     if max_norm is not None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params])
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def _sharded_grad_norm(grads: list[torch.Tensor], *, max_norm: float | None) -> torch.Tensor:
+    """L2 norm (and clip, like ``clip_grad_norm_``) of DTensor gradients sharded over one mesh axis."""
+    import torch.distributed as dist
+
+    local = [g.to_local() for g in grads]
+    squares = [torch.linalg.vector_norm(t, dtype=torch.float32) ** 2 for t in local if t.numel()]
+    sq = torch.stack(squares).sum() if squares else torch.zeros((), device=local[0].device)
+    dist.all_reduce(sq, group=grads[0].device_mesh.get_group())
+    total = sq.sqrt()
+    if max_norm is not None:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for t in local:
+            t.mul_(coef.to(t.dtype))
+    return total
 
 
 def optimizer_step(

@@ -402,3 +402,33 @@ def test_trace_refuses_torchao_optimizers():
             batch_size=1,
             seq_len=8,
         )
+
+
+def test_fsdp_trace_through_trace_config_is_per_rank():
+    """`kd plan --world-size N --trace` traces rank 0 of N FSDP2 ranks; sharding shrinks every phase,
+    and the gradient norm does not gather whole gradients at the optimizer step."""
+    from kd.memory.trace import trace_config
+
+    cfg = OmegaConf.create(
+        {
+            "model": TINY_STUDENT,
+            "teacher_model": TINY_TEACHER,
+            "kd_ratio": 0.5,
+            "tokenizer": {"max_seq_len": 128},
+            "batch_size": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+            "clip_grad_norm": 1.0,
+            "enable_activation_checkpointing": True,
+            "fused_loss": True,
+            "loss_chunk_size": 64,
+            "kd_loss": {"divergence": "forward_kl"},
+            "fsdp": {"cpu_offload": False, "reshard_after_forward": True, "reduce_dtype": "fp32"},
+        }
+    )
+    one = trace_config(cfg, world_size=1).phase_peaks
+    four = trace_config(cfg, world_size=4).phase_peaks
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert four[phase] < one[phase], phase
+    with pytest.raises(KDUserError, match="CPU offload"):
+        trace_config(OmegaConf.merge(cfg, {"fsdp": {"cpu_offload": True}}), world_size=2)

@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
         from kd.memory.trace import trace_config
 
         if world > 1:
-            inputs.notes.append("--trace runs one device; FSDP2 terms are estimated only")
-        result = trace_config(cfg, world_size=1)
+            inputs.notes.append(
+                f"--trace: rank 0 of {world} FSDP2 ranks over a fake process group (FSDPMemTracker)"
+            )
+        result = trace_config(cfg, world_size=world)
         plan.traced = result.phase_peaks
         plan.traced_wall_s = result.wall_s
         plan.trace_estimate = estimate(

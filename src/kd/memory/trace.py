@@ -167,26 +167,48 @@ def _check_traceable_optimizer(optimizer: Any) -> None:
 
 
 def trace_config(cfg: DictConfig, *, world_size: int = 1) -> TraceResult:
-    """Trace one training step of ``cfg`` on one device (fake tensors, no real memory).
+    """Trace one training step of ``cfg`` (fake tensors, no real memory), per rank when sharded.
 
     Args:
         cfg: a resolved config (``kd.config.load_config``).
-        world_size: must be 1 (FSDP2 is estimated, not traced).
+        world_size: ranks; above 1, rank 0 of an FSDP2 run is traced over a fake process group.
 
     Returns:
         Per-phase allocated peaks.
 
     Raises:
-        KDUserError: world size > 1, or a component that cannot run on fake tensors.
+        KDUserError: CPU offload with world size > 1, or a component that cannot run on fake
+            tensors.
     """
-    if world_size != 1:
-        raise KDUserError(
-            "--trace: only world size 1 can be traced; FSDP2 per-rank terms are estimated"
-        )
     from kd.memory.plan import inputs_from_config
 
     inputs = inputs_from_config(cfg)
     seq = inputs.knobs.seq_len
+    if world_size > 1:
+        # Rank 0 of world_size FSDP2 ranks over a fake process group (FSDPMemTracker).
+        from kd.memory.trace_fsdp import trace_fsdp_step
+
+        fsdp = cfg.get("fsdp") or {}
+        if bool(fsdp.get("cpu_offload", False)) or bool(cfg.get("optimizer_in_cpu", False)):
+            raise KDUserError(
+                "--trace: CPU offload cannot be traced on fake tensors; drop --trace (the estimate "
+                "covers it) or trace with fsdp.cpu_offload=false"
+            )
+        return trace_fsdp_step(
+            model=cfg.model,
+            teacher_model=cfg.get("teacher_model"),
+            optimizer=cfg.get("optimizer"),
+            world_size=world_size,
+            batch_size=inputs.knobs.batch_size,
+            seq_len=seq,
+            grad_accum=inputs.knobs.grad_accum,
+            dtype=str(cfg.get("dtype", "bf16")),
+            activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", False)),
+            reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
+            reduce_dtype=str(fsdp.get("reduce_dtype", "fp32")),
+            clip_grad_norm=cfg.get("clip_grad_norm"),
+            loss=_loss_settings(cfg),
+        )
     return trace_step(
         model=cfg.model,
         teacher_model=cfg.get("teacher_model"),
@@ -198,16 +220,21 @@ def trace_config(cfg: DictConfig, *, world_size: int = 1) -> TraceResult:
         activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", False)),
         optimizer_in_cpu=bool(cfg.get("optimizer_in_cpu", False)),
         clip_grad_norm=cfg.get("clip_grad_norm"),
-        loss={
-            "kd_ratio": float(cfg.get("kd_ratio", 0.5)),
-            "temperature": float(cfg.get("temperature", 1.0)),
-            "divergence": str(cfg.kd_loss.get("divergence", "forward_kl")),
-            "beta": float(cfg.kd_loss.get("beta", 0.5)),
-            "skew_alpha": float(cfg.kd_loss.get("skew_alpha", 0.1)),
-            "chunk_size": int(cfg.get("loss_chunk_size", 1024)),
-            "fused": bool(cfg.get("fused_loss", True)),
-        },
+        loss=_loss_settings(cfg),
     )
+
+
+def _loss_settings(cfg: DictConfig) -> dict[str, Any]:
+    """``kd.train.LossSettings`` fields from a resolved config."""
+    return {
+        "kd_ratio": float(cfg.get("kd_ratio", 0.5)),
+        "temperature": float(cfg.get("temperature", 1.0)),
+        "divergence": str(cfg.kd_loss.get("divergence", "forward_kl")),
+        "beta": float(cfg.kd_loss.get("beta", 0.5)),
+        "skew_alpha": float(cfg.kd_loss.get("skew_alpha", 0.1)),
+        "chunk_size": int(cfg.get("loss_chunk_size", 1024)),
+        "fused": bool(cfg.get("fused_loss", True)),
+    }
 
 
 def _build_optimizer(node: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kd.errors import KDUserError
-from kd.memory.trace import TraceResult, _quiet, trace_step_phases
+from kd.memory.trace import TraceResult, _fake_friendly_rope, _quiet, trace_step_phases
 
 
 @contextlib.contextmanager
@@ -129,7 +129,7 @@ def trace_fsdp_step(
     tdtype = models.DTYPES[dtype]
     rdtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
     gc.collect()
-    with _quiet(), _fake_process_group(world_size) as mesh, FakeTensorMode():
+    with _quiet(), _fake_friendly_rope(), _fake_process_group(world_size) as mesh, FakeTensorMode():
         torch.manual_seed(0)
         with models.default_dtype(tdtype):
             student = instantiate(model)
