@@ -237,22 +237,46 @@ def _loss_settings(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _build_optimizer(node: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The config's optimizer; torch optimizers get ``foreach=True`` unless fused/foreach is set,
-    because torch's default on CUDA is foreach while on CPU it is the for-loop."""
+def _build_optimizer(
+    node: Any, params: list[nn.Parameter], *, foreach: bool = True
+) -> torch.optim.Optimizer:
+    """The config's optimizer for a trace; torch optimizers get ``foreach`` unless ``fused``.
+
+    One device traces foreach (torch's CUDA default; CPU would pick the for-loop). The FSDP2 trace
+    passes ``foreach=False``: FSDPMemTracker misattributes foreach temporaries on DTensors.
+    """
     from kd.config import instantiate
 
     if node is None:
-        return torch.optim.AdamW(params, foreach=True)
+        return torch.optim.AdamW(params, foreach=foreach)
     data = (
         OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     )
     assert isinstance(data, dict)
-    comp = str(data.get("_component_", ""))
     extra: dict[str, Any] = {}
-    if comp.startswith("torch.optim.") and not data.get("fused") and data.get("foreach") is None:
-        extra["foreach"] = True
+    if str(data.get("_component_", "")).startswith("torch.optim.") and not data.get("fused"):
+        if not foreach or data.get("foreach") is None:
+            data.pop("foreach", None)
+            extra["foreach"] = foreach
     return instantiate(OmegaConf.create(data), params, **extra)
+
+
+def _prime_steady_state(
+    opt: torch.optim.Optimizer | None,
+    trainable: list[nn.Parameter],
+    *,
+    grads_resident: bool,
+) -> None:
+    """Create the optimizer states (they exist from the first step on) and, when later micro-batches
+    find earlier gradients resident (accumulation, CPU-offloaded states), those gradients."""
+    if opt is not None:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if grads_resident:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
 
 
 def trace_step(
@@ -310,17 +334,7 @@ def trace_step(
         models.set_hidden_output(student)
         trainable = [p for p in student.parameters() if p.requires_grad]
         opt = None if optimizer_in_cpu else _build_optimizer(optimizer, trainable)
-        # Steady state: optimizer states exist from the first step on.
-        if opt is not None:
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if grad_accum > 1 or optimizer_in_cpu:
-            # Later micro-batches of a step find the earlier gradients resident; with CPU-offloaded
-            # states the gradients stay on the device too.
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
+        _prime_steady_state(opt, trainable, grads_resident=grad_accum > 1 or optimizer_in_cpu)
         vocab = models.vocab_size(student)
         tokens = torch.randint(0, vocab, (batch_size, seq_len))
         labels = torch.randint(0, vocab, (batch_size, seq_len))

@@ -29,11 +29,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from kd.errors import KDUserError
-from kd.memory.trace import TraceResult, _fake_friendly_rope, _quiet, trace_step_phases
+from kd.memory.trace import (
+    TraceResult,
+    _build_optimizer,
+    _check_traceable_optimizer,
+    _fake_friendly_rope,
+    _prime_steady_state,
+    _quiet,
+    trace_step_phases,
+)
 
 
 @contextlib.contextmanager
@@ -51,23 +58,6 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
-
-
-def _optimizer(node: Any, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The configured optimizer with ``foreach=False`` for torch optimizers (see module caveats)."""
-    from kd.config import instantiate
-
-    if node is None:
-        return torch.optim.AdamW(params, foreach=False)
-    data = (
-        OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    )
-    assert isinstance(data, dict)
-    extra: dict[str, Any] = {}
-    if str(data.get("_component_", "")).startswith("torch.optim.") and not data.get("fused"):
-        data.pop("foreach", None)
-        extra["foreach"] = False
-    return instantiate(OmegaConf.create(data), params, **extra)
 
 
 def trace_fsdp_step(
@@ -124,6 +114,7 @@ def trace_fsdp_step(
 
     if world_size < 2:
         raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")
+    _check_traceable_optimizer(optimizer)
     t0 = time.perf_counter()
     settings = train.LossSettings(**(loss or {}))
     tdtype = models.DTYPES[dtype]
@@ -153,15 +144,8 @@ def trace_fsdp_step(
             models.set_hidden_output(teacher)
             distributed.shard_model(teacher, **shard)
         trainable = [p for p in student.parameters() if p.requires_grad]
-        opt = _optimizer(optimizer, trainable)
-        # Steady state: optimizer states exist from the first step on.
-        for p in trainable:
-            p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if grad_accum > 1:
-            for p in trainable:
-                p.grad = torch.zeros_like(p)
+        opt = _build_optimizer(optimizer, trainable, foreach=False)
+        _prime_steady_state(opt, trainable, grads_resident=grad_accum > 1)
         vocab = models.vocab_size(student)
         tokens = torch.randint(0, vocab, (batch_size, seq_len))
         labels = torch.randint(0, vocab, (batch_size, seq_len))
