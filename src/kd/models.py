@@ -78,10 +78,6 @@ def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return model.output(hidden).float()
 
 
-def num_params(model: nn.Module, *, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
 def is_lora(model: nn.Module) -> bool:
     return any(isinstance(m, tt.LoRALinear) for m in model.modules())
 

@@ -19,7 +19,7 @@ traces). Bytes are per device; FSDP2 terms divide the sharded pieces by the worl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kd.memory.shapes import NF4_BYTES_PER_PARAM, ModelShape
 
@@ -628,8 +628,3 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         notes=notes,
         subphases=subphases,
     )
-
-
-def with_knobs(knobs: TrainKnobs, **changes: object) -> TrainKnobs:
-    """A copy of ``knobs`` with some fields changed (the fit search uses this)."""
-    return replace(knobs, **changes)  # type: ignore[arg-type]

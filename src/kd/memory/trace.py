@@ -150,11 +150,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _node(cfg: Any, key: str) -> Any:
-    value = cfg.get(key) if hasattr(cfg, "get") else None
-    return value
-
-
 def _check_traceable_optimizer(optimizer: Any) -> None:
     """torchao's low-bit optimizers cannot run on fake tensors (their state subclasses read tensor
     values and crash the process under FakeTensorMode); refuse before building anything."""
