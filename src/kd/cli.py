@@ -188,7 +188,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str]] = []
     attached: set[str] = set()
     for recipe in recipes:
-        rows += [(recipe.name, c) for c in recipe.configs] or [(recipe.name, "")]
+        rows += [(recipe.name, c) for c in recipe.configs] or [
+            (recipe.name, "(any config below; one recipe for 1..N ranks)")
+        ]
         attached.update(recipe.configs)
     rows += [("-", c) for c in list_configs() if c not in attached]
     width = max(len("RECIPE"), *(len(r) for r, _ in rows)) + 4
@@ -227,35 +229,20 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from kd.config import load_config, validate_config
+    """``kd validate``: exactly the pre-load phase of ``kd run`` (:meth:`KDRecipe.preload`)."""
+    from kd.commands import resolve_target
+    from kd.distributed import WorldInfo
+    from kd.recipes.kd import KDRecipe
 
-    cfg = load_config(args.config, list(args.overrides))
-    validate_config(cfg)
-    memory = _optional_module("kd.memory")
-    check_memory = getattr(memory, "check_memory", None)
-    if check_memory is not None:
-        # Honours memory.check: off skips the plan, error raises with the table and fit options.
-        plan = check_memory(
-            cfg,
-            world_size=args.nproc_per_node,
-            device_total_bytes=_device_total_bytes(str(cfg.device)),
-        )
-        if plan is not None:
-            print(plan.table())
+    target = resolve_target(args)
+    # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
+    world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
+    recipe = KDRecipe(target.run, world=world, config_name=args.config)
+    recipe.preload()
+    if recipe.plan is not None:
+        print(recipe.plan.table())
     print("config OK")
     return 0
-
-
-def _device_total_bytes(device: str) -> int | None:
-    """Total memory of the config's CUDA device when one is present (the default budget)."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
-    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 def _optional_module(name: str) -> Any:
@@ -398,11 +385,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="check a config (keys, types, files, components, memory plan) without loading weights",
         description="Check a config completely without loading any weight.",
     )
-    validate.add_argument("--config", required=True, help="built-in config name or YAML path")
-    validate.add_argument(
-        "--nproc_per_node", type=int, default=1, help="devices the memory plan shards over"
-    )
-    validate.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
+    from kd.commands import add_target_arguments
+
+    add_target_arguments(validate)
     validate.set_defaults(func=_cmd_validate)
 
     for module_name, command in _OPTIONAL_COMMANDS:

@@ -125,3 +125,35 @@ def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) ->
         "there is nothing to train on; check the response column in dataset.column_map and "
         "the dataset's masking (train_on_input)"
     )
+
+
+def steps_per_epoch(
+    num_examples: int,
+    *,
+    batch_size: int,
+    world_size: int,
+    grad_accum: int,
+    max_steps: int | None,
+) -> int:
+    """Optimizer steps in one epoch: the sampler drops the last partial batch on every rank.
+
+    Raises:
+        KDUserError: fewer examples than one micro-batch per rank, or than one optimizer step.
+    """
+    if num_examples == 0:
+        raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
+    if num_examples < batch_size * world_size:
+        raise KDUserError(
+            f"dataset: {num_examples} examples is fewer than one batch ({batch_size} x "
+            f"{world_size} ranks); lower batch_size or add data"
+        )
+    micro_batches = (num_examples // world_size) // batch_size
+    steps = micro_batches // grad_accum
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    if steps < 1:
+        raise KDUserError(
+            f"gradient_accumulation_steps: {grad_accum} micro-batches per step but an epoch has "
+            f"only {micro_batches}; lower gradient_accumulation_steps or batch_size"
+        )
+    return steps

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kd import _torchtune as tt
+from kd.config.run import LoraSettings
 from kd.errors import KDUserError
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -141,6 +142,18 @@ def load_weights(
 def setup_lora_trainable(model: nn.Module) -> None:
     """Only adapter weights train; everything else is frozen."""
     tt.set_trainable_params(model, tt.get_adapter_params(model))
+
+
+def peft_adapter_config(lora: LoraSettings) -> dict[str, Any]:
+    """The PEFT ``adapter_config.json`` fields of a torchtune LoRA student."""
+    return {
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": tt.get_lora_module_names(
+            list(lora.attn_modules), lora.apply_to_mlp, lora.apply_to_output
+        ),
+        "peft_type": "LORA",
+    }
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

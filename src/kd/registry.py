@@ -1,9 +1,10 @@
 """Recipes `kd` ships and the built-in configs that belong to each.
 
 A built-in config is a YAML file under the installed package's ``configs/`` folder, named by its
-path relative to that folder without ``.yaml`` (``qwen2_5/14B_to_3B_full_single_device``). A
-config belongs to ``kd_single_device`` when its file name ends with ``_single_device.yaml`` and to
-``kd_distributed`` when it ends with ``_distributed.yaml``.
+path relative to that folder without ``.yaml`` (``qwen2_5/14B_to_3B_full_single_device``). Every
+config belongs to ``kd``, the one recipe; under torchtune's names, a config belongs to
+``kd_single_device`` when its file name ends with ``_single_device.yaml`` and to ``kd_distributed``
+when it ends with ``_distributed.yaml``.
 
 This module must stay cheap to import (``kd ls`` and ``kd --help`` use it): no torch, no torchtune.
 """
@@ -51,7 +52,10 @@ class Recipe:
 
 
 # (name, module, config file suffix, supports_distributed)
-_RECIPES: tuple[tuple[str, str, str, bool], ...] = (
+# `kd` is the one recipe (1..N ranks) and runs every config, so none is attached to it by name;
+# the other two are torchtune's names for it and list the configs of their scale.
+_RECIPES: tuple[tuple[str, str, str | None, bool], ...] = (
+    ("kd", "kd.recipes.kd", None, True),
     ("kd_single_device", "kd.recipes.kd_single_device", "_single_device", False),
     ("kd_distributed", "kd.recipes.kd_distributed", "_distributed", True),
 )
@@ -82,7 +86,12 @@ def list_recipes() -> list[Recipe]:
     """Every recipe with its built-in configs attached."""
     names = list_configs()
     return [
-        Recipe(name, module, [c for c in names if c.endswith(suffix)], distributed)
+        Recipe(
+            name,
+            module,
+            [c for c in names if suffix is not None and c.endswith(suffix)],
+            distributed,
+        )
         for name, module, suffix, distributed in _RECIPES
     ]
 

@@ -18,31 +18,42 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from kd import losses, models
+from kd.config.run import LossSettings
+
+__all__ = [
+    "LossSettings",
+    "MicroStepResult",
+    "StepStats",
+    "compute_loss",
+    "count_tokens",
+    "grad_norm",
+    "micro_step",
+    "optimizer_step",
+    "shift_labels",
+]
 
 
 @dataclass(frozen=True)
-class LossSettings:
-    """How the loss is computed.
+class StepStats:
+    """One optimizer step, reduced over micro-batches and ranks.
 
     Attributes:
-        kd_ratio: weight of the divergence; ``loss = (1 - kd_ratio) * CE + kd_ratio * KD``.
-        temperature: softmax temperature of both models (KD is scaled by T^2).
-        divergence: one of :data:`kd.losses.DIVERGENCES`.
-        beta: JSD mixture weight.
-        skew_alpha: skew-KL mixture weight.
-        chunk_size: tokens per loss chunk (memory is chunk x vocab).
-        fused: fused linear+loss over labelled tokens (no full logits) instead of the logits path.
-        ignore_index: label value of positions without a target.
+        loss: token-weighted mean loss of the step (all ranks).
+        ce_loss: its cross-entropy part.
+        kd_loss: its divergence part (the true divergence, before ``kd_ratio``).
+        grad_norm: total gradient norm before clipping.
+        num_tokens: labelled tokens of the step (all ranks).
+        stepped: False when the gradients were non-finite and the optimizer did not step.
+        seconds: wall time of the step.
     """
 
-    kd_ratio: float = 0.5
-    temperature: float = 1.0
-    divergence: str = "forward_kl"
-    beta: float = 0.5
-    skew_alpha: float = 0.1
-    chunk_size: int = 1024
-    fused: bool = True
-    ignore_index: int = -100
+    loss: float
+    ce_loss: float
+    kd_loss: float
+    grad_norm: float
+    num_tokens: int
+    stepped: bool
+    seconds: float
 
 
 @dataclass

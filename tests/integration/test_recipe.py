@@ -15,7 +15,9 @@ from omegaconf import OmegaConf
 
 from kd import cli, models
 from kd.config import load_config, validate_config
-from kd.recipes.kd_single_device import KDRecipe
+from kd.config.run import run_config
+from kd.distributed import WorldInfo
+from kd.recipes.kd import KDRecipe
 
 REQUIRED_METRICS = {
     "step",
@@ -33,8 +35,9 @@ def _run_in_process(cfg_dict: dict, tmp_path: Path) -> KDRecipe:
     path = write_config(tmp_path / "cfg.yaml", cfg_dict)
     cfg = load_config(str(path), [])
     validate_config(cfg)
-    recipe = KDRecipe(cfg)
-    recipe.setup()
+    recipe = KDRecipe(run_config(cfg), world=WorldInfo(world_size=1, rank=0, local_rank=0))
+    recipe.preload()
+    recipe.load()
     recipe.train()
     recipe.cleanup()
     return recipe

@@ -8,7 +8,9 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from conftest import make_config, write_config
 from test_config import tiny_config, write
 
 import kd
@@ -72,9 +74,10 @@ def test_ls(fake_configs, capsys):
     assert main(["ls"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == ["RECIPE", "CONFIG"]
-    assert out[1].split() == ["kd_single_device", "fam/A_to_B_full_single_device"]
-    assert out[2].split() == ["kd_distributed", "fam/A_to_B_full_distributed"]
-    assert out[3].split() == ["-", "misc/other"]
+    assert out[1].split()[0] == "kd" and "any config" in out[1]
+    assert out[2].split() == ["kd_single_device", "fam/A_to_B_full_single_device"]
+    assert out[3].split() == ["kd_distributed", "fam/A_to_B_full_distributed"]
+    assert out[4].split() == ["-", "misc/other"]
 
 
 def test_ls_real_configs(capsys):
@@ -193,26 +196,69 @@ def test_debug_shows_the_exception(tmp_path):
         main(["--debug", "validate", "--config", bad])
 
 
-def test_validate_ok(tmp_path, capsys):
-    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
-    assert main(["validate", "--config", path, "kd_ratio=0.9"]) == 0  # memory.check: off
+def test_validate_ok(assets, tmp_path, capsys):
+    path = str(write_config(tmp_path / "ok.yaml", make_config(assets, tmp_path / "out")))
+    assert main(["validate", "--config", path, "memory.check=off"]) == 0
     assert capsys.readouterr().out.splitlines() == ["config OK"]
     assert not (tmp_path / "out").exists()  # validation creates nothing
 
 
-def test_validate_prints_memory_plan(tmp_path, capsys):
-    import kd.memory
-
-    if not hasattr(kd.memory, "check_memory"):
-        pytest.skip("kd.memory has no check_memory yet")
-    path = write(tmp_path / "ok.yaml", tiny_config(tmp_path))
-    argv = ["validate", "--config", path, "memory.check=error", "memory.budget_gib=16"]
+def test_validate_prints_memory_plan(assets, tmp_path, capsys):
+    path = str(write_config(tmp_path / "ok.yaml", make_config(assets, tmp_path / "out")))
+    argv = ["validate", "--config", str(path), "memory.check=error", "memory.budget_gib=16"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "config OK" and len(out) > 2  # the plan table, then OK
     assert main([*argv, "memory.budget_gib=0.000001"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kd: error: memory:") and "Traceback" not in err
+    # --budget-gib is memory.budget_gib, on validate as on plan
+    assert main([*argv[:4], "--budget-gib", "0.000001"]) == 2
+    assert capsys.readouterr().err.startswith("kd: error: memory:")
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        # the tokenizer emits ids beyond a 64-row student: no weight is needed to know
+        ("model.vocab_size=64", "tokenizer: emits ids up to"),
+        ("gradient_accumulation_steps=64", "gradient_accumulation_steps:"),
+        ("batch_size=65", "fewer than one batch"),
+        ("device=cuda", "device: cuda is not available"),
+    ],
+)
+def test_validate_makes_the_checks_run_makes_before_loading(
+    assets, tmp_path, capsys, override, needle
+):
+    """`kd validate` is `kd run`'s pre-load phase: both refuse the same config with the same line."""
+    if override == "device=cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = str(write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out")))
+
+    def errors() -> list[str]:  # `kd run` also logs the plan on stderr
+        return [x for x in capsys.readouterr().err.splitlines() if x.startswith("kd: error:")]
+
+    assert main(["validate", "--config", path, override]) == 2
+    validate_err = errors()
+    assert len(validate_err) == 1 and needle in validate_err[0], validate_err
+    assert main(["run", "kd", "--config", path, override]) == 2
+    assert errors() == validate_err
+    assert not (tmp_path / "out").exists()
+
+
+def test_validate_world_size_flags_are_aliases(assets, tmp_path, capsys):
+    """--world-size and --nproc_per_node (torchrun's spelling) are one flag on validate and plan;
+    the plan is per rank, and a data set too small for N ranks is refused as run would."""
+    path = str(write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out")))
+    for flag in ("--world-size", "--nproc_per_node", "--nproc-per-node"):
+        assert main(["validate", "--config", path, flag, "2"]) == 0, capsys.readouterr().err
+        assert "FSDP2 over 2 ranks" in capsys.readouterr().out
+        assert main(["plan", "--config", path, flag, "2"]) == 0
+        assert "FSDP2 over 2 ranks" in capsys.readouterr().out
+    assert main(["validate", "--config", path, "--world-size", "64"]) == 2
+    assert "fewer than one batch" in capsys.readouterr().err
+    assert main(["validate", "--config", path, "--world-size", "0"]) == 2
+    assert "--world-size" in capsys.readouterr().err
 
 
 def test_validate_bad_override_and_malformed_yaml(tmp_path, capsys):

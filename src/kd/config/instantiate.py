@@ -124,7 +124,9 @@ def _node_key(node: Any) -> str:
     return "<node>"
 
 
-def instantiate(node: Any, *args: Any, allow_any: bool = False, **kwargs: Any) -> Any:
+def instantiate(
+    node: Any, *args: Any, allow_any: bool = False, key: str | None = None, **kwargs: Any
+) -> Any:
     """Build ``node._component_`` with the node's other keys plus ``kwargs`` as keyword arguments.
 
     Nested mappings that have their own ``_component_`` are built first (same allow-list), so a
@@ -136,6 +138,7 @@ def instantiate(node: Any, *args: Any, allow_any: bool = False, **kwargs: Any) -
         *args: positional runtime arguments, e.g. ``model.parameters()`` for an optimizer.
         allow_any: the config's ``trust_remote_components``; without it targets outside
             torch, torchtune, torchao and kd are refused.
+        key: the node's config key for messages (default: the node's own full key).
         **kwargs: runtime keyword arguments; they override the node's keys.
 
     Returns:
@@ -147,7 +150,7 @@ def instantiate(node: Any, *args: Any, allow_any: bool = False, **kwargs: Any) -
     """
     if node is None:
         return None
-    key = _node_key(node)
+    key = key or _node_key(node)
     if isinstance(node, DictConfig):
         data = OmegaConf.to_container(node, resolve=True)
     elif isinstance(node, Mapping):
@@ -181,3 +184,41 @@ def _build(
             data[name] = _build(dict(value), f"{key}.{name}", (), {}, allow_any)
     data.update(kwargs)
     return obj(*args, **data)
+
+
+def build_component(key: str, node: Any, *args: Any, trust: bool, fix: str, **kwargs: Any) -> Any:
+    """Build the config node ``key`` (allow-listed); any failure is one line naming ``key``.
+
+    The one way recipes build what a config names: the allow-list (``trust`` is the config's
+    ``trust_remote_components``) and the error wording live here.
+
+    Args:
+        key: the config key (``dataset``, ``optimizer``...), named in every error.
+        node: the key's node (``None`` builds nothing and returns ``None``).
+        *args: positional runtime arguments of the component.
+        trust: allow targets outside the allow-list.
+        fix: the end of the error message (what the user should check).
+        **kwargs: runtime keyword arguments of the component.
+
+    Raises:
+        KDUserError: the target is refused, a key is not an argument, or the component itself
+            raised (its message, shortened, is quoted).
+    """
+    from kd.errors import brief
+
+    if node is None:
+        return None
+    try:
+        return instantiate(node, *args, allow_any=trust, key=key, **kwargs)
+    except KDUserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's component raises is reported
+        target = node.get("_component_") if isinstance(node, Mapping | DictConfig) else node
+        if key == "dataset" and "corresponds to no data" in str(e):
+            # Hugging Face's words for a data file without rows.
+            files = node.get("data_files") if isinstance(node, Mapping | DictConfig) else None
+            raise KDUserError(
+                f"dataset: {files or 'the data'} has no examples; point dataset.data_files at "
+                "a file with examples"
+            ) from e
+        raise KDUserError(f"{key}: {target} failed ({brief(e)}); {fix}") from e

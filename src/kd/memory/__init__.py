@@ -12,7 +12,7 @@ from kd.memory.plan import (
     MemoryPlan,
     PlanInputs,
     check_memory,
-    inputs_from_config,
+    inputs_from_run,
     make_plan,
     plan_from_config,
 )
@@ -31,7 +31,7 @@ __all__ = [
     "estimate",
     "fit_options",
     "format_options",
-    "inputs_from_config",
+    "inputs_from_run",
     "make_plan",
     "plan_from_config",
     "shape_from_component",

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from kd.commands import add_target_arguments, resolve_target
 from kd.memory.estimate import GIB
 
 _EPILOG = """\
@@ -38,20 +39,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True, help="built-in config name or YAML path")
-    p.add_argument("overrides", nargs="*", help="key=value or ~key overrides")
-    p.add_argument(
-        "--budget-gib",
-        type=float,
-        default=None,
-        help="per-device budget (default: memory.budget_gib, else the device's memory)",
-    )
-    p.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="FSDP2 ranks to plan for (default 1; per-rank numbers)",
-    )
+    add_target_arguments(p)
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     p.add_argument(
         "--trace",
@@ -67,44 +55,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _device_budget_gib(cfg: Any) -> tuple[float | None, str | None]:
-    """The device's memory when neither --budget-gib nor memory.budget_gib is set."""
-    device = str(cfg.get("device", "cuda"))
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_available():
-            idx = torch.device(device).index or 0
-            return torch.cuda.get_device_properties(idx).total_memory / GIB, None
-        return None, "no CUDA device on this machine: pass --budget-gib (or set memory.budget_gib)"
-    import psutil
-
-    return psutil.virtual_memory().total / GIB, "budget = this machine's RAM (device=cpu)"
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
-    from kd.config import load_config
+    from kd.device import resolve_budget
     from kd.memory.estimate import estimate
     from kd.memory.fit import fit_options, format_options
-    from kd.memory.plan import inputs_from_config, make_plan
+    from kd.memory.plan import inputs_from_run, make_plan
 
     t0 = time.perf_counter()
-    cfg = load_config(args.config, list(args.overrides))
-    world = args.world_size or 1
-    inputs = inputs_from_config(cfg, world_size=world, config_name=args.config)
-    budget = args.budget_gib
-    if budget is None and cfg.memory.get("budget_gib") is not None:
-        budget = float(cfg.memory.budget_gib)
-    if budget is None:
-        budget, note = _device_budget_gib(cfg)
-        if note:
-            inputs.notes.append(note)
-    if args.world_size is None and "distributed" in str(args.config):
+    target = resolve_target(args, for_plan=True)
+    run, world = target.run, target.world_size
+    inputs = inputs_from_run(run, world_size=world, config_name=args.config)
+    budget = resolve_budget(budget_gib=run.memory.budget_gib, device=run.device)
+    if budget.source != "memory.budget_gib":
+        inputs.notes.append(f"budget = {budget.source}")
+    if args.world_size is None and world == 1 and "distributed" in str(args.config):
         inputs.notes.append(
             "planned for 1 rank; pass --world-size N for the per-rank plan of N ranks"
         )
-    plan = make_plan(inputs, budget)
+    plan = make_plan(inputs, budget.gib)
     if args.trace:
         from kd.memory.trace import trace_config
 
@@ -112,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             inputs.notes.append(
                 f"--trace: rank 0 of {world} FSDP2 ranks over a fake process group (FSDPMemTracker)"
             )
-        result = trace_config(cfg, world_size=world)
+        result = trace_config(target.cfg, world_size=world)
         plan.traced = result.phase_peaks
         plan.traced_wall_s = result.wall_s
         plan.trace_estimate = estimate(

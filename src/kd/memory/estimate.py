@@ -71,8 +71,6 @@ class TrainKnobs:
         fused_loss: kd's fused linear+loss (no full logits).
         loss_chunk_size: tokens per fused-loss chunk.
         divergence: KD divergence name.
-        kd_ratio: KD weight (0 skips the teacher's loss terms but not its forward).
-        temperature: softmax temperature (!= 1 adds a scaled copy on the unfused path).
         world_size: FSDP2 ranks (1 = single device, no sharding).
         fsdp_cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads, states on CPU).
         reshard_after_forward: FSDP2 frees unsharded layers after forward.
@@ -91,8 +89,6 @@ class TrainKnobs:
     fused_loss: bool = True
     loss_chunk_size: int = 1024
     divergence: str = "forward_kl"
-    kd_ratio: float = 0.5
-    temperature: float = 1.0
     world_size: int = 1
     fsdp_cpu_offload: bool = False
     reshard_after_forward: bool = True

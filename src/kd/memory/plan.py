@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError
 from kd.memory.estimate import (
     COMPONENTS,
@@ -207,43 +208,25 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- config adapter
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        if node is None:
-            return default
-        try:
-            node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
-        except Exception:  # omegaconf raises on missing interpolations
-            return default
-    return default if node is None else node
-
-
-def _node_kwargs(node: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(node, DictConfig):
-        data = OmegaConf.to_container(node, resolve=True)
-    else:
-        data = dict(node)
-    assert isinstance(data, dict)
-    comp = str(data.pop("_component_", ""))
-    return comp, data
-
-
-def _hf_config_path(cfg: Any, key: str) -> str | None:
-    ckpt_dir = _get(cfg, f"{key}.checkpoint_dir")
+# --------------------------------------------------------------------------- run adapter
+def _hf_config_path(node: Any) -> str | None:
+    ckpt_dir = node.get("checkpoint_dir") if node is not None else None
     if not ckpt_dir:
         return None
     return os.path.join(os.path.expanduser(str(ckpt_dir)), "config.json")
 
 
-def _shape(cfg: Any, model_key: str, ckpt_key: str) -> ModelShape:
-    node = _get(cfg, model_key)
+def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> ModelShape:
+    node = run.components[model_key]
     if node is None:
         raise KDUserError(f"{model_key}: missing; set its _component_ (a torchtune model builder)")
-    comp, kwargs = _node_kwargs(node)
+    data = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(data, dict)
+    comp = str(data.pop("_component_", ""))
     try:
-        return shape_from_component(comp, kwargs, hf_config_path=_hf_config_path(cfg, ckpt_key))
+        return shape_from_component(
+            comp, data, hf_config_path=_hf_config_path(run.components[ckpt_key])
+        )
     except ShapeError as e:
         raise KDUserError(
             f"{model_key}: cannot plan memory: {e}; use a torchtune builder or set "
@@ -251,96 +234,76 @@ def _shape(cfg: Any, model_key: str, ckpt_key: str) -> ModelShape:
         ) from e
 
 
-def _optimizer(cfg: Any) -> tuple[OptimizerSpec, str]:
-    node = _get(cfg, "optimizer")
-    comp = (
-        str(_get(node, "_component_", "torch.optim.AdamW"))
-        if node is not None
-        else "torch.optim.AdamW"
-    )
-    name = comp.rsplit(".", 1)[-1].lower()
-    in_cpu = bool(_get(cfg, "optimizer_in_cpu", False))
-    fused = bool(_get(node, "fused", False)) if node is not None else False
-    foreach = _get(node, "foreach") if node is not None else None
+def optimizer_spec(run: RunConfig) -> OptimizerSpec:
+    """What the configured optimizer keeps per trainable parameter."""
+    opt = run.optimizer
+    name = opt.component.rsplit(".", 1)[-1].lower()
+    kwargs = opt.kwargs()
     if "8bit" in name:
         kind = "adamw8bit"
     elif name == "sgd":
         kind = "sgd"
     else:
         kind = "adamw"
-    momentum = float(_get(node, "momentum", 0.0) or 0.0) if node is not None else 0.0
-    return (
-        OptimizerSpec(
-            kind=kind,
-            fused=fused,
-            foreach=None if foreach is None else bool(foreach),
-            momentum=momentum,
-            in_cpu=in_cpu,
-        ),
-        comp,
+    foreach = kwargs.get("foreach")
+    return OptimizerSpec(
+        kind=kind,
+        fused=bool(kwargs.get("fused", False)),
+        foreach=None if foreach is None else bool(foreach),
+        momentum=float(kwargs.get("momentum", 0.0) or 0.0),
+        in_cpu=opt.in_cpu,
     )
 
 
-def inputs_from_config(cfg: Any, *, world_size: int = 1, config_name: str = "") -> PlanInputs:
-    """Typed planner inputs from a resolved config (``kd.config.load_config`` output).
+def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "") -> PlanInputs:
+    """Typed planner inputs of a run.
 
     Raises:
         KDUserError: a model whose shape cannot be determined.
     """
     notes: list[str] = []
-    student = _shape(cfg, "model", "checkpointer")
-    teacher = None
-    if _get(cfg, "teacher_model") is not None:
-        teacher = _shape(cfg, "teacher_model", "teacher_checkpointer")
-    seq = _get(cfg, "memory.seq_len")
-    source = "memory.seq_len"
-    if seq is None:
-        seq = _get(cfg, "tokenizer.max_seq_len")
-        source = "tokenizer.max_seq_len"
+    student = _shape(run, "model", "checkpointer")
+    teacher = _shape(run, "teacher_model", "teacher_checkpointer") if run.has_teacher else None
+    seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
-        source = "model max_seq_len"
         notes.append(
             f"tokenizer.max_seq_len is not set: planned for the model's {seq} tokens; "
             "set tokenizer.max_seq_len (or memory.seq_len)"
         )
-    opt, opt_comp = _optimizer(cfg)
-    divergence = _get(cfg, "kd_loss.divergence", "forward_kl")
-    reserve = _get(cfg, "memory.reserve_gib")
-    reduce = str(_get(cfg, "fsdp.reduce_dtype", "fp32"))
+    reserve = run.memory.reserve_gib
     knobs = TrainKnobs(
-        batch_size=int(_get(cfg, "batch_size", 1)),
+        batch_size=run.batch_size,
         seq_len=int(seq),
-        grad_accum=int(_get(cfg, "gradient_accumulation_steps", 1)),
-        dtype_bytes=4 if str(_get(cfg, "dtype", "bf16")) == "fp32" else 2,
-        activation_checkpointing=bool(_get(cfg, "enable_activation_checkpointing", False)),
-        optimizer=opt,
-        fused_loss=bool(_get(cfg, "fused_loss", True)),
-        loss_chunk_size=int(_get(cfg, "loss_chunk_size", 1024)),
-        divergence=str(divergence),
-        kd_ratio=float(_get(cfg, "kd_ratio", 0.5)),
-        temperature=float(_get(cfg, "temperature", 1.0)),
+        grad_accum=run.optimizer.grad_accum,
+        dtype_bytes=4 if run.dtype == "fp32" else 2,
+        activation_checkpointing=run.activation_checkpointing,
+        optimizer=optimizer_spec(run),
+        fused_loss=run.loss.fused,
+        loss_chunk_size=run.loss.chunk_size,
+        divergence=run.loss.divergence,
         world_size=int(world_size),
-        fsdp_cpu_offload=bool(_get(cfg, "fsdp.cpu_offload", False)),
-        reshard_after_forward=bool(_get(cfg, "fsdp.reshard_after_forward", True)),
-        reduce_dtype_bytes=4 if reduce == "fp32" else 2,
-        reserve_bytes=None if reserve is None else int(float(reserve) * GIB),
+        fsdp_cpu_offload=run.fsdp.cpu_offload,
+        reshard_after_forward=run.fsdp.reshard_after_forward,
+        reduce_dtype_bytes=4 if run.fsdp.reduce_dtype == "fp32" else 2,
+        reserve_bytes=None if reserve is None else int(reserve * GIB),
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
             "use_dora: DoRA's weight-norm temporaries are not in the closed form; check with --trace"
         )
-    if bool(_get(cfg, "compile", False)):
+    if run.compile:
         notes.append("compile=true: planned as eager (compiled layers usually save less)")
+    model = run.components["model"]
     return PlanInputs(
         student=student,
         teacher=teacher,
         knobs=knobs,
-        seq_len_source=source,
+        seq_len_source=run.memory.seq_len_source,
         config_name=config_name,
-        optimizer_component=opt_comp,
-        student_component=str(_get(cfg, "model._component_", "")),
-        optimizer_keys=tuple(str(key) for key in (_get(cfg, "optimizer") or {})),
+        optimizer_component=run.optimizer.component,
+        student_component=str(model.get("_component_", "")) if model is not None else "",
+        optimizer_keys=tuple(str(key) for key in run.optimizer.node),
         notes=notes,
     )
 
@@ -364,26 +327,23 @@ def make_plan(inputs: PlanInputs, budget_gib: float | None) -> MemoryPlan:
 def plan_from_config(
     cfg: DictConfig, *, world_size: int = 1, budget_gib: float | None = None
 ) -> MemoryPlan:
-    """The memory plan of a resolved config (no weights, no torch import).
+    """The memory plan of a loaded config (no weights, no torch import); see :func:`plan_run`.
 
     Args:
         cfg: config from ``kd.config.load_config``.
         world_size: FSDP2 ranks (per-rank numbers).
         budget_gib: per-device budget; None uses ``memory.budget_gib`` (which may be None too).
-
-    Raises:
-        KDUserError: a model shape that cannot be determined.
     """
-    if budget_gib is None:
-        b = _get(cfg, "memory.budget_gib")
-        budget_gib = None if b is None else float(b)
-    return make_plan(inputs_from_config(cfg, world_size=world_size), budget_gib)
+    run = run_config(cfg)
+    budget = run.memory.budget_gib if budget_gib is None else budget_gib
+    return make_plan(inputs_from_run(run, world_size=world_size), budget)
 
 
 def check_memory(
-    cfg: DictConfig, *, world_size: int, device_total_bytes: int | None
+    run: RunConfig, *, world_size: int, budget_gib: float | None, config_name: str = ""
 ) -> MemoryPlan | None:
-    """The recipe's check before any weight loads, honouring ``memory.check``.
+    """The check every recipe (and ``kd validate``) makes before any weight loads, honouring
+    ``memory.check``.
 
     * ``error``: over budget raises :class:`~kd.errors.KDUserError` whose message is the table and the
       overrides that fit (``kd plan --fit``).
@@ -391,31 +351,26 @@ def check_memory(
     * ``off``: returns None without planning.
 
     Args:
-        cfg: the resolved config.
+        run: the run configuration.
         world_size: ranks (per-rank plan).
-        device_total_bytes: the device's total memory (CPU: RAM), the budget when
-            ``memory.budget_gib`` is null.
+        budget_gib: the resolved budget per device (:func:`kd.device.resolve_budget`); None when
+            unknown (the plan is then made but cannot be over budget).
+        config_name: the config as given (for the table).
 
     Returns:
         The plan (None with ``check: off``).
     """
-    raw = _get(cfg, "memory.check", "error")
-    # YAML 1.1 (OmegaConf) reads a bare `off` as False.
-    mode = "off" if raw is False else str(raw)
+    mode = run.memory.check
     if mode == "off":
         return None
-    budget = _get(cfg, "memory.budget_gib")
-    if budget is None and device_total_bytes is not None:
-        budget = device_total_bytes / GIB
     try:
-        plan = plan_from_config(
-            cfg, world_size=world_size, budget_gib=None if budget is None else float(budget)
-        )
+        inputs = inputs_from_run(run, world_size=world_size, config_name=config_name)
     except KDUserError as e:
         if mode == "warn":
             print(f"kd: warning: {e}", file=sys.stderr)
             return None
         raise
+    plan = make_plan(inputs, budget_gib)
     if plan.fits:
         return plan
     from kd.memory.fit import fit_options, format_options

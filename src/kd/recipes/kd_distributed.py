@@ -1,8 +1,8 @@
-"""Knowledge distillation on N devices with FSDP2: the ``kd_single_device`` recipe under torchrun.
+"""Knowledge distillation on N devices with FSDP2: torchtune's name for the ``kd`` recipe under torchrun.
 
-There is one recipe. :mod:`kd.recipes.kd_single_device` serves world size 1 and N alike (step, loss,
-checkpoints and resume are the same code); this module only names the distributed entry point so
-``kd ls`` lists the distributed configs and torchrun has a file to launch.
+There is one recipe. :mod:`kd.recipes.kd` serves world size 1 and N alike (step, loss, checkpoints
+and resume are the same code); this module keeps torchtune's distributed name so existing configs
+and launch commands work.
 
 Launch on one machine (``kd run`` hands the torchrun options before the recipe name to torchrun)::
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import sys
 
 from kd.cli import run_recipe
-from kd.recipes.kd_single_device import recipe_main
+from kd.recipes.kd import recipe_main
 
 __all__ = ["recipe_main"]
 

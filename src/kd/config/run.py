@@ -1,0 +1,317 @@
+"""The resolved run configuration: one typed, frozen object built once from a validated config.
+
+``kd run``, ``kd validate``, ``kd plan`` and both memory tracers read their settings from a
+:class:`RunConfig`; nobody else reads the raw ``DictConfig`` or supplies a default of their own (the
+defaults live in :mod:`kd.config.schema`, merged by :func:`kd.config.load_config`).
+
+This module imports no torch: ``kd plan`` and the config checks stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# Nodes built with `_component_` (kept as read-only config nodes: the builders take their keys).
+COMPONENT_KEYS: tuple[str, ...] = (
+    "model",
+    "teacher_model",
+    "tokenizer",
+    "checkpointer",
+    "teacher_checkpointer",
+    "dataset",
+    "optimizer",
+    "lr_scheduler",
+    "metric_logger",
+)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """How the loss is computed.
+
+    Attributes:
+        kd_ratio: weight of the divergence; ``loss = (1 - kd_ratio) * CE + kd_ratio * KD``.
+        temperature: softmax temperature of both models (KD is scaled by T^2).
+        divergence: one of :data:`kd.losses.DIVERGENCES`.
+        beta: JSD mixture weight.
+        skew_alpha: skew-KL mixture weight.
+        chunk_size: tokens per loss chunk (memory is chunk x vocab).
+        fused: fused linear+loss over labelled tokens (no full logits) instead of the logits path.
+        ignore_index: label value of positions without a target.
+    """
+
+    kd_ratio: float = 0.5
+    temperature: float = 1.0
+    divergence: str = "forward_kl"
+    beta: float = 0.5
+    skew_alpha: float = 0.1
+    chunk_size: int = 1024
+    fused: bool = True
+    ignore_index: int = -100
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA student's adapters (the ``lora_*`` builder's arguments), for the PEFT adapter config.
+
+    Attributes:
+        rank: ``lora_rank``.
+        alpha: ``lora_alpha``.
+        attn_modules: ``lora_attn_modules`` (``q_proj``, ``v_proj``...).
+        apply_to_mlp: ``apply_lora_to_mlp``.
+        apply_to_output: ``apply_lora_to_output``.
+    """
+
+    rank: int
+    alpha: float
+    attn_modules: tuple[str, ...]
+    apply_to_mlp: bool
+    apply_to_output: bool
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer and what happens around its step.
+
+    Attributes:
+        component: dotted path of the optimizer class (``optimizer._component_``).
+        node: the ``optimizer`` node (read-only; its keys are the optimizer's arguments).
+        in_cpu: states and step on the CPU (``optimizer_in_cpu``, torchao CPUOffloadOptimizer).
+        clip_grad_norm: max gradient norm, None = no clipping.
+        grad_accum: micro-batches per optimizer step.
+    """
+
+    component: str
+    node: DictConfig
+    in_cpu: bool
+    clip_grad_norm: float | None
+    grad_accum: int
+
+    def kwargs(self) -> dict[str, Any]:
+        """The optimizer's arguments (the node without ``_component_``)."""
+        data = OmegaConf.to_container(self.node, resolve=True)
+        assert isinstance(data, dict)
+        data.pop("_component_", None)
+        return {str(k): v for k, v in data.items()}
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """The memory plan's inputs that are not model shapes (``memory:`` section).
+
+    Attributes:
+        budget_gib: GiB per device; None = the device's total memory (see
+            :func:`kd.device.resolve_budget`).
+        check: ``error`` | ``warn`` | ``off``: what an over-budget plan does.
+        seq_len: tokens per sequence to plan for (``memory.seq_len``, else
+            ``tokenizer.max_seq_len``); None = the model's own maximum.
+        seq_len_source: which key ``seq_len`` came from.
+        reserve_gib: runtime reserve override; None = the calibrated default.
+    """
+
+    budget_gib: float | None
+    check: str
+    seq_len: int | None
+    seq_len_source: str
+    reserve_gib: float | None
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """FSDP2 options when several ranks train (``fsdp:`` section)."""
+
+    cpu_offload: bool
+    reshard_after_forward: bool
+    reduce_dtype: str
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where outputs go and when step checkpoints are written.
+
+    Attributes:
+        output_dir: folder of checkpoints, ``metrics.jsonl`` and ``final/``.
+        save_every_n_steps: optimizer steps between step checkpoints; None = only ``final/``.
+        keep_last_n: step checkpoints kept.
+        resume: continue from the newest complete step checkpoint.
+    """
+
+    output_dir: Path
+    save_every_n_steps: int | None
+    keep_last_n: int
+    resume: bool
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every setting of a run, typed and read once (see :func:`run_config`).
+
+    Attributes:
+        loss: loss settings (also what the tracers use).
+        optimizer: optimizer, clipping and accumulation.
+        memory: memory-plan settings.
+        fsdp: FSDP2 settings.
+        checkpoint: outputs and step checkpoints.
+        components: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
+            component such as ``teacher_model: null``).
+        lora: the student's LoRA settings (None for a full fine-tune).
+        seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
+        shuffle: reshuffle the dataset every epoch.
+        batch_size: micro-batch per rank.
+        max_seq_len: ``tokenizer.max_seq_len`` (None = untruncated).
+        epochs: passes over the dataset.
+        max_steps_per_epoch: cap on optimizer steps per epoch.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``bf16`` or ``fp32`` (parameters of both models).
+        activation_checkpointing: recompute decoder layers in backward.
+        compile: ``torch.compile`` the decoder layers.
+        log_every_n_steps: optimizer steps between metric rows.
+        log_peak_memory_stats: add peak memory to the metric rows.
+        max_bad_steps: non-finite steps skipped before the run stops.
+        trust_remote_components: allow ``_component_`` targets outside the allow-list.
+        yaml: the resolved config as YAML (the snapshot checkpoints store).
+    """
+
+    loss: LossSettings
+    optimizer: OptimizerSettings
+    memory: MemorySettings
+    fsdp: FSDPSettings
+    checkpoint: CheckpointSettings
+    components: dict[str, DictConfig | None]
+    lora: LoraSettings | None
+    seed: int | None
+    shuffle: bool
+    batch_size: int
+    max_seq_len: int | None
+    epochs: int
+    max_steps_per_epoch: int | None
+    device: str
+    dtype: str
+    activation_checkpointing: bool
+    compile: bool
+    log_every_n_steps: int
+    log_peak_memory_stats: bool
+    max_bad_steps: int
+    trust_remote_components: bool
+    yaml: str
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.components["teacher_model"] is not None
+
+    def with_seed(self, seed: int) -> RunConfig:
+        """The same run with ``seed`` set (the snapshot records the seed actually used)."""
+        cfg = OmegaConf.create(self.yaml)
+        cfg.seed = int(seed)
+        return dataclasses.replace(self, seed=int(seed), yaml=OmegaConf.to_yaml(cfg))
+
+
+def _check_mode(raw: Any) -> str:
+    # YAML 1.1 (OmegaConf) reads a bare `off` as False.
+    return "off" if raw is False else str(raw)
+
+
+def _frozen_node(node: Any) -> DictConfig | None:
+    if node is None:
+        return None
+    copy = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+    OmegaConf.set_readonly(copy, True)
+    return copy
+
+
+def _lora(model: Any) -> LoraSettings | None:
+    name = str(model.get("_component_", "")).rsplit(".", 1)[-1]
+    if not name.startswith("lora_"):
+        return None
+    return LoraSettings(
+        rank=int(model.lora_rank),
+        alpha=float(model.lora_alpha),
+        attn_modules=tuple(str(m) for m in model.lora_attn_modules),
+        apply_to_mlp=bool(model.get("apply_lora_to_mlp", False)),
+        apply_to_output=bool(model.get("apply_lora_to_output", False)),
+    )
+
+
+def run_config(cfg: DictConfig) -> RunConfig:
+    """Build the :class:`RunConfig` of a loaded, validated config (defaults already merged).
+
+    Args:
+        cfg: the output of :func:`kd.config.load_config` that passed
+            :func:`kd.config.validate_config`.
+
+    Returns:
+        The typed, frozen run configuration.
+    """
+    memory = cfg.memory
+    tokenizer = cfg.tokenizer
+    max_seq_len = tokenizer.get("max_seq_len") if tokenizer is not None else None
+    if memory.get("seq_len") is not None:
+        seq_len, source = int(memory.seq_len), "memory.seq_len"
+    elif max_seq_len is not None:
+        seq_len, source = int(max_seq_len), "tokenizer.max_seq_len"
+    else:
+        seq_len, source = None, "model max_seq_len"
+    optimizer = _frozen_node(cfg.optimizer)
+    assert optimizer is not None
+    return RunConfig(
+        loss=LossSettings(
+            kd_ratio=float(cfg.kd_ratio),
+            temperature=float(cfg.temperature),
+            divergence=str(cfg.kd_loss.divergence),
+            beta=float(cfg.kd_loss.beta),
+            skew_alpha=float(cfg.kd_loss.skew_alpha),
+            chunk_size=int(cfg.loss_chunk_size),
+            fused=bool(cfg.fused_loss),
+        ),
+        optimizer=OptimizerSettings(
+            component=str(optimizer.get("_component_", "")),
+            node=optimizer,
+            in_cpu=bool(cfg.optimizer_in_cpu),
+            clip_grad_norm=None if cfg.clip_grad_norm is None else float(cfg.clip_grad_norm),
+            grad_accum=int(cfg.gradient_accumulation_steps),
+        ),
+        memory=MemorySettings(
+            budget_gib=None if memory.budget_gib is None else float(memory.budget_gib),
+            check=_check_mode(memory.check),
+            seq_len=seq_len,
+            seq_len_source=source,
+            reserve_gib=None if memory.reserve_gib is None else float(memory.reserve_gib),
+        ),
+        fsdp=FSDPSettings(
+            cpu_offload=bool(cfg.fsdp.cpu_offload),
+            reshard_after_forward=bool(cfg.fsdp.reshard_after_forward),
+            reduce_dtype=str(cfg.fsdp.reduce_dtype),
+        ),
+        checkpoint=CheckpointSettings(
+            output_dir=Path(str(cfg.output_dir)).expanduser(),
+            save_every_n_steps=None
+            if cfg.save_every_n_steps is None
+            else int(cfg.save_every_n_steps),
+            keep_last_n=int(cfg.keep_last_n),
+            resume=bool(cfg.resume_from_checkpoint),
+        ),
+        components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
+        lora=_lora(cfg.model),
+        seed=None if cfg.seed is None else int(cfg.seed),
+        shuffle=bool(cfg.shuffle),
+        batch_size=int(cfg.batch_size),
+        max_seq_len=None if max_seq_len is None else int(max_seq_len),
+        epochs=int(cfg.epochs),
+        max_steps_per_epoch=None
+        if cfg.max_steps_per_epoch is None
+        else int(cfg.max_steps_per_epoch),
+        device=str(cfg.device),
+        dtype=str(cfg.dtype),
+        activation_checkpointing=bool(cfg.enable_activation_checkpointing),
+        compile=bool(cfg.compile),
+        log_every_n_steps=int(cfg.log_every_n_steps),
+        log_peak_memory_stats=bool(cfg.log_peak_memory_stats),
+        max_bad_steps=int(cfg.max_bad_steps),
+        trust_remote_components=bool(cfg.trust_remote_components),
+        yaml=OmegaConf.to_yaml(cfg, resolve=True),
+    )

@@ -1,0 +1,614 @@
+"""Knowledge distillation: a frozen teacher teaches a trainable student (full or LoRA), 1 to N ranks.
+
+Run it:
+
+    kd run kd --config qwen2_5/14B_to_3B_full_single_device
+    kd run kd --config my.yaml batch_size=2 gradient_accumulation_steps=16
+    kd run --nproc_per_node 8 kd --config llama3_1/8B_to_8B_full_distributed
+
+``kd_single_device`` and ``kd_distributed`` (torchtune's names) run this recipe too. Under torchrun
+both models are sharded with FSDP2 and the loss curve matches one device.
+
+Features (each knob is a config key; defaults live in kd/config/schema.py):
+    - Memory plan before any weight loads (``memory.budget_gib``, ``memory.check``): over budget exits 2
+      with the table and knob settings that fit (``kd plan --fit``). ``kd validate`` runs exactly
+      :meth:`KDRecipe.preload`, every check made before a weight is read.
+    - Loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` (``kd_ratio``, ``kd_loss.divergence``,
+      ``temperature`` with T^2 scaling). The fused loss (``fused_loss``, ``loss_chunk_size``) computes
+      logits chunk by chunk over labelled tokens only and never keeps full-vocab logits.
+    - Teacher and student may have different padded vocabularies (Qwen2.5-14B vs 3B): the KD term uses
+      the shared first min(Vs, Vt) entries; token ids are checked against both before loading.
+    - Exact gradient accumulation (``gradient_accumulation_steps``): normalised by the labelled tokens of
+      the whole optimizer step (all ranks), so batch b x k equals batch b*k x 1.
+    - ``enable_activation_checkpointing`` (less memory, ~30% more compute), ``compile``,
+      ``clip_grad_norm``, LR warmup + cosine (``lr_scheduler``), ``optimizer_in_cpu``.
+    - LoRA students (torchtune ``lora_*`` builders): only adapters train; saved merged and as an adapter.
+    - FSDP2 (``fsdp.*``): per-layer sharding of both models; rank 0 alone reads checkpoint files.
+    - Step checkpoints (``save_every_n_steps``, ``keep_last_n``), exact resume
+      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step, save and exit 0.
+    - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb offline/online).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from kd import _torchtune as tt
+from kd import checkpoint, data, distributed, models, train
+from kd.config.instantiate import build_component
+from kd.config.run import RunConfig, run_config
+from kd.device import check_device, resolve_budget
+from kd.distributed import WorldInfo
+from kd.errors import KDUserError, brief
+from kd.memory.plan import MemoryPlan, check_memory
+from kd.metrics import JsonlWriter, peak_memory_gib, trim_jsonl
+from kd.prepare import ShardSpec, prepare_student, prepare_teacher
+from kd.signals import GracefulStop, launch_command, resume_hint
+
+log = logging.getLogger("kd")
+
+
+class KDRecipe:
+    """Distil ``teacher_model`` into ``model`` (the student). See the module docstring for knobs.
+
+    Phases: :meth:`preload` (checks, no weight, nothing written), :meth:`load` (weights, optimizer,
+    resume state, outputs), :meth:`train` (the loop; one optimizer step is :meth:`train_step`).
+    """
+
+    def __init__(self, run: RunConfig, *, world: WorldInfo, config_name: str = ""):
+        self.run = run
+        self.world = world
+        self.config_name = config_name
+        self.device = torch.device(run.device)
+        if world.distributed and self.device.type == "cuda":
+            self.device = torch.device("cuda", world.local_rank)
+        self.dtype = models.DTYPES[run.dtype]
+        self.output_dir = run.checkpoint.output_dir
+        self.global_step = 0
+        self.epoch = 0
+        self.plan: MemoryPlan | None = None
+
+    def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
+        node = self.run.components[key]
+        return build_component(
+            key, node, *args, trust=self.run.trust_remote_components, fix=fix, **kwargs
+        )
+
+    # ------------------------------------------------------------ 1. before any weight
+    def preload(self) -> None:
+        """Every check that needs no weight, cheapest first; reads inputs, writes nothing.
+
+        ``kd validate`` runs exactly this. Fails on: the device, the tokenizer against both models'
+        vocabularies (meta-device shapes), the memory plan against the budget, the resume state, and
+        the data (readable, non-empty, labelled, long enough for one optimizer step per rank).
+        """
+        run = self.run
+        check_device(run.device)
+        if run.optimizer.in_cpu and (self.device.type != "cuda" or self.world.distributed):
+            raise KDUserError(
+                "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
+                "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
+            )
+        self.tokenizer = self._build("tokenizer", fix="check the tokenizer files and arguments")
+        with torch.device("meta"):
+            student = self._build("model", fix="fix the builder's arguments")
+            teacher = self._build("teacher_model", fix="fix the builder's arguments")
+        self.lora = models.is_lora(student)
+        problems = models.check_vocab(
+            tokenizer_max=models.tokenizer_max_id(self.tokenizer),
+            student_vocab=models.vocab_size(student),
+            teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
+        )
+        if problems:
+            raise KDUserError("\n".join(problems))
+        del student, teacher
+        self._check_memory()
+        self.resume_from = self._find_resume()
+        self.dataset = self._build(
+            "dataset", self.tokenizer, fix="check dataset.source, dataset.data_files and its rows"
+        )
+        truncated, checked = data.check_dataset(self.dataset, max_seq_len=run.max_seq_len)
+        if truncated and self.world.is_rank_zero:
+            log.warning(
+                "%d of %d examples checked reach tokenizer.max_seq_len and are truncated",
+                truncated,
+                checked,
+            )
+        self.steps_per_epoch = data.steps_per_epoch(
+            len(self.dataset),
+            batch_size=run.batch_size,
+            world_size=self.world.world_size,
+            grad_accum=run.optimizer.grad_accum,
+            max_steps=run.max_steps_per_epoch,
+        )
+        self.total_steps = self.steps_per_epoch * run.epochs
+        if self.resume_from is not None:
+            marker = checkpoint.read_checkpoint_marker(self.resume_from)
+            done_in_epoch = int(marker["step"]) - int(marker["epoch"]) * self.steps_per_epoch
+            if not 0 <= done_in_epoch <= self.steps_per_epoch:
+                raise KDUserError(
+                    f"max_steps_per_epoch: the checkpoint is at step {marker['step']} in epoch "
+                    f"{marker['epoch']}, which does not fit epochs of {self.steps_per_epoch} steps; "
+                    "resume with the max_steps_per_epoch the run started with"
+                )
+
+    def _check_memory(self) -> None:
+        budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
+        plan = check_memory(
+            self.run,
+            world_size=self.world.world_size,
+            budget_gib=budget.gib,
+            config_name=self.config_name,
+        )
+        if plan is not None:
+            self.plan = plan
+            if self.world.is_rank_zero:
+                log.info(
+                    "memory plan: peak %.2f GiB (%s) of %s",
+                    plan.peak_gib,
+                    plan.phase,
+                    "an unknown budget" if budget.gib is None else f"{budget.gib:.2f} GiB",
+                )
+
+    def _find_resume(self) -> Path | None:
+        if not self.run.checkpoint.resume:
+            if any(self.output_dir.glob("step_*")):
+                raise KDUserError(
+                    f"output_dir: {self.output_dir} already holds step checkpoints of another run; "
+                    f"set resume_from_checkpoint=true to continue it, or choose a new output_dir"
+                )
+            return None
+        found = checkpoint.find_latest_checkpoint(self.output_dir)
+        if found is None:
+            raise KDUserError(
+                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; "
+                f"set resume_from_checkpoint=false to start fresh"
+            )
+        saved = checkpoint.load_checkpoint_config(found)
+        saved_seed = OmegaConf.create(saved).get("seed")
+        if self.run.seed is None and isinstance(saved_seed, int):
+            # seed: null draws a fresh seed per process; the run being resumed drew its own.
+            self.run = self.run.with_seed(saved_seed)
+        checkpoint.check_resume_compatible(saved, self.run.yaml, checkpoint=found)
+        return found
+
+    # ------------------------------------------------------------ 2. weights and state
+    def load(self) -> None:
+        """Seed, data order, teacher (frozen) then student, optimizer, schedule, resume, outputs."""
+        run = self.run
+        seed = run.seed if run.seed is not None else random.SystemRandom().randrange(2**31)
+        # Every rank must shuffle alike: a drawn seed comes from rank 0.
+        self.run = run = run.with_seed(distributed.broadcast_object(seed, world=self.world))
+        torch.manual_seed(run.seed)
+        random.seed(run.seed)
+        self.loader, self.sampler = data.build_dataloader(
+            self.dataset,
+            batch_size=run.batch_size,
+            shuffle=run.shuffle,
+            seed=run.seed,
+            pad_id=data.pad_id_of(self.tokenizer),
+            world_size=self.world.world_size,
+            rank=self.world.rank,
+        )
+        self.teacher = (
+            self._load_model("teacher_model", "teacher_checkpointer") if run.has_teacher else None
+        )
+        self.student = self._load_model("model", "checkpointer")
+        trainable = [p for p in self.student.parameters() if p.requires_grad]
+        self.optimizer = (
+            self._cpu_offload_optimizer(trainable)
+            if run.optimizer.in_cpu
+            else self._build("optimizer", trainable, fix="fix the optimizer's arguments")
+        )
+        self.lr_scheduler = self._build(
+            "lr_scheduler",
+            self.optimizer,
+            fix="fix the scheduler's arguments",
+            num_training_steps=self.total_steps,
+        )
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        if self.world.is_rank_zero:
+            self._open_outputs()
+
+    def _cpu_offload_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The configured optimizer with its states and step on the CPU (torchao): frees the GPU of
+        the states (AdamW: twice the trainable weights) for a host round trip of the gradients."""
+        from torchao.optim import CPUOffloadOptimizer
+
+        from kd.config.instantiate import locate_target
+
+        opt = self.run.optimizer
+        cls, reason = locate_target(opt.component, allow_any=self.run.trust_remote_components)
+        if reason is not None:
+            raise KDUserError(f"optimizer._component_: {reason}")
+        return CPUOffloadOptimizer(params, optimizer_class=cls, **opt.kwargs())
+
+    def _load_model(self, key: str, ckpt_key: str) -> torch.nn.Module:
+        """Build, load and prepare the model of ``key`` from the checkpointer of ``ckpt_key``.
+
+        One device: built on the device and loaded. Distributed: rank 0 alone reads the files into
+        a CPU copy; every rank builds the same model on meta, prepares and shards it, then receives
+        rank 0's weights (a LoRA student's adapters too, drawn under the seed as on one device).
+        """
+        trainable = key == "model"
+
+        def build(device: torch.device) -> torch.nn.Module:
+            with models.default_dtype(self.dtype), device:
+                return self._build(key, fix="fix the builder's arguments")
+
+        def load() -> torch.nn.Module:
+            model = build(torch.device("cpu") if self.world.distributed else self.device)
+            ckpt = self._build(
+                ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
+            )
+            state = ckpt.load_checkpoint()[tt.MODEL_KEY]
+            models.load_weights(model, state, lora=models.is_lora(model), source=ckpt_key)
+            return model
+
+        model = distributed.on_rank_zero(lambda: self._loading(ckpt_key, load), world=self.world)
+        shard = None
+        full: dict[str, torch.Tensor] = {}
+        if self.world.distributed:
+            if model is not None:
+                full = model.state_dict()  # the tensors outlive the module; one full copy
+            distributed.sync_cpu_rng(world=self.world)
+            model = build(torch.device("meta"))
+            unknown = models.unrecomputable_buffers(model)
+            if unknown:
+                raise KDUserError(
+                    f"{key}: non-persistent buffers {unknown[:3]} cannot be recomputed after "
+                    "distributed loading; use a builder whose only non-persistent buffers are RoPE "
+                    "caches, or run on one device"
+                )
+            fsdp = self.run.fsdp
+            shard = ShardSpec(
+                device_type=self.device.type,
+                param_dtype=self.dtype,
+                reduce_dtype=torch.float32 if fsdp.reduce_dtype == "fp32" else torch.bfloat16,
+                reshard_after_forward=fsdp.reshard_after_forward,
+                cpu_offload=fsdp.cpu_offload,
+            )
+        assert model is not None
+        if trainable:
+            prepare_student(
+                model,
+                lora=self.lora,
+                activation_checkpointing=self.run.activation_checkpointing,
+                shard=shard,
+            )
+        else:
+            prepare_teacher(model, shard=shard)
+        if shard is not None:
+            # Shards live on the device, or in CPU memory with cpu_offload.
+            distributed.load_into_meta_sharded(
+                model,
+                full,
+                init_device=torch.device("cpu") if shard.cpu_offload else self.device,
+                world=self.world,
+            )
+            with self.device:  # buffers are not offloaded: RoPE caches belong on the device
+                models.reset_rope_buffers(model)
+        if self.run.compile:
+            models.compile_layers(model)
+        return model
+
+    def _loading(self, key: str, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        """Run ``load``; unreadable weight files become one error naming ``key``."""
+        try:
+            return load()
+        except (KDUserError, torch.OutOfMemoryError):
+            raise
+        except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types for bad files
+            node = self.run.components[key]
+            folder = node.get("checkpoint_dir") if node is not None else None
+            raise KDUserError(
+                f"{key}: cannot load the weights in {folder} ({brief(e)}); check that "
+                f"{key}.checkpoint_files are complete safetensors of the model its builder names "
+                "(re-download truncated files)"
+            ) from e
+
+    def _restore(self, ckpt: Path) -> None:
+        # Rank 0 reads the files and broadcasts (tensor by tensor when distributed), so no other
+        # rank holds a full copy of the weights or the optimizer state.
+        rank0 = self.world.is_rank_zero
+        state = checkpoint.load_recipe_state(ckpt) if rank0 else {}
+        weights: dict[str, torch.Tensor] = {}
+        if self.lora:
+            weights = state.get("adapter", {})
+        elif rank0:
+            node = self.run.components["checkpointer"]
+            assert node is not None
+            weights = checkpoint.hf_to_tune_state_dict(
+                checkpoint.load_hf_weights(ckpt),
+                model_type=str(node.model_type),
+                hf_config=checkpoint.read_hf_config(Path(node.checkpoint_dir)),
+            )
+        distributed.load_full_state_dict(
+            self.student, weights, strict=not self.lora, world=self.world
+        )
+        del weights
+        distributed.load_optimizer_state_dict(
+            self.student, self.optimizer, state.pop("optimizer", {}), world=self.world
+        )
+        state.pop("adapter", None)
+        state = distributed.broadcast_object(state, world=self.world)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+        checkpoint.restore_rng_state(state["rng"])
+        saved_world = int(state.get("world_size", self.world.world_size))
+        if rank0 and saved_world != self.world.world_size:
+            log.warning(
+                "resuming a %d-rank checkpoint on %d ranks: batch_size is per rank, so the global "
+                "batch changes and the run will not match an uninterrupted one",
+                saved_world,
+                self.world.world_size,
+            )
+        if rank0:
+            log.info("resumed from %s at step %d", ckpt, self.global_step)
+
+    def _open_outputs(self) -> None:
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(self.run.yaml)
+            if self.resume_from is not None:
+                trim_jsonl(self.output_dir / "metrics.jsonl", self.global_step)
+            self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
+        except OSError as e:
+            raise KDUserError(
+                f"output_dir: cannot write to {self.output_dir} ({e.strerror or e}); "
+                f"set output_dir to a writable folder with free space"
+            ) from e
+        self.metric_logger = self._build("metric_logger", fix="fix the logger's arguments")
+        if hasattr(self.metric_logger, "log_config"):
+            self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
+
+    # ------------------------------------------------------------ 3. training
+    def train(self) -> None:
+        """The loop: step, log, checkpoint; stop cleanly on SIGTERM/SIGINT."""
+        grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
+        done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
+        bad_steps = 0
+        saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
+        every = self.run.checkpoint.save_every_n_steps
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.global_step,
+            disable=not self.world.is_rank_zero,
+            desc="kd",
+            dynamic_ncols=True,
+        )
+        # Closing the bar on any exit ends its line, so an error message starts a line of its own.
+        with bar, GracefulStop() as stop:
+            for epoch in range(start_epoch, self.run.epochs):
+                self.epoch = epoch
+                self.sampler.set_epoch(epoch)
+                skip = done_in_epoch if epoch == start_epoch else 0
+                self.sampler.skip = skip * grad_accum * self.run.batch_size
+                batches = iter(self.loader)
+                for _ in range(skip, self.steps_per_epoch):
+                    stats = self.train_step(self._next_micro_batches(batches))
+                    if not stats.stepped or not math.isfinite(stats.loss):
+                        bad_steps += 1
+                        self._bad_step(stats, bad_steps)
+                    self.global_step += 1
+                    bar.update(1)
+                    if (
+                        self.world.is_rank_zero
+                        and self.global_step % self.run.log_every_n_steps == 0
+                    ):
+                        self._log(stats)
+                    if every is not None and self.global_step % every == 0:
+                        saved = (self.global_step, self.save(final=False))
+                    if distributed.any_rank(stop.requested, device=self.device):
+                        bar.close()
+                        just_saved = saved[1] if saved and saved[0] == self.global_step else None
+                        self._stop(stop.signal_name, just_saved)
+                        return
+        self.save(final=True)
+
+    def train_step(self, batches: list[dict[str, torch.Tensor]]) -> train.StepStats:
+        """One optimizer step over ``batches`` (the micro-batches of this rank).
+
+        The labelled tokens of all micro-batches on all ranks are counted first, so each micro-batch
+        contributes ``mean_loss * local / total`` and accumulation is exact.
+        """
+        t0 = time.perf_counter()
+        labels = [train.shift_labels(b["labels"]) for b in batches]
+        total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
+        sums = torch.zeros(3, device=self.device)
+        for batch, lab in zip(batches, labels, strict=True):
+            r = train.micro_step(
+                self.student,
+                self.teacher,
+                batch["tokens"].to(self.device),
+                lab.to(self.device),
+                settings=self.run.loss,
+                num_tokens_total=total,
+                grad_scale=float(self.world.world_size),
+            )
+            sums += torch.stack([r.loss, r.ce, r.kd]).float()
+            # Free the teacher's gathered root (norm + output) before backward peaks.
+            distributed.reshard(self.teacher)
+        sums = distributed.all_reduce_sum(sums)
+        # optimizer_step never applies NaN/inf gradients: the weights stay those of the last good
+        # step whatever the loop decides.
+        norm, stepped = train.optimizer_step(
+            self.student, self.optimizer, clip_grad_norm=self.run.optimizer.clip_grad_norm
+        )
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        loss, ce, kd = (float(x) for x in sums)
+        return train.StepStats(
+            loss=loss,
+            ce_loss=ce,
+            kd_loss=kd,
+            grad_norm=float(norm),
+            num_tokens=int(total),
+            stepped=stepped,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _next_micro_batches(self, batches: Iterator[Any]) -> list[dict[str, torch.Tensor]]:
+        try:
+            return [next(batches) for _ in range(self.run.optimizer.grad_accum)]
+        except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
+            raise KDUserError(
+                f"dataset: reading the batches of step {self.global_step + 1} failed ({brief(e)}); "
+                "fix that row of the data file (the last checkpoint is kept)"
+            ) from e
+
+    def _bad_step(self, stats: train.StepStats, bad_steps: int) -> None:
+        """A step with a non-finite loss or gradient norm: skip it, or stop past max_bad_steps."""
+        limit = self.run.max_bad_steps
+        if bad_steps <= limit:
+            log.warning(
+                "step %d: non-finite loss (%s) or grad norm (%s); step skipped (%d of "
+                "max_bad_steps=%d)",
+                self.global_step + 1,
+                stats.loss,
+                stats.grad_norm,
+                bad_steps,
+                limit,
+            )
+            return
+        latest = checkpoint.find_latest_checkpoint(self.output_dir)
+        kept = (
+            f"the last good checkpoint is {latest} (resume_from_checkpoint=true continues from it)"
+            if latest is not None
+            else "no step checkpoint was saved (save_every_n_steps keeps some)"
+        )
+        raise KDUserError(
+            f"step {self.global_step + 1}: non-finite loss ({stats.loss}) or gradient norm "
+            f"({stats.grad_norm}), {bad_steps} such steps with max_bad_steps={limit}; stopped "
+            f"without saving and {kept}; lower optimizer.lr, set clip_grad_norm, or raise "
+            "max_bad_steps to skip such steps"
+        )
+
+    def _log(self, stats: train.StepStats) -> None:
+        row: dict[str, Any] = {
+            "step": self.global_step,
+            "epoch": self.epoch,
+            "loss": stats.loss,
+            "ce_loss": stats.ce_loss,
+            "kd_loss": stats.kd_loss,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "grad_norm": stats.grad_norm,
+            "num_tokens": stats.num_tokens,
+            "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
+        }
+        if self.run.log_peak_memory_stats:
+            row.update(peak_memory_gib(self.device))
+            if self.plan is not None:
+                row["planned_peak_gib"] = self.plan.peak_gib
+        self.metrics.write(row)
+        self.metric_logger.log_dict(
+            {k: v for k, v in row.items() if k != "step"}, step=self.global_step
+        )
+
+    # ------------------------------------------------------------ checkpoints and exit
+    def save(self, *, final: bool) -> Path | None:
+        """Write the student in HF format (and, for step checkpoints, the full resume state).
+
+        Collective when distributed: every rank calls it; rank 0 writes.
+        """
+        full = distributed.full_state_dict(self.student, world=self.world)
+        state = None if final else self._recipe_state()
+        path = None
+        if self.world.is_rank_zero:
+            ckpt = self.run.components["checkpointer"]
+            assert ckpt is not None
+
+            def write_model(dest: Path) -> None:
+                checkpoint.save_hf_model(
+                    dest,
+                    full,
+                    model_type=str(ckpt.model_type),
+                    source_dir=Path(ckpt.checkpoint_dir),
+                    # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
+                    adapter_state_dict=tt.get_adapter_state_dict(full) if self.lora else None,
+                    adapter_config=(
+                        models.peft_adapter_config(self.run.lora) if self.run.lora else None
+                    ),
+                )
+
+            path = checkpoint.save_checkpoint(
+                self.output_dir,
+                self.global_step,
+                epoch=self.epoch,
+                write_model=write_model,
+                recipe_state=state,
+                config_yaml=self.run.yaml,
+                keep_last_n=self.run.checkpoint.keep_last_n,
+                config_hash=checkpoint.config_hash(self.run.yaml),  # MERGE: drop with h-ckpt
+            )
+        distributed.barrier()
+        return path
+
+    def _recipe_state(self) -> dict[str, Any]:
+        # Collective when distributed (gathers the optimizer state); complete on rank 0 only.
+        state: dict[str, Any] = {
+            "optimizer": distributed.optimizer_state_dict(
+                self.student, self.optimizer, world=self.world
+            ),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "seed": self.run.seed,
+            "world_size": self.world.world_size,
+            "rng": checkpoint.capture_rng_state(),
+        }
+        if self.lora:
+            state["adapter"] = distributed.adapter_state_dict(self.student, world=self.world)
+        return state
+
+    def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
+        """Save (unless this step was just saved), then say where and how to resume."""
+        path = just_saved if just_saved is not None else self.save(final=False)
+        if self.world.is_rank_zero:
+            print(
+                f"kd: received {signal_name}; stopped after step {self.global_step}",
+                file=sys.stderr,
+            )
+            print(
+                resume_hint(launch_command(sys.argv, world_size=self.world.world_size), path),
+                file=sys.stderr,
+            )
+
+    def cleanup(self) -> None:
+        if self.world.is_rank_zero and hasattr(self, "metrics"):
+            self.metrics.close()
+            if hasattr(self, "metric_logger"):
+                self.metric_logger.close()
+        distributed.destroy()
+
+
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point of ``kd run kd`` (and of torchrun): preload, load, train."""
+    run = run_config(cfg)
+    recipe = KDRecipe(run, world=distributed.init_distributed(torch.device(run.device).type))
+    try:
+        recipe.preload()
+        recipe.load()
+        recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    from kd.cli import run_recipe
+
+    sys.exit(run_recipe(recipe_main))
