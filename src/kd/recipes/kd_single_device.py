@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kd import _torchtune as tt
-from kd import checkpoint, data, distributed, models, train
+from kd import checkpoint, data, distributed, models, prepare, train
 from kd.config import instantiate
 from kd.errors import KDUserError, brief
 from kd.metrics import JsonlWriter, peak_memory_gib, trim_jsonl
@@ -330,9 +330,10 @@ class KDRecipe:
             distributed.sync_cpu_rng(world=self.world)
             teacher = self._build(node, meta=True)
         assert teacher is not None
-        models.freeze(teacher)
-        models.set_hidden_output(teacher)
-        return self._place(teacher, trainable=False, full_state_dict=full)
+        teacher = prepare.prepare_teacher(
+            teacher, shard=self._shard_spec(teacher, key="teacher_model")
+        )
+        return self._place(teacher, full_state_dict=full)
 
     def _load_student(self) -> torch.nn.Module:
         node = self.cfg.model
@@ -361,41 +362,48 @@ class KDRecipe:
             student = self._build(node, meta=True)
         assert student is not None
         # The same wrapping and flags on every rank, before sharding.
-        if self.lora:
-            models.setup_lora_trainable(student)
-        if self.cfg.enable_activation_checkpointing:
-            models.enable_activation_checkpointing(student)
-        models.set_hidden_output(student)
-        student.train()
-        return self._place(student, trainable=True, full_state_dict=full)
+        student = prepare.prepare_student(
+            student,
+            lora=self.lora,
+            activation_checkpointing=bool(self.cfg.enable_activation_checkpointing),
+            shard=self._shard_spec(student, key="model"),
+        )
+        return self._place(student, full_state_dict=full)
+
+    def _shard_spec(self, model: torch.nn.Module, *, key: str) -> prepare.ShardSpec | None:
+        """FSDP2 settings for ``model`` (built on meta) when distributed; None at world size 1.
+
+        Refuses, before anything is sharded, a model whose buffers distributed loading cannot
+        restore (``key``: its builder's config key, for the message).
+        """
+        if not self.world.distributed:
+            return None
+        unknown = models.unrecomputable_buffers(model)
+        if unknown:
+            raise KDUserError(
+                f"{key}: non-persistent buffers "
+                f"{unknown[:3]} cannot be recomputed after distributed loading; use a builder "
+                "whose only non-persistent buffers are RoPE caches, or run on one device"
+            )
+        fsdp = self.cfg.fsdp
+        return prepare.ShardSpec(
+            device_type=self.device.type,
+            param_dtype=self.dtype,
+            reduce_dtype=models.DTYPES[fsdp.reduce_dtype],
+            reshard_after_forward=bool(fsdp.reshard_after_forward),
+            cpu_offload=bool(fsdp.cpu_offload),
+        )
 
     def _place(
         self,
         model: torch.nn.Module,
         *,
-        trainable: bool,
         full_state_dict: dict[str, torch.Tensor] | None = None,
     ) -> torch.nn.Module:
-        """Shard a meta-built model and load rank 0's ``full_state_dict`` into it (distributed),
-        then compile; at world size 1 the loaded model is used as it is."""
+        """Load rank 0's ``full_state_dict`` into a meta-built model that ``prepare_*`` sharded
+        (distributed), then compile; at world size 1 the loaded model is used as it is."""
         if self.world.distributed:
-            fsdp = self.cfg.fsdp
-            unknown = models.unrecomputable_buffers(model)
-            if unknown:
-                raise KDUserError(
-                    f"{'model' if trainable else 'teacher_model'}: non-persistent buffers "
-                    f"{unknown[:3]} cannot be recomputed after distributed loading; use a builder "
-                    "whose only non-persistent buffers are RoPE caches, or run on one device"
-                )
-            cpu_offload = bool(fsdp.cpu_offload)
-            model = distributed.shard_model(
-                model,
-                device_type=self.device.type,
-                param_dtype=self.dtype,
-                reduce_dtype=torch.float32 if fsdp.reduce_dtype == "fp32" else torch.bfloat16,
-                reshard_after_forward=bool(fsdp.reshard_after_forward),
-                cpu_offload=cpu_offload,
-            )
+            cpu_offload = bool(self.cfg.fsdp.cpu_offload)
             # Shards live on the device, or in CPU memory with cpu_offload.
             distributed.load_into_meta_sharded(
                 model,
