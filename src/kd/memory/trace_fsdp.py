@@ -2,10 +2,10 @@
 
 The world-size-1 trace (:mod:`kd.memory.trace`) runs the real step under FakeTensorMode; this one
 runs it as rank 0 of a *fake* process group of ``world_size`` ranks (collectives are no-ops that
-produce correctly shaped fake outputs), with the student and teacher sharded exactly as the recipe
-shards them (:func:`kd.distributed.shard_model`). torch's ``FSDPMemTracker`` attributes every
-storage to a category: sharded / unsharded parameters and gradients, all-gather and reduce-scatter
-buffers, activations, temporaries, optimizer states.
+produce correctly shaped fake outputs), with the student and teacher prepared and sharded exactly
+as the recipe prepares and shards them (:mod:`kd.prepare`, :func:`kd.distributed.shard_model`).
+torch's ``FSDPMemTracker`` attributes every storage to a category: sharded / unsharded parameters
+and gradients, all-gather and reduce-scatter buffers, activations, temporaries, optimizer states.
 
 Caveats (memory_anchors.md section 6):
 
@@ -27,18 +27,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from kd.errors import KDUserError
-from kd.memory.trace import (
+from kd.memory.tracing import (
     TraceResult,
-    _build_optimizer,
-    _check_traceable_optimizer,
-    _fake_friendly_rope,
-    _prime_steady_state,
-    _quiet,
+    build_fake_step,
+    check_traceable_optimizer,
+    fake_friendly_rope,
+    quiet,
     trace_step_phases,
 )
 
@@ -109,70 +107,48 @@ def trace_fsdp_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from kd import distributed, models, train
-    from kd.config import instantiate
+    from kd import models, train
+    from kd.prepare import ShardSpec
 
     if world_size < 2:
         raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")
-    _check_traceable_optimizer(optimizer)
+    check_traceable_optimizer(optimizer)
     t0 = time.perf_counter()
     settings = train.LossSettings(**(loss or {}))
     tdtype = models.DTYPES[dtype]
-    rdtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
     gc.collect()
-    with _quiet(), _fake_friendly_rope(), _fake_process_group(world_size) as mesh, FakeTensorMode():
-        torch.manual_seed(0)
-        with models.default_dtype(tdtype):
-            student = instantiate(model)
-            teacher = instantiate(teacher_model) if teacher_model is not None else None
-        if models.is_lora(student):
-            models.setup_lora_trainable(student)
-        if activation_checkpointing:
-            models.enable_activation_checkpointing(student)
-        models.set_hidden_output(student)
-        shard = {
-            "device_type": "cpu",
-            "param_dtype": tdtype,
-            "reduce_dtype": rdtype,
-            "reshard_after_forward": reshard_after_forward,
-            "cpu_offload": False,
-            "mesh": mesh,
-        }
-        distributed.shard_model(student, **shard)
-        if teacher is not None:
-            models.freeze(teacher)
-            models.set_hidden_output(teacher)
-            distributed.shard_model(teacher, **shard)
-        trainable = [p for p in student.parameters() if p.requires_grad]
-        opt = _build_optimizer(optimizer, trainable, foreach=False)
-        _prime_steady_state(opt, trainable, grads_resident=grad_accum > 1)
-        vocab = models.vocab_size(student)
-        tokens = torch.randint(0, vocab, (batch_size, seq_len))
-        labels = torch.randint(0, vocab, (batch_size, seq_len))
-        total = torch.tensor(batch_size * seq_len * grad_accum * world_size)
-
-        mt = FSDPMemTracker(student, opt)
+    with quiet(), fake_friendly_rope(), _fake_process_group(world_size) as mesh, FakeTensorMode():
+        step = build_fake_step(
+            model=model,
+            teacher_model=teacher_model,
+            optimizer=optimizer,
+            dtype=tdtype,
+            activation_checkpointing=activation_checkpointing,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            grad_accum=grad_accum,
+            shard=ShardSpec(
+                device_type="cpu",
+                param_dtype=tdtype,
+                reduce_dtype=models.DTYPES[reduce_dtype],
+                reshard_after_forward=reshard_after_forward,
+                cpu_offload=False,
+                mesh=mesh,
+            ),
+            num_ranks=world_size,
+            foreach=False,
+        )
+        mt = FSDPMemTracker(step.student, step.optimizer)
         # FSDPMemTracker instruments the FSDP modules under one root; give it both models (it only
         # walks .modules() and .buffers() of the root after construction).
         both = nn.Module()
-        both.student = student
-        if teacher is not None:
-            both.teacher = teacher
+        both.student = step.student
+        if step.teacher is not None:
+            both.teacher = step.teacher
         mt._root_mod = both
-        mt.track_inputs((tokens, labels))
-
+        mt.track_inputs((step.tokens, step.labels))
         result = trace_step_phases(
-            mt,
-            student=student,
-            teacher=teacher,
-            tokens=tokens,
-            labels=labels,
-            settings=settings,
-            num_tokens_total=total,
-            trainable=trainable,
-            optimizer=opt,
-            clip_grad_norm=clip_grad_norm,
-            grad_scale=float(world_size),
+            mt, step, settings=settings, clip_grad_norm=clip_grad_norm, grad_scale=float(world_size)
         )
     result.wall_s = time.perf_counter() - t0
     return result

@@ -1,0 +1,399 @@
+"""Mechanics shared by the memory traces (``kd plan --trace``): one device and FSDP2.
+
+:mod:`kd.memory.trace` (one device, MemTracker) and :mod:`kd.memory.trace_fsdp` (rank 0 of N
+FSDP2 ranks, FSDPMemTracker) build the config's models on fake CPU tensors, prepare them as the
+recipe does (:mod:`kd.prepare`), and run one micro-step plus the optimizer step inside a tracker;
+this module holds what both do: the fake models, optimizer and batch (:func:`build_fake_step`),
+the phase recorder (:func:`trace_step_phases`) and its tracker helpers, and the context managers
+that make torchtune and torchao run on fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from kd.errors import KDUserError
+
+if TYPE_CHECKING:
+    from kd.prepare import ShardSpec
+
+
+@dataclass
+class TraceResult:
+    """Allocated bytes per phase of one traced training step.
+
+    Attributes:
+        phase_peaks: forward / backward / optimizer_step -> peak allocated bytes.
+        subphases: finer peaks: student_forward, teacher_forward, loss_forward, backward,
+            optimizer_step (forward = the max of the first three).
+        currents: allocated bytes at the boundaries (after_student_forward, after_teacher_forward,
+            before_backward, after_backward).
+        subphase_categories: sub-phase -> tracker category -> bytes at that sub-phase's peak.
+        categories: phase -> MemTracker category (Parameter, Gradient, Optstate, Activation,
+            Temp, Buffer, Other) -> bytes at that phase's peak.
+        wall_s: seconds the trace took.
+    """
+
+    phase_peaks: dict[str, int]
+    subphases: dict[str, int] = field(default_factory=dict)
+    currents: dict[str, int] = field(default_factory=dict)
+    subphase_categories: dict[str, dict[str, int]] = field(default_factory=dict)
+    categories: dict[str, dict[str, int]] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+class FrozenSafeMemTracker(MemTracker):
+    """MemTracker that installs gradient hooks only on parameters that require grad, and keeps
+    only the global peak.
+
+    torch's tracker calls ``param.register_hook`` on every parameter of every module it sees run,
+    which raises for the frozen teacher and LoRA base weights. It also updates per-module peaks
+    after every op by walking every module seen so far, which makes a real-size trace (1000+
+    modules) quadratic; the plan needs only the global peak.
+    """
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                self._peak_mem[dev] = dev_snap["Total"]
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+    def _track_module_params_and_buffers(
+        self, module: nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        if not install_grad_hooks or all(p.requires_grad for p in module.parameters()):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+        totals = super()._track_module_params_and_buffers(module, False)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if trainable:
+            holder = nn.Module()
+            holder.trainable = nn.ParameterList(trainable)
+            super()._track_module_params_and_buffers(holder, True)
+        return totals
+
+
+def snapshot(mt: MemTracker, kind: str) -> dict[str, int]:
+    """Tracker category -> bytes of the first device in ``mt``'s ``kind`` snapshot.
+
+    Args:
+        mt: a MemTracker (or FSDPMemTracker).
+        kind: ``"current"`` or ``"peak"``.
+    """
+    snap = mt.get_tracker_snapshot(kind)
+    dev = next(iter(snap.values()), {})
+    return {str(getattr(k, "value", k)): int(v) for k, v in dev.items()}
+
+
+def take_phase_peak(mt: MemTracker) -> dict[str, int]:
+    """The tracker's peak since the last call, then restart the peak from the current usage."""
+    peak = snapshot(mt, "peak")
+    current = mt.get_tracker_snapshot("current")
+    mt._peak_mem_snap = current
+    mt._peak_mem = {d: v["Total"] for d, v in current.items()}
+    return peak
+
+
+@contextlib.contextmanager
+def split_at_backward(on_backward_start: Any, on_backward_end: Any) -> Iterator[None]:
+    """Call hooks right before and after ``Tensor.backward`` (micro_step's forward/backward split)."""
+    original = torch.Tensor.backward
+
+    def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        on_backward_start()
+        original(self, *args, **kwargs)
+        on_backward_end()
+
+    torch.Tensor.backward = wrapped  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def fake_friendly_rope() -> Iterator[None]:
+    """Skip Llama 3.1's RoPE frequency scaling while building on fake tensors.
+
+    ``Llama3ScaledRoPE.apply_scaling`` branches on tensor values (a data-dependent Python ``if``),
+    which FakeTensorMode cannot evaluate; the values do not matter for memory, only the shape,
+    which the unscaled frequencies share.
+    """
+    from kd import _torchtune as tt
+
+    original = tt.Llama3ScaledRoPE.apply_scaling
+    tt.Llama3ScaledRoPE.apply_scaling = lambda self, freqs, *args, **kwargs: freqs  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        tt.Llama3ScaledRoPE.apply_scaling = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence warnings and torchao's log while tracing (fake tensors trigger many)."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def check_traceable_optimizer(optimizer: Any) -> None:
+    """Refuse torchao's low-bit optimizers before building anything.
+
+    They cannot run on fake tensors: their state subclasses read tensor values and crash the
+    process under FakeTensorMode.
+
+    Args:
+        optimizer: the optimizer ``_component_`` node, or None.
+
+    Raises:
+        KDUserError: a ``torchao.*`` optimizer.
+    """
+    comp = str(optimizer.get("_component_", "")) if optimizer is not None else ""
+    if comp.startswith("torchao."):
+        raise KDUserError(
+            f"--trace: optimizer {comp} cannot run on fake tensors; the plan estimates its states "
+            "analytically; trace with optimizer._component_=torch.optim.AdamW to check the rest"
+        )
+
+
+def build_optimizer(
+    node: Any, params: list[nn.Parameter], *, foreach: bool = True
+) -> torch.optim.Optimizer:
+    """The config's optimizer for a trace; torch optimizers get ``foreach`` unless ``fused``.
+
+    One device traces foreach (torch's CUDA default; CPU would pick the for-loop). The FSDP2 trace
+    passes ``foreach=False``: FSDPMemTracker misattributes foreach temporaries on DTensors.
+
+    Args:
+        node: the optimizer ``_component_`` node; None means AdamW.
+        params: the trainable parameters.
+        foreach: the ``foreach`` a torch optimizer gets unless its node sets ``fused``.
+    """
+    from kd.config import instantiate
+
+    if node is None:
+        return torch.optim.AdamW(params, foreach=foreach)
+    data = (
+        OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    )
+    assert isinstance(data, dict)
+    extra: dict[str, Any] = {}
+    if str(data.get("_component_", "")).startswith("torch.optim.") and not data.get("fused"):
+        if not foreach or data.get("foreach") is None:
+            data.pop("foreach", None)
+            extra["foreach"] = foreach
+    return instantiate(OmegaConf.create(data), params, **extra)
+
+
+def prime_steady_state(
+    opt: torch.optim.Optimizer | None,
+    trainable: list[nn.Parameter],
+    *,
+    grads_resident: bool,
+) -> None:
+    """Create the optimizer states (they exist from the first step on) and, when later micro-batches
+    find earlier gradients resident (accumulation, CPU-offloaded states), those gradients."""
+    if opt is not None:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if grads_resident:
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+
+
+@dataclass
+class FakeStep:
+    """Everything one traced training step runs on (fake tensors).
+
+    Attributes:
+        student: the prepared student (:func:`kd.prepare.prepare_student`).
+        teacher: the prepared teacher, or None.
+        trainable: the student's parameters that require grad.
+        optimizer: over ``trainable``, states primed; None when the optimizer is not traced.
+        tokens: ``[b, s]`` input ids.
+        labels: ``[b, s]`` targets, every position labelled (the worst case).
+        num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all
+            ranks).
+    """
+
+    student: nn.Module
+    teacher: nn.Module | None
+    trainable: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    num_tokens_total: torch.Tensor
+
+
+def build_fake_step(
+    *,
+    model: Any,
+    teacher_model: Any,
+    optimizer: Any,
+    dtype: torch.dtype,
+    activation_checkpointing: bool,
+    batch_size: int,
+    seq_len: int,
+    grad_accum: int,
+    shard: ShardSpec | None = None,
+    num_ranks: int = 1,
+    foreach: bool = True,
+    optimizer_in_cpu: bool = False,
+) -> FakeStep:
+    """Build, prepare and (when ``shard``) shard the models, the optimizer and one micro-batch.
+
+    Call it inside ``FakeTensorMode`` (and, when sharding, a fake process group): the models are
+    built at full size in ``dtype`` without storage, prepared exactly as the recipe prepares them,
+    and the optimizer is primed to its steady state (:func:`prime_steady_state`).
+
+    Args:
+        model: student ``_component_`` node.
+        teacher_model: teacher node or None.
+        optimizer: optimizer node (None = AdamW).
+        dtype: parameter dtype.
+        activation_checkpointing: recompute the student's decoder layers in backward.
+        batch_size: micro-batch b (per rank).
+        seq_len: tokens per sequence s.
+        grad_accum: > 1 pre-creates the gradients of the earlier micro-batches.
+        shard: FSDP2 settings (over the fake process group's mesh); None for one device.
+        num_ranks: ranks whose tokens the loss normalises by.
+        foreach: see :func:`build_optimizer`.
+        optimizer_in_cpu: states off the device: no optimizer is built, gradients stay resident.
+    """
+    from kd import models
+    from kd.config import instantiate
+    from kd.prepare import prepare_student, prepare_teacher
+
+    torch.manual_seed(0)
+    with models.default_dtype(dtype):
+        student = instantiate(model)
+        teacher = instantiate(teacher_model) if teacher_model is not None else None
+    student = prepare_student(
+        student,
+        lora=models.is_lora(student),
+        activation_checkpointing=activation_checkpointing,
+        shard=shard,
+    )
+    if teacher is not None:
+        teacher = prepare_teacher(teacher, shard=shard)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    opt = None if optimizer_in_cpu else build_optimizer(optimizer, trainable, foreach=foreach)
+    prime_steady_state(opt, trainable, grads_resident=grad_accum > 1 or optimizer_in_cpu)
+    vocab = models.vocab_size(student)
+    return FakeStep(
+        student=student,
+        teacher=teacher,
+        trainable=trainable,
+        optimizer=opt,
+        tokens=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
+        labels=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
+        num_tokens_total=torch.tensor(batch_size * seq_len * grad_accum * num_ranks),
+    )
+
+
+def trace_step_phases(
+    mt: Any,
+    step: FakeStep,
+    *,
+    settings: Any,
+    clip_grad_norm: float | None,
+    grad_scale: float = 1.0,
+) -> TraceResult:
+    """Run one micro-step and the optimizer step inside tracker ``mt``; peaks per phase.
+
+    Shared by the one-device trace (MemTracker) and the FSDP2 trace (FSDPMemTracker): forward
+    (student, teacher, loss sub-phases), backward, optimizer step (gradient norm, optional clip,
+    step).
+
+    Args:
+        mt: a MemTracker or FSDPMemTracker already tracking ``step``'s models and tensors.
+        step: the models, optimizer and micro-batch (:func:`build_fake_step`).
+        settings: ``kd.train.LossSettings``.
+        clip_grad_norm: traced like the recipe (norm, optional clip).
+        grad_scale: ``kd.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
+
+    Returns:
+        Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
+    """
+    from kd import train
+
+    phases: dict[str, dict[str, int]] = {}
+    subphases: dict[str, dict[str, int]] = {}
+    currents: dict[str, int] = {}
+
+    def mark(name: str) -> None:
+        subphases[name] = take_phase_peak(mt)
+
+    def now(name: str) -> None:
+        currents[name] = snapshot(mt, "current").get("Total", 0)
+
+    def start_backward() -> None:
+        now("before_backward")
+        mark("loss_forward")
+        phases["forward"] = max(
+            (
+                subphases[k]
+                for k in ("student_forward", "teacher_forward", "loss_forward")
+                if k in subphases
+            ),
+            key=lambda d: d.get("Total", 0),
+        )
+
+    def end_backward() -> None:
+        now("after_backward")
+        mark("backward")
+        phases["backward"] = subphases["backward"]
+
+    def after(name: str) -> Any:
+        def hook(*_: Any) -> None:  # returns None: the module's output is kept
+            mark(f"{name}_forward")
+            now(f"after_{name}_forward")
+
+        return hook
+
+    hooks = [step.student.register_forward_hook(after("student"))]
+    if step.teacher is not None:
+        hooks.append(step.teacher.register_forward_hook(after("teacher")))
+    try:
+        with mt:
+            take_phase_peak(mt)
+            with split_at_backward(start_backward, end_backward):
+                train.micro_step(
+                    step.student,
+                    step.teacher,
+                    step.tokens,
+                    step.labels,
+                    settings=settings,
+                    num_tokens_total=step.num_tokens_total,
+                    grad_scale=grad_scale,
+                )
+            train.grad_norm(step.trainable, max_norm=clip_grad_norm)
+            if step.optimizer is not None:
+                step.optimizer.step()
+            phases["optimizer_step"] = take_phase_peak(mt)
+            if step.optimizer is not None:
+                step.optimizer.zero_grad(set_to_none=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return TraceResult(
+        phase_peaks={p: v.get("Total", 0) for p, v in phases.items()},
+        subphases={p: v.get("Total", 0) for p, v in subphases.items()},
+        subphase_categories=subphases,
+        currents=currents,
+        categories=phases,
+        wall_s=0.0,
+    )
