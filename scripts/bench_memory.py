@@ -79,18 +79,19 @@ def _knob_text(knobs) -> str:
 def run_row(label: str, config: str, overrides: list[str]) -> dict:
     from kd.config import load_config
     from kd.memory import estimate
-    from kd.memory.plan import inputs_from_config
-    from kd.memory.trace import trace_config
+    from kd.config.run import run_config
+    from kd.memory.plan import inputs_from_run
+    from kd.memory.trace import trace_run
 
-    cfg = load_config(config, overrides)
-    inputs = inputs_from_config(cfg)
+    run = run_config(load_config(config, overrides))
+    inputs = inputs_from_run(run)
     t0 = time.perf_counter()
     est = estimate(
         inputs.student, inputs.teacher, dataclasses.replace(inputs.knobs, select_labelled=False)
     )
     est_real = estimate(inputs.student, inputs.teacher, inputs.knobs)
     est_s = time.perf_counter() - t0
-    traced = trace_config(cfg)
+    traced = trace_run(run)
     phases = ("forward", "backward", "optimizer_step")
     row = {
         "label": label,

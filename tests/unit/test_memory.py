@@ -259,29 +259,30 @@ def test_activation_formula_matches_the_research_closed_form():
 
 # --------------------------------------------------------------------------- check and fit
 def test_check_memory_error_warn_off(capsys):
+    from kd.config.run import run_config
+    from kd.device import resolve_budget
+
+    def check(over: list[str], **kwargs):
+        run = run_config(load_config(FULL_14B_3B, over))
+        return check_memory(run, world_size=1, **kwargs)
+
     over = ["memory.budget_gib=40"]
     with pytest.raises(KDUserError) as e:
-        check_memory(load_config(FULL_14B_3B, over), world_size=1, device_total_bytes=None)
+        check(over, budget_gib=40)
     msg = str(e.value)
     assert "memory.budget_gib" in msg and "teacher_weights" in msg and "=" in msg
-    plan = check_memory(
-        load_config(FULL_14B_3B, [*over, "memory.check=warn"]),
-        world_size=1,
-        device_total_bytes=None,
-    )
+    plan = check([*over, "memory.check=warn"], budget_gib=40)
     assert plan is not None and not plan.fits
     assert "DOES NOT FIT" in capsys.readouterr().err
-    assert (
-        check_memory(
-            load_config(FULL_14B_3B, [*over, "memory.check=off"]),
-            world_size=1,
-            device_total_bytes=None,
-        )
-        is None
-    )
-    # budget from the device when memory.budget_gib is null
-    cfg = load_config(FULL_14B_3B, ["memory.budget_gib=null"])
-    assert check_memory(cfg, world_size=1, device_total_bytes=80 * GIB).fits
+    assert check([*over, "memory.check=off"], budget_gib=40) is None
+    assert check(["memory.budget_gib=null"], budget_gib=80).fits
+    # one budget resolution: memory.budget_gib first, else the device's memory
+    assert resolve_budget(budget_gib=40, device="cuda").gib == 40
+    cpu = resolve_budget(budget_gib=None, device="cpu")
+    assert cpu.gib is not None and cpu.gib > 0 and "RAM" in cpu.source
+    if not __import__("torch").cuda.is_available():
+        none = resolve_budget(budget_gib=None, device="cuda")
+        assert none.gib is None and "--budget-gib" in none.source
 
 
 def test_fit_options_are_ready_overrides_that_fit():
@@ -345,6 +346,16 @@ def test_plan_does_not_import_torch():
 
 
 # --------------------------------------------------------------------------- trace vs estimate
+def _run(cfg):
+    """The RunConfig of a partial config (schema defaults merged under it)."""
+    from kd.config.parse import fill_defaults
+    from kd.config.run import run_config
+
+    cfg = OmegaConf.merge(cfg, {})
+    fill_defaults(cfg)
+    return run_config(cfg)
+
+
 @pytest.mark.parametrize(
     "lora,ac,fused,divergence,teacher,ga",
     [
@@ -357,8 +368,8 @@ def test_plan_does_not_import_torch():
 def test_tiny_trace_matches_estimate(lora, ac, fused, divergence, teacher, ga):
     from dataclasses import replace
 
-    from kd.memory.plan import inputs_from_config
-    from kd.memory.trace import trace_config
+    from kd.memory.plan import inputs_from_run
+    from kd.memory.trace import trace_run
 
     student = dict(TINY_STUDENT)
     if lora:
@@ -384,8 +395,8 @@ def test_tiny_trace_matches_estimate(lora, ac, fused, divergence, teacher, ga):
             "kd_loss": {"divergence": divergence},
         }
     )
-    traced = trace_config(cfg)
-    inputs = inputs_from_config(cfg)
+    traced = trace_run(_run(cfg))
+    inputs = inputs_from_run(_run(cfg))
     est = estimate(inputs.student, inputs.teacher, replace(inputs.knobs, select_labelled=False))
     for phase in ("forward", "backward", "optimizer_step"):
         assert est.allocated(phase) == pytest.approx(traced.phase_peaks[phase], rel=0.03), phase
@@ -407,7 +418,7 @@ def test_trace_refuses_torchao_optimizers():
 def test_fsdp_trace_through_trace_config_is_per_rank():
     """`kd plan --world-size N --trace` traces rank 0 of N FSDP2 ranks; sharding shrinks every phase,
     and the gradient norm does not gather whole gradients at the optimizer step."""
-    from kd.memory.trace import trace_config
+    from kd.memory.trace import trace_run
 
     cfg = OmegaConf.create(
         {
@@ -426,9 +437,9 @@ def test_fsdp_trace_through_trace_config_is_per_rank():
             "fsdp": {"cpu_offload": False, "reshard_after_forward": True, "reduce_dtype": "fp32"},
         }
     )
-    one = trace_config(cfg, world_size=1).phase_peaks
-    four = trace_config(cfg, world_size=4).phase_peaks
+    one = trace_run(_run(cfg), world_size=1).phase_peaks
+    four = trace_run(_run(cfg), world_size=4).phase_peaks
     for phase in ("forward", "backward", "optimizer_step"):
         assert four[phase] < one[phase], phase
     with pytest.raises(KDUserError, match="CPU offload"):
-        trace_config(OmegaConf.merge(cfg, {"fsdp": {"cpu_offload": True}}), world_size=2)
+        trace_run(_run(OmegaConf.merge(cfg, {"fsdp": {"cpu_offload": True}})), world_size=2)

@@ -21,7 +21,13 @@ CONFIGS = registry.list_configs()
 
 
 def test_something_is_registered():
-    assert {r.name for r in RECIPES} == {"kd_single_device", "kd_distributed"}
+    assert {r.name for r in RECIPES} == {"kd", "kd_single_device", "kd_distributed"}
+    # one recipe: torchtune's two names run the module of `kd`
+    kd = registry.find_recipe("kd")
+    assert kd.supports_distributed and kd.configs == []
+    main_fn = importlib.import_module(kd.module).recipe_main
+    for alias in ("kd_single_device", "kd_distributed"):
+        assert importlib.import_module(registry.find_recipe(alias).module).recipe_main is main_fn
     assert len(CONFIGS) >= 5  # the shipped Qwen2.5 / Llama 3.x configs
     assert registry.configs_dir() == Path(registry.__file__).parent / "configs"
 
@@ -46,6 +52,8 @@ def test_every_builtin_config_belongs_to_exactly_one_recipe():
     owners = {name: [r.name for r in RECIPES if name in r.configs] for name in CONFIGS}
     assert all(len(o) == 1 for o in owners.values()), owners
     for recipe in RECIPES:
+        if recipe.name == "kd":
+            continue  # runs every config; none is attached to it by name
         assert recipe.configs, f"{recipe.name} has no built-in config"
         assert recipe.configs == sorted(recipe.configs)
         # Only the distributed recipe takes torchrun options; its configs are the _distributed ones.
@@ -99,7 +107,7 @@ def test_find_recipe_unknown_names_closest(typo, closest):
 
 
 def test_find_recipe_far_off_lists_all():
-    with pytest.raises(KDUserError, match="choose one of kd_single_device, kd_distributed"):
+    with pytest.raises(KDUserError, match="choose one of kd, kd_single_device, kd_distributed"):
         registry.find_recipe("zzz")
     assert registry.find_recipe("kd_distributed").supports_distributed
 
@@ -128,7 +136,8 @@ def test_kd_ls_lists_every_recipe_and_config(capsys):
     assert lines[0].split() == ["RECIPE", "CONFIG"]
     listed: dict[str, str] = {}
     current = ""
-    for line in lines[1:]:
+    assert lines[1].split()[0] == "kd" and "any config" in lines[1]
+    for line in lines[2:]:
         cells = line.split()
         if len(cells) == 2:
             current = cells[0]

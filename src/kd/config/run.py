@@ -242,13 +242,14 @@ def run_config(cfg: DictConfig) -> RunConfig:
 
     Args:
         cfg: the output of :func:`kd.config.load_config` that passed
-            :func:`kd.config.validate_config`.
+            :func:`kd.config.validate_config` (a partial config with the schema defaults merged,
+            :func:`kd.config.parse.fill_defaults`, serves the planner and the tracers).
 
     Returns:
         The typed, frozen run configuration.
     """
     memory = cfg.memory
-    tokenizer = cfg.tokenizer
+    tokenizer = cfg.get("tokenizer")
     max_seq_len = tokenizer.get("max_seq_len") if tokenizer is not None else None
     if memory.get("seq_len") is not None:
         seq_len, source = int(memory.seq_len), "memory.seq_len"
@@ -288,7 +289,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
             reduce_dtype=str(cfg.fsdp.reduce_dtype),
         ),
         checkpoint=CheckpointSettings(
-            output_dir=Path(str(cfg.output_dir)).expanduser(),
+            output_dir=Path(str(cfg.get("output_dir") or ".")).expanduser(),
             save_every_n_steps=None
             if cfg.save_every_n_steps is None
             else int(cfg.save_every_n_steps),
@@ -296,7 +297,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
             resume=bool(cfg.resume_from_checkpoint),
         ),
         components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
-        lora=_lora(cfg.model),
+        lora=_lora(cfg.get("model") or {}),
         seed=None if cfg.seed is None else int(cfg.seed),
         shuffle=bool(cfg.shuffle),
         batch_size=int(cfg.batch_size),

@@ -75,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
         )
     plan = make_plan(inputs, budget.gib)
     if args.trace:
-        from kd.memory.trace import trace_config
+        from kd.memory.trace import trace_run
 
         if world > 1:
             inputs.notes.append(
                 f"--trace: rank 0 of {world} FSDP2 ranks over a fake process group (FSDPMemTracker)"
             )
-        result = trace_config(target.cfg, world_size=world)
+        result = trace_run(run, world_size=world)
         plan.traced = result.phase_peaks
         plan.traced_wall_s = result.wall_s
         plan.trace_estimate = estimate(

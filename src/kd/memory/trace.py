@@ -27,9 +27,9 @@ import gc
 import time
 from typing import Any
 
-from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kd.config.run import LossSettings, RunConfig
 from kd.errors import KDUserError
 from kd.memory.tracing import (
     FrozenSafeMemTracker,
@@ -42,11 +42,11 @@ from kd.memory.tracing import (
 )
 
 
-def trace_config(cfg: DictConfig, *, world_size: int = 1) -> TraceResult:
-    """Trace one training step of ``cfg`` (fake tensors, no real memory), per rank when sharded.
+def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:
+    """Trace one training step of ``run`` (fake tensors, no real memory), per rank when sharded.
 
     Args:
-        cfg: a resolved config (``kd.config.load_config``).
+        run: the run configuration.
         world_size: ranks; above 1, rank 0 of an FSDP2 run is traced over a fake process group.
 
     Returns:
@@ -56,61 +56,37 @@ def trace_config(cfg: DictConfig, *, world_size: int = 1) -> TraceResult:
         KDUserError: CPU offload with world size > 1, or a component that cannot run on fake
             tensors.
     """
-    from kd.memory.plan import inputs_from_config
+    from kd.memory.plan import inputs_from_run
 
-    inputs = inputs_from_config(cfg)
-    seq = inputs.knobs.seq_len
-    if world_size > 1:
-        # Rank 0 of world_size FSDP2 ranks over a fake process group (FSDPMemTracker).
-        from kd.memory.trace_fsdp import trace_fsdp_step
-
-        fsdp = cfg.get("fsdp") or {}
-        if bool(fsdp.get("cpu_offload", False)) or bool(cfg.get("optimizer_in_cpu", False)):
-            raise KDUserError(
-                "--trace: CPU offload cannot be traced on fake tensors; drop --trace (the estimate "
-                "covers it) or trace with fsdp.cpu_offload=false"
-            )
-        return trace_fsdp_step(
-            model=cfg.model,
-            teacher_model=cfg.get("teacher_model"),
-            optimizer=cfg.get("optimizer"),
-            world_size=world_size,
-            batch_size=inputs.knobs.batch_size,
-            seq_len=seq,
-            grad_accum=inputs.knobs.grad_accum,
-            dtype=str(cfg.get("dtype", "bf16")),
-            activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", False)),
-            reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
-            reduce_dtype=str(fsdp.get("reduce_dtype", "fp32")),
-            clip_grad_norm=cfg.get("clip_grad_norm"),
-            loss=_loss_settings(cfg),
-        )
-    return trace_step(
-        model=cfg.model,
-        teacher_model=cfg.get("teacher_model"),
-        optimizer=cfg.get("optimizer"),
-        batch_size=inputs.knobs.batch_size,
-        seq_len=seq,
-        grad_accum=inputs.knobs.grad_accum,
-        dtype=str(cfg.get("dtype", "bf16")),
-        activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", False)),
-        optimizer_in_cpu=bool(cfg.get("optimizer_in_cpu", False)),
-        clip_grad_norm=cfg.get("clip_grad_norm"),
-        loss=_loss_settings(cfg),
-    )
-
-
-def _loss_settings(cfg: DictConfig) -> dict[str, Any]:
-    """``kd.train.LossSettings`` fields from a resolved config."""
-    return {
-        "kd_ratio": float(cfg.get("kd_ratio", 0.5)),
-        "temperature": float(cfg.get("temperature", 1.0)),
-        "divergence": str(cfg.kd_loss.get("divergence", "forward_kl")),
-        "beta": float(cfg.kd_loss.get("beta", 0.5)),
-        "skew_alpha": float(cfg.kd_loss.get("skew_alpha", 0.1)),
-        "chunk_size": int(cfg.get("loss_chunk_size", 1024)),
-        "fused": bool(cfg.get("fused_loss", True)),
+    knobs = inputs_from_run(run).knobs
+    common: dict[str, Any] = {
+        "model": run.components["model"],
+        "teacher_model": run.components["teacher_model"],
+        "optimizer": run.optimizer.node,
+        "batch_size": knobs.batch_size,
+        "seq_len": knobs.seq_len,
+        "grad_accum": knobs.grad_accum,
+        "dtype": run.dtype,
+        "activation_checkpointing": run.activation_checkpointing,
+        "clip_grad_norm": run.optimizer.clip_grad_norm,
+        "loss": run.loss,
     }
+    if world_size == 1:
+        return trace_step(optimizer_in_cpu=run.optimizer.in_cpu, **common)
+    # Rank 0 of world_size FSDP2 ranks over a fake process group (FSDPMemTracker).
+    from kd.memory.trace_fsdp import trace_fsdp_step
+
+    if run.fsdp.cpu_offload or run.optimizer.in_cpu:
+        raise KDUserError(
+            "--trace: CPU offload cannot be traced on fake tensors; drop --trace (the estimate "
+            "covers it) or trace with fsdp.cpu_offload=false"
+        )
+    return trace_fsdp_step(
+        world_size=world_size,
+        reshard_after_forward=run.fsdp.reshard_after_forward,
+        reduce_dtype=run.fsdp.reduce_dtype,
+        **common,
+    )
 
 
 def trace_step(
@@ -125,7 +101,7 @@ def trace_step(
     activation_checkpointing: bool = False,
     optimizer_in_cpu: bool = False,
     clip_grad_norm: float | None = None,
-    loss: dict[str, Any] | None = None,
+    loss: LossSettings | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step with the given builder nodes.
 
@@ -140,15 +116,15 @@ def trace_step(
         activation_checkpointing: recompute decoder layers in backward.
         optimizer_in_cpu: states off the device (the step is not traced; states not counted).
         clip_grad_norm: traced like the recipe (norm, optional clip).
-        loss: ``kd.train.LossSettings`` fields.
+        loss: loss settings (default: the schema defaults).
 
     Returns:
         Per-phase allocated peaks and categories.
     """
-    from kd import models, train
+    from kd import models
 
     t0 = time.perf_counter()
-    settings = train.LossSettings(**(loss or {}))
+    settings = loss or LossSettings()
     gc.collect()
     check_traceable_optimizer(optimizer)
     with quiet(), fake_friendly_rope(), FakeTensorMode():

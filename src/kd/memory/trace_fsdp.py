@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.memory.tracing import (
     TraceResult,
@@ -72,7 +73,7 @@ def trace_fsdp_step(
     reshard_after_forward: bool = True,
     reduce_dtype: str = "fp32",
     clip_grad_norm: float | None = None,
-    loss: dict[str, Any] | None = None,
+    loss: LossSettings | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
 
@@ -96,7 +97,7 @@ def trace_fsdp_step(
         reshard_after_forward: ``fsdp.reshard_after_forward`` (decoder layers and embeddings).
         reduce_dtype: ``fsdp.reduce_dtype`` (``fp32`` or ``bf16``).
         clip_grad_norm: traced like the recipe (norm, optional clip).
-        loss: ``kd.train.LossSettings`` fields.
+        loss: loss settings (default: the schema defaults).
 
     Returns:
         Per-phase allocated peaks (bytes, rank 0) and their categories.
@@ -107,14 +108,14 @@ def trace_fsdp_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from kd import models, train
+    from kd import models
     from kd.prepare import ShardSpec
 
     if world_size < 2:
         raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")
     check_traceable_optimizer(optimizer)
     t0 = time.perf_counter()
-    settings = train.LossSettings(**(loss or {}))
+    settings = loss or LossSettings()
     tdtype = models.DTYPES[dtype]
     gc.collect()
     with quiet(), fake_friendly_rope(), _fake_process_group(world_size) as mesh, FakeTensorMode():
