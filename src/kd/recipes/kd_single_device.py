@@ -28,7 +28,6 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
@@ -532,7 +531,6 @@ class KDRecipe:
             write_model=write_model,
             recipe_state=recipe_state,
             config_yaml=self.config_yaml,
-            config_hash=hashlib.sha256(self.config_yaml.encode()).hexdigest(),
             keep_last_n=self.keep_last_n,
         )
         distributed.barrier()
