@@ -484,7 +484,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(assets, tmp_path, caps
     out = tmp_path / "run"
     cfg = make_config(assets, out, max_steps_per_epoch=3, save_every_n_steps=1)
     config = write_config(tmp_path / "cfg.yaml", cfg)
-    original = kd.checkpoint.save_file
+    original = kd.checkpoint.hf_folder.save_file
     calls = {"n": 0}
 
     def save_file(tensors, filename, metadata=None):
@@ -494,7 +494,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(assets, tmp_path, caps
             raise OSError(errno.ENOSPC, "No space left on device")
         return original(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(kd.checkpoint, "save_file", save_file)
+    monkeypatch.setattr(kd.checkpoint.hf_folder, "save_file", save_file)
     assert cli.main([*RUN, "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import random
@@ -244,7 +246,6 @@ def _save(out: Path, step: int, keep: int = 2, write_model=None, state=True) -> 
         write_model=write_model or _writer(),
         recipe_state=_recipe_state(step) if state else None,
         config_yaml="seed: 1\n",
-        config_hash=ck.config_hash("seed: 1\n"),
         keep_last_n=keep,
     )
 
@@ -314,7 +315,7 @@ def test_torch_save_failure_is_a_user_error(tmp_path: Path, monkeypatch) -> None
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ck.torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(KDUserError, match="No space left"):
         _save(tmp_path, 20)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
@@ -339,7 +340,6 @@ def test_recipe_state_must_be_weights_only(tmp_path: Path) -> None:
             write_model=_writer(),
             recipe_state={"bad": object()},
             config_yaml="",
-            config_hash="",
             keep_last_n=1,
         )
     assert list(tmp_path.iterdir()) == []
@@ -388,7 +388,7 @@ _KILL_SCRIPT = textwrap.dedent(
         ck.save_checkpoint(out, step, epoch=0,
             write_model=lambda d: (d / "model.safetensors").write_bytes(bytes(200_000)),
             recipe_state={"w": torch.full((50_000,), float(step))},
-            config_yaml="seed: 1\\n", config_hash="h", keep_last_n=2)
+            config_yaml="seed: 1\\n", keep_last_n=2)
     """
 )
 
@@ -464,3 +464,92 @@ def test_config_compatibility() -> None:
     assert lines[1].startswith("optimizer.lr: 2e-05 in the checkpoint, 0.0001 now")
     assert lines[2].startswith("seed: 1 in the checkpoint, 2 now")
     assert "/o/step_000010/config.yaml" in lines[-1] and len(lines) == 4
+
+
+def test_schema_resume_flags_decide_what_may_change(monkeypatch) -> None:
+    from kd.config import schema
+
+    # may_change keys (top level, a section's leaf, a checkpointer's output path) are accepted.
+    assert schema.TOP_LEVEL["keep_last_n"].resume == schema.MAY_CHANGE
+    assert schema.FSDP["cpu_offload"].resume == schema.MAY_CHANGE
+    benign = BASE_CFG + "keep_last_n: 5\nfsdp: {cpu_offload: true}\n"
+    benign = benign.replace("output_dir: /tmp/a}", "output_dir: /tmp/b}")
+    ck.check_resume_compatible(BASE_CFG, benign)
+    assert ck.config_hash(BASE_CFG) == ck.config_hash(benign)
+
+    # must_match keys are refused, each named.
+    assert schema.TOP_LEVEL["gradient_accumulation_steps"].resume == schema.MUST_MATCH
+    assert schema.KD_LOSS["beta"].resume == schema.MUST_MATCH
+    changed = BASE_CFG + "gradient_accumulation_steps: 4\nkd_loss: {beta: 0.2}\n"
+    with pytest.raises(KDUserError) as info:
+        ck.check_resume_compatible(BASE_CFG, changed)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "gradient_accumulation_steps: unset in the checkpoint, 4 now"
+    assert lines[1] == "kd_loss.beta: unset in the checkpoint, 0.2 now"
+    assert len(lines) == 3
+
+    # The check and the hash read the flags from the schema.
+    monkeypatch.setitem(
+        schema.TOP_LEVEL,
+        "gradient_accumulation_steps",
+        dataclasses.replace(
+            schema.TOP_LEVEL["gradient_accumulation_steps"], resume=schema.MAY_CHANGE
+        ),
+    )
+    monkeypatch.setitem(
+        schema.TOP_LEVEL,
+        "keep_last_n",
+        dataclasses.replace(schema.TOP_LEVEL["keep_last_n"], resume=schema.MUST_MATCH),
+    )
+    with pytest.raises(KDUserError) as info:
+        ck.check_resume_compatible(BASE_CFG, changed + "keep_last_n: 5\n")
+    lines = str(info.value).splitlines()
+    assert lines[:2] == [
+        "kd_loss.beta: unset in the checkpoint, 0.2 now",
+        "keep_last_n: unset in the checkpoint, 5 now",
+    ]
+    assert ck.config_hash(BASE_CFG) != ck.config_hash(BASE_CFG + "keep_last_n: 5\n")
+
+
+def _saved_run(out: Path, config_yaml: str) -> Path:
+    return ck.save_checkpoint(
+        out,
+        1,
+        epoch=0,
+        write_model=_writer(),
+        recipe_state=_recipe_state(1),
+        config_yaml=config_yaml,
+        keep_last_n=1,
+    )
+
+
+def test_marker_hash_is_checked_on_resume(tmp_path: Path) -> None:
+    path = _saved_run(tmp_path, BASE_CFG)
+    marker = ck.read_checkpoint_marker(path)
+    assert marker["config_hash"] == ck.config_hash(BASE_CFG)
+    changed = BASE_CFG.replace("seed: 1", "seed: 2")
+
+    # The marker's hash matches this run's config: nothing more is compared (the snapshot given
+    # here differs in seed, and is not looked at).
+    ck.check_resume_compatible(changed, BASE_CFG, checkpoint=path)
+    # It does not match: the keys are compared and the differing one named.
+    with pytest.raises(KDUserError, match=r"^seed: 1 in the checkpoint, 2 now"):
+        ck.check_resume_compatible(BASE_CFG, changed, checkpoint=path)
+
+
+@pytest.mark.parametrize("old_hash", [None, "sha256 of the whole config.yaml"])
+def test_marker_of_older_kd_falls_back_to_key_comparison(tmp_path: Path, old_hash) -> None:
+    path = _saved_run(tmp_path, BASE_CFG)
+    marker = ck.read_checkpoint_marker(path)
+    if old_hash is None:
+        del marker["config_hash"]
+    else:
+        marker["config_hash"] = hashlib.sha256(old_hash.encode()).hexdigest()
+    (path / ck.MARKER_FILE).write_text(json.dumps(marker))
+    ck.check_resume_compatible(
+        BASE_CFG, BASE_CFG.replace("budget_gib: 10", "budget_gib: 20"), checkpoint=path
+    )
+    with pytest.raises(KDUserError, match=r"^seed: 1 in the checkpoint, 2 now"):
+        ck.check_resume_compatible(
+            BASE_CFG, BASE_CFG.replace("seed: 1", "seed: 2"), checkpoint=path
+        )

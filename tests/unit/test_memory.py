@@ -14,6 +14,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from kd import families
 from kd.config import load_config
 from kd.errors import KDUserError
 from kd.memory import (
@@ -75,12 +76,7 @@ def _meta_params(builder, **kwargs) -> int:
 def test_builder_table_matches_torchtune_meta_builders(name):
     import importlib
 
-    prefix = next(
-        p
-        for p in ("qwen2_5", "qwen2", "llama3_1", "llama3_2", "llama3", "llama2")
-        if name.startswith(p + "_")
-    )
-    module = f"torchtune.models.{prefix}"
+    module = f"torchtune.models.{families.family_of_builder(name).name}"
     builder = getattr(importlib.import_module(module), name)
     assert shape_from_component(f"{module}.{name}", {}).total_params() == _meta_params(builder)
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Key.resume values.
+MUST_MATCH = "must_match"
+MAY_CHANGE = "may_change"
+
 
 @dataclass(frozen=True)
 class Key:
@@ -27,6 +31,9 @@ class Key:
         max: inclusive upper bound for numbers.
         min_exclusive: exclusive lower bound for numbers (``temperature > 0``).
         node: the key holds a mapping (a ``_component_`` node or a section).
+        resume: ``must_match``: a run resumed from a checkpoint must have the checkpoint's value,
+            because the key changes the training trajectory; ``may_change``: it may differ (paths,
+            logging, saving, memory knobs). For a node, ``may_change`` covers all its leaves.
     """
 
     default: Any
@@ -38,6 +45,10 @@ class Key:
     max: float | None = None
     min_exclusive: float | None = None
     node: bool = False
+    resume: str = MUST_MATCH
+
+    def __post_init__(self) -> None:
+        assert self.resume in (MUST_MATCH, MAY_CHANGE), self.resume
 
 
 MISSING = "???"
@@ -60,33 +71,55 @@ _STR = (str,)
 # Keys of the top-level config. Nodes (model, checkpointer, ...) are validated by binding their
 # `_component_` signature; their defaults here are only used when the YAML leaves them out.
 TOP_LEVEL: dict[str, Key] = {
-    "output_dir": Key(MISSING, _STR, "folder for checkpoints, metrics.jsonl and logs"),
-    "model": Key(MISSING, node=True, help="student model builder (`_component_`), full or lora_*"),
+    "output_dir": Key(
+        MISSING, _STR, "folder for checkpoints, metrics.jsonl and logs", resume=MAY_CHANGE
+    ),
+    "model": Key(
+        MISSING,
+        node=True,
+        help="student model builder (`_component_`), full or lora_*",
+        resume=MUST_MATCH,
+    ),
     "teacher_model": Key(
         MISSING,
         node=True,
         nullable=True,
         help="teacher model builder (`_component_`); null only with kd_ratio 0 (plain fine-tuning)",
+        resume=MUST_MATCH,
     ),
-    "tokenizer": Key(MISSING, node=True, help="tokenizer builder; `max_seq_len` bounds the plan"),
-    "checkpointer": Key(MISSING, node=True, help="student checkpointer (HF safetensors)"),
+    "tokenizer": Key(
+        MISSING,
+        node=True,
+        help="tokenizer builder; `max_seq_len` bounds the plan",
+        resume=MUST_MATCH,
+    ),
+    "checkpointer": Key(
+        MISSING, node=True, help="student checkpointer (HF safetensors)", resume=MUST_MATCH
+    ),
     "teacher_checkpointer": Key(
         MISSING,
         node=True,
         nullable=True,
         help="teacher checkpointer (HF safetensors); null with teacher_model",
+        resume=MUST_MATCH,
     ),
-    "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)"),
-    "seed": Key(None, _INT, "random seed; null picks one and logs it", nullable=True),
-    "shuffle": Key(True, _BOOL, "shuffle the dataset each epoch"),
-    "batch_size": Key(4, _INT, "micro-batch size per device", min=1),
+    "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)", resume=MUST_MATCH),
+    "seed": Key(
+        None, _INT, "random seed; null picks one and logs it", nullable=True, resume=MUST_MATCH
+    ),
+    "shuffle": Key(True, _BOOL, "shuffle the dataset each epoch", resume=MUST_MATCH),
+    "batch_size": Key(4, _INT, "micro-batch size per device", min=1, resume=MUST_MATCH),
     "optimizer": Key(
         {"_component_": "torch.optim.AdamW", "lr": 2e-5, "weight_decay": 0.01},
         node=True,
         help="optimizer builder; torch.optim.* or torchao.optim.AdamW8bit",
+        resume=MUST_MATCH,
     ),
     "optimizer_in_cpu": Key(
-        False, _BOOL, "keep optimizer states on CPU (torchao CPUOffloadOptimizer)"
+        False,
+        _BOOL,
+        "keep optimizer states on CPU (torchao CPUOffloadOptimizer)",
+        resume=MAY_CHANGE,
     ),
     "lr_scheduler": Key(
         {
@@ -96,56 +129,90 @@ TOP_LEVEL: dict[str, Key] = {
         node=True,
         nullable=True,
         help="LR schedule with warmup; null keeps the LR constant",
+        resume=MUST_MATCH,
     ),
     "loss": Key(
         None,
         node=True,
         nullable=True,
         help="torchtune CE loss component; kd's loss includes CE, so this is mapped with a notice",
+        resume=MUST_MATCH,
     ),
     "kd_loss": Key(
         {"divergence": "forward_kl", "beta": 0.5, "skew_alpha": 0.1},
         node=True,
         help="divergence to the teacher: a name, {divergence, beta, skew_alpha} or a torchtune loss",
+        resume=MUST_MATCH,
     ),
-    "kd_ratio": Key(0.5, _NUM, "loss = (1 - kd_ratio) * CE + kd_ratio * KD", min=0.0, max=1.0),
+    "kd_ratio": Key(
+        0.5, _NUM, "loss = (1 - kd_ratio) * CE + kd_ratio * KD", min=0.0, max=1.0, resume=MUST_MATCH
+    ),
     "temperature": Key(
-        1.0, _NUM, "softmax temperature of both models; KD is scaled by T^2", min_exclusive=0.0
+        1.0,
+        _NUM,
+        "softmax temperature of both models; KD is scaled by T^2",
+        min_exclusive=0.0,
+        resume=MUST_MATCH,
     ),
     "fused_loss": Key(
         True,
         _BOOL,
         "fused linear+CE+KD loss over labelled tokens only (no full logits); false = logits path",
+        resume=MAY_CHANGE,
     ),
     "loss_chunk_size": Key(
-        1024, _INT, "tokens per chunk in the loss; memory is chunk x vocab", min=1
+        1024,
+        _INT,
+        "tokens per chunk in the loss; memory is chunk x vocab",
+        min=1,
+        resume=MAY_CHANGE,
     ),
-    "epochs": Key(1, _INT, "passes over the dataset", min=1),
+    "epochs": Key(1, _INT, "passes over the dataset", min=1, resume=MAY_CHANGE),
     "max_steps_per_epoch": Key(
-        None, _INT, "cap on optimizer steps per epoch", nullable=True, min=1
+        None, _INT, "cap on optimizer steps per epoch", nullable=True, min=1, resume=MAY_CHANGE
     ),
-    "gradient_accumulation_steps": Key(1, _INT, "micro-batches per optimizer step", min=1),
+    "gradient_accumulation_steps": Key(
+        1, _INT, "micro-batches per optimizer step", min=1, resume=MUST_MATCH
+    ),
     "clip_grad_norm": Key(
-        None, _NUM, "max gradient norm; null disables clipping", nullable=True, min_exclusive=0.0
+        None,
+        _NUM,
+        "max gradient norm; null disables clipping",
+        nullable=True,
+        min_exclusive=0.0,
+        resume=MUST_MATCH,
     ),
-    "compile": Key(False, _BOOL, "torch.compile the decoder layers (first steps are slower)"),
+    "compile": Key(
+        False, _BOOL, "torch.compile the decoder layers (first steps are slower)", resume=MAY_CHANGE
+    ),
     "metric_logger": Key(
         {"_component_": "kd.metrics.StdoutLogger"},
         node=True,
         help="extra metric sink beside output_dir/metrics.jsonl; kd.metrics.WandBLogger logs to wandb "
         "(offline without an API key); torchtune's DiskLogger/WandBLogger also work",
+        resume=MAY_CHANGE,
     ),
-    "log_every_n_steps": Key(1, _INT, "optimizer steps between metric rows", min=1),
+    "log_every_n_steps": Key(
+        1, _INT, "optimizer steps between metric rows", min=1, resume=MAY_CHANGE
+    ),
     "log_peak_memory_stats": Key(
-        True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)"
+        True, _BOOL, "log peak memory (CUDA allocated/reserved, or RSS on CPU)", resume=MAY_CHANGE
     ),
-    "device": Key("cuda", _STR, "cuda, cpu, or cuda:N"),
-    "dtype": Key("bf16", _STR, "parameter dtype of both models", choices=("bf16", "fp32")),
+    "device": Key("cuda", _STR, "cuda, cpu, or cuda:N", resume=MAY_CHANGE),
+    "dtype": Key(
+        "bf16", _STR, "parameter dtype of both models", choices=("bf16", "fp32"), resume=MUST_MATCH
+    ),
     "enable_activation_checkpointing": Key(
-        False, _BOOL, "recompute decoder layers in backward (less memory, ~30% slower)"
+        False,
+        _BOOL,
+        "recompute decoder layers in backward (less memory, ~30% slower)",
+        resume=MAY_CHANGE,
     ),
     "resume_from_checkpoint": Key(
-        False, _BOOL, "continue from the newest complete step checkpoint in output_dir"
+        False,
+        _BOOL,
+        "continue from the newest complete step checkpoint in output_dir",
+        resume=MAY_CHANGE,
     ),
     "save_every_n_steps": Key(
         None,
@@ -153,21 +220,29 @@ TOP_LEVEL: dict[str, Key] = {
         "optimizer steps between checkpoints; null = only at the end",
         nullable=True,
         min=1,
+        resume=MAY_CHANGE,
     ),
-    "keep_last_n": Key(2, _INT, "step checkpoints kept on disk", min=1),
-    "max_bad_steps": Key(0, _INT, "non-finite steps skipped before the run stops", min=0),
+    "keep_last_n": Key(2, _INT, "step checkpoints kept on disk", min=1, resume=MAY_CHANGE),
+    "max_bad_steps": Key(
+        0, _INT, "non-finite steps skipped before the run stops", min=0, resume=MAY_CHANGE
+    ),
     "trust_remote_components": Key(
-        False, _BOOL, "allow `_component_` targets outside torch, torchtune, torchao and kd"
+        False,
+        _BOOL,
+        "allow `_component_` targets outside torch, torchtune, torchao and kd",
+        resume=MAY_CHANGE,
     ),
     "memory": Key(
         {"budget_gib": None, "check": "error", "seq_len": None, "reserve_gib": None},
         node=True,
         help="memory plan: budget_gib (null = device total), check error|warn|off, seq_len override",
+        resume=MAY_CHANGE,
     ),
     "fsdp": Key(
         {"cpu_offload": False, "reshard_after_forward": True, "reduce_dtype": "fp32"},
         node=True,
         help="FSDP2 options of the distributed recipe",
+        resume=MAY_CHANGE,
     ),
 }
 
@@ -179,14 +254,22 @@ MEMORY: dict[str, Key] = {
         "GiB per device; null = the device's total memory",
         nullable=True,
         min_exclusive=0.0,
+        resume=MAY_CHANGE,
     ),
-    "check": Key("error", _STR, "what an over-budget plan does", choices=("error", "warn", "off")),
+    "check": Key(
+        "error",
+        _STR,
+        "what an over-budget plan does",
+        choices=("error", "warn", "off"),
+        resume=MAY_CHANGE,
+    ),
     "seq_len": Key(
         None,
         _INT,
         "tokens per sequence to plan for; null = tokenizer.max_seq_len",
         nullable=True,
         min=1,
+        resume=MAY_CHANGE,
     ),
     "reserve_gib": Key(
         None,
@@ -194,23 +277,28 @@ MEMORY: dict[str, Key] = {
         "runtime reserve (CUDA context, allocator); null = calibrated default",
         nullable=True,
         min=0.0,
+        resume=MAY_CHANGE,
     ),
 }
 
 # Keys of the `fsdp:` section.
 FSDP: dict[str, Key] = {
-    "cpu_offload": Key(False, _BOOL, "offload parameters, gradients and optimizer states to CPU"),
-    "reshard_after_forward": Key(
-        True, _BOOL, "free unsharded parameters after forward (less memory)"
+    "cpu_offload": Key(
+        False, _BOOL, "offload parameters, gradients and optimizer states to CPU", resume=MAY_CHANGE
     ),
-    "reduce_dtype": Key("fp32", _STR, "gradient reduce-scatter dtype", choices=("fp32", "bf16")),
+    "reshard_after_forward": Key(
+        True, _BOOL, "free unsharded parameters after forward (less memory)", resume=MAY_CHANGE
+    ),
+    "reduce_dtype": Key(
+        "fp32", _STR, "gradient reduce-scatter dtype", choices=("fp32", "bf16"), resume=MAY_CHANGE
+    ),
 }
 
 # Keys of the `kd_loss:` section (our form).
 KD_LOSS: dict[str, Key] = {
-    "divergence": Key("forward_kl", _STR, "the divergence", choices=DIVERGENCES),
-    "beta": Key(0.5, _NUM, "JSD mixture weight", min=0.0, max=1.0),
-    "skew_alpha": Key(0.1, _NUM, "skew KL mixture weight", min=0.0, max=1.0),
+    "divergence": Key("forward_kl", _STR, "the divergence", choices=DIVERGENCES, resume=MUST_MATCH),
+    "beta": Key(0.5, _NUM, "JSD mixture weight", min=0.0, max=1.0, resume=MUST_MATCH),
+    "skew_alpha": Key(0.1, _NUM, "skew KL mixture weight", min=0.0, max=1.0, resume=MUST_MATCH),
 }
 
 SECTIONS: dict[str, dict[str, Key]] = {"memory": MEMORY, "fsdp": FSDP, "kd_loss": KD_LOSS}

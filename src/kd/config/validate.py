@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kd import families
 from kd.config import schema
 from kd.config.compat import TORCHTUNE_KD_LOSSES
 from kd.config.instantiate import locate_target, unknown_kwargs
@@ -423,48 +424,19 @@ def writable_dir_problem(folder: str) -> str | None:
     return None
 
 
-# torchtune model packages that share one tokenizer (and so token ids): KD compares the two
-# models' distributions id by id, so teacher, student and tokenizer must come from one group.
-_FAMILIES: dict[str, str] = {
-    "qwen2": "qwen2",
-    "qwen2_5": "qwen2",
-    "llama3": "llama3",
-    "llama3_1": "llama3",
-    "llama3_2": "llama3",
-    "llama3_3": "llama3",
-    "llama3_2_vision": "llama3",
-    "llama2": "llama2",
-    "code_llama2": "llama2",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "mistral": "mistral",
-    "phi3": "phi3",
-    "phi4": "phi4",
-}
-# torchtune ModelType name -> family of the builders it converts weights for.
-_MODEL_TYPE_FAMILIES: dict[str, str] = {
-    "QWEN2": "qwen2",
-    "LLAMA2": "llama2",
-    "LLAMA3": "llama3",
-    "LLAMA3_2": "llama3",
-    "LLAMA3_VISION": "llama3",
-    "GEMMA": "gemma",
-    "GEMMA2": "gemma",
-    "MISTRAL": "mistral",
-    "PHI3_MINI": "phi3",
-    "PHI4": "phi4",
-}
-
-
 def model_family(target: Any) -> str | None:
     """Tokenizer family of a torchtune builder path (``torchtune.models.qwen2_5.qwen2_5_3b`` ->
-    ``qwen2``), or None for builders outside ``torchtune.models`` (nothing is known about them)."""
+    ``qwen2``), or None for builders outside ``torchtune.models`` (nothing is known about them).
+
+    Packages share a family when they share token ids (:attr:`kd.families.Family.tokenizer`); a
+    package not in :data:`kd.families.FAMILIES` is its own family."""
     if not isinstance(target, str):
         return None
     parts = target.split(".")
     if len(parts) < 4 or parts[:2] != ["torchtune", "models"]:
         return None
-    return _FAMILIES.get(parts[2], parts[2])
+    family = families.family_of_package(parts[2])
+    return family.tokenizer if family is not None else parts[2]
 
 
 def _target(data: dict[str, Any], name: str) -> Any:
@@ -516,9 +488,9 @@ def _check_model_types(data: dict[str, Any], problems: list[Problem]) -> None:
             continue
         builder = _target(data, model)
         family = model_family(builder)
-        expected = _MODEL_TYPE_FAMILIES.get(value)
+        expected = families.tokenizer_of_model_type(value)
         if family is not None and expected is not None and family != expected:
-            fit = [n for n, f in _MODEL_TYPE_FAMILIES.items() if f == family]
+            fit = families.model_types_of_tokenizer(family)
             problems.append(
                 Problem(
                     key,

@@ -20,44 +20,38 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# name -> (family, vocab, layers, heads, kv_heads, embed_dim, intermediate_dim, tied, max_seq_len).
-# Read from torchtune 0.6.1 model builders; `tests/unit/test_memory.py` rebuilds each on the meta
-# device and compares the parameter count.
-BUILDERS: dict[str, tuple[str, int, int, int, int, int, int, bool, int]] = {
-    "qwen2_0_5b": ("qwen2", 151936, 24, 14, 2, 896, 4864, True, 32768),
-    "qwen2_1_5b": ("qwen2", 151936, 28, 12, 2, 1536, 8960, True, 32768),
-    "qwen2_7b": ("qwen2", 152064, 28, 28, 4, 3584, 18944, False, 32768),
-    "qwen2_5_0_5b": ("qwen2", 151936, 24, 14, 2, 896, 4864, True, 32768),
-    "qwen2_5_1_5b_base": ("qwen2", 151936, 28, 12, 2, 1536, 8960, True, 131072),
-    "qwen2_5_1_5b_instruct": ("qwen2", 151936, 28, 12, 2, 1536, 8960, True, 32768),
-    "qwen2_5_3b": ("qwen2", 151936, 36, 16, 2, 2048, 11008, True, 32768),
-    "qwen2_5_7b_base": ("qwen2", 152064, 28, 28, 4, 3584, 18944, False, 131072),
-    "qwen2_5_7b_instruct": ("qwen2", 152064, 28, 28, 4, 3584, 18944, False, 32768),
-    "qwen2_5_14b_base": ("qwen2", 152064, 48, 40, 8, 5120, 13824, False, 131072),
-    "qwen2_5_14b_instruct": ("qwen2", 152064, 48, 40, 8, 5120, 13824, False, 32768),
-    "qwen2_5_32b_base": ("qwen2", 152064, 64, 40, 8, 5120, 27648, False, 131072),
-    "qwen2_5_32b_instruct": ("qwen2", 152064, 64, 40, 8, 5120, 27648, False, 32768),
-    "qwen2_5_72b_base": ("qwen2", 152064, 80, 64, 8, 8192, 29568, False, 131072),
-    "qwen2_5_72b_instruct": ("qwen2", 152064, 80, 64, 8, 8192, 29568, False, 32768),
-    "llama2_7b": ("llama", 32000, 32, 32, 32, 4096, 11008, False, 4096),
-    "llama2_13b": ("llama", 32000, 40, 40, 40, 5120, 13824, False, 4096),
-    "llama2_70b": ("llama", 32000, 80, 64, 8, 8192, 28672, False, 4096),
-    "llama3_8b": ("llama", 128256, 32, 32, 8, 4096, 14336, False, 8192),
-    "llama3_70b": ("llama", 128256, 80, 64, 8, 8192, 28672, False, 8192),
-    "llama3_1_8b": ("llama", 128256, 32, 32, 8, 4096, 14336, False, 131072),
-    "llama3_1_70b": ("llama", 128256, 80, 64, 8, 8192, 28672, False, 131072),
-    "llama3_1_405b": ("llama", 128256, 126, 128, 8, 16384, 53248, False, 131072),
-    "llama3_2_1b": ("llama", 128256, 16, 32, 8, 2048, 8192, True, 131072),
-    "llama3_2_3b": ("llama", 128256, 28, 24, 8, 3072, 8192, True, 131072),
-}
+from kd import families
 
-# Component builders that take the shape as kwargs: name -> (family, default tie_word_embeddings).
-COMPONENT_BUILDERS: dict[str, tuple[str, bool]] = {
-    "qwen2": ("qwen2", False),
-    "llama2": ("llama", False),
-    "llama3": ("llama", False),
-    "llama3_1": ("llama", False),
-    "llama3_2": ("llama", True),
+# name -> (vocab, layers, heads, kv_heads, embed_dim, intermediate_dim, tied, max_seq_len); the
+# architecture comes from `kd.families` by the name's prefix. Read from torchtune 0.6.1 model
+# builders; `tests/unit/test_memory.py` rebuilds each on the meta device and compares the
+# parameter count.
+BUILDERS: dict[str, tuple[int, int, int, int, int, int, bool, int]] = {
+    "qwen2_0_5b": (151936, 24, 14, 2, 896, 4864, True, 32768),
+    "qwen2_1_5b": (151936, 28, 12, 2, 1536, 8960, True, 32768),
+    "qwen2_7b": (152064, 28, 28, 4, 3584, 18944, False, 32768),
+    "qwen2_5_0_5b": (151936, 24, 14, 2, 896, 4864, True, 32768),
+    "qwen2_5_1_5b_base": (151936, 28, 12, 2, 1536, 8960, True, 131072),
+    "qwen2_5_1_5b_instruct": (151936, 28, 12, 2, 1536, 8960, True, 32768),
+    "qwen2_5_3b": (151936, 36, 16, 2, 2048, 11008, True, 32768),
+    "qwen2_5_7b_base": (152064, 28, 28, 4, 3584, 18944, False, 131072),
+    "qwen2_5_7b_instruct": (152064, 28, 28, 4, 3584, 18944, False, 32768),
+    "qwen2_5_14b_base": (152064, 48, 40, 8, 5120, 13824, False, 131072),
+    "qwen2_5_14b_instruct": (152064, 48, 40, 8, 5120, 13824, False, 32768),
+    "qwen2_5_32b_base": (152064, 64, 40, 8, 5120, 27648, False, 131072),
+    "qwen2_5_32b_instruct": (152064, 64, 40, 8, 5120, 27648, False, 32768),
+    "qwen2_5_72b_base": (152064, 80, 64, 8, 8192, 29568, False, 131072),
+    "qwen2_5_72b_instruct": (152064, 80, 64, 8, 8192, 29568, False, 32768),
+    "llama2_7b": (32000, 32, 32, 32, 4096, 11008, False, 4096),
+    "llama2_13b": (32000, 40, 40, 40, 5120, 13824, False, 4096),
+    "llama2_70b": (32000, 80, 64, 8, 8192, 28672, False, 4096),
+    "llama3_8b": (128256, 32, 32, 8, 4096, 14336, False, 8192),
+    "llama3_70b": (128256, 80, 64, 8, 8192, 28672, False, 8192),
+    "llama3_1_8b": (128256, 32, 32, 8, 4096, 14336, False, 131072),
+    "llama3_1_70b": (128256, 80, 64, 8, 8192, 28672, False, 131072),
+    "llama3_1_405b": (128256, 126, 128, 8, 16384, 53248, False, 131072),
+    "llama3_2_1b": (128256, 16, 32, 8, 2048, 8192, True, 131072),
+    "llama3_2_3b": (128256, 28, 24, 8, 3072, 8192, True, 131072),
 }
 
 # The seven linears of a decoder layer, in torchtune's names (attention, then MLP).
@@ -106,7 +100,8 @@ class ModelShape:
 
     Attributes:
         name: builder name (for messages).
-        family: ``qwen2`` (q/k/v biases, rotate-half RoPE) or ``llama``.
+        family: architecture, ``qwen2`` (q/k/v biases, rotate-half RoPE) or ``llama``
+            (:mod:`kd.families`).
         vocab_size: rows of the embedding / output projection (padded vocab).
         num_layers: decoder layers.
         num_heads: query heads.
@@ -276,20 +271,22 @@ def shape_from_component(
     is_lora = name.startswith("lora_")
     base = name[len("lora_") :] if is_lora else name
     lora = _lora_from_kwargs(kwargs) if is_lora else None
-    per_layer_rope = is_lora and not base.startswith(("llama3_1", "llama3_2"))
+    family = families.family_of_builder(base)
+    arch = family.architecture if family is not None else families.LLAMA
+    per_layer_rope = is_lora and (family is None or family.lora_rope_per_layer)
     if base in BUILDERS:
-        fam, v, n_layers, nh, nkv, h, f, tied, msl = BUILDERS[base]
+        v, n_layers, nh, nkv, h, f, tied, msl = BUILDERS[base]
         tied = bool(kwargs.get("tie_word_embeddings", tied))
-        return ModelShape(name, fam, v, n_layers, nh, nkv, h, f, tied, msl, lora, per_layer_rope)
-    if base in COMPONENT_BUILDERS:
-        fam, tied_default = COMPONENT_BUILDERS[base]
+        return ModelShape(name, arch, v, n_layers, nh, nkv, h, f, tied, msl, lora, per_layer_rope)
+    if family is not None and family.name == base and family.component_tied is not None:
+        tied_default = family.component_tied
         try:
             h = int(kwargs["embed_dim"])
             f = kwargs.get("intermediate_dim")
             nh = int(kwargs["num_heads"])
             return ModelShape(
                 name=name,
-                family=fam,
+                family=arch,
                 vocab_size=int(kwargs["vocab_size"]),
                 num_layers=int(kwargs["num_layers"]),
                 num_heads=nh,
@@ -326,7 +323,7 @@ def shape_from_hf_config(path: str) -> ModelShape:
         model_type = str(cfg.get("model_type", "llama"))
         return ModelShape(
             name=os.path.basename(os.path.dirname(os.path.abspath(path))) or model_type,
-            family="qwen2" if model_type.startswith("qwen2") else "llama",
+            family=families.architecture_of_hf_model_type(model_type),
             vocab_size=int(cfg["vocab_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=nh,

@@ -553,7 +553,6 @@ class KDRecipe:
                 recipe_state=state,
                 config_yaml=self.run.yaml,
                 keep_last_n=self.run.checkpoint.keep_last_n,
-                config_hash=checkpoint.config_hash(self.run.yaml),  # MERGE: drop with h-ckpt
             )
         distributed.barrier()
         return path

@@ -1,0 +1,120 @@
+"""Whether a run may resume from a checkpoint: the config keys that must match, and their hash.
+
+Each schema key says whether it may change on resume (``kd.config.schema.Key.resume``): keys that
+change the training trajectory must match the checkpoint's ``config.yaml``; paths, logging,
+saving and memory knobs may change (a resumed job may land on a GPU with less memory, or train
+for longer). Keys inside component nodes are not schema keys and must match, except the output
+paths of checkpointer nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, read_checkpoint_marker
+from kd.config import schema
+from kd.errors import KDUserError
+
+# Leaves inside checkpointer nodes that name where to write, not what to train.
+_CHECKPOINTER_OUTPUT_LEAVES = frozenset(
+    {"output_dir", "recipe_checkpoint", "resume_from_checkpoint"}
+)
+
+
+def _may_change(parts: list[str]) -> bool:
+    """Whether the dotted config key ``parts`` may differ from the checkpoint's on resume."""
+    top = schema.TOP_LEVEL.get(parts[0])
+    if top is not None and top.resume == schema.MAY_CHANGE:
+        return True  # the whole node or section
+    section = schema.SECTIONS.get(parts[0], {})
+    if len(parts) > 1 and parts[1] in section:
+        return section[parts[1]].resume == schema.MAY_CHANGE
+    return (
+        len(parts) == 2
+        and parts[0].endswith("checkpointer")
+        and parts[1] in _CHECKPOINTER_OUTPUT_LEAVES
+    )
+
+
+def _must_match(cfg_yaml: str) -> dict[str, Any]:
+    """The flattened dotted keys of a config that must match on resume, with their values."""
+    container = OmegaConf.to_container(OmegaConf.create(cfg_yaml), resolve=False)
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            flat[prefix] = node
+
+    walk(container if isinstance(container, dict) else {}, "")
+    return {key: value for key, value in flat.items() if not _may_change(key.split("."))}
+
+
+def config_hash(cfg_yaml: str) -> str:
+    """sha256 (hex) of the config keys that must match on resume (the others are ignored).
+
+    Args:
+        cfg_yaml: a resolved config as YAML.
+    """
+    canonical = json.dumps(_must_match(cfg_yaml), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _saved_config_hash(ckpt: Path) -> str | None:
+    """The ``config_hash`` recorded in a checkpoint's marker, or None (none there, or unreadable)."""
+    try:
+        marker = read_checkpoint_marker(ckpt)
+    except (OSError, ValueError):
+        return None
+    value = marker.get("config_hash") if isinstance(marker, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def check_resume_compatible(
+    saved_config_yaml: str, current_config_yaml: str, *, checkpoint: Path | None = None
+) -> None:
+    """Raise KDUserError naming every must-match key that differs from the checkpoint's config.
+
+    When the checkpoint's marker records the :func:`config_hash` of this run's config, the configs
+    agree and nothing more is compared. Otherwise the keys are compared one by one: a marker
+    without a hash, or with a hash of an older kd (which hashed other keys), is decided by them.
+
+    Args:
+        saved_config_yaml: ``config.yaml`` of the checkpoint.
+        current_config_yaml: the resolved config of this run.
+        checkpoint: the checkpoint folder: its marker's hash is checked, and it is named in the
+            message.
+    """
+    if checkpoint is not None:
+        saved_hash = _saved_config_hash(checkpoint)
+        if saved_hash is not None and saved_hash == config_hash(current_config_yaml):
+            return
+    saved = _must_match(saved_config_yaml)
+    current = _must_match(current_config_yaml)
+    missing = object()
+    problems = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, missing), current.get(key, missing)
+        if a != b:
+            a_s = "unset" if a is missing else repr(a)
+            b_s = "unset" if b is missing else repr(b)
+            problems.append(f"{key}: {a_s} in the checkpoint, {b_s} now")
+    if not problems:
+        return
+    where = (
+        f"{checkpoint / CONFIG_SNAPSHOT_FILE}"
+        if checkpoint is not None
+        else "the checkpoint's config.yaml"
+    )
+    problems.append(
+        f"resume_from_checkpoint: the config changed in ways that alter training; resume with {where} "
+        "(only paths, logging, memory and saving keys may change), or set output_dir to a new folder"
+    )
+    raise KDUserError("\n".join(problems))

@@ -1,0 +1,284 @@
+"""Atomic step checkpoints: write a folder so a kill never leaves it half-written, keep the last n,
+find the newest intact one.
+
+A save writes into ``.tmp_<name>_<pid>/``, fsyncs every file and the folder, writes the marker
+(``kd_checkpoint.json``) last, renames the folder into place and fsyncs ``output_dir``; so a
+``kill -9`` at any moment leaves either the old set of checkpoints or the old set plus the new one,
+never a half-written folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import kd
+from kd.checkpoint.layout import (
+    CONFIG_SNAPSHOT_FILE,
+    FINAL_DIRNAME,
+    MARKER_FILE,
+    RECIPE_STATE_FILE,
+    step_dirname,
+)
+from kd.checkpoint.recipe_state import check_weights_only, encode_tensor_subclasses
+from kd.checkpoint.resume import config_hash
+from kd.errors import KDUserError
+
+logger = logging.getLogger("kd")
+
+_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_"
+# Files up to this size get a sha256 in the marker (configs, tokenizer, tiny models); larger
+# weight files only a size, because hashing many GB at every save and resume is too slow.
+_HASH_LIMIT_BYTES = 16 * 2**20
+_IO_ERROR_HINTS = (
+    "no space left",
+    "disk quota",
+    "os error",
+    "file write failed",
+    "input/output error",
+)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _describe_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """{relative name: {"size", "sha256" (small files and recipe_state.pt only)}}."""
+    files: dict[str, dict[str, Any]] = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file():
+            continue
+        name = p.relative_to(folder).as_posix()
+        entry: dict[str, Any] = {"size": p.stat().st_size}
+        if name == RECIPE_STATE_FILE or entry["size"] <= _HASH_LIMIT_BYTES:
+            entry["sha256"] = _sha256(p)
+        files[name] = entry
+    return files
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_tmp(output_dir: Path) -> None:
+    """Remove ``.tmp_*`` folders left by killed saves (not those of another live process)."""
+    for p in output_dir.glob(_TMP_PREFIX + "*"):
+        m = re.search(r"_(\d+)$", p.name)
+        pid = int(m.group(1)) if m else None
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            continue
+        logger.info("removing %s left by an interrupted save", p)
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _discard(folder: Path) -> None:
+    """Delete a checkpoint folder so that a kill midway never leaves it looking complete."""
+    doomed = folder.parent / f"{_TMP_PREFIX}del_{folder.name}_{os.getpid()}"
+    os.rename(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_io_error(e: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            return True
+        if any(h in str(cur).lower() for h in _IO_ERROR_HINTS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+    out = []
+    for p in output_dir.iterdir() if output_dir.is_dir() else ():
+        m = _STEP_DIR_RE.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _prune(output_dir: Path, keep_last_n: int, just_written: Path) -> None:
+    complete = [p for _, p in _step_dirs(output_dir) if (p / MARKER_FILE).exists()]
+    keep = set(complete[-keep_last_n:]) | {just_written}
+    if just_written not in complete[-keep_last_n:]:
+        logger.warning(
+            "%s holds step checkpoints newer than %s from another run; they are kept, and "
+            "resume_from_checkpoint would pick the newest step",
+            output_dir,
+            just_written.name,
+        )
+    for p in complete:
+        if p not in keep:
+            _discard(p)
+
+
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    epoch: int,
+    write_model: Callable[[Path], None],
+    recipe_state: dict[str, Any] | None,
+    config_yaml: str,
+    keep_last_n: int,
+) -> Path:
+    """Atomically write ``output_dir/step_<step>/`` (or ``output_dir/final/`` when recipe_state is None).
+
+    Args:
+        output_dir: the run's output folder (created if missing).
+        step: optimizer steps done so far (recorded in the marker; names step folders).
+        epoch: the epoch the next step belongs to (recorded in the marker).
+        write_model: called with the temporary folder; writes the HF files (e.g. a closure over
+            :func:`save_hf_model`).
+        recipe_state: optimizer, lr_scheduler, dataloader, rng, counters: plain tensors, dicts,
+            lists, numbers and strings only. None writes the ``final/`` folder.
+        config_yaml: the resolved config, saved as ``config.yaml``; the marker records its
+            :func:`kd.checkpoint.config_hash`, which resuming checks.
+        keep_last_n: complete step folders kept; older ones are removed after the new one is in
+            place (``final/`` is never counted or removed).
+
+    Returns:
+        The final folder.
+
+    Raises:
+        KDUserError: the disk is full or another OS error stopped the write; the temporary folder is
+            removed and every existing checkpoint is left as it was.
+    """
+    output_dir = Path(output_dir)
+    resume_hash = config_hash(config_yaml)
+    name = FINAL_DIRNAME if recipe_state is None else step_dirname(step)
+    final = output_dir / name
+    tmp = output_dir / f"{_TMP_PREFIX}{name}_{os.getpid()}"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(output_dir)
+        tmp.mkdir()
+        write_model(tmp)
+        if recipe_state is not None:
+            recipe_state = encode_tensor_subclasses(recipe_state)
+            check_weights_only(recipe_state)
+            with open(tmp / RECIPE_STATE_FILE, "wb") as f:
+                torch.save(recipe_state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _write_text_synced(tmp / CONFIG_SNAPSHOT_FILE, config_yaml)
+        for p in tmp.rglob("*"):
+            # write_model's files (safetensors, copies) are not fsynced by their writers.
+            _fsync_path(p)
+        marker = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "files": _describe_files(tmp),
+            "config_hash": resume_hash,
+            "kd_version": kd.__version__,
+        }
+        # The marker goes last: a folder is complete iff it has one, and everything it lists is
+        # already on disk.
+        _write_text_synced(tmp / MARKER_FILE, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+        _fsync_path(tmp)
+        if final.exists():
+            # Same step saved again (or a second final/): move the old one aside, then replace.
+            old = output_dir / f"{_TMP_PREFIX}old_{name}_{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_path(output_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, KDUserError) and _is_io_error(e):
+            reason = " ".join(str(e).split())  # torch's messages span lines
+            raise KDUserError(
+                f"could not write checkpoint {final}: {reason}; free disk space under {output_dir} or set "
+                "output_dir to a disk with room (existing checkpoints are untouched)"
+            ) from e
+        raise
+    if recipe_state is not None:
+        try:
+            _prune(output_dir, keep_last_n, final)
+        except OSError as e:  # the new checkpoint is safe; a failed cleanup must not stop training
+            logger.warning("could not remove old checkpoints in %s: %s", output_dir, e)
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _problem_with(ckpt: Path) -> str | None:
+    """Why a step folder cannot be resumed from, or None if it is complete and intact."""
+    marker_path = ckpt / MARKER_FILE
+    if not marker_path.exists():
+        return f"no {MARKER_FILE} (the save did not finish)"
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+        int(marker["step"]), int(marker["epoch"])
+        sizes = {name: int(entry["size"]) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MARKER_FILE} is unreadable ({type(e).__name__}: {e})"
+    if RECIPE_STATE_FILE not in files:
+        return f"{MARKER_FILE} lists no {RECIPE_STATE_FILE}"
+    for name, size in sizes.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} expected (truncated or overwritten)"
+    for name, entry in files.items():
+        expected = entry.get("sha256")
+        if expected is not None and _sha256(ckpt / name) != expected:
+            return f"{name} does not match its sha256 (corrupt)"
+    return None
+
+
+def find_latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete, intact ``step_*`` folder in output_dir, or None.
+
+    Incomplete or corrupt folders newer than it are skipped with a warning on the ``kd`` logger
+    naming the folder and the reason.
+    """
+    for _, ckpt in reversed(_step_dirs(Path(output_dir))):
+        problem = _problem_with(ckpt)
+        if problem is None:
+            return ckpt
+        logger.warning("skipping checkpoint %s: %s", ckpt, problem)
+    return None
