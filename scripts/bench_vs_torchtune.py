@@ -40,7 +40,14 @@ from typing import Any
 
 import yaml
 
-from kd.demo import ModelShape, tokenizer_node, write_random_model, write_tokenizer
+from kd.testing import (
+    TinyModel,
+    checkpointer_node,
+    tokenizer_node,
+    write_jsonl,
+    write_tiny_model,
+    write_tokenizer,
+)
 
 VOCAB = 151936  # Qwen2.5-0.5B..3B padded vocabulary
 GIB = 1024**3
@@ -49,15 +56,15 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class Size:
     name: str
-    student: ModelShape
-    teacher: ModelShape
+    student: TinyModel
+    teacher: TinyModel
     seq_len: int
     batch_size: int
     steps: int
 
 
-def _shape(layers: int, dim: int, seq_len: int) -> ModelShape:
-    return ModelShape(VOCAB, layers, 4, 2, dim, 4 * dim, max_seq_len=seq_len)
+def _shape(layers: int, dim: int, seq_len: int) -> TinyModel:
+    return TinyModel(VOCAB, layers, 4, 2, dim, 4 * dim, max_seq_len=seq_len)
 
 
 SIZES = {
@@ -100,7 +107,7 @@ def write_data(path: Path, *, seq_len: int, num_examples: int, tokenizer_dir: Pa
         }
         for _ in range(num_examples)
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(path, rows)
     tokens, mask = tok.tokenize_messages(
         [tt.Message("user", PROMPT, masked=True), tt.Message("assistant", rows[0]["output"])]
     )
@@ -114,23 +121,15 @@ def _tokenizer(tokenizer_dir: Path) -> Any:
     return instantiate(tokenizer_node(tokenizer_dir, None))
 
 
-def _builder(shape: ModelShape, lora: bool) -> dict[str, Any]:
-    node = shape.builder()
+def _builder(shape: TinyModel, lora: bool) -> dict[str, Any]:
+    node = shape.builder(lora=lora)
     if lora:
-        node["_component_"] = "torchtune.models.qwen2.lora_qwen2"
         node.update(LORA)
     return node
 
 
 def _checkpointer(model_dir: Path, output_dir: Path) -> dict[str, Any]:
-    return {
-        "_component_": "torchtune.training.FullModelHFCheckpointer",
-        "checkpoint_dir": str(model_dir),
-        "checkpoint_files": ["model.safetensors"],
-        "recipe_checkpoint": None,
-        "output_dir": str(output_dir),
-        "model_type": "QWEN2",
-    }
+    return {**checkpointer_node(model_dir, output_dir), "recipe_checkpoint": None}
 
 
 def common_config(size: Size, assets: dict[str, Path], out: Path) -> dict[str, Any]:
@@ -200,8 +199,8 @@ def write_assets(work: Path, size: Size) -> dict[str, Path]:
     tok = write_tokenizer(root / "tokenizer")
     assets = {
         "tokenizer": tok,
-        "student": write_random_model(root / "student", size.student, seed=1, tokenizer_dir=tok),
-        "teacher": write_random_model(root / "teacher", size.teacher, seed=2, tokenizer_dir=tok),
+        "student": write_tiny_model(root / "student", size.student, seed=1, tokenizer_dir=tok),
+        "teacher": write_tiny_model(root / "teacher", size.teacher, seed=2, tokenizer_dir=tok),
         "data": root / "data.jsonl",
     }
     write_data(

@@ -67,14 +67,9 @@ class Row:
 
 def make_assets(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import STUDENT, TEACHER, write_data, write_hf_qwen2, write_tokenizer
+    from conftest import write_assets
 
-    return {
-        "tokenizer": write_tokenizer(root / "tokenizer"),
-        "student": write_hf_qwen2(root / "student", STUDENT, seed=1),
-        "teacher": write_hf_qwen2(root / "teacher", TEACHER, seed=2),
-        "data": write_data(root / "train.json", 64, seed=3),
-    }
+    return write_assets(root)
 
 
 def write_run_config(assets: dict[str, Path], path: Path, out: Path, epochs: int) -> Path:

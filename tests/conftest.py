@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny Qwen2-style tokenizer, tiny HF-format models and data, written to disk in
-the real formats (vocab.json/merges.txt, safetensors + config.json, json data) so the real loading
-code runs. Models are built with transformers' classes; the teacher has a larger padded vocab."""
+the real formats (vocab.json/merges.txt, safetensors + config.json, json lines) by kd.testing so the
+real loading code runs. Models are written by transformers' classes (files made independently of
+kd's weight conversions); the teacher has a larger padded vocab."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ import pytest
 import torch
 import yaml
 
+from kd.testing import (
+    TinyModel,
+    checkpointer_node,
+    tokenizer_node,
+    write_jsonl,
+    write_tiny_model,
+    write_tokenizer,
+)
+
 warnings.filterwarnings("ignore")
 
 # Tiny models: one intra-op thread is much faster than two fighting over a 2-core machine, for this
@@ -26,59 +36,31 @@ torch.set_num_threads(1)
 STUDENT = dict(vocab=288, hidden=32, inter=64, layers=2, heads=4, kv_heads=2, tied=True)
 TEACHER = dict(vocab=320, hidden=48, inter=96, layers=2, heads=4, kv_heads=2, tied=False)
 MAX_SEQ_LEN = 64
+MODEL_MAX_SEQ_LEN = 256  # the models' max_seq_len (max_position_embeddings)
 
 
-def write_tokenizer(dest: Path) -> Path:
-    from kd._torchtune import QWEN2_5_SPECIAL_TOKENS, bytes_to_unicode
-
-    dest.mkdir(parents=True, exist_ok=True)
-    b2u = bytes_to_unicode()
-    (dest / "vocab.json").write_text(json.dumps({b2u[b]: b for b in range(256)}))
-    (dest / "merges.txt").write_text("#version: 0.2\n")
-    added = [
-        {"id": 256 + i, "content": name, "special": True}
-        for i, name in enumerate(QWEN2_5_SPECIAL_TOKENS)
-    ]
-    (dest / "tokenizer.json").write_text(json.dumps({"added_tokens": added}))
-    return dest
+def tiny_model(spec: dict[str, Any]) -> TinyModel:
+    """The kd.testing shape of a STUDENT / TEACHER spec."""
+    return TinyModel(
+        vocab_size=spec["vocab"],
+        num_layers=spec["layers"],
+        num_heads=spec["heads"],
+        num_kv_heads=spec["kv_heads"],
+        embed_dim=spec["hidden"],
+        intermediate_dim=spec["inter"],
+        max_seq_len=MODEL_MAX_SEQ_LEN,
+        tie_word_embeddings=spec["tied"],
+    )
 
 
 def write_hf_qwen2(dest: Path, spec: dict[str, Any], seed: int) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["inter"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=256,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=spec["tied"],
-    )
-    Qwen2ForCausalLM(config).save_pretrained(dest)
-    return dest
+    """A random-init Qwen2 of ``spec``'s shape, written by transformers' ``save_pretrained``."""
+    return write_tiny_model(dest, tiny_model(spec), seed=seed, writer="transformers")
 
 
 def builder(spec: dict[str, Any], lora: bool = False) -> dict[str, Any]:
-    node: dict[str, Any] = {
-        "_component_": "torchtune.models.qwen2.lora_qwen2"
-        if lora
-        else "torchtune.models.qwen2.qwen2",
-        "vocab_size": spec["vocab"],
-        "num_layers": spec["layers"],
-        "num_heads": spec["heads"],
-        "num_kv_heads": spec["kv_heads"],
-        "embed_dim": spec["hidden"],
-        "intermediate_dim": spec["inter"],
-        "max_seq_len": 256,
-        "norm_eps": 1e-6,
-        "tie_word_embeddings": spec["tied"],
-    }
+    """The torchtune ``model:`` node of ``spec`` (LoRA: rank 4 on q/v projections and the MLP)."""
+    node = tiny_model(spec).builder(lora=lora)
     if lora:
         node.update(
             lora_attn_modules=["q_proj", "v_proj"],
@@ -90,56 +72,43 @@ def builder(spec: dict[str, Any], lora: bool = False) -> dict[str, Any]:
 
 
 def write_data(path: Path, n: int, seed: int) -> Path:
+    """``n`` json lines of two-number additions (``{"input": "12+30", "output": "42"}``)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         rows.append({"input": f"{a}+{b}", "output": str(a + b)})
-    path.write_text(json.dumps(rows))
-    return path
+    return write_jsonl(path, rows)
 
 
-@pytest.fixture(scope="session")
-def assets(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("assets")
+def write_assets(root: Path) -> dict[str, Path]:
+    """The tiny assets of the ``assets`` fixture, under ``root``."""
     return {
         "tokenizer": write_tokenizer(root / "tokenizer"),
         "student": write_hf_qwen2(root / "student", STUDENT, seed=1),
         "teacher": write_hf_qwen2(root / "teacher", TEACHER, seed=2),
-        "data": write_data(root / "train.json", 64, seed=3),
+        "data": write_data(root / "train.jsonl", 64, seed=3),
     }
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    """Paths of the tiny assets: ``tokenizer`` (folder), ``student`` and ``teacher`` (HF model
+    folders, shapes STUDENT and TEACHER) and ``data`` (64 json lines for instruct_dataset)."""
+    return write_assets(tmp_path_factory.mktemp("assets"))
 
 
 def make_config(
     assets: dict[str, Path], output_dir: Path, *, lora: bool = False, **top: Any
 ) -> dict:
     """A complete kd config (plain dict) for the tiny assets."""
-    tok = assets["tokenizer"]
     cfg: dict[str, Any] = {
         "output_dir": str(output_dir),
         "model": builder(STUDENT, lora=lora),
         "teacher_model": builder(TEACHER),
-        "tokenizer": {
-            "_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
-            "path": str(tok / "vocab.json"),
-            "merges_file": str(tok / "merges.txt"),
-            "special_tokens_path": str(tok / "tokenizer.json"),
-            "max_seq_len": MAX_SEQ_LEN,
-        },
-        "checkpointer": {
-            "_component_": "torchtune.training.FullModelHFCheckpointer",
-            "checkpoint_dir": str(assets["student"]),
-            "checkpoint_files": ["model.safetensors"],
-            "output_dir": str(output_dir / "tt"),
-            "model_type": "QWEN2",
-        },
-        "teacher_checkpointer": {
-            "_component_": "torchtune.training.FullModelHFCheckpointer",
-            "checkpoint_dir": str(assets["teacher"]),
-            "checkpoint_files": ["model.safetensors"],
-            "output_dir": str(output_dir / "tt"),
-            "model_type": "QWEN2",
-        },
+        "tokenizer": tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN),
+        "checkpointer": checkpointer_node(assets["student"], output_dir / "tt"),
+        "teacher_checkpointer": checkpointer_node(assets["teacher"], output_dir / "tt"),
         "dataset": {
             "_component_": "torchtune.datasets.instruct_dataset",
             "source": "json",

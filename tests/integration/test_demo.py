@@ -81,14 +81,15 @@ def test_demo_models_load_in_transformers(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from kd.demo import STUDENT, TEACHER, load_hf_model, write_random_model, write_tokenizer
+    from kd.demo import STUDENT, TEACHER
+    from kd.testing import TOKENIZER_VOCAB_SIZE, load_tiny_model, write_tiny_model, write_tokenizer
 
     tok = write_tokenizer(tmp_path / "tok")
-    tokens = torch.randint(0, 278, (2, 12))
+    tokens = torch.randint(0, TOKENIZER_VOCAB_SIZE, (2, 12))
     for shape, seed in ((STUDENT, 1), (TEACHER, 2)):
-        folder = write_random_model(tmp_path / f"m{seed}", shape, seed=seed, tokenizer_dir=tok)
+        folder = write_tiny_model(tmp_path / f"m{seed}", shape, seed=seed, tokenizer_dir=tok)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        ours = load_hf_model(folder, shape, tmp_path / "scratch")
+        ours = load_tiny_model(folder, shape, tmp_path / "scratch")
         with torch.no_grad():
             expected = hf(tokens).logits
             torch.testing.assert_close(ours(tokens), expected, rtol=1e-4, atol=1e-4)

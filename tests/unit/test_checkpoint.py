@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from kd import _torchtune as tt
 from kd import checkpoint as ck
 from kd.errors import KDUserError
+from kd.testing import TinyModel, write_tiny_model
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, MAX_SEQ = 256, 32, 64, 2, 4, 2, 64
 LORA_ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
@@ -30,34 +31,22 @@ RANK, ALPHA = 4, 8.0
 
 def _hf_model(kind: str, dest: Path) -> tuple[torch.nn.Module, dict]:
     """A tiny transformers model saved as safetensors + config.json (+ a tokenizer-like file)."""
-    import transformers
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=MAX_SEQ,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+    shape = TinyModel(
+        VOCAB,
+        LAYERS,
+        HEADS,
+        KV_HEADS,
+        HIDDEN,
+        INTER,
+        max_seq_len=MAX_SEQ,
+        tie_word_embeddings=kind == "qwen2",
+        family=kind,
+        rope_base=10000.0,
     )
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False)
-        model = transformers.LlamaForCausalLM(cfg)
-    # Random init has tiny norms / zero biases; perturb everything so a wrong mapping shows.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.eval()
-    model.save_pretrained(dest, safe_serialization=True)
+    # Random init has unit norms / zero biases; perturb everything so a wrong mapping shows.
+    write_tiny_model(dest, shape, seed=0, writer="transformers", perturb=0.05)
     (dest / "tokenizer_config.json").write_text('{"model_max_length": 64}')
-    return model, json.loads((dest / "config.json").read_text())
+    return _load_transformers(dest), json.loads((dest / "config.json").read_text())
 
 
 def _tune_builder(kind: str, lora: bool = False):
