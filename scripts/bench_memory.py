@@ -78,8 +78,8 @@ def _knob_text(knobs) -> str:
 
 def run_row(label: str, config: str, overrides: list[str]) -> dict:
     from kd.config import load_config
-    from kd.memory import estimate
     from kd.config.run import run_config
+    from kd.memory import estimate
     from kd.memory.plan import inputs_from_run
     from kd.memory.trace import trace_run
 
