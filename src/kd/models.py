@@ -23,6 +23,9 @@ from kd.errors import KDUserError
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+MODEL_KEY = tt.MODEL_KEY  # the model weights' key in a torchtune checkpointer's state
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build modules in ``dtype`` (parameters are created directly in it, no fp32 copy)."""

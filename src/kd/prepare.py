@@ -13,6 +13,7 @@ loaded; when distributed it prepares and shards a model built on the meta device
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from kd import distributed, models
+from kd.distributed import WorldInfo
+from kd.errors import KDUserError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -116,3 +119,64 @@ def prepare_teacher(model: nn.Module, *, shard: ShardSpec | None = None) -> nn.M
     models.set_hidden_output(model)
     models.freeze(model)
     return _shard(model, shard) if shard is not None else model
+
+
+def materialize(
+    build: Callable[[torch.device], nn.Module],
+    load: Callable[[nn.Module], None],
+    prepare: Callable[[nn.Module, ShardSpec | None], nn.Module],
+    *,
+    key: str,
+    device: torch.device,
+    shard: ShardSpec | None,
+    world: WorldInfo,
+) -> nn.Module:
+    """A built, loaded and prepared model, on one device or sharded over the ranks.
+
+    One device (``shard`` None): built on ``device``, loaded, prepared. Distributed: rank 0 alone
+    builds a CPU copy and loads the files into it; every rank builds the same model on the meta
+    device, prepares and shards it, allocates its shards and receives rank 0's weights (a LoRA
+    student's adapters too, drawn under the seed as on one device), then recomputes the RoPE
+    buffers. Collective when distributed.
+
+    Args:
+        build: builds the model on the given device (in the run's dtype).
+        load: loads the checkpoint's weights into a built model.
+        prepare: :func:`prepare_student` or :func:`prepare_teacher` with the caller's flags.
+        key: the model's config key, for errors.
+        device: the training device.
+        shard: FSDP2 settings when distributed.
+        world: this process's place in the job.
+
+    Raises:
+        KDUserError: a model with non-persistent buffers that cannot be recomputed after
+            distributed loading; whatever ``build`` or ``load`` raise (on every rank).
+    """
+
+    def built_and_loaded() -> nn.Module:
+        model = build(torch.device("cpu") if shard is not None else device)
+        load(model)
+        return model
+
+    model = distributed.on_rank_zero(built_and_loaded, world=world)
+    if shard is None:
+        assert model is not None
+        return prepare(model, None)
+    full = model.state_dict() if model is not None else {}  # tensors outlive the module
+    del model
+    distributed.sync_cpu_rng(world=world)
+    meta = build(torch.device("meta"))
+    unknown = models.unrecomputable_buffers(meta)
+    if unknown:
+        raise KDUserError(
+            f"{key}: non-persistent buffers {unknown[:3]} cannot be recomputed after distributed "
+            "loading; use a builder whose only non-persistent buffers are RoPE caches, or run on "
+            "one device"
+        )
+    prepare(meta, shard)
+    # Shards live on the device, or in CPU memory with cpu_offload.
+    init_device = torch.device("cpu") if shard.cpu_offload else device
+    distributed.load_into_meta_sharded(meta, full, init_device=init_device, world=world)
+    with device:  # buffers are not offloaded: RoPE caches belong on the device
+        models.reset_rope_buffers(meta)
+    return meta

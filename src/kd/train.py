@@ -9,9 +9,11 @@ shared research kd_anchors.md, style_anchors.md section 1).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from kd import losses, models
 from kd.config.run import LossSettings
+from kd.errors import KDUserError
 
 __all__ = [
     "LossSettings",
@@ -30,7 +33,10 @@ __all__ = [
     "micro_step",
     "optimizer_step",
     "shift_labels",
+    "skip_or_stop",
 ]
+
+log = logging.getLogger("kd")
 
 
 @dataclass(frozen=True)
@@ -231,3 +237,41 @@ def optimizer_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def skip_or_stop(
+    stats: StepStats,
+    *,
+    step: int,
+    bad_steps: int,
+    max_bad_steps: int,
+    latest_checkpoint: Path | None,
+) -> None:
+    """A step with a non-finite loss or gradient norm (the optimizer did not step): log and skip
+    it, or stop once more than ``max_bad_steps`` such steps were seen.
+
+    Raises:
+        KDUserError: past ``max_bad_steps``; names the last good checkpoint and the fixes.
+    """
+    if bad_steps <= max_bad_steps:
+        log.warning(
+            "step %d: non-finite loss (%s) or grad norm (%s); step skipped (%d of "
+            "max_bad_steps=%d)",
+            step,
+            stats.loss,
+            stats.grad_norm,
+            bad_steps,
+            max_bad_steps,
+        )
+        return
+    kept = (
+        f"the last good checkpoint is {latest_checkpoint} (resume_from_checkpoint=true continues "
+        "from it)"
+        if latest_checkpoint is not None
+        else "no step checkpoint was saved (save_every_n_steps keeps some)"
+    )
+    raise KDUserError(
+        f"step {step}: non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}), "
+        f"{bad_steps} such steps with max_bad_steps={max_bad_steps}; stopped without saving and "
+        f"{kept}; lower optimizer.lr, set clip_grad_norm, or raise max_bad_steps to skip such steps"
+    )

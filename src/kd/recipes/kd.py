@@ -36,7 +36,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import _torchtune as tt
 from kd import checkpoint, data, distributed, models, train
+from kd.checkpoint.training import (
+    Progress,
+    StudentSource,
+    restore_training_checkpoint,
+    save_training_checkpoint,
+)
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig, run_config
 from kd.device import check_device, resolve_budget
@@ -53,7 +58,7 @@ from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan, check_memory
 from kd.metrics import JsonlWriter, peak_memory_gib, trim_jsonl
-from kd.prepare import ShardSpec, prepare_student, prepare_teacher
+from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher
 from kd.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
@@ -218,7 +223,16 @@ class KDRecipe:
             num_training_steps=self.total_steps,
         )
         if self.resume_from is not None:
-            self._restore(self.resume_from)
+            progress = restore_training_checkpoint(
+                self.resume_from,
+                student=self.student,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                source=self._source(),
+                world=self.world,
+            )
+            self.global_step, self.epoch = progress.global_step, progress.epoch
+            self.run = self.run.with_seed(progress.seed)
         if self.world.is_rank_zero:
             self._open_outputs()
 
@@ -236,129 +250,52 @@ class KDRecipe:
         return CPUOffloadOptimizer(params, optimizer_class=cls, **opt.kwargs())
 
     def _load_model(self, key: str, ckpt_key: str) -> torch.nn.Module:
-        """Build, load and prepare the model of ``key`` from the checkpointer of ``ckpt_key``.
-
-        One device: built on the device and loaded. Distributed: rank 0 alone reads the files into
-        a CPU copy; every rank builds the same model on meta, prepares and shards it, then receives
-        rank 0's weights (a LoRA student's adapters too, drawn under the seed as on one device).
-        """
-        trainable = key == "model"
+        """The model of ``key`` with the weights of ``ckpt_key``, prepared (and sharded when
+        distributed: rank 0 alone reads the files, :func:`kd.prepare.materialize`)."""
 
         def build(device: torch.device) -> torch.nn.Module:
             with models.default_dtype(self.dtype), device:
                 return self._build(key, fix="fix the builder's arguments")
 
-        def load() -> torch.nn.Module:
-            model = build(torch.device("cpu") if self.world.distributed else self.device)
-            ckpt = self._build(
-                ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
-            )
-            state = ckpt.load_checkpoint()[tt.MODEL_KEY]
-            models.load_weights(model, state, lora=models.is_lora(model), source=ckpt_key)
-            return model
-
-        model = distributed.on_rank_zero(lambda: self._loading(ckpt_key, load), world=self.world)
-        shard = None
-        full: dict[str, torch.Tensor] = {}
-        if self.world.distributed:
-            if model is not None:
-                full = model.state_dict()  # the tensors outlive the module; one full copy
-            distributed.sync_cpu_rng(world=self.world)
-            model = build(torch.device("meta"))
-            unknown = models.unrecomputable_buffers(model)
-            if unknown:
-                raise KDUserError(
-                    f"{key}: non-persistent buffers {unknown[:3]} cannot be recomputed after "
-                    "distributed loading; use a builder whose only non-persistent buffers are RoPE "
-                    "caches, or run on one device"
+        def load(model: torch.nn.Module) -> None:
+            try:
+                ckpt = self._build(
+                    ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
                 )
+                state = ckpt.load_checkpoint()[models.MODEL_KEY]
+                models.load_weights(model, state, lora=models.is_lora(model), source=ckpt_key)
+            except (KDUserError, torch.OutOfMemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types
+                folder = (self.run.components[ckpt_key] or {}).get("checkpoint_dir")
+                raise KDUserError(
+                    f"{ckpt_key}: cannot load the weights in {folder} ({brief(e)}); check that "
+                    f"{ckpt_key}.checkpoint_files are complete safetensors of the model its "
+                    "builder names (re-download truncated files)"
+                ) from e
+
+        def prepare(model: torch.nn.Module, shard: ShardSpec | None) -> torch.nn.Module:
+            if key == "teacher_model":
+                return prepare_teacher(model, shard=shard)
+            ac = self.run.activation_checkpointing
+            return prepare_student(model, lora=self.lora, activation_checkpointing=ac, shard=shard)
+
+        shard = None
+        if self.world.distributed:
             fsdp = self.run.fsdp
             shard = ShardSpec(
                 device_type=self.device.type,
                 param_dtype=self.dtype,
-                reduce_dtype=torch.float32 if fsdp.reduce_dtype == "fp32" else torch.bfloat16,
+                reduce_dtype=models.DTYPES[fsdp.reduce_dtype],
                 reshard_after_forward=fsdp.reshard_after_forward,
                 cpu_offload=fsdp.cpu_offload,
             )
-        assert model is not None
-        if trainable:
-            prepare_student(
-                model,
-                lora=self.lora,
-                activation_checkpointing=self.run.activation_checkpointing,
-                shard=shard,
-            )
-        else:
-            prepare_teacher(model, shard=shard)
-        if shard is not None:
-            # Shards live on the device, or in CPU memory with cpu_offload.
-            distributed.load_into_meta_sharded(
-                model,
-                full,
-                init_device=torch.device("cpu") if shard.cpu_offload else self.device,
-                world=self.world,
-            )
-            with self.device:  # buffers are not offloaded: RoPE caches belong on the device
-                models.reset_rope_buffers(model)
+        model = materialize(
+            build, load, prepare, key=key, device=self.device, shard=shard, world=self.world
+        )
         if self.run.compile:
             models.compile_layers(model)
         return model
-
-    def _loading(self, key: str, load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-        """Run ``load``; unreadable weight files become one error naming ``key``."""
-        try:
-            return load()
-        except (KDUserError, torch.OutOfMemoryError):
-            raise
-        except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types for bad files
-            node = self.run.components[key]
-            folder = node.get("checkpoint_dir") if node is not None else None
-            raise KDUserError(
-                f"{key}: cannot load the weights in {folder} ({brief(e)}); check that "
-                f"{key}.checkpoint_files are complete safetensors of the model its builder names "
-                "(re-download truncated files)"
-            ) from e
-
-    def _restore(self, ckpt: Path) -> None:
-        # Rank 0 reads the files and broadcasts (tensor by tensor when distributed), so no other
-        # rank holds a full copy of the weights or the optimizer state.
-        rank0 = self.world.is_rank_zero
-        state = checkpoint.load_recipe_state(ckpt) if rank0 else {}
-        weights: dict[str, torch.Tensor] = {}
-        if self.lora:
-            weights = state.get("adapter", {})
-        elif rank0:
-            node = self.run.components["checkpointer"]
-            assert node is not None
-            weights = checkpoint.hf_to_tune_state_dict(
-                checkpoint.load_hf_weights(ckpt),
-                model_type=str(node.model_type),
-                hf_config=checkpoint.read_hf_config(Path(node.checkpoint_dir)),
-            )
-        distributed.load_full_state_dict(
-            self.student, weights, strict=not self.lora, world=self.world
-        )
-        del weights
-        distributed.load_optimizer_state_dict(
-            self.student, self.optimizer, state.pop("optimizer", {}), world=self.world
-        )
-        state.pop("adapter", None)
-        state = distributed.broadcast_object(state, world=self.world)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.global_step = int(state["global_step"])
-        self.epoch = int(state["epoch"])
-        checkpoint.restore_rng_state(state["rng"])
-        saved_world = int(state.get("world_size", self.world.world_size))
-        if rank0 and saved_world != self.world.world_size:
-            log.warning(
-                "resuming a %d-rank checkpoint on %d ranks: batch_size is per rank, so the global "
-                "batch changes and the run will not match an uninterrupted one",
-                saved_world,
-                self.world.world_size,
-            )
-        if rank0:
-            log.info("resumed from %s at step %d", ckpt, self.global_step)
 
     def _open_outputs(self) -> None:
         try:
@@ -403,7 +340,13 @@ class KDRecipe:
                     stats = self.train_step(self._next_micro_batches(batches))
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
-                        self._bad_step(stats, bad_steps)
+                        train.skip_or_stop(
+                            stats,
+                            step=self.global_step + 1,
+                            bad_steps=bad_steps,
+                            max_bad_steps=self.run.max_bad_steps,
+                            latest_checkpoint=checkpoint.find_latest_checkpoint(self.output_dir),
+                        )
                     self.global_step += 1
                     bar.update(1)
                     if (
@@ -471,33 +414,6 @@ class KDRecipe:
                 "fix that row of the data file (the last checkpoint is kept)"
             ) from e
 
-    def _bad_step(self, stats: train.StepStats, bad_steps: int) -> None:
-        """A step with a non-finite loss or gradient norm: skip it, or stop past max_bad_steps."""
-        limit = self.run.max_bad_steps
-        if bad_steps <= limit:
-            log.warning(
-                "step %d: non-finite loss (%s) or grad norm (%s); step skipped (%d of "
-                "max_bad_steps=%d)",
-                self.global_step + 1,
-                stats.loss,
-                stats.grad_norm,
-                bad_steps,
-                limit,
-            )
-            return
-        latest = checkpoint.find_latest_checkpoint(self.output_dir)
-        kept = (
-            f"the last good checkpoint is {latest} (resume_from_checkpoint=true continues from it)"
-            if latest is not None
-            else "no step checkpoint was saved (save_every_n_steps keeps some)"
-        )
-        raise KDUserError(
-            f"step {self.global_step + 1}: non-finite loss ({stats.loss}) or gradient norm "
-            f"({stats.grad_norm}), {bad_steps} such steps with max_bad_steps={limit}; stopped "
-            f"without saving and {kept}; lower optimizer.lr, set clip_grad_norm, or raise "
-            "max_bad_steps to skip such steps"
-        )
-
     def _log(self, stats: train.StepStats) -> None:
         row: dict[str, Any] = {
             "step": self.global_step,
@@ -525,54 +441,27 @@ class KDRecipe:
 
         Collective when distributed: every rank calls it; rank 0 writes.
         """
-        full = distributed.full_state_dict(self.student, world=self.world)
-        state = None if final else self._recipe_state()
-        path = None
-        if self.world.is_rank_zero:
-            ckpt = self.run.components["checkpointer"]
-            assert ckpt is not None
+        return save_training_checkpoint(
+            self.output_dir,
+            student=self.student,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            progress=Progress(self.global_step, self.epoch, int(self.run.seed or 0)),
+            source=self._source(),
+            config_yaml=self.run.yaml,
+            keep_last_n=self.run.checkpoint.keep_last_n,
+            final=final,
+            world=self.world,
+        )
 
-            def write_model(dest: Path) -> None:
-                checkpoint.save_hf_model(
-                    dest,
-                    full,
-                    model_type=str(ckpt.model_type),
-                    source_dir=Path(ckpt.checkpoint_dir),
-                    # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
-                    adapter_state_dict=tt.get_adapter_state_dict(full) if self.lora else None,
-                    adapter_config=(
-                        models.peft_adapter_config(self.run.lora) if self.run.lora else None
-                    ),
-                )
-
-            path = checkpoint.save_checkpoint(
-                self.output_dir,
-                self.global_step,
-                epoch=self.epoch,
-                write_model=write_model,
-                recipe_state=state,
-                config_yaml=self.run.yaml,
-                keep_last_n=self.run.checkpoint.keep_last_n,
-            )
-        distributed.barrier()
-        return path
-
-    def _recipe_state(self) -> dict[str, Any]:
-        # Collective when distributed (gathers the optimizer state); complete on rank 0 only.
-        state: dict[str, Any] = {
-            "optimizer": distributed.optimizer_state_dict(
-                self.student, self.optimizer, world=self.world
-            ),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "seed": self.run.seed,
-            "world_size": self.world.world_size,
-            "rng": checkpoint.capture_rng_state(),
-        }
-        if self.lora:
-            state["adapter"] = distributed.adapter_state_dict(self.student, world=self.world)
-        return state
+    def _source(self) -> StudentSource:
+        node = self.run.components["checkpointer"]
+        assert node is not None
+        return StudentSource(
+            model_type=str(node.model_type),
+            source_dir=Path(node.checkpoint_dir),
+            lora=self.run.lora,
+        )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
         """Save (unless this step was just saved), then say where and how to resume."""

@@ -1,0 +1,165 @@
+"""Save and restore a training run's student at any world size (collective when distributed).
+
+A step checkpoint holds the student as an HF folder (merged LoRA + PEFT adapter for a LoRA
+student) and the resume state: the full (unsharded) optimizer state keyed by parameter name, the
+LR scheduler, counters, the seed and every RNG. Rank 0 writes and reads the files; the other ranks
+take part in the gathers and receive what they need by broadcast, so no rank but 0 ever holds a
+full copy and a checkpoint of N ranks resumes on M.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kd import _torchtune as tt
+from kd import distributed, models
+from kd.checkpoint.convert import hf_to_tune_state_dict
+from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model
+from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
+from kd.checkpoint.store import save_checkpoint
+from kd.config.run import LoraSettings
+from kd.distributed import WorldInfo
+
+log = logging.getLogger("kd")
+
+
+@dataclass(frozen=True)
+class StudentSource:
+    """Where the student came from: what an HF export of it needs.
+
+    Attributes:
+        model_type: torchtune ``ModelType`` name (``checkpointer.model_type``).
+        source_dir: the student's HF folder (``checkpointer.checkpoint_dir``): its config.json and
+            tokenizer files are copied next to the saved weights.
+        lora: the LoRA settings of a LoRA student, None for a full fine-tune.
+    """
+
+    model_type: str
+    source_dir: Path
+    lora: LoraSettings | None
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The loop's position, saved in and restored from a step checkpoint."""
+
+    global_step: int
+    epoch: int
+    seed: int
+
+
+def save_training_checkpoint(
+    output_dir: Path,
+    *,
+    student: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any | None,
+    progress: Progress,
+    source: StudentSource,
+    config_yaml: str,
+    keep_last_n: int,
+    final: bool,
+    world: WorldInfo,
+) -> Path | None:
+    """Write ``output_dir/step_<step>/`` (``final/`` when ``final``) atomically. Collective.
+
+    Returns:
+        The folder on rank 0, None on the other ranks.
+    """
+    full = distributed.full_state_dict(student, world=world)
+    state = None
+    if not final:
+        # Collective when distributed (gathers the optimizer state); complete on rank 0 only.
+        state = {
+            "optimizer": distributed.optimizer_state_dict(student, optimizer, world=world),
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else {},
+            "global_step": progress.global_step,
+            "epoch": progress.epoch,
+            "seed": progress.seed,
+            "world_size": world.world_size,
+            "rng": capture_rng_state(),
+        }
+        if source.lora is not None:
+            state["adapter"] = distributed.adapter_state_dict(student, world=world)
+    path = None
+    if world.is_rank_zero:
+
+        def write_model(dest: Path) -> None:
+            lora = source.lora
+            save_hf_model(
+                dest,
+                full,
+                model_type=source.model_type,
+                source_dir=source.source_dir,
+                # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
+                adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
+                adapter_config=models.peft_adapter_config(lora) if lora else None,
+            )
+
+        path = save_checkpoint(
+            output_dir,
+            progress.global_step,
+            epoch=progress.epoch,
+            write_model=write_model,
+            recipe_state=state,
+            config_yaml=config_yaml,
+            keep_last_n=keep_last_n,
+        )
+    distributed.barrier()
+    return path
+
+
+def restore_training_checkpoint(
+    ckpt: Path,
+    *,
+    student: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any | None,
+    source: StudentSource,
+    world: WorldInfo,
+) -> Progress:
+    """Load the student, optimizer, scheduler and RNG of step checkpoint ``ckpt``. Collective.
+
+    Rank 0 reads the files and broadcasts (tensor by tensor when distributed).
+
+    Returns:
+        Where the loop continues.
+    """
+    rank0 = world.is_rank_zero
+    state = load_recipe_state(ckpt) if rank0 else {}
+    weights: dict[str, torch.Tensor] = {}
+    if source.lora is not None:
+        weights = state.get("adapter", {})
+    elif rank0:
+        weights = hf_to_tune_state_dict(
+            load_hf_weights(ckpt),
+            model_type=source.model_type,
+            hf_config=read_hf_config(source.source_dir),
+        )
+    distributed.load_full_state_dict(student, weights, strict=source.lora is None, world=world)
+    del weights
+    distributed.load_optimizer_state_dict(
+        student, optimizer, state.pop("optimizer", {}), world=world
+    )
+    state.pop("adapter", None)
+    state = distributed.broadcast_object(state, world=world)
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    restore_rng_state(state["rng"])
+    saved_world = int(state.get("world_size", world.world_size))
+    if rank0 and saved_world != world.world_size:
+        log.warning(
+            "resuming a %d-rank checkpoint on %d ranks: batch_size is per rank, so the global "
+            "batch changes and the run will not match an uninterrupted one",
+            saved_world,
+            world.world_size,
+        )
+    progress = Progress(int(state["global_step"]), int(state["epoch"]), int(state["seed"]))
+    if rank0:
+        log.info("resumed from %s at step %d", ckpt, progress.global_step)
+    return progress
