@@ -16,21 +16,9 @@ from kd import families
 from kd.config import schema
 from kd.config.compat import TORCHTUNE_KD_LOSSES
 from kd.config.instantiate import locate_target, unknown_kwargs
+from kd.config.run import COMPONENT_KEYS
 from kd.config.schema import Key, Problem
 from kd.errors import ConfigError
-
-# Nodes built with `_component_`; their keys are checked against the target's signature.
-COMPONENT_NODES: tuple[str, ...] = (
-    "model",
-    "teacher_model",
-    "tokenizer",
-    "checkpointer",
-    "teacher_checkpointer",
-    "dataset",
-    "optimizer",
-    "lr_scheduler",
-    "metric_logger",
-)
 
 # `dataset.source` values that load local files named by `dataset.data_files` (Hugging Face
 # `load_dataset` builders).
@@ -78,7 +66,7 @@ def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
             )
         )
     allow_any = data.get("trust_remote_components") is True
-    for name in COMPONENT_NODES:
+    for name in COMPONENT_KEYS:  # their keys are checked against the target's signature
         _check_component_node(name, data.get(name), schema.TOP_LEVEL[name], allow_any, problems)
     _check_families(data, problems)
     _check_model_types(data, problems)
