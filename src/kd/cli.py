@@ -336,12 +336,19 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
             )
         return _launch_torchrun(torchrun_tokens, recipe, recipe_args)
     _split_config_args(recipe_args)  # a missing --config is reported before importing torch
-    module = _optional_module(recipe.module)
-    if module is None:
-        raise KDUserError(
-            f"run: recipe module {recipe.module} is not installed; reinstall kd (pip install -e .)"
-        )
-    return run_recipe(module.recipe_main, [*recipe_args, *(["--debug"] if debug else [])])
+
+    def recipe_main(cfg: DictConfig) -> None:
+        # The recipe module imports torch and torchtune: only once the config is valid, so a
+        # config mistake answers without those imports.
+        module = _optional_module(recipe.module)
+        if module is None:
+            raise KDUserError(
+                f"run: recipe module {recipe.module} is not installed; reinstall kd "
+                "(pip install -e .)"
+            )
+        module.recipe_main(cfg)
+
+    return run_recipe(recipe_main, [*recipe_args, *(["--debug"] if debug else [])])
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:

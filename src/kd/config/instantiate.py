@@ -38,6 +38,26 @@ def _quiet_import(name: str) -> Any:
         return importlib.import_module(name)
 
 
+def target_problem(target: Any, *, allow_any: bool = False) -> str | None:
+    """What is wrong with a ``_component_`` value before importing it, or None.
+
+    Checks only the text (imports nothing): a non-empty string on the allow-list.
+
+    Args:
+        target: the ``_component_`` value.
+        allow_any: accept targets outside :data:`ALLOWED_PREFIXES`.
+
+    Returns:
+        A message ending with the fix (without the key, which the caller knows), or None.
+    """
+    if not isinstance(target, str) or not target.strip():
+        return "is empty; set it to a dotted path such as torch.optim.AdamW"
+    if not allow_any and not is_allowed(target):
+        allowed = ", ".join(ALLOWED_PREFIXES)
+        return f"{target} is outside the allowed packages ({allowed}); {_TRUST_FIX}"
+    return None
+
+
 def locate_target(target: str, *, allow_any: bool = False) -> tuple[Any, str | None]:
     """Import the object a ``_component_`` names.
 
@@ -49,11 +69,9 @@ def locate_target(target: str, *, allow_any: bool = False) -> tuple[Any, str | N
         ``(object, None)`` on success, or ``(None, message)`` where the message says what is
         wrong and ends with the fix (without the key, which the caller knows).
     """
-    if not isinstance(target, str) or not target.strip():
-        return None, "is empty; set it to a dotted path such as torch.optim.AdamW"
-    if not allow_any and not is_allowed(target):
-        allowed = ", ".join(ALLOWED_PREFIXES)
-        return None, f"{target} is outside the allowed packages ({allowed}); {_TRUST_FIX}"
+    reason = target_problem(target, allow_any=allow_any)
+    if reason is not None:
+        return None, reason
     parts = target.split(".")
     for i in range(len(parts), 0, -1):
         module_name = ".".join(parts[:i])

@@ -1,4 +1,9 @@
-"""Check a loaded config completely before any weight is loaded; report every problem at once."""
+"""Check a loaded config completely before any weight is loaded; report every problem at once.
+
+Two passes: the schema pass imports neither torch nor torchtune, so a mistake in keys, values or
+files answers in a fraction of a second; the component pass (signature binding) runs only when the
+schema pass is clean.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kd import families
 from kd.config import schema
 from kd.config.compat import TORCHTUNE_KD_LOSSES
-from kd.config.instantiate import locate_target, unknown_kwargs
+from kd.config.instantiate import locate_target, target_problem, unknown_kwargs
 from kd.config.run import COMPONENT_KEYS
 from kd.config.schema import Key, Problem
 from kd.errors import ConfigError
@@ -27,18 +32,26 @@ FILE_SOURCES: frozenset[str] = frozenset({"json", "csv", "text", "parquet", "arr
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
+def validate_config(
+    cfg: DictConfig, *, check_paths: bool = True, check_components: bool = True
+) -> None:
     """Check keys, types, ranges, choices, components and files of a loaded config.
 
-    Nothing is built and no weight is read; ``_component_`` targets are imported to bind their
-    signatures.
+    Nothing is built and no weight is read. The checks run in two passes so a mistake answers
+    fast: :func:`schema_problems` (keys, values, ``_component_`` paths against the allow-list,
+    model families, files) imports neither torch nor torchtune and raises first; only when it is
+    clean does :func:`component_problems` import the ``_component_`` targets to bind their
+    signatures (every problem of that pass is then reported together).
 
     Args:
         cfg: a config from :func:`kd.config.load_config` (defaults merged, interpolations resolved).
         check_paths: also check that input files exist and ``output_dir`` is writable.
+        check_components: also import the ``_component_`` targets and bind their signatures
+            (imports torch and torchtune); False keeps validation free of those imports.
 
     Raises:
-        ConfigError: with every problem found, each naming the key and the fix.
+        ConfigError: with every problem of the first pass that found any, each naming the key
+            and the fix.
     """
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
@@ -48,6 +61,28 @@ def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
             [Problem(str(key), f"cannot be resolved ({e}); fix the reference")]
         ) from e
     assert isinstance(data, dict)
+    problems = schema_problems(data, check_paths=check_paths)
+    if not problems and check_components:
+        problems = component_problems(data)
+    if problems:
+        raise ConfigError(problems)
+
+
+def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[Problem]:
+    """Problems a config's values show by themselves, without importing any ``_component_``.
+
+    Unknown and missing keys, types, ranges and choices, unsupported loss nodes, a null teacher
+    with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or outside the
+    allow-list, models of different tokenizer families and (with ``check_paths``) missing input
+    files and an unusable ``output_dir``. Imports neither torch nor torchtune.
+
+    Args:
+        data: the resolved config as plain containers (``OmegaConf.to_container``).
+        check_paths: also check that input files exist and ``output_dir`` is writable.
+
+    Returns:
+        Every problem found, each naming the key and the fix.
+    """
     problems: list[Problem] = []
     _check_keys(data, schema.TOP_LEVEL, "", problems)
     for name, section in schema.SECTIONS.items():
@@ -65,15 +100,43 @@ def validate_config(cfg: DictConfig, *, check_paths: bool = True) -> None:
                 f"{device!r} is not a device kd runs on; set device to cuda, cuda:N or cpu",
             )
         )
-    allow_any = data.get("trust_remote_components") is True
-    for name in COMPONENT_KEYS:  # their keys are checked against the target's signature
-        _check_component_node(name, data.get(name), schema.TOP_LEVEL[name], allow_any, problems)
+    _check_component_targets(data, problems)
     _check_families(data, problems)
-    _check_model_types(data, problems)
     if check_paths:
         _check_paths(data, problems)
-    if problems:
-        raise ConfigError(problems)
+    return problems
+
+
+def component_problems(data: dict[str, Any]) -> list[Problem]:
+    """Problems found by importing each ``_component_`` target (torch, torchtune...).
+
+    The target must exist and every other key of its node must bind to its signature; a
+    checkpointer's ``model_type`` must be a torchtune ``ModelType`` of its model's family. Run it
+    on a config whose :func:`schema_problems` are empty; a refused target is never imported.
+
+    Args:
+        data: the resolved config as plain containers (``OmegaConf.to_container``).
+
+    Returns:
+        Every problem found, each naming the key and the fix.
+    """
+    problems: list[Problem] = []
+    allow_any = data.get("trust_remote_components") is True
+    for name in COMPONENT_KEYS:
+        for dotted, node in _component_nodes(name, data.get(name), []):
+            target = node.get("_component_")
+            if target is None:
+                continue
+            obj, reason = locate_target(target, allow_any=allow_any)
+            if reason is not None:
+                problems.append(Problem(f"{dotted}._component_", reason))
+                continue
+            kwargs = {k: v for k, v in node.items() if k != "_component_"}
+            for arg, close in unknown_kwargs(obj, kwargs):
+                fix = f"did you mean {dotted}.{close}?" if close else "remove it"
+                problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+    _check_model_types(data, problems)
+    return problems
 
 
 def _fmt(x: Any) -> str:
@@ -217,40 +280,48 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
-def _check_component_node(
-    name: str, value: Any, key: Key, allow_any: bool, problems: list[Problem]
-) -> None:
-    if value is None or value == schema.MISSING:
-        return  # a missing required node or a null optional one is reported by _check_keys
-    # torchtune allows a list of dataset nodes (concatenated datasets).
-    nodes = (
-        list(enumerate(value)) if name == "dataset" and isinstance(value, list) else [(None, value)]
-    )
-    for index, node in nodes:
-        dotted = name if index is None else f"{name}[{index}]"
-        if not isinstance(node, dict):
-            if index is not None:
+def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> None:
+    """Each component node names a ``_component_`` on the allow-list (checked as text)."""
+    allow_any = data.get("trust_remote_components") is True
+    for name in COMPONENT_KEYS:
+        for dotted, node in _component_nodes(name, data.get(name), problems):
+            target = node.get("_component_")
+            if target is None:
+                help_text = schema.TOP_LEVEL[name].help
                 problems.append(
-                    Problem(dotted, "expected a mapping with _component_; fix the list entry")
+                    Problem(
+                        f"{dotted}._component_",
+                        f"missing; add _component_ with the builder's dotted path ({help_text})",
+                    )
                 )
-            continue  # the non-mapping top-level value is reported by check_value
-        target = node.get("_component_")
-        if target is None:
+                continue
+            reason = target_problem(target, allow_any=allow_any)
+            if reason is not None:
+                problems.append(Problem(f"{dotted}._component_", reason))
+
+
+def _component_nodes(
+    name: str, value: Any, problems: list[Problem]
+) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(dotted key, mapping)`` nodes a component key holds; reports non-mapping list entries.
+
+    torchtune allows a list of dataset nodes (concatenated datasets). A missing required node, a
+    null optional one and a non-mapping top-level value are reported by the key checks.
+    """
+    if value is None or value == schema.MISSING:
+        return []
+    if not (name == "dataset" and isinstance(value, list)):
+        return [(name, value)] if isinstance(value, dict) else []
+    nodes = []
+    for index, node in enumerate(value):
+        dotted = f"{name}[{index}]"
+        if isinstance(node, dict):
+            nodes.append((dotted, node))
+        else:
             problems.append(
-                Problem(
-                    f"{dotted}._component_",
-                    f"missing; add _component_ with the builder's dotted path ({key.help})",
-                )
+                Problem(dotted, "expected a mapping with _component_; fix the list entry")
             )
-            continue
-        obj, reason = locate_target(target, allow_any=allow_any)
-        if reason is not None:
-            problems.append(Problem(f"{dotted}._component_", reason))
-            continue
-        kwargs = {k: v for k, v in node.items() if k != "_component_"}
-        for arg, close in unknown_kwargs(obj, kwargs):
-            fix = f"did you mean {dotted}.{close}?" if close else "remove it"
-            problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+    return nodes
 
 
 def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
