@@ -21,12 +21,20 @@ import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kd import __version__
 from kd.errors import KDUserError
+from kd.launch import (
+    debug_requested,
+    is_rank_zero,
+    print_error,
+    run_recipe,
+    split_config_args,
+)
+
+__all__ = ["is_rank_zero", "main", "run_recipe"]
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -65,108 +73,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _UsageError(f"{message}; see {self.prog} --help")
-
-
-def is_rank_zero() -> bool:
-    """Whether this process prints (always true outside torchrun)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _print_error(err: KDUserError | _UsageError) -> None:
-    if not is_rank_zero():
-        return
-    for line in str(err).splitlines() or ["unknown error"]:
-        print(f"kd: error: {line}", file=sys.stderr)
-
-
-def _debug_requested(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("KD_DEBUG", "") not in ("", "0")
-
-
-def _split_config_args(argv: list[str]) -> tuple[str, list[str]]:
-    """Split ``--config X [overrides]`` into the config and the override items."""
-    config: str | None = None
-    overrides: list[str] = []
-    i = 0
-    while i < len(argv):
-        item = argv[i]
-        if item == "--config" or item.startswith("--config="):
-            if config is not None:
-                raise KDUserError(
-                    "--config given twice; pass one config and use key=value overrides"
-                )
-            if item == "--config":
-                if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
-                    raise KDUserError(
-                        "--config needs a value; pass --config <built-in name or path>"
-                    )
-                config = argv[i + 1]
-                i += 2
-                continue
-            config = item.split("=", 1)[1]
-        else:
-            overrides.append(item)
-        i += 1
-    if not config:
-        raise KDUserError(
-            "missing --config; pass --config <built-in name or path> (kd ls lists them)"
-        )
-    return config, overrides
-
-
-def _setup_logging() -> None:
-    """Show the recipes' INFO lines (plan, resume, saves) on stderr, once, on rank 0 only."""
-    import logging
-
-    logger = logging.getLogger("kd")
-    if logger.handlers:
-        return
-
-    class _CurrentStderr(logging.StreamHandler):
-        # Resolve sys.stderr at each record: it may be replaced after setup (pytest, notebooks).
-        @property
-        def stream(self):  # type: ignore[override]
-            return sys.stderr
-
-        @stream.setter
-        def stream(self, value: Any) -> None:
-            pass
-
-    handler = _CurrentStderr()
-    handler.setFormatter(logging.Formatter("kd: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
-
-
-def run_recipe(fn: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
-    """Parse ``--config X [key=value ...] [~key ...]``, load and validate the config, call ``fn``.
-
-    Args:
-        fn: the recipe's ``recipe_main(cfg)``.
-        argv: command-line items (default ``sys.argv[1:]``); ``--debug`` shows tracebacks.
-
-    Returns:
-        0 on success, 2 for a user mistake (config or inside the recipe), 130 on Ctrl-C.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = _debug_requested(argv)
-    argv = [a for a in argv if a != "--debug"]
-    _setup_logging()
-    try:
-        from kd.config import load_config, validate_config
-
-        config, overrides = _split_config_args(argv)
-        cfg = load_config(config, overrides)
-        validate_config(cfg)
-        fn(cfg)
-    except KDUserError as e:
-        if debug:
-            raise
-        _print_error(e)
-        return e.exit_code
-    except KeyboardInterrupt:
-        return 130
-    return 0
 
 
 def _version_line() -> str:
@@ -231,10 +137,11 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     """``kd validate``: exactly the pre-load phase of ``kd run`` (:meth:`KDRecipe.preload`)."""
     from kd.commands import resolve_target
+
+    target = resolve_target(args)  # a config mistake answers here, before torch is imported
     from kd.distributed import WorldInfo
     from kd.recipes.kd import KDRecipe
 
-    target = resolve_target(args)
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
@@ -287,7 +194,7 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
 
     # Check the config here so a mistake is one clean error, not one per worker plus torchrun's
     # failure report; the workers load it again (without repeating the notices).
-    config, overrides = _split_config_args(recipe_args)
+    config, overrides = split_config_args(recipe_args)
     validate_config(load_config(config, overrides))
     args = get_args_parser().parse_args([*torchrun_tokens, str(recipe.file_path()), *recipe_args])
     if not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1"):
@@ -335,7 +242,7 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
                 f"({' '.join(torchrun_tokens)}); use kd_distributed, or drop the options"
             )
         return _launch_torchrun(torchrun_tokens, recipe, recipe_args)
-    _split_config_args(recipe_args)  # a missing --config is reported before importing torch
+    split_config_args(recipe_args)  # a missing --config is reported before importing torch
 
     def recipe_main(cfg: DictConfig) -> None:
         # The recipe module imports torch and torchtune: only once the config is valid, so a
@@ -417,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         The exit status: 0 on success, 2 for a user mistake, 130 on Ctrl-C.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = _debug_requested(argv)
+    debug = debug_requested(argv)
     argv = [a for a in argv if a != "--debug"]
     try:
         parser, run_parser = _build_parser()
@@ -437,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KDUserError, _UsageError) as e:
         if debug:
             raise
-        _print_error(e)
+        print_error(e)
         return 2
     except SystemExit as e:  # argparse --help
         return e.code if isinstance(e.code, int) else 0

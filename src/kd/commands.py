@@ -66,7 +66,8 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
     Args:
         args: parsed flags of :func:`add_target_arguments`.
         for_plan: ``kd plan`` needs no file but the models' ``config.json``: input files and
-            ``output_dir`` are not checked (plan before the weights finish downloading).
+            ``output_dir`` are not checked (plan before the weights finish downloading), and
+            the ``_component_`` targets are not imported (the plan needs no torch).
 
     Raises:
         KDUserError: any config mistake (all of them), or a bad flag.
@@ -80,5 +81,5 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
     if args.budget_gib is not None:
         overrides.append(f"memory.budget_gib={args.budget_gib}")
     cfg = load_config(args.config, overrides)
-    validate_config(cfg, check_paths=not for_plan)
+    validate_config(cfg, check_paths=not for_plan, check_components=not for_plan)
     return Target(args.config, cfg, run_config(cfg), world_size)

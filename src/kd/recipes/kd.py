@@ -497,6 +497,6 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from kd.cli import run_recipe
+    from kd.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

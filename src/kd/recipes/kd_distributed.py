@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 
-from kd.cli import run_recipe
+from kd.launch import run_recipe
 from kd.recipes.kd import recipe_main
 
 __all__ = ["recipe_main"]
