@@ -18,6 +18,7 @@ with warnings.catch_warnings():
     from torchtune import modules as tt_modules
     from torchtune import training as tt_training
     from torchtune.data import Message, padded_collate_sft
+    from torchtune.datasets import ConcatDataset
     from torchtune.models.convert_weights import _FROM_HF as HF_TO_TUNE_KEYS
     from torchtune.models.convert_weights import (
         get_mapped_key,
@@ -65,6 +66,7 @@ __all__ = [
     "ADAPTER_CONFIG_KEY",
     "ADAPTER_KEY",
     "CEWithChunkedOutputLoss",
+    "ConcatDataset",
     "ForwardKLLoss",
     "ForwardKLWithChunkedOutputLoss",
     "FullModelHFCheckpointer",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kd import __version__
-from kd.errors import KDUserError
+from kd.errors import KDUserError, one_line
 from kd.launch import (
     debug_requested,
     is_rank_zero,
@@ -119,19 +119,51 @@ def _cmd_cp(args: argparse.Namespace) -> int:
 
         close = difflib.get_close_matches(name, builtin, n=1)
         hint = f"did you mean {close[0]}?" if close else "kd ls lists them"
-        raise KDUserError(f"cp: {args.config} is not a built-in config; {hint}")
+        raise KDUserError(f"cp: {one_line(args.config)} is not a built-in config; {hint}")
     src = configs_dir() / f"{name}.yaml"
-    dst = Path(args.destination).expanduser()
-    if dst.is_dir():
-        dst = dst / src.name
-    elif not dst.suffix:
-        dst = dst.with_suffix(".yaml")
+    dst = _cp_destination(args.destination, src.name)
     if dst.exists() and not args.force:
-        raise KDUserError(f"cp: {dst} already exists; pass --force to overwrite it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+        raise KDUserError(f"cp: {one_line(str(dst))} already exists; pass --force to overwrite it")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    except OSError as e:
+        raise KDUserError(
+            f"cp: cannot write {one_line(str(dst))} ({e.strerror or e}); choose a destination you can write to"
+        ) from e
     print(f"Copied {name} to {dst}")
     return 0
+
+
+def _cp_destination(destination: str, file_name: str) -> Path:
+    """The file ``kd cp`` writes: into a folder, or ``destination`` (``.yaml`` added if missing).
+
+    Raises:
+        KDUserError: the destination cannot be looked up or lies under a file.
+    """
+    from kd.config.validate import lookup_problem
+
+    reason = lookup_problem(destination) if destination.strip() else "it is empty"
+    if reason is not None:
+        raise KDUserError(
+            f"cp: {destination[:120]!r} is not a usable destination ({reason}); pass a file or "
+            "folder path"
+        )
+    dst = Path(destination).expanduser()
+    if dst.is_dir():
+        dst = dst / file_name
+    elif not dst.suffix:
+        dst = dst.with_suffix(".yaml")
+    parent = dst.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise KDUserError(
+            f"cp: cannot write {one_line(str(dst))} because {one_line(str(parent))} is a file; choose another path"
+        )
+    if dst.is_dir():
+        raise KDUserError(f"cp: {one_line(str(dst))} is a folder; choose another file name")
+    return dst
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -186,17 +218,53 @@ def _split_torchrun_args(tokens: list[str]) -> tuple[list[str], int]:
     return tokens[:i], i
 
 
+def _torchrun_args(torchrun_tokens: list[str], script: str, recipe_args: list[str]) -> Any:
+    """torchrun's parsed options, checked as torchrun would check them before starting anything.
+
+    Raises:
+        KDUserError: a value torchrun's parser or its launcher refuses (``--nproc_per_node 0``
+            or ``abc``, ``--nnodes 2:1``, ``--master_port abc``...); names the option.
+    """
+    from torch.distributed.run import config_from_args, determine_local_world_size, get_args_parser
+
+    parser = get_args_parser()
+
+    def error(message: str) -> NoReturn:
+        raise KDUserError(f"run: torchrun {message}; see torchrun --help")
+
+    parser.error = error  # type: ignore[method-assign]  # argparse would print usage and exit
+    args = parser.parse_args([*torchrun_tokens, script, *recipe_args])
+    nproc = str(args.nproc_per_node)
+    try:
+        count = determine_local_world_size(nproc)
+    except ValueError as e:
+        raise KDUserError(
+            f"run: --nproc_per_node {nproc!r} is not a process count ({e}); pass a number >= 1 "
+            "(or gpu, cpu, auto)"
+        ) from e
+    if count < 1:
+        raise KDUserError(f"run: --nproc_per_node {nproc} starts no process; pass a number >= 1")
+    try:
+        config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KDUserError(
+            f"run: torchrun options {' '.join(torchrun_tokens)}: {reason}; see torchrun --help"
+        ) from e
+    return args
+
+
 def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import run
 
     from kd.config import load_config, validate_config
 
+    args = _torchrun_args(torchrun_tokens, str(recipe.file_path()), recipe_args)
     # Check the config here so a mistake is one clean error, not one per worker plus torchrun's
     # failure report; the workers load it again (without repeating the notices).
     config, overrides = split_config_args(recipe_args)
     validate_config(load_config(config, overrides))
-    args = get_args_parser().parse_args([*torchrun_tokens, str(recipe.file_path()), *recipe_args])
     if not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1"):
         # A single-node run without an endpoint: standalone picks a free port, so several jobs
         # can share a machine (as torchtune does).

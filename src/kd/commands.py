@@ -43,6 +43,22 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def budget_flag(value: float) -> float:
+    """``--budget-gib``, checked against the range of ``memory.budget_gib`` (the flag sets it).
+
+    Raises:
+        KDUserError: zero, negative, NaN or infinite; names the flag.
+    """
+    from kd.config.schema import MEMORY
+    from kd.config.validate import check_value
+    from kd.errors import KDUserError
+
+    problem = check_value("--budget-gib", value, MEMORY["budget_gib"])
+    if problem is not None:
+        raise KDUserError(f"--budget-gib: {problem}")
+    return value
+
+
 @dataclass(frozen=True)
 class Target:
     """A config resolved as ``kd run`` resolves it.
@@ -79,7 +95,7 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
     world_size = resolve_world_size(args.world_size)
     overrides = list(args.overrides)
     if args.budget_gib is not None:
-        overrides.append(f"memory.budget_gib={args.budget_gib}")
+        overrides.append(f"memory.budget_gib={budget_flag(args.budget_gib)!r}")
     cfg = load_config(args.config, overrides)
     validate_config(cfg, check_paths=not for_plan, check_components=not for_plan)
     return Target(args.config, cfg, run_config(cfg), world_size)

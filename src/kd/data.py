@@ -71,6 +71,37 @@ def build_dataloader(
     return loader, sampler
 
 
+def build_dataset(node: Any, tokenizer: Any, *, trust: bool) -> Dataset:
+    """The dataset a config's ``dataset`` names: one builder, or a list of them concatenated.
+
+    A list is torchtune's form of several datasets (each built with the tokenizer, then joined by
+    ``torchtune.datasets.ConcatDataset``, as torchtune's recipes do); errors name ``dataset[i]``.
+
+    Args:
+        node: ``run.components["dataset"]``: a node with ``_component_``, or a list of them.
+        tokenizer: the built tokenizer (the builders' first argument).
+        trust: the config's ``trust_remote_components``.
+
+    Raises:
+        KDUserError: a builder fails (names the key), or packed and unpacked datasets are mixed.
+    """
+    from omegaconf import ListConfig
+
+    from kd.config.instantiate import build_component
+
+    def one(key: str, sub: Any) -> Dataset:
+        fix = f"check {key}.source, {key}.data_files and its rows"
+        return build_component(key, sub, tokenizer, trust=trust, fix=fix)
+
+    if not isinstance(node, ListConfig | list):
+        return one("dataset", node)
+    parts = [one(f"dataset[{i}]", sub) for i, sub in enumerate(node)]
+    try:
+        return tt.ConcatDataset(parts)
+    except ValueError as e:  # packed and unpacked datasets mixed
+        raise KDUserError(f"dataset: {e}; set packed alike in every entry") from e
+
+
 def pad_id_of(tokenizer: Any) -> int:
     """The tokenizer's padding id (0 when it has none)."""
     pad = getattr(tokenizer, "pad_id", None)

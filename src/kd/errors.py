@@ -38,3 +38,14 @@ def brief(e: BaseException, limit: int = 300) -> str:
         root = root.__cause__
     text = one(e) if root is e else f"{one(e)} <- {one(root)}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other non-printable characters escaped (``\\n``, ``\\u202e``).
+
+    Values and paths quoted in a message pass through it, so they cannot split the message's one
+    line (the CLI prints one ``kd: error:`` line per line) or reorder what the terminal shows.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

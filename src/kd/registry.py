@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kd.errors import KDUserError
+from kd.errors import KDUserError, one_line
 
 
 @dataclass
@@ -127,18 +127,29 @@ def find_config(name_or_path: str) -> Path:
     Raises:
         KDUserError: neither a file nor a built-in config; names the closest built-in.
     """
+    if not name_or_path.strip():
+        raise KDUserError("--config is empty; pass --config <built-in name or path>")
     path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
+    try:
+        if path.is_file():
+            return path
+        exists = path.exists()
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, a loop of links
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise KDUserError(
+            f"config {name_or_path!r}: cannot be looked up ({reason}); pass the path of a YAML file"
+        ) from e
     builtin = _config_files()
     name = name_or_path[: -len(".yaml")] if name_or_path.endswith(".yaml") else name_or_path
     if name in builtin:
         return builtin[name]
-    if path.exists():
-        raise KDUserError(f"config {name_or_path}: is a folder, not a YAML file; pass the file")
+    if exists:
+        raise KDUserError(
+            f"config {one_line(name_or_path)}: is a folder, not a YAML file; pass the file"
+        )
     close = difflib.get_close_matches(name, list(builtin), n=1)
-    hint = f"; did you mean the built-in {close[0]}?" if close else ""
+    fix = f"did you mean the built-in {close[0]}?" if close else "check the path"
     raise KDUserError(
-        f"config {name_or_path}: no such file or built-in config{hint} "
+        f"config {one_line(name_or_path)}: no such file or built-in config; {fix} "
         "(kd ls lists built-in configs)"
     )

@@ -7,18 +7,22 @@ nothing but the error line reaches the terminal.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import errno
+import io
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
+from conftest import STUDENT, builder, make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 import kd.checkpoint
@@ -93,6 +97,7 @@ def _run(*overrides: str) -> list[str]:
 
 
 def malformed_yaml(assets, tmp, cfg):
+    """`model: [unclosed` in the YAML"""
     bad = tmp / "bad.yaml"
     bad.write_text("output_dir: /tmp/x\nmodel: [unclosed\nseed: 1\n")
     return [*RUN, "--config", str(bad)], "malformed YAML"
@@ -103,6 +108,7 @@ def missing_config_file(assets, tmp, cfg):
 
 
 def config_not_a_mapping(assets, tmp, cfg):
+    """a YAML file holding a list"""
     bad = tmp / "list.yaml"
     bad.write_text("- a\n- b\n")
     return [*RUN, "--config", str(bad)], "top level is a list"
@@ -168,6 +174,7 @@ def bad_device(assets, tmp, cfg):
 
 
 def cuda_not_available(assets, tmp, cfg):
+    """`device=cuda` on a machine without CUDA"""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     return _run("device=cuda"), "device: cuda is not available"
@@ -186,6 +193,7 @@ def bad_component_argument_value(assets, tmp, cfg):
 
 
 def component_outside_allow_list(assets, tmp, cfg):
+    """`metric_logger: {_component_: os.system, command: touch ...}`"""
     cfg["metric_logger"] = {"_component_": "os.system", "command": f"touch {tmp / 'pwned'}"}
     return _run(), "metric_logger._component_: os.system is outside the allowed packages"
 
@@ -206,6 +214,7 @@ def missing_checkpoint_file(assets, tmp, cfg):
 
 
 def truncated_checkpoint_file(assets, tmp, cfg):
+    """a `model.safetensors` cut after 2000 bytes"""
     student = tmp / "student"
     student.mkdir()
     for p in assets["student"].iterdir():
@@ -233,6 +242,7 @@ def missing_tokenizer_file(assets, tmp, cfg):
 
 
 def corrupt_tokenizer_file(assets, tmp, cfg):
+    """a `vocab.json` that is not JSON"""
     cfg["tokenizer"]["path"] = write_json(tmp / "vocab.json", "{not json")
     return _run(), "tokenizer: torchtune.models.qwen2_5.qwen2_5_tokenizer failed"
 
@@ -246,6 +256,7 @@ def tokenizer_ids_beyond_teacher_vocab(assets, tmp, cfg):
 
 
 def teacher_of_another_family(assets, tmp, cfg):
+    """a Llama-3 teacher for a Qwen2 student"""
     cfg["teacher_model"] = {
         "_component_": "torchtune.models.llama3.llama3",
         "vocab_size": 320,
@@ -271,34 +282,40 @@ def tokenizer_of_another_family(assets, tmp, cfg):
 
 
 def empty_dataset(assets, tmp, cfg):
+    """a data file holding `[]`"""
     cfg["dataset"]["data_files"] = write_json(tmp / "empty.json", [])
     return _run(), "empty.json has no examples; point dataset.data_files at a file with examples"
 
 
 def malformed_data_file(assets, tmp, cfg):
+    """a data file holding `[{"input": "1+1", `"""
     cfg["dataset"]["data_files"] = write_json(tmp / "bad.json", '[{"input": "1+1", ')
     return _run(), "dataset: torchtune.datasets.instruct_dataset failed (DatasetGenerationError"
 
 
 def fewer_examples_than_a_batch(assets, tmp, cfg):
+    """3 rows, `batch_size: 4`"""
     rows = [{"input": "1+1", "output": "2"}] * 3
     cfg["dataset"]["data_files"] = write_json(tmp / "three.json", rows)
     return _run(), "dataset: 3 examples is fewer than one batch"
 
 
 def data_without_the_expected_columns(assets, tmp, cfg):
+    """rows of `question`/`answer`"""
     rows = [{"question": "1+1", "answer": "2"}] * 8
     cfg["dataset"]["data_files"] = write_json(tmp / "columns.json", rows)
     return _run(), "dataset: example 0 cannot be read (KeyError: 'input')"
 
 
 def every_example_longer_than_max_seq_len(assets, tmp, cfg):
+    """prompts of ~140 tokens, `max_seq_len: 64`"""
     rows = [{"input": "1+" * 60, "output": "2"}] * 8  # prompts of ~140 tokens, max_seq_len 64
     cfg["dataset"]["data_files"] = write_json(tmp / "long.json", rows)
     return _run(), "tokenizer.max_seq_len: every example checked (8 of 8) is at least 64 tokens"
 
 
 def every_label_masked(assets, tmp, cfg):
+    """a dataset whose labels are all -100"""
     cfg["dataset"] = {"_component_": f"{__name__}.MaskedDataset"}
     cfg["trust_remote_components"] = True
     return _run(), "dataset: every label is masked in the 16 examples checked"
@@ -313,6 +330,7 @@ def memory_budget_exceeded(assets, tmp, cfg):
 
 
 def output_dir_not_writable(assets, tmp, cfg):
+    """`output_dir` under a regular file"""
     # Running as root, permissions do not stop writes; a path under a regular file always fails.
     (tmp / "a_file").write_text("")
     return _run(f"output_dir={tmp / 'a_file' / 'run'}"), "output_dir:"
@@ -331,6 +349,225 @@ def torchrun_options_on_single_device(assets, tmp, cfg):
         ["run", "--nproc_per_node", "2", *RUN[1:], "--config", "{cfg}"],
         "kd_single_device runs on one device and cannot take torchrun options",
     )
+
+
+# Inputs of every kind: files that are not YAML text, numbers no key can hold, overrides that
+# cannot be applied, and the flags of run (torchrun's), validate, plan, cp and demo.
+
+
+def _plan(*args: str) -> list[str]:
+    return ["plan", "--config", "{cfg}", *args]
+
+
+def _validate(*args: str) -> list[str]:
+    return ["validate", "--config", "{cfg}", *args]
+
+
+def config_not_utf8(assets, tmp, cfg):
+    """a Latin-1 file (`caf\\xe9`)"""
+    bad = tmp / "latin1.yaml"
+    bad.write_bytes("output_dir: /tmp/caf\xe9\n".encode("latin-1"))
+    return [*RUN, "--config", str(bad)], "latin1.yaml:1: is not UTF-8 text (byte 0xe9)"
+
+
+def config_binary_file(assets, tmp, cfg):
+    """a binary file"""
+    bad = tmp / "model.safetensors"
+    bad.write_bytes(bytes(range(256)) * 4)
+    return ["validate", "--config", str(bad)], "is a binary file, not YAML"
+
+
+def integer_beyond_int64(assets, tmp, cfg):
+    return _run("batch_size=99999999999999999999"), "beyond the 64-bit integer range"
+
+
+def nan_in_float_key(assets, tmp, cfg):
+    return _run("kd_ratio=nan"), "kd_ratio: nan is not a finite number"
+
+
+def yaml_nan_in_float_key(assets, tmp, cfg):
+    cfg["temperature"] = float("nan")
+    return _run(), "temperature: nan is not a finite number"
+
+
+def inf_in_float_key(assets, tmp, cfg):
+    return _plan("clip_grad_norm=inf"), "clip_grad_norm: inf is not a finite number"
+
+
+def negative_inf_in_float_key(assets, tmp, cfg):
+    return _plan("memory.reserve_gib=-.inf"), "memory.reserve_gib: -inf is not a finite number"
+
+
+def nan_in_component_argument(assets, tmp, cfg):
+    cfg["optimizer"]["lr"] = float("nan")
+    return _validate(), "optimizer.lr: nan is not a finite number"
+
+
+def text_in_component_number(assets, tmp, cfg):
+    return _validate("optimizer.lr=fast"), "optimizer.lr: 'fast' is not a number"
+
+
+def list_index_out_of_range(assets, tmp, cfg):
+    return (
+        _run("checkpointer.checkpoint_files.5=x.safetensors"),
+        "checkpointer.checkpoint_files has 1 entries, so index 5 is out of range",
+    )
+
+
+def lora_list_index_out_of_range(assets, tmp, cfg):
+    """a LoRA student (two attention modules); `model.lora_attn_modules.9=q_proj`"""
+    cfg["model"] = builder(STUDENT, lora=True)
+    return (
+        _validate("model.lora_attn_modules.9=q_proj"),
+        "model.lora_attn_modules has 2 entries, so index 9 is out of range",
+    )
+
+
+def list_index_not_a_number(assets, tmp, cfg):
+    return _plan("checkpointer.checkpoint_files.first=x"), "is a list, so 'first' is not an index"
+
+
+def nproc_per_node_zero(assets, tmp, cfg):
+    return (
+        ["run", "--nproc_per_node", "0", "kd_distributed", "--config", "{cfg}"],
+        "run: --nproc_per_node 0 starts no process; pass a number >= 1",
+    )
+
+
+def nproc_per_node_not_a_number(assets, tmp, cfg):
+    return (
+        ["run", "--nproc_per_node", "abc", "kd_distributed", "--config", "{cfg}"],
+        "run: --nproc_per_node 'abc' is not a process count",
+    )
+
+
+def torchrun_option_bad_value(assets, tmp, cfg):
+    return (
+        ["run", "--master_port", "abc", "kd_distributed", "--config", "{cfg}"],
+        "run: torchrun argument --master-port/--master_port: invalid int value: 'abc'",
+    )
+
+
+def torchrun_nnodes_reversed(assets, tmp, cfg):
+    return (
+        ["run", "--nnodes", "2:1", "kd_distributed", "--config", "{cfg}"],
+        "run: torchrun options --nnodes 2:1: min_nodes must be > 0 and <= max_nodes",
+    )
+
+
+def budget_gib_zero(assets, tmp, cfg):
+    return _validate("--budget-gib", "0"), "--budget-gib: 0 must be greater than 0"
+
+
+def budget_gib_negative(assets, tmp, cfg):
+    return _plan("--budget-gib", "-1"), "--budget-gib: -1 must be greater than 0"
+
+
+def budget_gib_nan(assets, tmp, cfg):
+    return _plan("--budget-gib", "nan"), "--budget-gib: nan is not a finite number"
+
+
+def budget_gib_inf(assets, tmp, cfg):
+    return _validate("--budget-gib", "inf"), "--budget-gib: inf is not a finite number"
+
+
+def world_size_zero(assets, tmp, cfg):
+    return _plan("--world-size", "0"), "--world-size: 0 ranks; pass a whole number >= 1"
+
+
+def world_size_negative(assets, tmp, cfg):
+    return _validate("--world-size", "-2"), "--world-size: -2 ranks"
+
+
+def world_size_not_a_number(assets, tmp, cfg):
+    return _plan("--world-size", "abc"), "argument --world-size/--nproc_per_node/--nproc-per-node"
+
+
+def plot_folder_missing(assets, tmp, cfg):
+    return _plan("--plot", str(tmp / "no_such_folder" / "plan.png")), "--plot: the folder"
+
+
+def plot_path_is_a_folder(assets, tmp, cfg):
+    return _plan("--plot", str(tmp)), "is a folder; pass a file path"
+
+
+def plot_under_a_file(assets, tmp, cfg):
+    (tmp / "a_file").write_text("")
+    return _plan("--plot", str(tmp / "a_file" / "plan.png")), "a_file is a file, not a folder"
+
+
+def plot_unsupported_format(assets, tmp, cfg):
+    return _plan("--plot", str(tmp / "plan.txt")), "--plot: cannot write .txt images"
+
+
+def cp_destination_under_a_file(assets, tmp, cfg):
+    (tmp / "a_file").write_text("")
+    name = "qwen2_5/14B_to_3B_full_single_device"
+    return ["cp", name, str(tmp / "a_file" / "my.yaml")], "a_file is a file; choose another path"
+
+
+def cp_destination_name_too_long(assets, tmp, cfg):
+    name = "qwen2_5/14B_to_3B_full_single_device"
+    return ["cp", name, str(tmp / ("x" * 300))], "is not a usable destination (file name too long)"
+
+
+def demo_output_dir_under_a_file(assets, tmp, cfg):
+    (tmp / "a_file").write_text("")
+    return ["demo", "--output-dir", str(tmp / "a_file" / "demo")], "--output-dir: cannot create"
+
+
+def override_without_key(assets, tmp, cfg):
+    return _plan("=1"), "override '=1': no key before '='"
+
+
+def override_bare_tilde(assets, tmp, cfg):
+    return _plan("~"), "override '~': no key after '~'; write ~key to delete a key"
+
+
+def override_double_equals(assets, tmp, cfg):
+    return _plan("kd_ratio==0.5"), "kd_ratio: '=0.5' is not a number"
+
+
+def override_non_ascii_key(assets, tmp, cfg):
+    return _plan("ключ=1"), "'ключ' is not a config key"
+
+
+def override_number_too_long(assets, tmp, cfg):
+    return _plan("seed=" + "9" * 5000), "the number has too many digits"
+
+
+def override_very_long_path(assets, tmp, cfg):
+    return _validate("output_dir=" + "x" * 5000), "is not a usable path (file name too long)"
+
+
+def path_with_nul_byte(assets, tmp, cfg):
+    cfg["dataset"]["data_files"] = "train\0.json"
+    return _validate(), "dataset.data_files: 'train\\x00.json' is not a usable path"
+
+
+def path_of_unknown_user(assets, tmp, cfg):
+    return _validate("output_dir=~no_such_user_kd/run"), "~no_such_user_kd is not a user"
+
+
+def missing_config_value(assets, tmp, cfg):
+    return ["validate", "--config"], "argument --config: expected one argument"
+
+
+def empty_dataset_list(assets, tmp, cfg):
+    cfg["dataset"] = []
+    return _validate(), "dataset: an empty list"
+
+
+def missing_file_in_dataset_list(assets, tmp, cfg):
+    cfg["dataset"] = [cfg["dataset"], dict(cfg["dataset"], data_files=str(tmp / "nope.json"))]
+    return _validate(), "dataset[1].data_files:"
+
+
+def bad_rows_in_dataset_list(assets, tmp, cfg):
+    """the second of two datasets is not JSON"""
+    bad = write_json(tmp / "bad.json", '[{"input": "1+1", ')
+    cfg["dataset"] = [cfg["dataset"], dict(cfg["dataset"], data_files=bad)]
+    return _run(), "dataset[1]: torchtune.datasets.instruct_dataset failed"
 
 
 CASES: list[Case] = [
@@ -381,42 +618,138 @@ CASES: list[Case] = [
     unknown_recipe,
     missing_config_option,
     torchrun_options_on_single_device,
+    config_not_utf8,
+    config_binary_file,
+    integer_beyond_int64,
+    nan_in_float_key,
+    yaml_nan_in_float_key,
+    inf_in_float_key,
+    negative_inf_in_float_key,
+    nan_in_component_argument,
+    text_in_component_number,
+    list_index_out_of_range,
+    lora_list_index_out_of_range,
+    list_index_not_a_number,
+    nproc_per_node_zero,
+    nproc_per_node_not_a_number,
+    torchrun_option_bad_value,
+    torchrun_nnodes_reversed,
+    budget_gib_zero,
+    budget_gib_negative,
+    budget_gib_nan,
+    budget_gib_inf,
+    world_size_zero,
+    world_size_negative,
+    world_size_not_a_number,
+    plot_folder_missing,
+    plot_path_is_a_folder,
+    plot_under_a_file,
+    plot_unsupported_format,
+    cp_destination_under_a_file,
+    cp_destination_name_too_long,
+    demo_output_dir_under_a_file,
+    override_without_key,
+    override_bare_tilde,
+    override_double_equals,
+    override_non_ascii_key,
+    override_number_too_long,
+    override_very_long_path,
+    path_with_nul_byte,
+    path_of_unknown_user,
+    missing_config_value,
+    empty_dataset_list,
+    missing_file_in_dataset_list,
+    bad_rows_in_dataset_list,
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
-def test_bad_input_exits_2_with_one_clear_line(case: Case, assets, tmp_path, capsys):
+@dataclass
+class Outcome:
+    """What one table case did: the command, the exit status and the `kd: error:` lines."""
+
+    argv: list[str]
+    needle: str
+    code: int
+    stderr: str
+    errors: list[str]
+    config_before: dict
+    config_after: dict
+
+
+def run_case(case: Case, assets: dict, tmp_path: Path) -> Outcome:
+    """Run one case of the table in this process, as `kd` would (also used by
+    scripts/errors_doc.py to write docs/errors.md)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.txt").write_text("saved before")
     cfg = make_config(assets, out)
+    before = copy.deepcopy(cfg)
     argv, needle = case(assets, tmp_path, cfg)
     config = write_config(tmp_path / "cfg.yaml", cfg)
+    argv = [a.replace("{cfg}", str(config)) for a in argv]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(argv)
+    err = stderr.getvalue()
+    errors = [line for line in err.splitlines() if line.startswith("kd: error: ")]
+    return Outcome(argv, needle, code, err, errors, before, cfg)
+
+
+def doc_text(text: str, tmp_path: Path, assets: dict) -> str:
+    """``text`` with this run's temporary folders replaced by ``<tmp>`` and ``<assets>``."""
+    root = Path(assets["data"]).parent
+    return text.replace(str(tmp_path), "<tmp>").replace(str(root), "<assets>")
+
+
+def md_code(text: str) -> str:
+    """``text`` as a code span that fits in a Markdown table cell."""
+    text = text.replace("|", "\\|")
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def doc_row_of(doc: str, name: str) -> str:
+    """The line of docs/errors.md's generated table for case ``name``."""
+    rows = [line for line in doc.splitlines() if line.startswith("|") and f" `{name}` |" in line]
+    assert len(rows) == 1, f"docs/errors.md has {len(rows)} rows for {name}"
+    return rows[0]
+
+
+DOC = Path(__file__).parents[2] / "docs" / "errors.md"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_bad_input_exits_2_with_one_clear_line(case: Case, assets, tmp_path):
     assets_before = {
         name: snapshot(p) if p.is_dir() else p.read_bytes() for name, p in assets.items()
     }
 
-    code = cli.main([a.replace("{cfg}", str(config)) for a in argv])
+    outcome = run_case(case, assets, tmp_path)
 
-    err = capsys.readouterr().err
-    assert code == 2, err
+    err, errors = outcome.stderr, outcome.errors
+    assert outcome.code == 2, err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if line.startswith("kd: error: ")]
     assert errors, err
-    assert any(needle in line for line in errors), errors
+    assert any(outcome.needle in line for line in errors), errors
     first = errors[0]
     # One line that names the key or file, then the fix after a ';' (the memory table ends with
-    # its fixes; a missing config file points to `kd ls`).
-    assert ";" in first or case in (memory_budget_exceeded, missing_config_file), first
-    assert snapshot(out) == {"notes.txt": b"saved before"}
+    # its fixes).
+    assert ";" in first or case is memory_budget_exceeded, first
+    assert snapshot(tmp_path / "run") == {"notes.txt": b"saved before"}
     assert not (tmp_path / "pwned").exists()
     assert {
         name: snapshot(p) if p.is_dir() else p.read_bytes() for name, p in assets.items()
     } == assets_before
+    # docs/errors.md quotes this exact line (scripts/errors_doc.py writes it).
+    quoted = md_code(doc_text(first.removeprefix("kd: error: "), tmp_path, assets))
+    assert quoted in doc_row_of(DOC.read_text(), case.__name__), (
+        "docs/errors.md is out of date: run python scripts/errors_doc.py"
+    )
 
 
 def test_table_in_docs_lists_every_case():
-    doc = (Path(__file__).parents[2] / "docs" / "errors.md").read_text()
+    doc = DOC.read_text()
     missing = [c.__name__ for c in CASES if f"`{c.__name__}`" not in doc]
     assert not missing
 

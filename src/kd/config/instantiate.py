@@ -232,11 +232,11 @@ def build_component(key: str, node: Any, *args: Any, trust: bool, fix: str, **kw
         raise
     except Exception as e:  # noqa: BLE001 - whatever the user's component raises is reported
         target = node.get("_component_") if isinstance(node, Mapping | DictConfig) else node
-        if key == "dataset" and "corresponds to no data" in str(e):
-            # Hugging Face's words for a data file without rows.
+        if key.split("[")[0] == "dataset" and "corresponds to no data" in str(e):
+            # Hugging Face's words for a data file without rows (key: dataset or dataset[i]).
             files = node.get("data_files") if isinstance(node, Mapping | DictConfig) else None
             raise KDUserError(
-                f"dataset: {files or 'the data'} has no examples; point dataset.data_files at "
+                f"{key}: {files or 'the data'} has no examples; point {key}.data_files at "
                 "a file with examples"
             ) from e
         raise KDUserError(f"{key}: {target} failed ({brief(e)}); {fix}") from e

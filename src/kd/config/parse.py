@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -27,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd.config import schema
 from kd.config.compat import apply_compat
-from kd.errors import KDUserError
+from kd.errors import KDUserError, one_line
 from kd.registry import find_config
 
 _KEY_RE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*$")
@@ -60,6 +61,7 @@ def read_yaml(config: str) -> DictConfig:
         KDUserError: no such file or built-in; malformed YAML (names file and line); not a mapping.
     """
     path = find_config(config)
+    _check_text(path)
     try:
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:
@@ -68,12 +70,53 @@ def read_yaml(config: str) -> DictConfig:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise KDUserError(f"config {where}: malformed YAML ({problem}); fix the file") from e
     except OSError as e:
-        raise KDUserError(f"config {path}: cannot be read ({e.strerror}); check the path") from e
+        raise KDUserError(
+            f"config {one_line(str(path))}: cannot be read ({e.strerror}); check the path"
+        ) from e
     except OmegaConfBaseException as e:
-        raise KDUserError(f"config {path}: {e}; fix the file") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KDUserError(f"config {one_line(str(path))}: {first}; fix the file") from e
+    except ValueError as e:  # Python refuses to read an integer of more than 4300 digits
+        raise KDUserError(f"config {one_line(str(path))}: {_value_error(e)}") from e
     if isinstance(cfg, ListConfig):
-        raise KDUserError(f"config {path}: top level is a list; it must be a mapping of keys")
+        raise KDUserError(
+            f"config {one_line(str(path))}: top level is a list; it must be a mapping of keys"
+        )
     return cfg
+
+
+def _value_error(e: ValueError) -> str:
+    """A ValueError met while YAML builds a value, as a message ending in the fix."""
+    if "digits" in str(e):
+        return "a number has too many digits to read; use a smaller one"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"a value cannot be read ({first}); fix it"
+
+
+def _check_text(path: Path) -> None:
+    """Refuse a config file that is not UTF-8 text before YAML reads it (names file and line).
+
+    Raises:
+        KDUserError: the file cannot be read, is binary, or is not UTF-8.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise KDUserError(
+            f"config {one_line(str(path))}: cannot be read ({e.strerror}); check the path"
+        ) from e
+    if b"\0" in raw:
+        raise KDUserError(
+            f"config {one_line(str(path))}: is a binary file, not YAML text; pass the YAML config"
+        )
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise KDUserError(
+            f"config {one_line(str(path))}:{line}: is not UTF-8 text (byte 0x{raw[e.start]:02x}); save the file "
+            "as UTF-8"
+        ) from e
 
 
 def fill_defaults(cfg: DictConfig, cleared: set[str] | None = None) -> None:
@@ -100,11 +143,21 @@ def fill_defaults(cfg: DictConfig, cleared: set[str] | None = None) -> None:
                     node[sub] = schema._copy(sub_key.default)
 
 
+def _shown(item: str, limit: int = 120) -> str:
+    """An override as quoted in a message (a very long one shortened)."""
+    return repr(item if len(item) <= limit else f"{item[: limit - 3]}...")
+
+
 def _parse_value(item: str, raw: str) -> Any:
     try:
         parsed = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))
+    except ValueError as e:  # Python refuses to read an integer of more than 4300 digits
+        raise KDUserError(f"override {_shown(item)}: {_value_error(e)}") from e
     except (OmegaConfBaseException, yaml.YAMLError) as e:
-        raise KDUserError(f"override {item!r}: value cannot be parsed ({e}); quote it") from e
+        problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KDUserError(
+            f"override {_shown(item)}: value cannot be parsed ({problem}); quote it"
+        ) from e
     assert isinstance(parsed, dict)
     return parsed["v"]
 
@@ -113,7 +166,7 @@ def _suggest(cfg: DictConfig, dotted: str) -> str:
     import difflib
 
     parent_key, _, leaf = dotted.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    parent = _select(cfg, parent_key) if parent_key else cfg
     names = [str(k) for k in parent] if isinstance(parent, DictConfig) else []
     close = difflib.get_close_matches(leaf, names, n=1)
     prefix = f"{parent_key}." if parent_key else ""
@@ -127,12 +180,15 @@ def _suggest(cfg: DictConfig, dotted: str) -> str:
 def _delete(cfg: DictConfig, item: str, cleared: set[str]) -> None:
     dotted = item[1:]
     if not _KEY_RE.match(dotted):
-        raise KDUserError(f"override {item!r}: write ~key to delete a key, e.g. ~lr_scheduler")
+        what = "no key after '~'" if not dotted else f"{dotted!r} is not a config key"
+        raise KDUserError(
+            f"override {_shown(item)}: {what}; write ~key to delete a key, e.g. ~lr_scheduler"
+        )
     parent_key, _, leaf = dotted.rpartition(".")
-    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    parent = _select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent:
         raise KDUserError(
-            f"override {item!r}: no key {dotted} in the config; {_suggest(cfg, dotted)}"
+            f"override {_shown(item)}: no key {dotted} in the config; {_suggest(cfg, dotted)}"
         )
     del parent[leaf]
     if not parent_key:
@@ -144,15 +200,17 @@ def _set(cfg: DictConfig, item: str) -> None:
     dotted = dotted.strip()
     if not dotted:
         raise KDUserError(
-            f"override {item!r}: no key before '='; write key=value, e.g. batch_size=2"
+            f"override {_shown(item)}: no key before '='; write key=value, e.g. batch_size=2"
         )
     if not _KEY_RE.match(dotted):
         raise KDUserError(
-            f"override {item!r}: {dotted!r} is not a config key; write key=value with a dotted key, "
+            f"override {_shown(item)}: {dotted!r} is not a config key; write key=value with a dotted key, "
             "e.g. optimizer.lr=1e-4"
         )
     if raw == "":
-        raise KDUserError(f"override {item!r}: no value after '='; write {dotted}=null to clear it")
+        raise KDUserError(
+            f"override {_shown(item)}: no value after '='; write {dotted}=null to clear it"
+        )
     value = _parse_value(item, raw)
     top = dotted.split(".", 1)[0]
     if dotted == "kd_loss" and isinstance(value, str):
@@ -173,12 +231,61 @@ def _set(cfg: DictConfig, item: str) -> None:
                 cfg[top] = {}
             cfg[top]["_component_"] = value
             return
-    existing = OmegaConf.select(cfg, dotted, throw_on_resolution_failure=False)
-    if isinstance(existing, DictConfig) and not isinstance(value, dict):
-        # Replacing a mapping by a scalar (e.g. `kd_loss=reverse_kl`, `lr_scheduler=null`).
-        OmegaConf.update(cfg, dotted, value, merge=False)
-        return
-    OmegaConf.update(cfg, dotted, value, merge=True)
+    _check_list_indices(cfg, item, dotted)
+    existing = _select(cfg, dotted)
+    # Replacing a mapping by a scalar (e.g. `kd_loss=reverse_kl`, `lr_scheduler=null`).
+    merge = not (isinstance(existing, DictConfig) and not isinstance(value, dict))
+    try:
+        OmegaConf.update(cfg, dotted, value, merge=merge)
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError) as e:
+        problem = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KDUserError(
+            f"override {_shown(item)}: cannot set {dotted} ({problem}); check the key (kd validate "
+            "shows the config)"
+        ) from e
+
+
+def _select(cfg: DictConfig, dotted: str) -> Any:
+    """The value at ``dotted``, or None when there is none (or the path cannot be followed)."""
+    try:
+        return OmegaConf.select(cfg, dotted, throw_on_resolution_failure=False)
+    except (OmegaConfBaseException, ValueError, TypeError, KeyError, IndexError):
+        return None
+
+
+def _check_list_indices(cfg: DictConfig, item: str, dotted: str) -> None:
+    """Each part of ``dotted`` that follows a list must be an index inside it.
+
+    Raises:
+        KDUserError: an index that is not a number or is out of range; names the list and its
+            length.
+    """
+    node: Any = cfg
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        if isinstance(node, ListConfig):
+            n = len(node)
+            whole = f"or set the whole list: {prefix}=[...]"
+            if not re.fullmatch(r"-?\d+", part):
+                raise KDUserError(
+                    f"override {_shown(item)}: {prefix} is a list, so {part!r} is not an index; write "
+                    f"{prefix}.0=... to set an entry {whole}"
+                )
+            index = int(part)
+            if not -n <= index < n:
+                valid = f"0 to {n - 1}" if n else "none: it is empty"
+                raise KDUserError(
+                    f"override {_shown(item)}: {prefix} has {n} entries, so index {index} is out of "
+                    f"range (valid: {valid}); {whole.removeprefix('or ')}"
+                )
+            node = node._get_node(index)
+            if node is not None and not isinstance(node, DictConfig | ListConfig):
+                return
+            continue
+        if not isinstance(node, DictConfig) or part not in node:
+            return  # a new key, or a scalar replaced by a mapping: validation judges the result
+        node = node._get_node(part)
 
 
 def apply_overrides(cfg: DictConfig, overrides: list[str]) -> set[str]:
@@ -203,11 +310,11 @@ def apply_overrides(cfg: DictConfig, overrides: list[str]) -> set[str]:
             cleared.discard(item.split("=", 1)[0].strip())
         elif item.startswith("-"):
             raise KDUserError(
-                f"unknown option {item!r}; only --config and key=value / ~key overrides are accepted"
+                f"unknown option {_shown(item)}; only --config and key=value / ~key overrides are accepted"
             )
         else:
             raise KDUserError(
-                f"override {item!r}: expected key=value or ~key; write {item}=<value> to set it or "
+                f"override {_shown(item)}: expected key=value or ~key; write {item}=<value> to set it or "
                 f"~{item} to delete it"
             )
     return cleared
@@ -225,7 +332,8 @@ def resolve(cfg: DictConfig) -> None:
         key = getattr(e, "full_key", None) or "config"
         msg = str(e).splitlines()[0]
         raise KDUserError(
-            f"{key}: interpolation cannot be resolved ({msg}); fix the ${{...}} reference"
+            f"{one_line(str(key))}: interpolation cannot be resolved ({msg}); fix the ${{...}} "
+            "reference"
         ) from e
 
 

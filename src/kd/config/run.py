@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 # Nodes built with `_component_` (kept as read-only config nodes: the builders take their keys).
 COMPONENT_KEYS: tuple[str, ...] = (
@@ -158,7 +158,8 @@ class RunConfig:
         fsdp: FSDP2 settings.
         checkpoint: outputs and step checkpoints.
         components: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
-            component such as ``teacher_model: null``).
+            component such as ``teacher_model: null``; ``dataset`` may be a list of nodes,
+            torchtune's concatenated datasets, see :func:`kd.data.build_dataset`).
         lora: the student's LoRA settings (None for a full fine-tune).
         seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
         shuffle: reshuffle the dataset every epoch.
@@ -182,7 +183,7 @@ class RunConfig:
     memory: MemorySettings
     fsdp: FSDPSettings
     checkpoint: CheckpointSettings
-    components: dict[str, DictConfig | None]
+    components: dict[str, DictConfig | ListConfig | None]
     lora: LoraSettings | None
     seed: int | None
     shuffle: bool
@@ -216,7 +217,8 @@ def _check_mode(raw: Any) -> str:
     return "off" if raw is False else str(raw)
 
 
-def _frozen_node(node: Any) -> DictConfig | None:
+def _frozen_node(node: Any) -> DictConfig | ListConfig | None:
+    """A read-only copy of a component node (a list of nodes stays a list: ``dataset``)."""
     if node is None:
         return None
     copy = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
@@ -258,7 +260,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
     else:
         seq_len, source = None, "model max_seq_len"
     optimizer = _frozen_node(cfg.optimizer)
-    assert optimizer is not None
+    assert isinstance(optimizer, DictConfig)
     return RunConfig(
         loss=LossSettings(
             kd_ratio=float(cfg.kd_ratio),

@@ -31,6 +31,8 @@ class Key:
         max: inclusive upper bound for numbers.
         min_exclusive: exclusive lower bound for numbers (``temperature > 0``).
         node: the key holds a mapping (a ``_component_`` node or a section).
+        node_list: the key may also hold a non-empty list of such mappings (torchtune's
+            concatenated datasets).
         resume: ``must_match``: a run resumed from a checkpoint must have the checkpoint's value,
             because the key changes the training trajectory; ``may_change``: it may differ (paths,
             logging, saving, memory knobs). For a node, ``may_change`` covers all its leaves.
@@ -45,6 +47,7 @@ class Key:
     max: float | None = None
     min_exclusive: float | None = None
     node: bool = False
+    node_list: bool = False
     resume: str = MUST_MATCH
 
     def __post_init__(self) -> None:
@@ -103,7 +106,13 @@ TOP_LEVEL: dict[str, Key] = {
         help="teacher checkpointer (HF safetensors); null with teacher_model",
         resume=MUST_MATCH,
     ),
-    "dataset": Key(MISSING, node=True, help="dataset builder (`_component_`)", resume=MUST_MATCH),
+    "dataset": Key(
+        MISSING,
+        node=True,
+        node_list=True,
+        help="dataset builder (`_component_`), or a list of them (concatenated)",
+        resume=MUST_MATCH,
+    ),
     "seed": Key(
         None, _INT, "random seed; null picks one and logs it", nullable=True, resume=MUST_MATCH
     ),
@@ -303,6 +312,19 @@ KD_LOSS: dict[str, Key] = {
 
 SECTIONS: dict[str, dict[str, Key]] = {"memory": MEMORY, "fsdp": FSDP, "kd_loss": KD_LOSS}
 
+# Arguments of component nodes that kd reads itself (the plan, the LoRA adapter config), checked
+# like the keys above when the node has them; the component checks the rest.
+COMPONENT_ARGS: dict[str, Key] = {
+    "tokenizer.max_seq_len": Key(
+        None, _INT, "tokens per example (truncation) and of the plan", nullable=True, min=1
+    ),
+    "model.lora_rank": Key(8, _INT, "LoRA rank", min=1),
+    "model.lora_alpha": Key(16, _NUM, "LoRA scale numerator", min=0.0),
+    "model.lora_attn_modules": Key(["q_proj", "v_proj"], (list,), "attention projections"),
+    "model.apply_lora_to_mlp": Key(False, _BOOL, "LoRA on the MLP"),
+    "model.apply_lora_to_output": Key(False, _BOOL, "LoRA on the output projection"),
+}
+
 # Keys torchtune's KD recipes accept that kd does not use; they are dropped with a notice.
 IGNORED_TORCHTUNE_KEYS: dict[str, str] = {
     "enable_activation_offloading": "torchtune's KD recipe ignores it too; use enable_activation_checkpointing",
@@ -346,4 +368,6 @@ class Problem:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return f"{self.key}: {self.message}"
+        from kd.errors import one_line
+
+        return f"{one_line(self.key)}: {one_line(self.message)}"

@@ -8,7 +8,10 @@ schema pass is clean.
 from __future__ import annotations
 
 import difflib
+import errno
 import glob
+import inspect
+import math
 import os
 import re
 from pathlib import Path
@@ -30,6 +33,9 @@ from kd.errors import ConfigError
 FILE_SOURCES: frozenset[str] = frozenset({"json", "csv", "text", "parquet", "arrow"})
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+# Integers every key (and every argument torch receives) must fit in.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def validate_config(
@@ -85,11 +91,19 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     """
     problems: list[Problem] = []
     _check_keys(data, schema.TOP_LEVEL, "", problems)
+    _check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
         node = data.get(name)
         if isinstance(node, dict):
             _check_kd_loss_component(name, node, problems)
             _check_keys(node, section, f"{name}.", problems, required=False)
+    for dotted, key in schema.COMPONENT_ARGS.items():
+        name, arg = dotted.split(".", 1)
+        node = data.get(name)
+        if isinstance(node, dict) and arg in node:
+            message = check_value(dotted, node[arg], key)
+            if message:
+                problems.append(Problem(dotted, message))
     _check_loss(data.get("loss"), problems)
     _check_teacher(data, problems)
     device = data.get("device")
@@ -135,7 +149,38 @@ def component_problems(data: dict[str, Any]) -> list[Problem]:
             for arg, close in unknown_kwargs(obj, kwargs):
                 fix = f"did you mean {dotted}.{close}?" if close else "remove it"
                 problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+            problems += _argument_type_problems(dotted, target, obj, kwargs)
     _check_model_types(data, problems)
+    return problems
+
+
+def _argument_type_problems(
+    dotted: str, target: str, obj: Any, kwargs: dict[str, Any]
+) -> list[Problem]:
+    """Arguments whose default is a number or a bool given text, a list or a mapping
+    (``optimizer.lr: abc``): caught now rather than when the component is built after the
+    weights are loaded."""
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return []
+    problems = []
+    for name, value in kwargs.items():
+        param = params.get(name)
+        if param is None or not isinstance(value, str | list | dict):
+            continue
+        default = param.default
+        if isinstance(default, bool):
+            wanted = "true or false"
+        elif isinstance(default, int | float):
+            wanted = "a number"
+        else:
+            continue
+        if isinstance(value, str) and _non_finite_text(value):
+            found = f"{value} is not a finite number (NaN and infinity are not allowed)"
+        else:
+            found = f"{_fmt(value)} is not {wanted} (the default of {target}'s {name} is {default})"
+        problems.append(Problem(f"{dotted}.{name}", f"{found}; set {dotted}.{name} to {wanted}"))
     return problems
 
 
@@ -153,6 +198,8 @@ def _expected(key: Key) -> str:
         return "true or false"
     if key.types == (str,):
         return "a string"
+    if key.types == (list,):
+        return "a list"
     noun = "an integer" if key.types == (int,) else "a number"
     if key.min is not None and key.max is not None:
         return f"{noun} between {_fmt(key.min)} and {_fmt(key.max)}"
@@ -170,17 +217,51 @@ def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
     return isinstance(value, types)
 
 
+def number_problem(value: Any) -> str | None:
+    """What makes a number unusable in any key, or None: NaN, infinity, an integer beyond 64 bits.
+
+    NaN compares false with every bound, so a range check alone would let it through.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{_fmt(value)} is not a finite number (NaN and infinity are not allowed)"
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        return f"{value} is beyond the 64-bit integer range"
+    return None
+
+
+def _non_finite_text(value: str) -> bool:
+    """``nan``, ``inf``, ``-inf``: YAML reads them as strings (only ``.nan``/``.inf`` are floats)."""
+    try:
+        return not math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
 def check_value(dotted: str, value: Any, key: Key) -> str | None:
-    """The problem with ``value`` for ``key``, as a message ending in the fix, or None."""
+    """The problem with ``value`` for ``key``, as a message ending in the fix, or None.
+
+    ``dotted`` names the key (or the flag, e.g. ``--budget-gib``) in the fix.
+    """
     fix = f"set {dotted} to {_expected(key)}"
     if value is None:
         return None if key.nullable else f"null is not allowed; {fix}"
     if key.node:
+        if key.node_list and isinstance(value, list):
+            if value:
+                return None  # each entry is checked by _component_nodes
+            return f"an empty list; set {dotted} to a node with _component_, or a list of them"
         if not isinstance(value, dict):
             return f"expected a mapping, got {_fmt(value)}; write {dotted}: as a block of keys"
         return None
     if key.types and not _type_ok(value, key.types):
+        if isinstance(value, str) and float in key.types and _non_finite_text(value):
+            return f"{value} is not a finite number (NaN and infinity are not allowed); {fix}"
         return f"{_fmt(value)} is not {_expected(Key(None, key.types))}; {fix}"
+    problem = number_problem(value)
+    if problem is not None:
+        return f"{problem}; {fix}"
     if key.choices is not None and value not in key.choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in key.choices], n=1)
         hint = f"did you mean {close[0]}? " if close else ""
@@ -229,6 +310,29 @@ def _check_keys(
             problems.append(
                 Problem(f"{prefix}{name}", f"required key is missing; add it ({key.help})")
             )
+
+
+def _check_component_numbers(data: dict[str, Any], problems: list[Problem]) -> None:
+    """NaN, infinity or an integer beyond 64 bits anywhere in a component node (``optimizer.lr``,
+    ``model.vocab_size``...): no builder can use them."""
+
+    def walk(dotted: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{dotted}.{k}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{dotted}[{i}]", v)
+        elif dotted not in schema.COMPONENT_ARGS:  # those are checked with their range
+            problem = number_problem(value)
+            if problem is not None:
+                wanted = "a smaller integer" if isinstance(value, int) else "a finite number"
+                problems.append(Problem(dotted, f"{problem}; set {dotted} to {wanted}"))
+
+    for name in COMPONENT_KEYS:
+        value = data.get(name)
+        if isinstance(value, dict | list):
+            walk(name, value)
 
 
 def _check_kd_loss_component(section: str, node: dict[str, Any], problems: list[Problem]) -> None:
@@ -324,6 +428,40 @@ def _component_nodes(
     return nodes
 
 
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+def lookup_problem(text: str) -> str | None:
+    """Why the path ``text`` cannot even be looked up, or None (a missing path is not a problem
+    here): a NUL byte, a name too long for the file system, ``~user`` of an unknown user."""
+    if "\0" in text:
+        return "it contains a NUL byte"
+    expanded = os.path.expanduser(text)
+    if text.startswith("~") and expanded == text:
+        return f"{text.split('/', 1)[0]} is not a user on this machine"
+    try:
+        os.stat(expanded)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            return e.strerror.lower() if e.strerror else str(e)
+        return None  # permissions and the like: the checks below name them
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _path_ok(key: str, text: str, problems: list[Problem]) -> bool:
+    """Report ``key`` when its path cannot be looked up; True when it can."""
+    reason = lookup_problem(text)
+    if reason is None:
+        return True
+    problems.append(Problem(key, f"{_short(text)!r} is not a usable path ({reason}); fix the path"))
+    return False
+
+
 def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
     output_dir = data.get("output_dir")
     if isinstance(output_dir, str) and output_dir != schema.MISSING:
@@ -338,7 +476,9 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
     if isinstance(tokenizer, dict):
         for sub in ("path", "merges_file", "special_tokens_path"):
             path = tokenizer.get(sub)
-            if isinstance(path, str) and not Path(path).expanduser().exists():
+            if not isinstance(path, str) or not _path_ok(f"tokenizer.{sub}", path, problems):
+                continue
+            if not Path(path).expanduser().exists():
                 problems.append(
                     Problem(
                         f"tokenizer.{sub}",
@@ -356,6 +496,9 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
             )
 
 
+_MAX_SHARDS = 100_000  # checkpoint_files.max_filename beyond this is a typo, not a model
+
+
 def _checkpoint_file_names(files: Any) -> list[str] | None:
     """Entries of ``checkpoint_files``: a list, or torchtune's ``{filename_format, max_filename}``."""
     if isinstance(files, list):
@@ -364,9 +507,12 @@ def _checkpoint_file_names(files: Any) -> list[str] | None:
         return [files]
     if isinstance(files, dict) and "filename_format" in files and "max_filename" in files:
         fmt, last = str(files["filename_format"]), str(files["max_filename"])
-        if not last.isdigit():
+        if not (last.isascii() and last.isdigit()) or not 1 <= int(last) <= _MAX_SHARDS:
             return None
-        return [fmt.format(str(i).zfill(len(last)), last) for i in range(1, int(last) + 1)]
+        try:
+            return [fmt.format(str(i).zfill(len(last)), last) for i in range(1, int(last) + 1)]
+        except (IndexError, KeyError, ValueError):
+            return None  # not a format string of two positional fields
     return None
 
 
@@ -379,6 +525,8 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
                 "missing; set it to the folder that holds the model's weights",
             )
         )
+        return
+    if not _path_ok(f"{name}.checkpoint_dir", folder, problems):
         return
     root = Path(folder).expanduser()
     if not root.is_dir():
@@ -394,11 +542,14 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
         problems.append(
             Problem(
                 f"{name}.checkpoint_files",
-                "expected a list of file names or {filename_format, max_filename}; fix the entry",
+                "expected a list of file names or {filename_format, max_filename} (a format "
+                "string with two {} fields and the number of the last shard); fix the entry",
             )
         )
         return
     for i, file_name in enumerate(names):
+        if not _path_ok(f"{name}.checkpoint_files[{i}]", str(root / file_name), problems):
+            continue
         path = root / file_name
         if not path.is_file():
             problems.append(
@@ -410,7 +561,9 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
 
 
 def _is_local_path(source: str) -> bool:
-    return source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
+    return source.startswith(("/", "./", "../", "~")) or (
+        lookup_problem(source) is None and os.path.exists(source)
+    )
 
 
 def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -> None:
@@ -429,6 +582,8 @@ def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -
             return
         base = Path(".")
     elif _is_local_path(source):
+        if not _path_ok(f"{dotted}.source", source, problems):
+            return
         base = Path(source).expanduser()
         if not base.exists():
             problems.append(Problem(f"{dotted}.source", f"{source} does not exist; fix the path"))
@@ -454,8 +609,12 @@ def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -
     for entry in entries:
         if "://" in entry:
             continue  # remote file; load_dataset fetches it
+        if not _path_ok(f"{dotted}.data_files", entry, problems):
+            continue
         path = Path(entry).expanduser()
         path = path if path.is_absolute() else base / path
+        if not _path_ok(f"{dotted}.data_files", str(path), problems):
+            continue
         exists = bool(glob.glob(str(path))) if any(c in entry for c in "*?[") else path.exists()
         if not exists:
             problems.append(Problem(f"{dotted}.data_files", f"{path} does not exist; fix the path"))
@@ -466,6 +625,11 @@ def writable_dir_problem(folder: str) -> str | None:
 
     Walks up to the first existing ancestor and checks it is a writable directory.
     """
+    reason = lookup_problem(folder)
+    if reason is not None:
+        return (
+            f"{_short(folder)!r} is not a usable path ({reason}); set output_dir to another folder"
+        )
     path = Path(folder).expanduser()
     if path.exists():
         if not path.is_dir():

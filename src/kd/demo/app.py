@@ -52,6 +52,13 @@ def train(config_path: Path) -> None:
 
 
 def _prepare_output_dir(root: Path) -> None:
+    from kd.config.validate import lookup_problem
+
+    reason = lookup_problem(str(root))
+    if reason is not None:
+        raise KDUserError(
+            f"--output-dir: {str(root)[:120]!r} is not usable ({reason}); pass a folder"
+        )
     if root.exists() and not root.is_dir():
         raise KDUserError(f"--output-dir: {root} is a file; pass a folder")
     if root.is_dir() and any(root.iterdir()):
@@ -62,8 +69,14 @@ def _prepare_output_dir(root: Path) -> None:
             )
         for name in _OWNED:
             shutil.rmtree(root / name, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / MARKER_FILE).write_text(json.dumps({"made_by": "kd demo"}) + "\n")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / MARKER_FILE).write_text(json.dumps({"made_by": "kd demo"}) + "\n")
+    except OSError as e:
+        raise KDUserError(
+            f"--output-dir: cannot create {root} ({e.strerror or e}); pass a folder you can "
+            "write to"
+        ) from e
 
 
 def run_demo(output_dir: Path, *, quick: bool = False, seed: int = 0) -> DemoResult:

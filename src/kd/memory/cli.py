@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
 
 from kd.commands import add_target_arguments, resolve_target
+from kd.errors import KDUserError, brief, one_line
 from kd.memory.estimate import GIB
 
 _EPILOG = """\
@@ -55,6 +57,54 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+# What matplotlib writes, by file suffix (a name without one gets a PNG).
+PLOT_FORMATS: frozenset[str] = frozenset(
+    {"png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf"}
+)
+
+
+def check_plot_path(path: str) -> None:
+    """Refuse a ``--plot`` destination that cannot be written, before planning anything.
+
+    Raises:
+        KDUserError: an empty or unusable path, a folder, a missing or read-only parent folder, or
+            a suffix matplotlib does not write; names ``--plot`` and the fix.
+    """
+    from pathlib import Path
+
+    from kd.config.validate import lookup_problem
+
+    reason = lookup_problem(path) if path.strip() else "it is empty"
+    if reason is not None:
+        raise KDUserError(
+            f"--plot: {path[:120]!r} is not a usable path ({reason}); pass a .png path"
+        )
+    dst = Path(path).expanduser()
+    suffix = dst.suffix.lower().lstrip(".")
+    if dst.is_dir():
+        raise KDUserError(
+            f"--plot: {one_line(path)} is a folder; pass a file path such as {one_line(str(dst / 'plan.png'))}"
+        )
+    if suffix and suffix not in PLOT_FORMATS:
+        raise KDUserError(
+            f"--plot: cannot write .{suffix} images; pass a path ending in .png, .svg or .pdf"
+        )
+    parent = dst.absolute().parent
+    if parent.exists() and not parent.is_dir():
+        raise KDUserError(
+            f"--plot: {one_line(str(parent))} is a file, not a folder; pass a path in a folder"
+        )
+    if not parent.is_dir():
+        raise KDUserError(
+            f"--plot: the folder {one_line(str(parent))} does not exist; create it or pass a path in an existing "
+            "folder"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK) or (dst.exists() and not os.access(dst, os.W_OK)):
+        raise KDUserError(
+            f"--plot: {one_line(path)} is not writable; pass a path in a folder you can write to"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
     from kd.device import resolve_budget
@@ -63,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from kd.memory.plan import inputs_from_run, make_plan
 
     t0 = time.perf_counter()
+    if args.plot is not None:
+        check_plot_path(args.plot)
     target = resolve_target(args, for_plan=True)
     run, world = target.run, target.world_size
     inputs = inputs_from_run(run, world_size=world, config_name=args.config)
@@ -99,7 +151,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from kd.memory.report import plot_plan
 
-        plot_plan(plan, args.plot)
+        try:
+            plot_plan(plan, args.plot)
+        except (OSError, ValueError) as e:
+            raise KDUserError(
+                f"--plot: cannot write {one_line(args.plot)} ({brief(e)}); pass a writable .png path"
+            ) from e
     if args.json:
         out = plan.to_json()
         out["plan_wall_s"] = round(time.perf_counter() - t0, 3)

@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kd.config.run import RunConfig, run_config
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 from kd.memory.estimate import (
     COMPONENTS,
     GIB,
@@ -231,6 +231,11 @@ def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> ModelShape:
         raise KDUserError(
             f"{model_key}: cannot plan memory: {e}; use a torchtune builder or set "
             "memory.check=off to skip the plan"
+        ) from e
+    except (ValueError, TypeError, OSError) as e:  # a size that is not a number, a bad config.json
+        raise KDUserError(
+            f"{model_key}: cannot plan memory ({brief(e)}); give the builder's sizes as whole "
+            f"numbers, and check {ckpt_key}.checkpoint_dir/config.json"
         ) from e
 
 

@@ -109,6 +109,15 @@ class KDRecipe:
         with torch.device("meta"):
             student = self._build("model", fix="fix the builder's arguments")
             teacher = self._build("teacher_model", fix="fix the builder's arguments")
+        for key, built in (("model", student), ("teacher_model", teacher)):
+            if built is not None and not (
+                isinstance(built, torch.nn.Module) and hasattr(built, "output")
+            ):
+                target = (self.run.components[key] or {}).get("_component_")
+                raise KDUserError(
+                    f"{key}._component_: {target} built a {type(built).__name__}, not a decoder "
+                    f"with an output projection; set {key}._component_ to a torchtune model builder"
+                )
         self.lora = models.is_lora(student)
         problems = models.check_vocab(
             tokenizer_max=models.tokenizer_max_id(self.tokenizer),
@@ -120,8 +129,8 @@ class KDRecipe:
         del student, teacher
         self._check_memory()
         self.resume_from = self._find_resume()
-        self.dataset = self._build(
-            "dataset", self.tokenizer, fix="check dataset.source, dataset.data_files and its rows"
+        self.dataset = data.build_dataset(
+            run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
         )
         truncated, checked = data.check_dataset(self.dataset, max_seq_len=run.max_seq_len)
         if truncated and self.world.is_rank_zero:
