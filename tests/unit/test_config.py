@@ -459,3 +459,122 @@ def test_memory_check_off_unquoted_in_yaml(tmp_path):
     path.write_text("output_dir: /tmp/x\nmemory:\n  check: off\n")
     assert load_config(str(path), []).memory.check == "off"
     assert load_config(str(path), ["memory.check=off"]).memory.check == "off"
+
+
+# --- numbers, lists, paths: inputs no key can hold ------------------------------------------
+
+
+def _number_keys() -> list[tuple[str, Any]]:
+    from kd.config import schema
+
+    keys = [*schema.TOP_LEVEL.items()]
+    keys += [
+        (f"{s}.{k}", key) for s, section in schema.SECTIONS.items() for k, key in section.items()
+    ]
+    keys += list(schema.COMPONENT_ARGS.items())
+    return [(name, key) for name, key in keys if int in key.types]
+
+
+@pytest.mark.parametrize(("dotted", "key"), _number_keys(), ids=[n for n, _ in _number_keys()])
+def test_every_number_key_refuses_nan_inf_and_beyond_int64(dotted, key):
+    from kd.config.validate import check_value
+
+    for bad in (float("nan"), float("inf"), float("-inf"), "nan", "-inf", 2**63, -(2**63) - 1):
+        message = check_value(dotted, bad, key)
+        assert message is not None, (dotted, bad)
+        assert f"; set {dotted} to " in message, message  # names the key and the fix
+    if float in key.types:
+        assert "not a finite number" in check_value(dotted, float("nan"), key)
+        assert "not a finite number" in check_value(dotted, "inf", key)
+
+
+def test_nan_and_huge_numbers_in_component_nodes(cfg_path):
+    cfg = load_config(cfg_path, ["optimizer.lr=.nan", "model.vocab_size=99999999999999999999"])
+    found = problems_of(cfg)
+    assert found["optimizer.lr"].startswith("nan is not a finite number")
+    assert found["model.vocab_size"].startswith("99999999999999999999 is beyond the 64-bit")
+    # Text where a builder takes a number: caught before anything is built.
+    found = problems_of(load_config(cfg_path, ["optimizer.lr=fast"]))
+    assert found == {
+        "optimizer.lr": "'fast' is not a number (the default of torch.optim.AdamW's lr is 0.001); "
+        "set optimizer.lr to a number"
+    }
+    found = problems_of(
+        load_config(cfg_path, ["tokenizer.max_seq_len=abc"]), check_components=False
+    )
+    assert found["tokenizer.max_seq_len"].startswith("'abc' is not an integer")
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("checkpointer.checkpoint_files.5=x", "checkpoint_files has 1 entries, so index 5 is out"),
+        ("checkpointer.checkpoint_files.-2=x", "index -2 is out of range (valid: 0 to 0)"),
+        ("checkpointer.checkpoint_files.x=y", "is a list, so 'x' is not an index"),
+        ("~", "no key after '~'"),
+        ("~a..b", "'a..b' is not a config key"),
+        ("seed=" + "9" * 5000, "a number has too many digits"),
+    ],
+    ids=["out_of_range", "negative", "not_a_number", "tilde", "tilde_bad_key", "long_number"],
+)
+def test_overrides_that_cannot_be_applied(cfg_path, override, needle):
+    with pytest.raises(KDUserError, match=None) as err:
+        load_config(cfg_path, [override])
+    assert needle in str(err.value) and len(str(err.value)) < 400
+
+
+def test_list_index_override_inside_the_list(cfg_path):
+    cfg = load_config(cfg_path, ["checkpointer.checkpoint_files.0=other.safetensors"])
+    assert list(cfg.checkpointer.checkpoint_files) == ["other.safetensors"]
+
+
+def test_config_file_not_utf8_or_binary(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"seed: 1\nnote: caf\xe9\n")
+    with pytest.raises(KDUserError, match=r"latin.yaml:2: is not UTF-8 text \(byte 0xe9\)"):
+        load_config(str(latin), [])
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x00\x01\x02seed: 1")
+    with pytest.raises(KDUserError, match="is a binary file, not YAML text"):
+        load_config(str(binary), [])
+
+
+def test_unusable_paths_are_named_not_raised(tmp_path):
+    cfg = tiny_config(tmp_path)
+    cfg["dataset"]["data_files"] = "train\0.json"
+    cfg["tokenizer"]["path"] = str(tmp_path / ("x" * 300))
+    cfg["checkpointer"]["checkpoint_dir"] = "~kd_no_such_user/model"
+    cfg["output_dir"] = "a\nb/" + "y" * 5000
+    found = problems_of(load_config(write(tmp_path / "kd.yaml", cfg), []))
+    assert "(it contains a NUL byte)" in found["dataset.data_files"]
+    assert "(file name too long)" in found["tokenizer.path"]
+    assert "~kd_no_such_user is not a user on this machine" in found["checkpointer.checkpoint_dir"]
+    assert "file name too long" in found["output_dir"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(write(tmp_path / "kd.yaml", cfg), []))
+    assert all("\n" not in str(p) for p in err.value.problems)  # one line per problem
+
+
+def test_dataset_list(tmp_path):
+    from kd.config.run import run_config
+
+    cfg = tiny_config(tmp_path)
+    (tmp_path / "more.json").write_text("[]")
+    cfg["dataset"] = [cfg["dataset"], dict(cfg["dataset"], data_files=str(tmp_path / "more.json"))]
+    loaded = load_config(write(tmp_path / "kd.yaml", cfg), [])
+    validate_config(loaded, check_components=False)
+    run = run_config(loaded)
+    assert [node.data_files for node in run.components["dataset"]] == [
+        str(tmp_path / "train.json"),
+        str(tmp_path / "more.json"),
+    ]
+    bad = load_config(
+        write(tmp_path / "kd.yaml", cfg), ["dataset.1.data_files=/nope.json", "dataset.0.sourc=x"]
+    )
+    found = problems_of(bad)
+    assert set(found) == {"dataset[1].data_files"}  # the schema pass answers first
+    assert problems_of(load_config(write(tmp_path / "kd.yaml", dict(cfg, dataset=[])), [])) == {
+        "dataset": "an empty list; set dataset to a node with _component_, or a list of them"
+    }
+    found = problems_of(load_config(write(tmp_path / "kd.yaml", dict(cfg, dataset=[1])), []))
+    assert found == {"dataset[0]": "expected a mapping with _component_; fix the list entry"}

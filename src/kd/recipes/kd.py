@@ -124,6 +124,18 @@ class KDRecipe:
             student_vocab=models.vocab_size(student),
             teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
         )
+        for key, built in (("model", student), ("teacher_model", teacher)):
+            longest = getattr(built, "max_seq_len", None)
+            if (
+                isinstance(longest, int)
+                and run.max_seq_len is not None
+                and run.max_seq_len > longest
+            ):
+                problems.append(
+                    f"tokenizer.max_seq_len: {run.max_seq_len} tokens per example but {key} takes "
+                    f"at most {longest} (its max_seq_len); lower tokenizer.max_seq_len to "
+                    f"{longest} or raise {key}.max_seq_len"
+                )
         if problems:
             raise KDUserError("\n".join(problems))
         del student, teacher
