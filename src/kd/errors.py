@@ -22,7 +22,8 @@ class ConfigError(KDUserError):
 
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
+        # One line per problem: a value or path quoted in a problem cannot break it.
+        super().__init__("\n".join(one_line(str(p)) for p in self.problems))
 
 
 def brief(e: BaseException, limit: int = 300) -> str:

@@ -552,7 +552,8 @@ def test_unusable_paths_are_named_not_raised(tmp_path):
     assert "file name too long" in found["output_dir"]
     with pytest.raises(ConfigError) as err:
         validate_config(load_config(write(tmp_path / "kd.yaml", cfg), []))
-    assert all("\n" not in str(p) for p in err.value.problems)  # one line per problem
+    assert len(str(err.value).splitlines()) == len(err.value.problems)  # one line per problem
+    assert "output_dir: 'a\\nb/yyy" in str(err.value)
 
 
 def test_dataset_list(tmp_path):

@@ -368,6 +368,4 @@ class Problem:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        from kd.errors import one_line
-
-        return f"{one_line(self.key)}: {one_line(self.message)}"
+        return f"{self.key}: {self.message}"
