@@ -196,7 +196,10 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
     # failure report; the workers load it again (without repeating the notices).
     config, overrides = split_config_args(recipe_args)
     validate_config(load_config(config, overrides))
-    args = get_args_parser().parse_args([*torchrun_tokens, str(recipe.file_path()), *recipe_args])
+    recipe.file_path()  # a missing recipe module is one clear line, not a failure per worker
+    # Workers run the recipe as a module (`python -m kd.recipes.<name>`): run as a file, the
+    # recipes folder would come first on sys.path and `kd.py` there would shadow the kd package.
+    args = get_args_parser().parse_args([*torchrun_tokens, "--module", recipe.module, *recipe_args])
     if not args.rdzv_endpoint and str(args.nnodes) in ("1", "1:1"):
         # A single-node run without an endpoint: standalone picks a free port, so several jobs
         # can share a machine (as torchtune does).
