@@ -187,7 +187,7 @@ def bad_component_argument_value(assets, tmp, cfg):
 
 def component_outside_allow_list(assets, tmp, cfg):
     cfg["metric_logger"] = {"_component_": "os.system", "command": f"touch {tmp / 'pwned'}"}
-    return _run(), "metric_logger._component_: os.system is outside the allowed packages"
+    return _run(), "metric_logger._component_: os.system is not something metric_logger may build"
 
 
 def missing_data_file(assets, tmp, cfg):
@@ -546,9 +546,10 @@ def test_refused_component_runs_nothing_subprocess(assets, tmp_path):
     proc = _kd(*RUN, "--config", str(write_config(tmp_path / "cfg.yaml", cfg)))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "kd: error: metric_logger._component_: os.system is outside the allowed packages (torch, "
-        "torchtune, torchao, kd); set trust_remote_components: true in the config if you trust "
-        "this code"
+        "kd: error: metric_logger._component_: os.system is not something metric_logger may build "
+        "(allowed: kd.metrics.StdoutLogger, kd.metrics.WandBLogger or a "
+        "torchtune.training.metric_logging logger); set trust_remote_components: true only if you "
+        "trust whoever wrote this config"
     ]
     assert not pwned.exists() and not (tmp_path / "run").exists()
 

@@ -173,7 +173,8 @@ class RunConfig:
         log_every_n_steps: optimizer steps between metric rows.
         log_peak_memory_stats: add peak memory to the metric rows.
         max_bad_steps: non-finite steps skipped before the run stops.
-        trust_remote_components: allow ``_component_`` targets outside the allow-list.
+        trust_remote_components: allow any importable ``_component_`` target, not only what
+            each key may build (:mod:`kd.config.allowlist`).
         yaml: the resolved config as YAML (the snapshot checkpoints store).
     """
 

@@ -229,7 +229,8 @@ TOP_LEVEL: dict[str, Key] = {
     "trust_remote_components": Key(
         False,
         _BOOL,
-        "allow `_component_` targets outside torch, torchtune, torchao and kd",
+        "allow any importable `_component_` target, not only what each key may build "
+        "(docs/security.md)",
         resume=MAY_CHANGE,
     ),
     "memory": Key(

@@ -19,8 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import families
 from kd.config import schema
+from kd.config.allowlist import component_nodes, tree_problems
 from kd.config.compat import TORCHTUNE_KD_LOSSES
-from kd.config.instantiate import locate_target, target_problem, unknown_kwargs
+from kd.config.instantiate import locate_target, unknown_kwargs
 from kd.config.run import COMPONENT_KEYS
 from kd.config.schema import Key, Problem
 from kd.errors import ConfigError
@@ -38,8 +39,8 @@ def validate_config(
     """Check keys, types, ranges, choices, components and files of a loaded config.
 
     Nothing is built and no weight is read. The checks run in two passes so a mistake answers
-    fast: :func:`schema_problems` (keys, values, ``_component_`` paths against the allow-list,
-    model families, files) imports neither torch nor torchtune and raises first; only when it is
+    fast: :func:`schema_problems` (keys, values, ``_component_`` paths against what each key may
+    build, model families, files) imports neither torch nor torchtune and raises first; only when it is
     clean does :func:`component_problems` import the ``_component_`` targets to bind their
     signatures (every problem of that pass is then reported together).
 
@@ -72,9 +73,10 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     """Problems a config's values show by themselves, without importing any ``_component_``.
 
     Unknown and missing keys, types, ranges and choices, unsupported loss nodes, a null teacher
-    with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or outside the
-    allow-list, models of different tokenizer families and (with ``check_paths``) missing input
-    files and an unusable ``output_dir``. Imports neither torch nor torchtune.
+    with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or that their
+    key may not build (:mod:`kd.config.allowlist`), models of different tokenizer families and
+    (with ``check_paths``) missing input files and an unusable ``output_dir``. Imports neither
+    torch nor torchtune.
 
     Args:
         data: the resolved config as plain containers (``OmegaConf.to_container``).
@@ -121,20 +123,23 @@ def component_problems(data: dict[str, Any]) -> list[Problem]:
         Every problem found, each naming the key and the fix.
     """
     problems: list[Problem] = []
-    allow_any = data.get("trust_remote_components") is True
+    trust = data.get("trust_remote_components") is True
     for name in COMPONENT_KEYS:
-        for dotted, node in _component_nodes(name, data.get(name), []):
-            target = node.get("_component_")
-            if target is None:
-                continue
-            obj, reason = locate_target(target, allow_any=allow_any)
-            if reason is not None:
-                problems.append(Problem(f"{dotted}._component_", reason))
-                continue
-            kwargs = {k: v for k, v in node.items() if k != "_component_"}
-            for arg, close in unknown_kwargs(obj, kwargs):
-                fix = f"did you mean {dotted}.{close}?" if close else "remove it"
-                problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+        for top, top_node in _component_nodes(name, data.get(name), []):
+            for dotted, node in component_nodes(top, top_node):
+                target = node.get("_component_")
+                if target is None:
+                    continue
+                obj, reason = locate_target(target, key=dotted, trust=trust)
+                if reason is not None:
+                    problems.append(Problem(f"{dotted}._component_", reason))
+                    continue
+                kwargs = {k: v for k, v in node.items() if k != "_component_"}
+                for arg, close in unknown_kwargs(obj, kwargs):
+                    fix = f"did you mean {dotted}.{close}?" if close else "remove it"
+                    problems.append(
+                        Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}")
+                    )
     _check_model_types(data, problems)
     return problems
 
@@ -281,12 +286,15 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
 
 
 def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> None:
-    """Each component node names a ``_component_`` on the allow-list (checked as text)."""
-    allow_any = data.get("trust_remote_components") is True
+    """Each component node (and each nested one) names a ``_component_`` its key may build.
+
+    Checked as text against :mod:`kd.config.allowlist` (nothing is imported), together with the
+    values torchtune would import (a tokenizer's string ``prompt_template``).
+    """
+    trust = data.get("trust_remote_components") is True
     for name in COMPONENT_KEYS:
         for dotted, node in _component_nodes(name, data.get(name), problems):
-            target = node.get("_component_")
-            if target is None:
+            if node.get("_component_") is None:
                 help_text = schema.TOP_LEVEL[name].help
                 problems.append(
                     Problem(
@@ -294,10 +302,7 @@ def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> N
                         f"missing; add _component_ with the builder's dotted path ({help_text})",
                     )
                 )
-                continue
-            reason = target_problem(target, allow_any=allow_any)
-            if reason is not None:
-                problems.append(Problem(f"{dotted}._component_", reason))
+            problems += [Problem(k, m) for k, m in tree_problems(dotted, node, trust=trust)]
 
 
 def _component_nodes(

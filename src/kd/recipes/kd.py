@@ -244,7 +244,9 @@ class KDRecipe:
         from kd.config.instantiate import locate_target
 
         opt = self.run.optimizer
-        cls, reason = locate_target(opt.component, allow_any=self.run.trust_remote_components)
+        cls, reason = locate_target(
+            opt.component, key="optimizer", trust=self.run.trust_remote_components
+        )
         if reason is not None:
             raise KDUserError(f"optimizer._component_: {reason}")
         return CPUOffloadOptimizer(params, optimizer_class=cls, **opt.kwargs())
