@@ -19,7 +19,8 @@ Modules, by concern:
 
 - ``layout``: file and folder names, readers of the marker and the config snapshot;
 - ``convert``: state-dict names torchtune <-> HF <-> PEFT, q/k RoPE row permutation;
-- ``hf_folder``: write the student as an HF folder (merged LoRA + PEFT adapter), read weights;
+- ``hf_folder``: write the student as an HF folder (merged LoRA + PEFT adapter), read weights,
+  check a config.json against its safetensors headers;
 - ``recipe_state``: weights_only-safe recipe state (tensor subclasses, RNG);
 - ``resume``: which config keys must match on resume (schema flags) and their hash;
 - ``store``: atomic step folders, keep_last_n, finding the newest intact one.
@@ -32,9 +33,11 @@ from kd.checkpoint.convert import (
     tune_to_peft_adapter_state_dict,
 )
 from kd.checkpoint.hf_folder import (
+    hf_config_problems,
     load_adapter_weights,
     load_hf_weights,
     read_hf_config,
+    safetensors_shapes,
     save_hf_model,
 )
 from kd.checkpoint.layout import (
@@ -79,6 +82,7 @@ __all__ = [
     "decode_tensor_subclasses",
     "encode_tensor_subclasses",
     "find_latest_checkpoint",
+    "hf_config_problems",
     "hf_to_tune_state_dict",
     "load_adapter_weights",
     "load_checkpoint_config",
@@ -88,6 +92,7 @@ __all__ = [
     "read_checkpoint_marker",
     "read_hf_config",
     "restore_rng_state",
+    "safetensors_shapes",
     "save_checkpoint",
     "save_hf_model",
     "step_dirname",

@@ -361,7 +361,7 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
             )
 
 
-def _checkpoint_file_names(files: Any) -> list[str] | None:
+def checkpoint_file_names(files: Any) -> list[str] | None:
     """Entries of ``checkpoint_files``: a list, or torchtune's ``{filename_format, max_filename}``."""
     if isinstance(files, list):
         return [str(f) for f in files]
@@ -394,7 +394,7 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
             )
         )
         return
-    names = _checkpoint_file_names(node.get("checkpoint_files"))
+    names = checkpoint_file_names(node.get("checkpoint_files"))
     if names is None:
         problems.append(
             Problem(
