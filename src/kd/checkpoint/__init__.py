@@ -23,7 +23,8 @@ Modules, by concern:
   check a config.json against its safetensors headers;
 - ``recipe_state``: weights_only-safe recipe state (tensor subclasses, RNG);
 - ``resume``: which config keys must match on resume (schema flags) and their hash;
-- ``store``: atomic step folders, keep_last_n, finding the newest intact one.
+- ``store``: atomic step folders, keep_last_n, finding the newest intact one, recovering from a
+  save killed midway.
 """
 
 from kd.checkpoint.convert import (
@@ -63,7 +64,11 @@ from kd.checkpoint.recipe_state import (
     restore_rng_state,
 )
 from kd.checkpoint.resume import check_resume_compatible, config_hash
-from kd.checkpoint.store import find_latest_checkpoint, save_checkpoint
+from kd.checkpoint.store import (
+    find_latest_checkpoint,
+    recover_interrupted_saves,
+    save_checkpoint,
+)
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -91,6 +96,7 @@ __all__ = [
     "peft_to_tune_adapter_state_dict",
     "read_checkpoint_marker",
     "read_hf_config",
+    "recover_interrupted_saves",
     "restore_rng_state",
     "safetensors_shapes",
     "save_checkpoint",

@@ -39,6 +39,8 @@ logger = logging.getLogger("kd")
 
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
+# A complete folder that a save moved aside to replace it (put back if the save was killed).
+_OLD_RE = re.compile(r"^\.tmp_old_(.+)_\d+$")
 # Files up to this size get a sha256 in the marker (configs, tokenizer, tiny models); larger
 # weight files only a size, because hashing many GB at every save and resume is too slow.
 _HASH_LIMIT_BYTES = 16 * 2**20
@@ -99,13 +101,45 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_tmp(output_dir: Path) -> None:
-    """Remove ``.tmp_*`` folders left by killed saves (not those of another live process)."""
-    for p in output_dir.glob(_TMP_PREFIX + "*"):
+def _stale_tmp(output_dir: Path) -> list[Path]:
+    """``.tmp_*`` folders left by killed saves (not those of another live process)."""
+    stale = []
+    for p in sorted(output_dir.glob(_TMP_PREFIX + "*")):
         m = re.search(r"_(\d+)$", p.name)
         pid = int(m.group(1)) if m else None
         if pid is not None and pid != os.getpid() and _pid_alive(pid):
             continue
+        stale.append(p)
+    return stale
+
+
+def recover_interrupted_saves(output_dir: Path) -> list[Path]:
+    """Put back the folders that a killed save had moved aside to replace them.
+
+    A save over an existing folder (``final/`` of a resumed run, a step saved again) renames the
+    old folder to ``.tmp_old_<name>_<pid>`` and the new one into place; a kill between the two
+    renames leaves neither under ``<name>``, so the old one (complete) goes back.
+
+    Returns:
+        The folders restored.
+    """
+    restored = []
+    for p in _stale_tmp(Path(output_dir)):
+        m = _OLD_RE.match(p.name)
+        if m is None or not (p / MARKER_FILE).is_file():
+            continue
+        target = p.parent / m.group(1)
+        if not target.exists():
+            os.rename(p, target)
+            logger.warning("restored %s, moved aside by an interrupted save", target)
+            restored.append(target)
+    return restored
+
+
+def _remove_stale_tmp(output_dir: Path) -> None:
+    """Remove ``.tmp_*`` folders left by killed saves, after putting back what they replaced."""
+    recover_interrupted_saves(output_dir)
+    for p in _stale_tmp(output_dir):
         logger.info("removing %s left by an interrupted save", p)
         shutil.rmtree(p, ignore_errors=True)
 

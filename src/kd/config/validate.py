@@ -94,6 +94,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
             _check_keys(node, section, f"{name}.", problems, required=False)
     _check_loss(data.get("loss"), problems)
     _check_teacher(data, problems)
+    _check_output_dir(data, problems)
     device = data.get("device")
     if isinstance(device, str) and not _DEVICE_RE.match(device):
         problems.append(
@@ -285,6 +286,27 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
+def _check_output_dir(data: dict[str, Any], problems: list[Problem]) -> None:
+    """An empty ``output_dir`` (it would be the working directory) and contradictory outputs keys."""
+    output_dir = data.get("output_dir")
+    if isinstance(output_dir, str) and not output_dir.strip():
+        problems.append(
+            Problem(
+                "output_dir",
+                "is empty; set output_dir to the folder for this run's checkpoints, "
+                "metrics.jsonl and final/ (a new or empty one)",
+            )
+        )
+    if data.get("overwrite_output_dir") is True and data.get("resume_from_checkpoint") is True:
+        problems.append(
+            Problem(
+                "overwrite_output_dir",
+                "true moves aside the checkpoints resume_from_checkpoint=true continues from; "
+                "set one of them to false",
+            )
+        )
+
+
 def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> None:
     """Each component node (and each nested one) names a ``_component_`` its key may build.
 
@@ -331,7 +353,7 @@ def _component_nodes(
 
 def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
     output_dir = data.get("output_dir")
-    if isinstance(output_dir, str) and output_dir != schema.MISSING:
+    if isinstance(output_dir, str) and output_dir.strip() and output_dir != schema.MISSING:
         message = writable_dir_problem(output_dir)
         if message:
             problems.append(Problem("output_dir", message))

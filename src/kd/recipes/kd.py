@@ -25,7 +25,11 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
     - LoRA students (torchtune ``lora_*`` builders): only adapters train; saved merged and as an adapter.
     - FSDP2 (``fsdp.*``): per-layer sharding of both models; rank 0 alone reads checkpoint files.
     - Step checkpoints (``save_every_n_steps``, ``keep_last_n``), exact resume
-      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step, save and exit 0.
+      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step (or the final save), save and
+      exit 0.
+    - One run per ``output_dir`` (an OS file lock held by rank 0); a fresh run into another run's
+      outputs is refused before any weight loads, unless ``overwrite_output_dir`` moves them into
+      ``output_dir/previous_<time>/``.
     - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb offline/online).
 """
 
@@ -44,7 +48,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, models, train
+from kd import checkpoint, data, distributed, models, outputs, train
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
@@ -84,6 +88,7 @@ class KDRecipe:
         self.global_step = 0
         self.epoch = 0
         self.plan: MemoryPlan | None = None
+        self.lock: outputs.OutputDirLock | None = None
 
     def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         node = self.run.components[key]
@@ -98,8 +103,9 @@ class KDRecipe:
         ``kd validate`` runs exactly this. Fails on: the device, the tokenizer (its files, a test
         encoding, its ids against both models' vocabularies from meta-device shapes), each
         checkpoint's config.json against its safetensors headers, the memory plan against the
-        budget, the resume state, and the data (readable, non-empty, labelled, long enough for one
-        optimizer step per rank).
+        budget, output_dir (in use by another run, or holding another run's outputs without resume
+        or overwrite), the resume state, and the data (readable, non-empty, labelled, long enough
+        for one optimizer step per rank).
         """
         run = self.run
         check_device(run.device)
@@ -125,6 +131,7 @@ class KDRecipe:
             raise KDUserError("\n".join(problems))
         del student, teacher
         self._check_memory()
+        outputs.check_not_in_use(self.output_dir)
         self.resume_from = self._find_resume()
         self.dataset = self._build(
             "dataset", self.tokenizer, fix="check dataset.source, dataset.data_files and its rows"
@@ -222,11 +229,8 @@ class KDRecipe:
 
     def _find_resume(self) -> Path | None:
         if not self.run.checkpoint.resume:
-            if any(self.output_dir.glob("step_*")):
-                raise KDUserError(
-                    f"output_dir: {self.output_dir} already holds step checkpoints of another run; "
-                    f"set resume_from_checkpoint=true to continue it, or choose a new output_dir"
-                )
+            # Moving aside (overwrite_output_dir) happens in load(), once this run holds the lock.
+            outputs.check_fresh_output_dir(self.output_dir, overwrite=self.run.checkpoint.overwrite)
             return None
         found = checkpoint.find_latest_checkpoint(self.output_dir)
         if found is None and any(self.output_dir.glob("step_*")):
@@ -236,9 +240,11 @@ class KDRecipe:
                 "folder to start fresh"
             )
         if found is None:
+            fresh = "set resume_from_checkpoint=false to start fresh"
+            if outputs.run_outputs(self.output_dir):
+                fresh += " with overwrite_output_dir=true (the earlier outputs are moved aside)"
             raise KDUserError(
-                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; "
-                f"set resume_from_checkpoint=false to start fresh"
+                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; {fresh}"
             )
         try:
             saved = checkpoint.load_checkpoint_config(found)
@@ -259,7 +265,9 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
-        """Seed, data order, teacher (frozen) then student, optimizer, schedule, resume, outputs."""
+        """output_dir (rank 0 takes it), seed, data order, teacher (frozen) then student,
+        optimizer, schedule, resume, outputs."""
+        self.lock = distributed.on_rank_zero(self._claim_output_dir, world=self.world)
         run = self.run
         seed = run.seed if run.seed is not None else random.SystemRandom().randrange(2**31)
         # Every rank must shuffle alike: a drawn seed comes from rank 0.
@@ -312,6 +320,30 @@ class KDRecipe:
             self.run = self.run.with_seed(progress.seed)
         if self.world.is_rank_zero:
             self._open_outputs()
+
+    def _claim_output_dir(self) -> outputs.OutputDirLock:
+        """Lock output_dir for this run before anything is written, then (under the lock, so no
+        other run can interleave) check it again and move another run's outputs aside when
+        ``overwrite_output_dir`` asks to."""
+        lock = outputs.lock_output_dir(self.output_dir)
+        try:
+            checkpoint.recover_interrupted_saves(self.output_dir)
+            if not self.run.checkpoint.resume:
+                found = outputs.check_fresh_output_dir(
+                    self.output_dir, overwrite=self.run.checkpoint.overwrite
+                )
+                if found:
+                    dest = outputs.move_aside(self.output_dir, found)
+                    log.warning(
+                        "overwrite_output_dir: moved the earlier outputs in %s (%s) into %s",
+                        self.output_dir,
+                        ", ".join(p.name for p in found),
+                        dest,
+                    )
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     def _cpu_offload_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The configured optimizer with its states and step on the CPU (torchao): frees the GPU of
@@ -414,10 +446,10 @@ class KDRecipe:
                 self._call_logger("log_config", OmegaConf.create(self.run.yaml))
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(self.run.yaml)
+            (self.output_dir / outputs.CONFIG_FILE).write_text(self.run.yaml)
             if self.resume_from is not None:
-                trim_jsonl(self.output_dir / "metrics.jsonl", self.global_step)
-            self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
+                trim_jsonl(self.output_dir / outputs.METRICS_FILE, self.global_step)
+            self.metrics = JsonlWriter(self.output_dir / outputs.METRICS_FILE)
         except OSError as e:
             raise KDUserError(
                 f"output_dir: cannot write to {self.output_dir} ({e.strerror or e}); "
@@ -442,7 +474,8 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
-        """The loop: step, log, checkpoint; stop cleanly on SIGTERM/SIGINT."""
+        """The loop: step, log, checkpoint, final save; stop cleanly on SIGTERM/SIGINT (a signal
+        after the last step waits for the final save)."""
         grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
         bad_steps = 0
@@ -483,12 +516,22 @@ class KDRecipe:
                         self._log(stats)
                     if every is not None and self.global_step % every == 0:
                         saved = (self.global_step, self.save(final=False))
-                    if distributed.any_rank(stop.requested, device=self.device):
+                    last = self.global_step == self.total_steps  # then final/ is the save
+                    if distributed.any_rank(stop.requested, device=self.device) and not last:
                         bar.close()
                         just_saved = saved[1] if saved and saved[0] == self.global_step else None
                         self._stop(stop.signal_name, just_saved)
                         return
-        self.save(final=True)
+            bar.close()
+            # Inside GracefulStop: a signal now waits for final/ to be complete.
+            stop.action = "finishing the final save"
+            final = self.save(final=True)
+            if stop.requested and self.world.is_rank_zero:
+                print(
+                    f"kd: received {stop.signal_name} at the end of training; saved {final} "
+                    "(the run is complete)",
+                    file=sys.stderr,
+                )
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> train.StepStats:
         """One optimizer step over ``batches`` (the micro-batches of this rank).
@@ -633,6 +676,8 @@ class KDRecipe:
                     except Exception as e:  # noqa: BLE001 - reported below, never instead of another
                         problem = self._logger_failed("close", e)
         finally:
+            if self.lock is not None:
+                self.lock.release()
             distributed.destroy()
         if problem is not None:
             if failing:
