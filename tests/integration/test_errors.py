@@ -643,7 +643,7 @@ def output_dir_disk_full_when_created(ctx):
         return mkdir(self, *args, **kwargs)
 
     ctx.monkeypatch.setattr(Path, "mkdir", full_disk)
-    return _run(), f"output_dir: cannot create {new} (No space left on device)"
+    return _run(), f"output_dir: cannot write to {new} (No space left on device)"
 
 
 def _damaged_tokenizer(ctx: Runtime, name: str, text: str) -> Path:
