@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def run_all(args: argparse.Namespace) -> dict:
         "load_after": [round(x, 2) for x in load_after],
         "repeats": args.repeats,
         "config": args.config,
-        "command_line": " ".join(sys.argv),
+        "command_line": shlex.join(["python", *sys.argv]),
         "results": [{**asdict(r), "median": r.median, "ok": r.ok, "argv": r.argv} for r in results],
     }
 

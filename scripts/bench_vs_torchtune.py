@@ -118,7 +118,7 @@ def write_data(path: Path, *, seq_len: int, num_examples: int, tokenizer_dir: Pa
 def _tokenizer(tokenizer_dir: Path) -> Any:
     from kd.config import instantiate
 
-    return instantiate(tokenizer_node(tokenizer_dir, None))
+    return instantiate(tokenizer_node(tokenizer_dir, None), key="tokenizer")
 
 
 def _builder(shape: TinyModel, lora: bool) -> dict[str, Any]:

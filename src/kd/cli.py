@@ -218,8 +218,12 @@ def _split_torchrun_args(tokens: list[str]) -> tuple[list[str], int]:
     return tokens[:i], i
 
 
-def _torchrun_args(torchrun_tokens: list[str], script: str, recipe_args: list[str]) -> Any:
+def _torchrun_args(torchrun_tokens: list[str], launch: list[str]) -> Any:
     """torchrun's parsed options, checked as torchrun would check them before starting anything.
+
+    Args:
+        torchrun_tokens: the options before the recipe name.
+        launch: what torchrun starts (``--module <recipe module> <recipe args>``).
 
     Raises:
         KDUserError: a value torchrun's parser or its launcher refuses (``--nproc_per_node 0``
@@ -233,7 +237,7 @@ def _torchrun_args(torchrun_tokens: list[str], script: str, recipe_args: list[st
         raise KDUserError(f"run: torchrun {message}; see torchrun --help")
 
     parser.error = error  # type: ignore[method-assign]  # argparse would print usage and exit
-    args = parser.parse_args([*torchrun_tokens, script, *recipe_args])
+    args = parser.parse_args([*torchrun_tokens, *launch])
     nproc = str(args.nproc_per_node)
     try:
         count = determine_local_world_size(nproc)
@@ -260,7 +264,10 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
 
     from kd.config import load_config, validate_config
 
-    args = _torchrun_args(torchrun_tokens, str(recipe.file_path()), recipe_args)
+    recipe.file_path()  # a missing recipe module is one clear line, not a failure per worker
+    # Workers run the recipe as a module (`python -m kd.recipes.<name>`): run as a file, the
+    # recipes folder would come first on sys.path and `kd.py` there would shadow the kd package.
+    args = _torchrun_args(torchrun_tokens, ["--module", recipe.module, *recipe_args])
     # Check the config here so a mistake is one clean error, not one per worker plus torchrun's
     # failure report; the workers load it again (without repeating the notices).
     config, overrides = split_config_args(recipe_args)

@@ -8,7 +8,9 @@ interface (``log_dict(payload, step)``, ``close()``): :class:`StdoutLogger` (def
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import resource
 import sys
@@ -19,41 +21,107 @@ import torch
 
 GIB = 1024**3
 
+logger = logging.getLogger("kd")
+
 
 class JsonlWriter:
-    """Appends one JSON object per line; flushed per row so a killed run keeps its metrics."""
+    """Appends one JSON object per line, each row in one unbuffered write.
+
+    A killed run keeps every row written before; a row the disk had no room for is cut off again,
+    so the file only ever holds whole rows (the next run's rows start on a line of their own).
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, row: dict[str, Any]) -> None:
-        self._f.write(json.dumps(row, sort_keys=True) + "\n")
-        self._f.flush()
+        """Append ``row``.
+
+        Raises:
+            OSError: the write failed (disk full, quota); the file is as it was before the call.
+        """
+        if self._fd is None:
+            raise ValueError(f"{self.path} is closed")
+        data = memoryview((json.dumps(row, sort_keys=True) + "\n").encode("utf-8"))
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            raise
 
     def close(self) -> None:
-        self._f.close()
+        """Close the file (every row is already written; closing twice is fine)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _step_of(line: bytes) -> int | str:
+    """The ``step`` of a metrics row, or why the line is damaged."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except ValueError:  # also UnicodeDecodeError
+        return "not JSON"
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return "no integer step"
+    return step
 
 
 def trim_jsonl(path: Path, step: int) -> None:
-    """Drop rows after ``step`` (logged by a run that was killed later) from a metrics file.
+    """Keep the rows of steps up to ``step`` in a metrics file (the resumed run logs later steps again).
 
-    The resumed run logs those steps again; unreadable lines (a row cut by ``kill -9``) go too.
+    Damaged lines (a row cut by ``kill -9`` or a full disk, text that is not a JSON object with an
+    integer ``step``) are dropped with a warning on the ``kd`` logger naming their line numbers.
+
+    Raises:
+        OSError: the file cannot be read or rewritten; it is then left as it was.
     """
+    path = Path(path)
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
+    kept: list[bytes] = []
+    damaged: dict[str, list[int]] = {}
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
             continue
-        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
-            kept.append(line)
+        found = _step_of(line)
+        if isinstance(found, str):
+            damaged.setdefault(found, []).append(number)
+        elif found <= step:
+            kept.append(line + b"\n")
+    if damaged:
+        logger.warning(
+            "%s: dropped %d damaged line(s) while resuming at step %d (%s)",
+            path,
+            sum(len(v) for v in damaged.values()),
+            step,
+            "; ".join(f"{why}: {_numbers(lines)}" for why, lines in damaged.items()),
+        )
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"".join(kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _numbers(lines: list[int], shown: int = 5) -> str:
+    text = ", ".join(str(n) for n in lines[:shown])
+    more = f" and {len(lines) - shown} more" if len(lines) > shown else ""
+    return ("lines " if len(lines) > 1 else "line ") + text + more
 
 
 def _fmt(value: Any) -> str:

@@ -9,8 +9,10 @@ projection weight (:func:`output_weight`) to the fused loss, so no full-vocab lo
 from __future__ import annotations
 
 import contextlib
+import json
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from torch import nn
 
 from kd import _torchtune as tt
 from kd.config.run import LoraSettings
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -198,6 +200,81 @@ def tokenizer_max_id(tokenizer: Any) -> int:
             "tokenizer: cannot read its vocabulary size; use a torchtune tokenizer builder"
         )
     return max(ids)
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """``(num_heads, num_kv_heads, head_dim)`` of a torchtune decoder's first layer, or None."""
+    layers = getattr(model, "layers", None)
+    attn = getattr(layers[0], "attn", None) if layers is not None and len(layers) else None
+    values = [getattr(attn, name, None) for name in ("num_heads", "num_kv_heads", "head_dim")]
+    if all(isinstance(v, int) for v in values):
+        return values[0], values[1], values[2]
+    return None
+
+
+# Plain ASCII that every real vocabulary covers (byte-level BPE, tiktoken, sentencepiece).
+TOKENIZER_PROBE = "Hello, world! 1+2=3."
+
+
+def tokenizer_file_problems(files: Mapping[str, Path], *, parse_json: bool) -> list[str]:
+    """Problems with the files a tokenizer is built from (empty when none is found).
+
+    Args:
+        files: ``{config key: path}`` of the tokenizer's files (``tokenizer.path``...).
+        parse_json: also parse the ``.json`` files (the builder failed and the reason is sought).
+
+    Returns:
+        One line per empty file, and per ``.json`` file that is not JSON when ``parse_json``.
+    """
+    problems = []
+    for key, path in files.items():
+        try:
+            empty = path.stat().st_size == 0
+        except OSError:
+            continue  # a missing file is reported by the config check
+        if empty:
+            problems.append(
+                f"{key}: {path} is empty; restore the tokenizer files from the model's source"
+            )
+        elif parse_json and path.suffix == ".json":
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                problems.append(
+                    f"{key}: {path} is not valid JSON ({brief(e)}); restore the tokenizer files "
+                    "from the model's source"
+                )
+    return problems
+
+
+def tokenizer_encode_problem(tokenizer: Any, *, vocabulary: str) -> str | None:
+    """Why ``tokenizer`` cannot encode :data:`TOKENIZER_PROBE` to token ids, or None.
+
+    An empty or cut vocabulary file builds a tokenizer that maps text to ``None``; found here, it
+    is blamed on the file rather than on the first data row it meets.
+
+    Args:
+        tokenizer: a built tokenizer with ``encode(text)`` (others are not checked).
+        vocabulary: where its vocabulary comes from, named in the message
+            (``tokenizer.path (/models/qwen/vocab.json)``).
+    """
+    encode = getattr(tokenizer, "encode", None)
+    if not callable(encode):
+        return None
+    fix = f"restore {vocabulary} from the model's source"
+    try:
+        ids = list(encode(TOKENIZER_PROBE))
+    except TypeError:
+        return None  # another encode signature: not this check's to judge
+    except Exception as e:  # noqa: BLE001 - a damaged tokenizer raises anything
+        return f"tokenizer: encoding {TOKENIZER_PROBE!r} failed ({brief(e)}); {fix}"
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        return (
+            f"tokenizer: maps parts of {TOKENIZER_PROBE!r} to no token id ({bad[0]!r}), so its "
+            f"vocabulary is empty or cut short; {fix}"
+        )
+    return None
 
 
 def check_vocab(*, tokenizer_max: int, student_vocab: int, teacher_vocab: int | None) -> list[str]:

@@ -1,9 +1,10 @@
-"""Graceful stop on SIGTERM / SIGINT: finish the current step, save, exit 0.
+"""Graceful stop on SIGTERM / SIGINT: finish the current step (or the final save), save, exit 0.
 
 Shared GPUs pre-empt jobs with SIGTERM (Slurm, Kubernetes, torchrun forwarding it to every rank) and
 users press Ctrl-C. Both only set a flag here; the training loop polls ``stop.requested`` after each
-optimizer step, saves a step checkpoint and returns. A second Ctrl-C means "stop now": the default
-handler comes back and ``KeyboardInterrupt`` is raised at once.
+optimizer step, saves a step checkpoint and returns. A signal during the final save waits for the
+save to complete. A second Ctrl-C means "stop now": the default handler comes back and
+``KeyboardInterrupt`` is raised at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class GracefulStop:
         signal_name: name of the first signal received (``"SIGTERM"``), or None.
         active: whether handlers were installed (False outside the main thread, where Python
             cannot install signal handlers; the manager is then a no-op).
+        action: what a signal waits for, as the warning on receiving it says (``"finishing the
+            current step, then saving a checkpoint"``); the caller may change it as it goes.
 
     Example::
 
@@ -41,10 +44,11 @@ class GracefulStop:
                     break
     """
 
-    def __init__(self) -> None:
+    def __init__(self, action: str = "finishing the current step, then saving a checkpoint"):
         self.requested: bool = False
         self.signal_name: str | None = None
         self.active: bool = False
+        self.action = action
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> GracefulStop:
@@ -81,9 +85,7 @@ class GracefulStop:
             self.signal_name = name
         self.requested = True
         logger.warning(
-            "received %s: finishing the current step, then saving a checkpoint "
-            "(press Ctrl-C again to stop without saving)",
-            name,
+            "received %s: %s (press Ctrl-C again to stop without saving)", name, self.action
         )
 
 

@@ -52,7 +52,8 @@ def test_two_json_files_train_as_one_dataset(assets, tmp_path, capsys):
     # The same files one at a time: neither fills an optimizer step.
     both = yaml.safe_load(config.read_text())
     for index, needle in ((0, "3 examples is fewer than one batch"), (1, "an epoch has only 1")):
-        single = write_config(tmp_path / "single.yaml", {**both, "dataset": both["dataset"][index]})
+        alone = {**both, "dataset": both["dataset"][index], "output_dir": str(tmp_path / "alone")}
+        single = write_config(tmp_path / "single.yaml", alone)
         code = cli.main(["validate", "--config", str(single)])
         err = capsys.readouterr().err
         assert code == 2 and needle in err, err

@@ -19,6 +19,7 @@ from conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write
 from safetensors.torch import load_file
 
 from kd import cli
+from kd.config.run import LossSettings
 
 TOL = 1e-5
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
@@ -191,7 +192,7 @@ def test_fsdp_trace_shards_per_rank():
         batch_size=2,
         seq_len=32,
         activation_checkpointing=True,
-        loss={"chunk_size": 16},
+        loss=LossSettings(chunk_size=16),
     )
     one = trace_step(**kw)
     two, four = (trace_fsdp_step(world_size=n, **kw) for n in (2, 4))

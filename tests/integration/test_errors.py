@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import errno
+import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -195,7 +198,7 @@ def bad_component_argument_value(assets, tmp, cfg):
 def component_outside_allow_list(assets, tmp, cfg):
     """`metric_logger: {_component_: os.system, command: touch ...}`"""
     cfg["metric_logger"] = {"_component_": "os.system", "command": f"touch {tmp / 'pwned'}"}
-    return _run(), "metric_logger._component_: os.system is outside the allowed packages"
+    return _run(), "metric_logger._component_: os.system is not something metric_logger may build"
 
 
 def missing_data_file(assets, tmp, cfg):
@@ -244,7 +247,7 @@ def missing_tokenizer_file(assets, tmp, cfg):
 def corrupt_tokenizer_file(assets, tmp, cfg):
     """a `vocab.json` that is not JSON"""
     cfg["tokenizer"]["path"] = write_json(tmp / "vocab.json", "{not json")
-    return _run(), "tokenizer: torchtune.models.qwen2_5.qwen2_5_tokenizer failed"
+    return _run(), f"tokenizer.path: {tmp / 'vocab.json'} is not valid JSON (JSONDecodeError"
 
 
 def tokenizer_ids_beyond_student_vocab(assets, tmp, cfg):
@@ -879,9 +882,10 @@ def test_refused_component_runs_nothing_subprocess(assets, tmp_path):
     proc = _kd(*RUN, "--config", str(write_config(tmp_path / "cfg.yaml", cfg)))
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "kd: error: metric_logger._component_: os.system is outside the allowed packages (torch, "
-        "torchtune, torchao, kd); set trust_remote_components: true in the config if you trust "
-        "this code"
+        "kd: error: metric_logger._component_: os.system is not something metric_logger may build "
+        "(allowed: kd.metrics.StdoutLogger, kd.metrics.WandBLogger or a "
+        "torchtune.training.metric_logging logger); set trust_remote_components: true only if you "
+        "trust whoever wrote this config"
     ]
     assert not pwned.exists() and not (tmp_path / "run").exists()
 
@@ -901,3 +905,507 @@ def test_error_inside_the_recipe_subprocess(assets, tmp_path):
         "prompts"
     ]
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime inputs (issue 12, parts 3 and 4): damaged tokenizer, model and resume files, a full
+# disk, metric loggers that fail, folders the checkpointers cannot create. Same contract as the
+# table above, plus: exactly one error line, and every file in output_dir from before is kept
+# byte for byte. Each case gets a `Runtime` and returns the argv after `kd` and the needle.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Runtime:
+    assets: dict[str, Path]
+    tmp: Path
+    out: Path  # the run's output_dir; holds notes.txt from "before"
+    cfg: dict  # a valid config for `out`, written after the case returns
+    monkeypatch: pytest.MonkeyPatch
+    saved_run: Path  # a finished 3-step run with step_000001..3, see `saved_run`
+
+    def resume_from_saved(self) -> list[str]:
+        """Copy the saved run's step checkpoints and metrics into `out`; the argv resumes them."""
+        for item in self.saved_run.iterdir():
+            if item.name.startswith("step_"):
+                shutil.copytree(item, self.out / item.name)
+        shutil.copyfile(self.saved_run / "metrics.jsonl", self.out / "metrics.jsonl")
+        self.cfg.update(SAVED_RUN)
+        return _run("resume_from_checkpoint=true")
+
+
+SAVED_RUN = {"max_steps_per_epoch": 3, "save_every_n_steps": 1, "keep_last_n": 5}
+
+
+@pytest.fixture(scope="module")
+def saved_run(assets, tmp_path_factory) -> Path:
+    """A run of 3 steps with a checkpoint after each (and final/), made once for the module."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    config = write_config(out.parent / "cfg.yaml", make_config(assets, out, **SAVED_RUN))
+    assert cli.main([*RUN, "--config", str(config)]) == 0
+    return out
+
+
+RuntimeCase = Callable[[Runtime], tuple[list[str], str]]
+
+
+def _not_a_folder(ctx: Runtime, key: str) -> tuple[list[str], str]:
+    (ctx.tmp / "a_file").write_text("")
+    ctx.cfg[key]["output_dir"] = str(ctx.tmp / "a_file" / "tt")
+    return _run(), f"{key}.output_dir: cannot create {ctx.tmp / 'a_file' / 'tt'} (Not a directory)"
+
+
+def checkpointer_output_dir_not_a_folder(ctx):
+    """`checkpointer.output_dir` under a regular file"""
+    return _not_a_folder(ctx, "checkpointer")
+
+
+def teacher_checkpointer_output_dir_not_a_folder(ctx):
+    """the same for the teacher"""
+    return _not_a_folder(ctx, "teacher_checkpointer")
+
+
+def output_dir_disk_full_when_created(ctx):
+    """`ENOSPC` creating `output_dir`"""
+    new = ctx.out / "new"
+    ctx.cfg["output_dir"] = str(new)
+    for key in ("checkpointer", "teacher_checkpointer"):
+        ctx.cfg[key]["output_dir"] = str(new)
+    mkdir = Path.mkdir
+
+    def full_disk(self, *args, **kwargs):
+        if self == new or new in self.parents:
+            raise OSError(errno.ENOSPC, "No space left on device", str(new))
+        return mkdir(self, *args, **kwargs)
+
+    ctx.monkeypatch.setattr(Path, "mkdir", full_disk)
+    return _run(), f"output_dir: cannot write to {new} (No space left on device)"
+
+
+def _damaged_tokenizer(ctx: Runtime, name: str, text: str) -> Path:
+    folder = ctx.tmp / "tokenizer"
+    shutil.copytree(ctx.assets["tokenizer"], folder)
+    (folder / name).write_text(text)
+    ctx.cfg["tokenizer"].update(
+        path=str(folder / "vocab.json"),
+        merges_file=str(folder / "merges.txt"),
+        special_tokens_path=str(folder / "tokenizer.json"),
+    )
+    return folder / name
+
+
+def empty_vocab_file(ctx):
+    """`vocab.json` of 0 bytes"""
+    path = _damaged_tokenizer(ctx, "vocab.json", "")
+    return _run(), f"tokenizer.path: {path} is empty"
+
+
+def empty_merges_file(ctx):
+    """`merges.txt` of 0 bytes (trained on a wrong tokenization before)"""
+    path = _damaged_tokenizer(ctx, "merges.txt", "")
+    return _run(), f"tokenizer.merges_file: {path} is empty"
+
+
+def broken_special_tokens_file(ctx):
+    """`tokenizer.json` cut short"""
+    path = _damaged_tokenizer(ctx, "tokenizer.json", '{"added_tokens": [')
+    return _run(), f"tokenizer.special_tokens_path: {path} is not valid JSON"
+
+
+def vocab_without_tokens(ctx):
+    """`vocab.json` is `{}` (before: blamed on the first data row)"""
+    path = _damaged_tokenizer(ctx, "vocab.json", "{}")
+    return (
+        _run(),
+        f"to no token id (None), so its vocabulary is empty or cut short; restore tokenizer.path ({path})",
+    )
+
+
+def _contradicting_config(ctx: Runtime, which: str, **fields: Any) -> str:
+    """A copy of the `which` model whose config.json says `fields`; the checkpointer loads it."""
+    folder = ctx.tmp / which
+    shutil.copytree(ctx.assets[which], folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    hf_config.update(fields)
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    key = "checkpointer" if which == "student" else "teacher_checkpointer"
+    ctx.cfg[key]["checkpoint_dir"] = str(folder)
+    return f"{key}.checkpoint_dir: {folder / 'config.json'} says "
+
+
+def config_json_vocab_size(ctx):
+    """config.json `vocab_size: 300`, weights 288 rows"""
+    where = _contradicting_config(ctx, "student", vocab_size=300)
+    return _run(), where + "vocab_size=300 but the weights have 288 (rows of"
+
+
+def config_json_hidden_size(ctx):
+    """teacher `hidden_size: 64`, weights 48"""
+    where = _contradicting_config(ctx, "teacher", hidden_size=64)
+    return _run(), where + "hidden_size=64 but the weights have 48 (columns of"
+
+
+def config_json_num_attention_heads(ctx):
+    """`num_attention_heads: 8`, weights 4 heads"""
+    where = _contradicting_config(ctx, "student", num_attention_heads=8)
+    return _run(), where + "num_attention_heads=8 but the weights have 4"
+
+
+def config_json_num_key_value_heads(ctx):
+    """teacher `num_key_value_heads: 4`, weights 2"""
+    where = _contradicting_config(ctx, "teacher", num_key_value_heads=4)
+    return _run(), where + "num_key_value_heads=4 but the weights have 2"
+
+
+def config_json_num_hidden_layers(ctx):
+    """`num_hidden_layers: 3`, weights 2 layers"""
+    where = _contradicting_config(ctx, "student", num_hidden_layers=3)
+    return _run(), where + "num_hidden_layers=3 but the weights have 2"
+
+
+def config_json_intermediate_size(ctx):
+    """`intermediate_size: 128`, weights 64"""
+    where = _contradicting_config(ctx, "student", intermediate_size=128)
+    return _run(), where + "intermediate_size=128 but the weights have 64"
+
+
+def config_json_tied_with_lm_head(ctx):
+    """teacher `tie_word_embeddings: true` with an `lm_head.weight`"""
+    where = _contradicting_config(ctx, "teacher", tie_word_embeddings=True)
+    return _run(), where + "tie_word_embeddings=true but the weights hold a separate lm_head"
+
+
+def config_json_untied_without_lm_head(ctx):
+    """`tie_word_embeddings: false`, no `lm_head.weight`"""
+    where = _contradicting_config(ctx, "student", tie_word_embeddings=False)
+    return _run(), where + "tie_word_embeddings=false but the weights have no lm_head.weight"
+
+
+def metrics_disk_full(ctx):
+    """`ENOSPC` writing the step 2 metrics row"""
+    _disk_full_on_metrics_row(ctx.monkeypatch, ctx.out / "metrics.jsonl", row=2)
+    return _run(), "output_dir: cannot write the step 2 row of"
+
+
+def final_save_disk_full(ctx):
+    """`ENOSPC` writing `final/`"""
+    ctx.cfg.update(SAVED_RUN)
+    _disk_full_in_save(ctx.monkeypatch, ".tmp_final_")
+    return _run(), (
+        f"output_dir: could not write checkpoint {ctx.out / 'final'}: [Errno 28] No space left "
+        f"on device; free disk space under {ctx.out} or set output_dir to a disk with room (the "
+        "earlier checkpoints are kept; the newest, step_000003, resumes with"
+    )
+
+
+def _logger(ctx: Runtime, name: str) -> str:
+    ctx.cfg["metric_logger"] = {"_component_": f"{__name__}.{name}"}
+    ctx.cfg["trust_remote_components"] = True
+    return f"metric_logger: {__name__}.{name}"
+
+
+def metric_logger_fails_to_start(ctx):
+    """the logger's constructor raises"""
+    return _run(), _logger(ctx, "LoggerFailsToStart") + " failed (ConnectionError: no server"
+
+
+def metric_logger_log_dict_fails(ctx):
+    """`log_dict` raises at step 2 (and `close` too)"""
+    # Its close() fails too: the first error is the one reported.
+    return _run(), _logger(ctx, "LoggerFailsAtStep2") + ".log_dict() failed (ValueError: rejected"
+
+
+def metric_logger_close_fails(ctx):
+    """`close` raises after a finished run"""
+    return _run(), _logger(ctx, "LoggerFailsToClose") + ".close() failed (RuntimeError: flush"
+
+
+def metric_logger_log_config_fails(ctx):
+    """`log_config` raises"""
+    return _run(), _logger(ctx, "LoggerRejectsConfig") + ".log_config() failed (TypeError"
+
+
+def metric_logger_without_log_dict(ctx):
+    """a class without `log_dict` (before: an AttributeError in cleanup)"""
+    return _run(), _logger(ctx, "NotALogger") + " has no log_dict(payload, step) method"
+
+
+def _crafted(step_dir: Path, name: str, write: Callable[[Path], None]) -> Path:
+    """Replace `name` in a checkpoint and record its size and hash in the marker (as if kd wrote
+    it): only reading the file can tell it is wrong."""
+    path = step_dir / name
+    write(path)
+    marker = json.loads((step_dir / checkpoint.MARKER_FILE).read_text())
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    marker["files"][name] = {"size": path.stat().st_size, "sha256": digest}
+    (step_dir / checkpoint.MARKER_FILE).write_text(json.dumps(marker))
+    return path
+
+
+def recipe_state_not_a_dict(ctx):
+    """resume; `recipe_state.pt` holds a list (marker rewritten to match)"""
+    argv = ctx.resume_from_saved()
+    state = _crafted(ctx.out / "step_000003", "recipe_state.pt", lambda p: torch.save([1, 2], p))
+    return argv, f"{state}: holds a list, not a recipe state (a dict); delete step_000003"
+
+
+def recipe_state_without_optimizer(ctx):
+    """resume; a dict without kd's entries"""
+    argv = ctx.resume_from_saved()
+    state = _crafted(
+        ctx.out / "step_000003", "recipe_state.pt", lambda p: torch.save({"global_step": 3}, p)
+    )
+    return argv, f"{state}: its 'optimizer' is missing, so this is not a kd recipe state"
+
+
+def config_snapshot_not_yaml(ctx):
+    """resume; the checkpoint's `config.yaml` is not YAML"""
+    argv = ctx.resume_from_saved()
+    path = _crafted(ctx.out / "step_000003", "config.yaml", lambda p: p.write_text("a: [\n"))
+    return argv, f"{path}: not a readable config snapshot"
+
+
+def every_checkpoint_damaged(ctx):
+    """resume; every marker unreadable"""
+    argv = ctx.resume_from_saved()
+    for step_dir in ctx.out.glob("step_*"):
+        (step_dir / checkpoint.MARKER_FILE).write_text("{")
+    return argv, f"resume_from_checkpoint: every step checkpoint under {ctx.out} is incomplete"
+
+
+RUNTIME_CASES: list[RuntimeCase] = [
+    checkpointer_output_dir_not_a_folder,
+    teacher_checkpointer_output_dir_not_a_folder,
+    output_dir_disk_full_when_created,
+    empty_vocab_file,
+    empty_merges_file,
+    broken_special_tokens_file,
+    vocab_without_tokens,
+    config_json_vocab_size,
+    config_json_hidden_size,
+    config_json_num_attention_heads,
+    config_json_num_key_value_heads,
+    config_json_num_hidden_layers,
+    config_json_intermediate_size,
+    config_json_tied_with_lm_head,
+    config_json_untied_without_lm_head,
+    metrics_disk_full,
+    final_save_disk_full,
+    metric_logger_fails_to_start,
+    metric_logger_log_dict_fails,
+    metric_logger_close_fails,
+    metric_logger_log_config_fails,
+    metric_logger_without_log_dict,
+    recipe_state_not_a_dict,
+    recipe_state_without_optimizer,
+    config_snapshot_not_yaml,
+    every_checkpoint_damaged,
+]
+# The run finished (final/ written) before the error.
+_FINISHED = (metric_logger_close_fails,)
+
+
+def run_runtime_case(
+    case: RuntimeCase, assets: dict, tmp_path: Path, saved_run: Path, monkeypatch
+) -> tuple[Outcome, dict, dict]:
+    """Run one runtime case in this process (also used by scripts/errors_doc.py).
+
+    Returns:
+        What it did, and snapshots of output_dir before and after.
+    """
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("saved before")
+    cfg = make_config(assets, out)
+    ctx = Runtime(assets, tmp_path, out, cfg, monkeypatch, saved_run)
+    config_before = copy.deepcopy(cfg)
+    argv, needle = case(ctx)
+    config = write_config(tmp_path / "cfg.yaml", ctx.cfg)
+    before = snapshot(out)
+    argv = [a.replace("{cfg}", str(config)) for a in argv]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.main(argv)
+    finally:
+        monkeypatch.undo()
+    err = stderr.getvalue()
+    errors = [line for line in err.splitlines() if line.startswith("kd: error: ")]
+    outcome = Outcome(argv, needle, code, err, errors, config_before, ctx.cfg)
+    return outcome, before, snapshot(out)
+
+
+@pytest.mark.parametrize("case", RUNTIME_CASES, ids=[c.__name__ for c in RUNTIME_CASES])
+def test_bad_runtime_input_exits_2_with_one_clear_line(
+    case: RuntimeCase, assets, saved_run, tmp_path, monkeypatch
+):
+    assets_before = {
+        name: snapshot(p) if p.is_dir() else p.read_bytes() for name, p in assets.items()
+    }
+
+    outcome, before, after = run_runtime_case(case, assets, tmp_path, saved_run, monkeypatch)
+
+    err, errors = outcome.stderr, outcome.errors
+    assert outcome.code == 2, err
+    assert "Traceback" not in err
+    assert len(errors) == 1, err
+    assert outcome.needle in errors[0], errors
+    assert ";" in errors[0]
+    assert {name: after.get(name) for name in before} == before  # nothing written before is lost
+    assert not (tmp_path / "run" / "final").exists() or case in _FINISHED
+    assert {
+        name: snapshot(p) if p.is_dir() else p.read_bytes() for name, p in assets.items()
+    } == assets_before
+    # docs/errors.md quotes this exact line (scripts/errors_doc.py writes it).
+    quoted = md_code(doc_text(errors[0].removeprefix("kd: error: "), tmp_path, assets))
+    assert quoted in doc_row_of(DOC.read_text(), case.__name__), (
+        "docs/errors.md is out of date: run python scripts/errors_doc.py"
+    )
+
+
+def test_runtime_cases_in_docs():
+    doc = (Path(__file__).parents[2] / "docs" / "errors.md").read_text()
+    assert not [c.__name__ for c in RUNTIME_CASES if f"`{c.__name__}`" not in doc]
+
+
+class LoggerFailsToStart:
+    def __init__(self, **_: Any):
+        raise ConnectionError("no server at the tracking URL")
+
+
+class LoggerFailsAtStep2:
+    def log_dict(self, payload: dict, step: int) -> None:
+        if step >= 2:
+            raise ValueError("rejected payload")
+
+    def close(self) -> None:
+        raise RuntimeError("flush failed")
+
+
+class LoggerFailsToClose:
+    def log_dict(self, payload: dict, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        raise RuntimeError("flush failed")
+
+
+class LoggerRejectsConfig(LoggerFailsToClose):
+    def log_config(self, config: Any) -> None:
+        raise TypeError("config values must be strings")
+
+
+class NotALogger:
+    def close(self) -> None:
+        pass
+
+
+def _disk_full_on_metrics_row(monkeypatch, metrics: Path, row: int) -> None:
+    """Writing the `row`-th row of `metrics` writes half of it, then the disk is full."""
+    write, rows = os.write, {"n": 0}
+
+    def full_disk(fd: int, data) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(metrics):
+            rows["n"] += 1
+            if rows["n"] == row:
+                write(fd, bytes(data)[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+
+
+def _disk_full_in_save(monkeypatch, folder_prefix: str) -> None:
+    """safetensors' save into a temporary folder named `folder_prefix...`: half a file, then ENOSPC."""
+    original = kd.checkpoint.hf_folder.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        if Path(filename).parent.name.startswith(folder_prefix):
+            Path(filename).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(kd.checkpoint.hf_folder, "save_file", save_file)
+
+
+def test_disk_full_in_metrics_keeps_whole_rows_and_resumes(assets, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", make_config(assets, out, **SAVED_RUN))
+    _disk_full_on_metrics_row(monkeypatch, out / "metrics.jsonl", row=3)
+    assert cli.main([*RUN, "--config", str(config)]) == 2
+    monkeypatch.undo()
+    assert "No space left on device" in capsys.readouterr().err
+    # The half row is gone: the file holds whole rows only, and the checkpoints before it.
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert checkpoint.find_latest_checkpoint(out) == out / "step_000002"
+    assert cli.main([*RUN, "--config", str(config), "resume_from_checkpoint=true"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_disk_full_in_final_save_then_resume_writes_final(assets, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", make_config(assets, out, **SAVED_RUN))
+    _disk_full_in_save(monkeypatch, ".tmp_final_")
+    assert cli.main([*RUN, "--config", str(config)]) == 2
+    monkeypatch.undo()
+    assert "step_000003, resumes with resume_from_checkpoint=true" in capsys.readouterr().err
+    assert not (out / "final").exists() and not list(out.glob(".tmp_*"))
+    assert cli.main([*RUN, "--config", str(config), "resume_from_checkpoint=true"]) == 0
+    assert (out / "final" / "model.safetensors").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def _marker_not_json(step_dir: Path) -> str:
+    (step_dir / checkpoint.MARKER_FILE).write_text('{"step": 3')
+    return "kd_checkpoint.json is unreadable (JSONDecodeError"
+
+
+def _marker_of_another_shape(step_dir: Path) -> str:
+    marker = json.loads((step_dir / checkpoint.MARKER_FILE).read_text())
+    marker["files"] = list(marker["files"])
+    (step_dir / checkpoint.MARKER_FILE).write_text(json.dumps(marker))
+    return "kd_checkpoint.json is unreadable (ValueError: not a kd marker"
+
+
+def _recipe_state_truncated(step_dir: Path) -> str:
+    state = step_dir / checkpoint.RECIPE_STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])
+    return "recipe_state.pt has 100 bytes"
+
+
+@pytest.mark.parametrize(
+    "damage", [_marker_not_json, _marker_of_another_shape, _recipe_state_truncated]
+)
+def test_resume_skips_a_damaged_newest_checkpoint(
+    damage, assets, saved_run, tmp_path, caplog, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "step_000003")
+    reason = damage(out / "step_000002")
+    before = snapshot(out / "step_000001")
+    config = write_config(tmp_path / "cfg.yaml", make_config(assets, out, **SAVED_RUN))
+    assert cli.main([*RUN, "--config", str(config), "resume_from_checkpoint=true"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert f"skipping checkpoint {out / 'step_000002'}: {reason}" in caplog.text
+    assert f"resumed from {out / 'step_000001'} at step 1" in caplog.text
+    assert snapshot(out / "step_000001") == before
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_resume_drops_damaged_metric_rows_and_says_so(assets, saved_run, tmp_path, caplog, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "step_000003")
+    rows = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    damaged = [b"not json\n", rows[0], b'{"loss": 1.0}\n', b"\xff\xfe\n", rows[1], rows[2][:9]]
+    (out / "metrics.jsonl").write_bytes(b"".join(damaged))
+    config = write_config(tmp_path / "cfg.yaml", make_config(assets, out, **SAVED_RUN))
+    assert cli.main([*RUN, "--config", str(config), "resume_from_checkpoint=true"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert "dropped 4 damaged line(s) while resuming at step 2" in caplog.text
+    assert "not JSON: lines 1, 4, 6; no integer step: line 3" in caplog.text
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

@@ -542,3 +542,169 @@ def test_marker_of_older_kd_falls_back_to_key_comparison(tmp_path: Path, old_has
         ck.check_resume_compatible(
             BASE_CFG, BASE_CFG.replace("seed: 1", "seed: 2"), checkpoint=path
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged resume files, full disks, config.json against its weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _set_marker(ckpt: Path, edit) -> None:
+    marker = json.loads((ckpt / ck.MARKER_FILE).read_text())
+    edit(marker)
+    (ckpt / ck.MARKER_FILE).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda m: m.clear(), "not a kd marker"),
+        (lambda m: m.update(files=[ck.MODEL_FILE]), "not a kd marker"),
+        (lambda m: m["files"][ck.MODEL_FILE].pop("size"), "has no size"),
+        (lambda m: m["files"][ck.MODEL_FILE].update(size="7"), "has no size"),
+        (lambda m: m["files"][ck.MODEL_FILE].update(sha256=5), "is not a string"),
+        (lambda m: m.update(step="20"), "step and epoch are not counts"),
+        (lambda m: m.update(epoch=-1), "step and epoch are not counts"),
+        (lambda m: m["files"].update({"../x": {"size": 1}}), "'../x' lies outside the folder"),
+        (lambda m: m["files"].update({"/etc/hosts": {"size": 1}}), "lies outside the folder"),
+        (lambda m: m.update(step=30), "says step 30, the folder is step 20"),
+        (lambda m: m["files"].pop(ck.CONFIG_SNAPSHOT_FILE), "lists no config.yaml"),
+        (lambda m: m["files"].pop(ck.MODEL_FILE), "lists no model.safetensors"),
+        (lambda m: m["files"].update({"extra.bin": {"size": 3}}), "extra.bin is missing"),
+        (lambda m: m["files"][ck.MODEL_FILE].update(size=3), "has 7 bytes, 3 expected"),
+        (lambda m: m["files"][ck.MODEL_FILE].update(sha256="0" * 64), "does not match its sha256"),
+    ],
+)
+def test_find_latest_skips_a_damaged_marker(tmp_path: Path, caplog, damage, reason) -> None:
+    good = _save(tmp_path, 10, keep=5)
+    damaged = _save(tmp_path, 20, keep=5)
+    _set_marker(damaged, damage)
+    with caplog.at_level(logging.WARNING, logger="kd"):
+        assert ck.find_latest_checkpoint(tmp_path) == good
+    assert f"skipping checkpoint {damaged}: " in caplog.text and reason in caplog.text
+
+
+def test_find_latest_skips_a_marker_that_is_not_text(tmp_path: Path, caplog) -> None:
+    good = _save(tmp_path, 10, keep=5)
+    (_save(tmp_path, 20, keep=5) / ck.MARKER_FILE).write_bytes(b"\xff\xfe{")
+    with caplog.at_level(logging.WARNING, logger="kd"):
+        assert ck.find_latest_checkpoint(tmp_path) == good
+    assert "kd_checkpoint.json is unreadable (UnicodeDecodeError" in caplog.text
+
+
+def test_disk_full_message_names_the_checkpoint_kept(tmp_path: Path) -> None:
+    def full(dest: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(KDUserError, match="no earlier checkpoint was touched"):
+        _save(tmp_path, 10, write_model=full)
+    _save(tmp_path, 10)
+    with pytest.raises(KDUserError) as raised:
+        _save(tmp_path, 20, write_model=full, state=False)  # the final save
+    message = str(raised.value)
+    assert message.startswith(f"output_dir: could not write checkpoint {tmp_path / 'final'}: ")
+    assert message.endswith(
+        "(the earlier checkpoints are kept; the newest, step_000010, resumes with "
+        "resume_from_checkpoint=true)"
+    )
+    assert "\n" not in message
+
+
+def test_read_only_file_system_is_a_user_error(tmp_path: Path) -> None:
+    def read_only(dest: Path) -> None:
+        raise RuntimeError("Error while serializing: I/O error: Read-only file system")
+
+    with pytest.raises(KDUserError, match="Read-only file system; free disk space"):
+        _save(tmp_path, 10, write_model=read_only)
+
+
+@pytest.mark.parametrize("state", [[1, 2], "text", 3])
+def test_load_recipe_state_rejects_what_is_not_a_dict(tmp_path: Path, state) -> None:
+    torch.save(state, tmp_path / ck.RECIPE_STATE_FILE)
+    with pytest.raises(KDUserError, match=rf"holds a {type(state).__name__}, not a recipe state"):
+        ck.load_recipe_state(tmp_path)
+
+
+def _tiny_folder(kind: str, dest: Path) -> Path:
+    shape = TinyModel(
+        VOCAB,
+        LAYERS,
+        HEADS,
+        KV_HEADS,
+        HIDDEN,
+        INTER,
+        max_seq_len=MAX_SEQ,
+        tie_word_embeddings=kind == "qwen2",
+        family=kind,
+    )
+    return write_tiny_model(dest, shape, seed=0)
+
+
+def _edit_config(folder: Path, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+HEAD_DIM = HIDDEN // HEADS
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_hf_config_that_describes_its_weights_has_no_problems(kind: str, tmp_path: Path) -> None:
+    folder = _tiny_folder(kind, tmp_path / kind)
+    shapes = ck.safetensors_shapes([folder / ck.MODEL_FILE])
+    assert shapes["model.embed_tokens.weight"] == (VOCAB, HIDDEN)
+    assert ("lm_head.weight" in shapes) == (kind == "llama")
+    heads = (HEADS, KV_HEADS, HEAD_DIM)
+    assert ck.hf_config_problems(folder, shapes, key="checkpointer", heads=heads) == []
+    assert ck.hf_config_problems(folder, shapes, key="checkpointer") == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "needle"),
+    [
+        ("qwen2", {"vocab_size": 300}, "vocab_size=300 but the weights have 256 (rows of"),
+        ("qwen2", {"hidden_size": 64}, "hidden_size=64 but the weights have 32 (columns of"),
+        ("llama", {"num_hidden_layers": 3}, "num_hidden_layers=3 but the weights have 2"),
+        ("llama", {"intermediate_size": 32}, "intermediate_size=32 but the weights have 64"),
+        ("qwen2", {"num_attention_heads": 8}, "num_attention_heads=8 but the weights have 4"),
+        ("llama", {"num_key_value_heads": 4}, "num_key_value_heads=4 but the weights have 2"),
+        ("llama", {"head_dim": 4}, "head_dim=4 but the weights have 8"),
+        ("llama", {"tie_word_embeddings": True}, "tie_word_embeddings=true but the weights hold"),
+        ("qwen2", {"tie_word_embeddings": False}, "tie_word_embeddings=false but the weights have"),
+    ],
+)
+def test_hf_config_contradicting_its_weights(kind, fields, needle, tmp_path: Path) -> None:
+    folder = _tiny_folder(kind, tmp_path / kind)
+    _edit_config(folder, **fields)
+    shapes = ck.safetensors_shapes([folder / ck.MODEL_FILE])
+    problems = ck.hf_config_problems(
+        folder, shapes, key="teacher_checkpointer", heads=(HEADS, KV_HEADS, HEAD_DIM)
+    )
+    (problem,) = problems
+    assert problem.startswith(
+        f"teacher_checkpointer.checkpoint_dir: {folder / 'config.json'} says {needle}"
+    )
+    field = next(iter(fields))
+    assert f"; set {field} to " in problem and "\n" not in problem
+
+
+def test_hf_config_heads_without_the_builder(tmp_path: Path) -> None:
+    """The projections fix only heads x head_dim: without the builder a wrong head count is still
+    caught (through the kv rows it implies)."""
+    folder = _tiny_folder("llama", tmp_path / "llama")
+    _edit_config(folder, num_attention_heads=8)  # head_dim 4 by hidden_size / heads
+    shapes = ck.safetensors_shapes([folder / ck.MODEL_FILE])
+    (problem,) = ck.hf_config_problems(folder, shapes, key="checkpointer")
+    assert "num_key_value_heads=2 but the weights have 4" in problem
+
+
+def test_hf_config_unreadable_headers_and_configs(tmp_path: Path) -> None:
+    folder = _tiny_folder("qwen2", tmp_path / "qwen2")
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes((folder / ck.MODEL_FILE).read_bytes()[:50])
+    assert ck.safetensors_shapes([broken]) is None
+    assert ck.safetensors_shapes([tmp_path / "absent.safetensors"]) is None
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(KDUserError, match="holds a JSON list, not an object"):
+        ck.hf_config_problems(folder, {}, key="checkpointer")

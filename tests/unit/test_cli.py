@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -358,6 +359,9 @@ if __name__ == "__main__":
 def test_run_hands_over_to_torchrun(tmp_path, monkeypatch, capfd):
     (tmp_path / "kd_fake_recipe.py").write_text(_FAKE_RECIPE)
     monkeypatch.syspath_prepend(str(tmp_path))
+    # torchrun's workers run the recipe as a module (python -m): they find it on PYTHONPATH
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     fake = ("kd_fake", "kd_fake_recipe", "_fake", True)
     monkeypatch.setattr(registry, "_RECIPES", (*registry._RECIPES, fake))
     out = tmp_path / "out"

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 
+import pytest
 import torch
 
 from kd import metrics
@@ -39,3 +43,71 @@ def test_wandb_logger_offline_without_key(tmp_path, monkeypatch):
 def test_peak_memory_on_cpu_is_rss():
     peak = metrics.peak_memory_gib(torch.device("cpu"))
     assert set(peak) == {"peak_memory_gib"} and 0.01 < peak["peak_memory_gib"] < 64
+
+
+def test_jsonl_writer_cuts_a_row_the_disk_had_no_room_for(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    w = metrics.JsonlWriter(path)
+    w.write({"step": 1})
+    write = os.write
+
+    def half_then_full(fd, data):
+        write(fd, bytes(data)[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        w.write({"step": 2, "loss": 1.5})
+    monkeypatch.undo()
+    assert path.read_text() == '{"step": 1}\n'
+    w.write({"step": 2})  # room again: the row starts on a line of its own
+    w.close()
+    w.close()
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_trim_jsonl_keeps_rows_up_to_the_step(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)))
+    with caplog.at_level(logging.WARNING, logger="kd"):
+        metrics.trim_jsonl(path, 2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert caplog.text == ""  # rows after the step are logged again, not damage
+    metrics.trim_jsonl(tmp_path / "absent.jsonl", 2)
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b'{"step": 2, "lo', "not JSON"),
+        (b"\xff\xfe garbage", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"loss": 1.0}', "no integer step"),
+        (b'{"step": "2"}', "no integer step"),
+        (b'{"step": null}', "no integer step"),
+        (b'{"step": true}', "no integer step"),
+    ],
+)
+def test_trim_jsonl_drops_damaged_lines_and_says_so(tmp_path, caplog, line, why):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n' + line + b'\n{"step": 2}\n\n')
+    with caplog.at_level(logging.WARNING, logger="kd"):
+        metrics.trim_jsonl(path, 5)
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    assert f"dropped 1 damaged line(s) while resuming at step 5 ({why}: line 2)" in caplog.text
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_trim_jsonl_failing_rewrite_leaves_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "replace", full_disk)
+    with pytest.raises(OSError):
+        metrics.trim_jsonl(path, 1)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()

@@ -19,7 +19,7 @@ from kd.prepare import ShardSpec, prepare_student, prepare_teacher
 def _build(spec: dict, *, lora: bool = False, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
-        return instantiate(builder(spec, lora=lora))
+        return instantiate(builder(spec, lora=lora), key="model")
 
 
 def _hidden_shape(model: torch.nn.Module) -> tuple[int, ...]:

@@ -56,7 +56,7 @@ def test_tokenizer_loads_through_torchtune(tmp_path: Path) -> None:
         "tokenizer.json",
         "vocab.json",
     ]
-    tok = instantiate(tokenizer_node(tok_dir, 16))
+    tok = instantiate(tokenizer_node(tok_dir, 16), key="tokenizer")
     assert tok.encode("abc", add_bos=False, add_eos=False) == [97, 98, 99]
     assert tok.encode("é", add_bos=False, add_eos=False) == list("é".encode())  # bytes, no merges
     assert tok.special_tokens["<|endoftext|>"] == ENDOFTEXT_ID == tok.pad_id
@@ -140,8 +140,10 @@ def test_builder_and_checkpointer_nodes_build_and_load(tmp_path: Path) -> None:
     """The config nodes a run would use: the builder's model takes the checkpointer's weights."""
     for shape in SHAPES.values():
         folder = write_tiny_model(tmp_path / shape.family, shape, seed=0)
-        model = instantiate(shape.builder())
-        ckpt = instantiate(checkpointer_node(folder, tmp_path / "out", shape.model_type))
+        model = instantiate(shape.builder(), key="model")
+        ckpt = instantiate(
+            checkpointer_node(folder, tmp_path / "out", shape.model_type), key="checkpointer"
+        )
         model.load_state_dict(ckpt.load_checkpoint()[tt.MODEL_KEY], strict=True)
         lora = instantiate(
             {
@@ -149,7 +151,8 @@ def test_builder_and_checkpointer_nodes_build_and_load(tmp_path: Path) -> None:
                 "lora_attn_modules": ["q_proj"],
                 "lora_rank": 2,
                 "lora_alpha": 4,
-            }
+            },
+            key="model",
         )
         assert any(isinstance(m, tt.LoRALinear) for m in lora.modules())
 
@@ -167,7 +170,7 @@ def test_jsonl_loads_through_instruct_dataset(tmp_path: Path) -> None:
     rows = [{"input": f"{i}+{i}", "output": str(2 * i)} for i in range(5)]
     path = write_jsonl(tmp_path / "sub" / "train.jsonl", rows)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows
-    tok = instantiate(tokenizer_node(write_tokenizer(tmp_path / "tok"), 32))
+    tok = instantiate(tokenizer_node(write_tokenizer(tmp_path / "tok"), 32), key="tokenizer")
     dataset = instantiate(
         {
             "_component_": "torchtune.datasets.instruct_dataset",
@@ -177,6 +180,7 @@ def test_jsonl_loads_through_instruct_dataset(tmp_path: Path) -> None:
             "cache_dir": str(tmp_path / "cache"),
         },
         tok,
+        key="dataset",
     )
     assert len(dataset) == len(rows)
     sample = dataset[3]

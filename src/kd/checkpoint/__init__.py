@@ -19,10 +19,12 @@ Modules, by concern:
 
 - ``layout``: file and folder names, readers of the marker and the config snapshot;
 - ``convert``: state-dict names torchtune <-> HF <-> PEFT, q/k RoPE row permutation;
-- ``hf_folder``: write the student as an HF folder (merged LoRA + PEFT adapter), read weights;
+- ``hf_folder``: write the student as an HF folder (merged LoRA + PEFT adapter), read weights,
+  check a config.json against its safetensors headers;
 - ``recipe_state``: weights_only-safe recipe state (tensor subclasses, RNG);
 - ``resume``: which config keys must match on resume (schema flags) and their hash;
-- ``store``: atomic step folders, keep_last_n, finding the newest intact one.
+- ``store``: atomic step folders, keep_last_n, finding the newest intact one, recovering from a
+  save killed midway.
 """
 
 from kd.checkpoint.convert import (
@@ -32,9 +34,11 @@ from kd.checkpoint.convert import (
     tune_to_peft_adapter_state_dict,
 )
 from kd.checkpoint.hf_folder import (
+    hf_config_problems,
     load_adapter_weights,
     load_hf_weights,
     read_hf_config,
+    safetensors_shapes,
     save_hf_model,
 )
 from kd.checkpoint.layout import (
@@ -60,7 +64,11 @@ from kd.checkpoint.recipe_state import (
     restore_rng_state,
 )
 from kd.checkpoint.resume import check_resume_compatible, config_hash
-from kd.checkpoint.store import find_latest_checkpoint, save_checkpoint
+from kd.checkpoint.store import (
+    find_latest_checkpoint,
+    recover_interrupted_saves,
+    save_checkpoint,
+)
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -79,6 +87,7 @@ __all__ = [
     "decode_tensor_subclasses",
     "encode_tensor_subclasses",
     "find_latest_checkpoint",
+    "hf_config_problems",
     "hf_to_tune_state_dict",
     "load_adapter_weights",
     "load_checkpoint_config",
@@ -87,7 +96,9 @@ __all__ = [
     "peft_to_tune_adapter_state_dict",
     "read_checkpoint_marker",
     "read_hf_config",
+    "recover_interrupted_saves",
     "restore_rng_state",
+    "safetensors_shapes",
     "save_checkpoint",
     "save_hf_model",
     "step_dirname",

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kd.checkpoint.convert import (
@@ -31,26 +33,153 @@ from kd.checkpoint.layout import (
     MODEL_INDEX_FILE,
     RECIPE_STATE_FILE,
 )
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # kd's own files: never copied from a source folder that is itself a kd checkpoint.
 _KD_FILES = frozenset({MARKER_FILE, RECIPE_STATE_FILE, CONFIG_SNAPSHOT_FILE, ADAPTER_CONFIG_FILE})
 
 
-def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    """The ``config.json`` of an HF model folder, as a dict."""
+def read_hf_config(model_dir: Path, *, key: str = "checkpointer") -> dict[str, Any]:
+    """The ``config.json`` of an HF model folder, as a dict.
+
+    Args:
+        model_dir: the folder.
+        key: the checkpointer key whose ``checkpoint_dir`` it is, named in errors.
+
+    Raises:
+        KDUserError: the file is missing, unreadable, or not a JSON object.
+    """
     path = Path(model_dir) / HF_CONFIG_FILE
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise KDUserError(
-            f"{path}: not found; checkpointer.checkpoint_dir must be a Hugging Face model folder"
+            f"{path}: not found; {key}.checkpoint_dir must be a Hugging Face model folder"
         ) from e
     except (OSError, ValueError) as e:
         raise KDUserError(
-            f"{path}: unreadable ({e}); restore the file from the model's source"
+            f"{path}: unreadable ({brief(e)}); restore the file from the model's source"
         ) from e
+    if not isinstance(config, dict):
+        raise KDUserError(
+            f"{path}: holds a JSON {type(config).__name__}, not an object of model settings; "
+            "restore the file from the model's source"
+        )
+    return config
+
+
+def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]] | None:
+    """The shape of every tensor in ``files``, read from their headers (no tensor data is read).
+
+    Returns:
+        ``{name: shape}`` over all files, or None when a file or its header cannot be read (loading
+        the weights then reports it).
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(int(d) for d in f.get_slice(name).get_shape())
+    except Exception:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+        return None
+    return shapes
+
+
+# HF names of the tensors whose shapes config.json describes (Qwen2 and Llama share them).
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_GATE = "model.layers.0.mlp.gate_proj.weight"
+_Q = "model.layers.0.self_attn.q_proj.weight"
+_K = "model.layers.0.self_attn.k_proj.weight"
+
+
+def hf_config_problems(
+    model_dir: Path,
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    key: str,
+    heads: tuple[int, int, int] | None = None,
+) -> list[str]:
+    """Where a model folder's ``config.json`` contradicts its weights (empty when it agrees).
+
+    torchtune converts the weights with the config's heads and kd copies the config next to the
+    student it saves, so a config.json that does not describe its safetensors trains a scrambled
+    model or writes a ``final/`` that transformers cannot load. Checked: ``vocab_size``,
+    ``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings`` (against ``lm_head.weight``).
+
+    Args:
+        model_dir: the HF folder (its ``config.json`` is read).
+        shapes: tensor shapes of its weight files, :func:`safetensors_shapes`.
+        key: the checkpointer key whose ``checkpoint_dir`` the folder is, named in each problem.
+        heads: ``(num_heads, num_kv_heads, head_dim)`` of the model's builder; the attention
+            projections only fix products of heads and head_dim, so when these agree with the
+            weights they say which of the config's values is wrong.
+
+    Returns:
+        One line per contradiction: the field, both values and the fix.
+    """
+    config = read_hf_config(model_dir, key=key)
+    where = f"{key}.checkpoint_dir: {Path(model_dir) / HF_CONFIG_FILE}"
+    problems: list[str] = []
+
+    def setting(field: str) -> int | None:
+        value = config.get(field)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def compare(field: str, actual: int, evidence: str) -> None:
+        said = setting(field)
+        if said is not None and said != actual:
+            problems.append(
+                f"{where} says {field}={said} but the weights have {actual} ({evidence}); set "
+                f"{field} to {actual} in that file (or restore it from the model's source)"
+            )
+
+    embed = shapes.get(_EMBED)
+    if embed is not None and len(embed) == 2:
+        compare("vocab_size", embed[0], f"rows of {_EMBED}")
+        compare("hidden_size", embed[1], f"columns of {_EMBED}")
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
+    if layers:
+        compare("num_hidden_layers", max(layers) + 1, "model.layers.N in the weights")
+    gate = shapes.get(_GATE)
+    if gate is not None and len(gate) == 2:
+        compare("intermediate_size", gate[0], f"rows of {_GATE}")
+    q, k = shapes.get(_Q), shapes.get(_K)
+    if q is not None and k is not None and len(q) == 2 and len(k) == 2:
+        if heads is not None and q[0] == heads[0] * heads[2] and k[0] == heads[1] * heads[2]:
+            num_heads, num_kv_heads, head_dim = heads
+            how = f"{_Q} rows {q[0]} = {num_heads} heads x {head_dim}, as in the model builder"
+            compare("num_attention_heads", num_heads, how)
+            compare("num_key_value_heads", num_kv_heads, f"{_K} rows {k[0]} / head_dim {head_dim}")
+            compare("head_dim", head_dim, how)
+        else:
+            num_heads, hidden = setting("num_attention_heads"), setting("hidden_size")
+            head_dim = setting("head_dim") or (
+                hidden // num_heads if num_heads and hidden else None
+            )
+            if num_heads and head_dim and q[0] != num_heads * head_dim and q[0] % head_dim == 0:
+                compare("num_attention_heads", q[0] // head_dim, f"{_Q} rows / head_dim {head_dim}")
+            if head_dim and k[0] % head_dim == 0:
+                compare("num_key_value_heads", k[0] // head_dim, f"{_K} rows / head_dim {head_dim}")
+    if embed is not None:
+        # transformers and torchtune default to untied for Qwen2 and Llama.
+        tied = bool(config.get("tie_word_embeddings", False))
+        if tied and _LM_HEAD in shapes:
+            problems.append(
+                f"{where} says tie_word_embeddings=true but the weights hold a separate "
+                f"{_LM_HEAD}; set tie_word_embeddings to false in that file (or restore it)"
+            )
+        elif not tied and _LM_HEAD not in shapes:
+            problems.append(
+                f"{where} says tie_word_embeddings=false but the weights have no {_LM_HEAD} (the "
+                "output shares the embedding); set tie_word_embeddings to true in that file "
+                "(or restore it)"
+            )
+    return problems
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kd.checkpoint.layout import RECIPE_STATE_FILE
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 
 logger = logging.getLogger("kd")
 
@@ -106,12 +106,15 @@ def check_weights_only(obj: Any, path: str = "recipe_state") -> None:
 def load_recipe_state(ckpt: Path) -> dict[str, Any]:
     """``recipe_state.pt`` of a step checkpoint, loaded with ``weights_only=True`` on CPU."""
     path = Path(ckpt) / RECIPE_STATE_FILE
+    fix = f"delete {Path(ckpt).name} to resume from an older checkpoint"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        raise KDUserError(f"{path}: cannot read the recipe state ({brief(e)}); {fix}") from e
+    if not isinstance(state, dict):
         raise KDUserError(
-            f"{path}: cannot read the recipe state ({e}); delete {Path(ckpt).name} to resume from an older checkpoint"
-        ) from e
+            f"{path}: holds a {type(state).__name__}, not a recipe state (a dict); {fix}"
+        )
     return decode_tensor_subclasses(state)
 
 

@@ -26,6 +26,8 @@ from kd.checkpoint.layout import (
     CONFIG_SNAPSHOT_FILE,
     FINAL_DIRNAME,
     MARKER_FILE,
+    MODEL_FILE,
+    MODEL_INDEX_FILE,
     RECIPE_STATE_FILE,
     step_dirname,
 )
@@ -37,6 +39,8 @@ logger = logging.getLogger("kd")
 
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
+# A complete folder that a save moved aside to replace it (put back if the save was killed).
+_OLD_RE = re.compile(r"^\.tmp_old_(.+)_\d+$")
 # Files up to this size get a sha256 in the marker (configs, tokenizer, tiny models); larger
 # weight files only a size, because hashing many GB at every save and resume is too slow.
 _HASH_LIMIT_BYTES = 16 * 2**20
@@ -46,6 +50,7 @@ _IO_ERROR_HINTS = (
     "os error",
     "file write failed",
     "input/output error",
+    "read-only file system",
 )
 
 
@@ -96,13 +101,45 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_tmp(output_dir: Path) -> None:
-    """Remove ``.tmp_*`` folders left by killed saves (not those of another live process)."""
-    for p in output_dir.glob(_TMP_PREFIX + "*"):
+def _stale_tmp(output_dir: Path) -> list[Path]:
+    """``.tmp_*`` folders left by killed saves (not those of another live process)."""
+    stale = []
+    for p in sorted(output_dir.glob(_TMP_PREFIX + "*")):
         m = re.search(r"_(\d+)$", p.name)
         pid = int(m.group(1)) if m else None
         if pid is not None and pid != os.getpid() and _pid_alive(pid):
             continue
+        stale.append(p)
+    return stale
+
+
+def recover_interrupted_saves(output_dir: Path) -> list[Path]:
+    """Put back the folders that a killed save had moved aside to replace them.
+
+    A save over an existing folder (``final/`` of a resumed run, a step saved again) renames the
+    old folder to ``.tmp_old_<name>_<pid>`` and the new one into place; a kill between the two
+    renames leaves neither under ``<name>``, so the old one (complete) goes back.
+
+    Returns:
+        The folders restored.
+    """
+    restored = []
+    for p in _stale_tmp(Path(output_dir)):
+        m = _OLD_RE.match(p.name)
+        if m is None or not (p / MARKER_FILE).is_file():
+            continue
+        target = p.parent / m.group(1)
+        if not target.exists():
+            os.rename(p, target)
+            logger.warning("restored %s, moved aside by an interrupted save", target)
+            restored.append(target)
+    return restored
+
+
+def _remove_stale_tmp(output_dir: Path) -> None:
+    """Remove ``.tmp_*`` folders left by killed saves, after putting back what they replaced."""
+    recover_interrupted_saves(output_dir)
+    for p in _stale_tmp(output_dir):
         logger.info("removing %s left by an interrupted save", p)
         shutil.rmtree(p, ignore_errors=True)
 
@@ -125,6 +162,17 @@ def _is_io_error(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _kept(output_dir: Path) -> str:
+    """What a failed save left in place, for its error message."""
+    steps = [p for _, p in _step_dirs(output_dir) if (p / MARKER_FILE).exists()]
+    if not steps:
+        return "no earlier checkpoint was touched"
+    return (
+        f"the earlier checkpoints are kept; the newest, {steps[-1].name}, resumes with "
+        "resume_from_checkpoint=true"
+    )
 
 
 def _step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
@@ -229,8 +277,8 @@ def save_checkpoint(
         if isinstance(e, Exception) and not isinstance(e, KDUserError) and _is_io_error(e):
             reason = " ".join(str(e).split())  # torch's messages span lines
             raise KDUserError(
-                f"could not write checkpoint {final}: {reason}; free disk space under {output_dir} or set "
-                "output_dir to a disk with room (existing checkpoints are untouched)"
+                f"output_dir: could not write checkpoint {final}: {reason}; free disk space under "
+                f"{output_dir} or set output_dir to a disk with room ({_kept(output_dir)})"
             ) from e
         raise
     if recipe_state is not None:
@@ -242,25 +290,52 @@ def save_checkpoint(
     return final
 
 
+def _read_marker(ckpt: Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """The step and file table of a checkpoint's marker.
+
+    Raises:
+        OSError, ValueError: the marker cannot be read or is not kd's marker.
+    """
+    marker = json.loads((ckpt / MARKER_FILE).read_text(encoding="utf-8"))
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise ValueError("not a kd marker (no table of files)")
+    counters = [marker.get("step"), marker.get("epoch")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counters):
+        raise ValueError(f"step and epoch are not counts ({counters[0]!r}, {counters[1]!r})")
+    files = marker["files"]
+    for name, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"the entry of {name!r} has no size")
+        if not isinstance(entry.get("sha256") or "", str):
+            raise ValueError(f"the sha256 of {name!r} is not a string")
+        path = Path(name)
+        if path.is_absolute() or ".." in path.parts or not path.parts:
+            raise ValueError(f"{name!r} lies outside the folder")
+    return counters[0], files
+
+
 def _problem_with(ckpt: Path) -> str | None:
     """Why a step folder cannot be resumed from, or None if it is complete and intact."""
-    marker_path = ckpt / MARKER_FILE
-    if not marker_path.exists():
+    if not (ckpt / MARKER_FILE).exists():
         return f"no {MARKER_FILE} (the save did not finish)"
     try:
-        marker = json.loads(marker_path.read_text())
-        files = marker["files"]
-        int(marker["step"]), int(marker["epoch"])
-        sizes = {name: int(entry["size"]) for name, entry in files.items()}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        step, files = _read_marker(ckpt)
+    except (OSError, ValueError) as e:
         return f"{MARKER_FILE} is unreadable ({type(e).__name__}: {e})"
-    if RECIPE_STATE_FILE not in files:
-        return f"{MARKER_FILE} lists no {RECIPE_STATE_FILE}"
-    for name, size in sizes.items():
+    m = _STEP_DIR_RE.match(ckpt.name)
+    if m and int(m.group(1)) != step:
+        return f"{MARKER_FILE} says step {step}, the folder is step {int(m.group(1))}"
+    for required in (RECIPE_STATE_FILE, CONFIG_SNAPSHOT_FILE):
+        if required not in files:
+            return f"{MARKER_FILE} lists no {required}"
+    if MODEL_FILE not in files and MODEL_INDEX_FILE not in files:
+        return f"{MARKER_FILE} lists no {MODEL_FILE}"
+    for name, entry in files.items():
         path = ckpt / name
         if not path.is_file():
             return f"{name} is missing"
-        actual = path.stat().st_size
+        actual, size = path.stat().st_size, entry["size"]
         if actual != size:
             return f"{name} has {actual} bytes, {size} expected (truncated or overwritten)"
     for name, entry in files.items():

@@ -20,10 +20,12 @@ from kd import _torchtune as tt
 from kd import distributed, models
 from kd.checkpoint.convert import hf_to_tune_state_dict
 from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model
+from kd.checkpoint.layout import RECIPE_STATE_FILE
 from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
 from kd.distributed import WorldInfo
+from kd.errors import KDUserError
 
 log = logging.getLogger("kd")
 
@@ -114,6 +116,29 @@ def save_training_checkpoint(
     return path
 
 
+# What restore_training_checkpoint reads from a recipe state, and the type each must have.
+_STATE_TYPES: dict[str, type] = {
+    "optimizer": dict,
+    "lr_scheduler": dict,
+    "global_step": int,
+    "epoch": int,
+    "seed": int,
+    "rng": dict,
+}
+
+
+def _check_recipe_state(state: dict[str, Any], ckpt: Path) -> None:
+    """Raise KDUserError naming the first entry of a kd recipe state that is missing or mistyped."""
+    for name, kind in _STATE_TYPES.items():
+        value = state.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            what = "missing" if name not in state else f"a {type(value).__name__}"
+            raise KDUserError(
+                f"{Path(ckpt) / RECIPE_STATE_FILE}: its {name!r} is {what}, so this is not a kd "
+                f"recipe state; delete {Path(ckpt).name} to resume from an older checkpoint"
+            )
+
+
 def restore_training_checkpoint(
     ckpt: Path,
     *,
@@ -131,7 +156,18 @@ def restore_training_checkpoint(
         Where the loop continues.
     """
     rank0 = world.is_rank_zero
-    state = load_recipe_state(ckpt) if rank0 else {}
+    state: dict[str, Any] = {}
+    problem = None
+    if rank0:
+        try:
+            state = load_recipe_state(ckpt)
+            _check_recipe_state(state, ckpt)
+        except KDUserError as e:
+            problem = str(e)
+    # Every rank raises (rank 0 alone would leave the others waiting in the next collective).
+    problem = distributed.broadcast_object(problem, world=world)
+    if problem is not None:
+        raise KDUserError(problem)
     weights: dict[str, torch.Tensor] = {}
     if source.lora is not None:
         weights = state.get("adapter", {})

@@ -1,8 +1,10 @@
-"""Build objects from ``_component_`` nodes, limited to an allow-list of packages.
+"""Build objects from ``_component_`` nodes, limited to what each config key may build.
 
-``_component_: dotted.path`` runs code named by a config file, so a config downloaded from
-somewhere could execute anything importable. Targets outside torch, torchtune, torchao and kd are
-refused unless the config opts in with ``trust_remote_components: true``.
+``_component_: dotted.path`` runs code named by a config file, so a config written by someone else
+could execute anything importable. Each key may build only the targets
+:mod:`kd.config.allowlist` lists for it (an ``optimizer`` builds optimizers); anything else is
+refused, before it is imported, unless the config opts in with ``trust_remote_components: true``
+(docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,16 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kd.config.allowlist import allowed, target_problem, tree_problems
 from kd.errors import KDUserError
-
-ALLOWED_PREFIXES: tuple[str, ...] = ("torch", "torchtune", "torchao", "kd")
-
-_TRUST_FIX = "set trust_remote_components: true in the config if you trust this code"
-
-
-def is_allowed(target: str) -> bool:
-    """Whether ``target``'s top-level package is on the allow-list."""
-    return target.split(".", 1)[0] in ALLOWED_PREFIXES
 
 
 def _quiet_import(name: str) -> Any:
@@ -38,38 +32,22 @@ def _quiet_import(name: str) -> Any:
         return importlib.import_module(name)
 
 
-def target_problem(target: Any, *, allow_any: bool = False) -> str | None:
-    """What is wrong with a ``_component_`` value before importing it, or None.
+def locate_target(target: Any, *, key: str, trust: bool) -> tuple[Any, str | None]:
+    """Import the object ``key``'s ``_component_`` names, if ``key`` may build it.
 
-    Checks only the text (imports nothing): a non-empty string on the allow-list.
-
-    Args:
-        target: the ``_component_`` value.
-        allow_any: accept targets outside :data:`ALLOWED_PREFIXES`.
-
-    Returns:
-        A message ending with the fix (without the key, which the caller knows), or None.
-    """
-    if not isinstance(target, str) or not target.strip():
-        return "is empty; set it to a dotted path such as torch.optim.AdamW"
-    if not allow_any and not is_allowed(target):
-        allowed = ", ".join(ALLOWED_PREFIXES)
-        return f"{target} is outside the allowed packages ({allowed}); {_TRUST_FIX}"
-    return None
-
-
-def locate_target(target: str, *, allow_any: bool = False) -> tuple[Any, str | None]:
-    """Import the object a ``_component_`` names.
+    The allow-list is checked first (:func:`kd.config.allowlist.target_problem`), so a refused
+    target is never imported.
 
     Args:
         target: dotted path, e.g. ``torchtune.models.qwen2_5.qwen2_5_3b``.
-        allow_any: accept targets outside :data:`ALLOWED_PREFIXES`.
+        key: the config key whose allow-list applies (``optimizer``, ``dataset.message_transform``).
+        trust: the config's ``trust_remote_components``: any importable target is allowed.
 
     Returns:
         ``(object, None)`` on success, or ``(None, message)`` where the message says what is
         wrong and ends with the fix (without the key, which the caller knows).
     """
-    reason = target_problem(target, allow_any=allow_any)
+    reason = target_problem(key, target, trust=trust)
     if reason is not None:
         return None, reason
     parts = target.split(".")
@@ -143,32 +121,38 @@ def _node_key(node: Any) -> str:
 
 
 def instantiate(
-    node: Any, *args: Any, allow_any: bool = False, key: str | None = None, **kwargs: Any
+    node: Any, *args: Any, key: str | None = None, trust: bool = False, **kwargs: Any
 ) -> Any:
     """Build ``node._component_`` with the node's other keys plus ``kwargs`` as keyword arguments.
 
-    Nested mappings that have their own ``_component_`` are built first (same allow-list), so a
-    dataset node can carry, e.g., a message transform.
+    Every target in the node (its own and its nested nodes') is checked against what its key may
+    build before anything is imported. Nested mappings that have their own ``_component_`` are
+    built first, with their nested key (``dataset.message_transform``), so a dataset node can
+    carry, e.g., a message transform.
 
     Args:
         node: a ``DictConfig`` or mapping with ``_component_``; ``None`` returns ``None`` (an
             optional component such as ``lr_scheduler: null``).
         *args: positional runtime arguments, e.g. ``model.parameters()`` for an optimizer.
-        allow_any: the config's ``trust_remote_components``; without it targets outside
-            torch, torchtune, torchao and kd are refused.
-        key: the node's config key for messages (default: the node's own full key).
+        key: the node's config key (``optimizer``, ``dataset``...): it decides what the node
+            may build and is named in messages. Default: the full key of a ``DictConfig`` node
+            inside a config; a node without one needs ``key``.
+        trust: the config's ``trust_remote_components``: any importable target is allowed.
         **kwargs: runtime keyword arguments; they override the node's keys.
 
     Returns:
         Whatever the component returns.
 
     Raises:
-        KDUserError: the node has no ``_component_``, the target is refused or does not import,
-            or a node key is not an argument of the target.
+        KDUserError: the node has no ``_component_``, a target is refused or does not import,
+            or a node key is not an argument of its target.
+        TypeError: ``key`` is missing for a node that does not carry its own.
     """
     if node is None:
         return None
     key = key or _node_key(node)
+    if key == "<node>":
+        raise TypeError("instantiate: pass key= (the config key whose allow-list applies)")
     if isinstance(node, DictConfig):
         data = OmegaConf.to_container(node, resolve=True)
     elif isinstance(node, Mapping):
@@ -178,18 +162,23 @@ def instantiate(
             f"{key}: expected a mapping with _component_, got {node!r}; fix the config"
         )
     assert isinstance(data, dict)
-    return _build(data, key, args, kwargs, allow_any)
+    if "_component_" in data:
+        refused = tree_problems(key, data, trust=trust)
+        if refused:
+            dotted, message = refused[0]
+            raise KDUserError(f"{dotted}: {message}")
+    return _build(data, key, args, kwargs, trust)
 
 
 def _build(
-    data: dict[str, Any], key: str, args: tuple[Any, ...], kwargs: dict[str, Any], allow_any: bool
+    data: dict[str, Any], key: str, args: tuple[Any, ...], kwargs: dict[str, Any], trust: bool
 ) -> Any:
     target = data.pop("_component_", None)
     if target is None:
-        raise KDUserError(
-            f"{key}._component_: missing; set it to a dotted path such as torch.optim.AdamW"
-        )
-    obj, reason = locate_target(target, allow_any=allow_any)
+        rule = allowed(key)
+        example = f" such as {rule.example}" if rule is not None else ""
+        raise KDUserError(f"{key}._component_: missing; set it to a dotted path{example}")
+    obj, reason = locate_target(target, key=key, trust=trust)
     if reason is not None:
         raise KDUserError(f"{key}._component_: {reason}")
     bad = unknown_kwargs(obj, data)
@@ -199,13 +188,13 @@ def _build(
         raise KDUserError(f"{key}.{name}: not an argument of {target}; {fix}")
     for name, value in data.items():
         if isinstance(value, Mapping) and "_component_" in value:
-            data[name] = _build(dict(value), f"{key}.{name}", (), {}, allow_any)
+            data[name] = _build(dict(value), f"{key}.{name}", (), {}, trust)
     data.update(kwargs)
     return obj(*args, **data)
 
 
 def build_component(key: str, node: Any, *args: Any, trust: bool, fix: str, **kwargs: Any) -> Any:
-    """Build the config node ``key`` (allow-listed); any failure is one line naming ``key``.
+    """Build the config node ``key`` (what ``key`` may build); any failure is one line naming it.
 
     The one way recipes build what a config names: the allow-list (``trust`` is the config's
     ``trust_remote_components``) and the error wording live here.
@@ -214,7 +203,7 @@ def build_component(key: str, node: Any, *args: Any, trust: bool, fix: str, **kw
         key: the config key (``dataset``, ``optimizer``...), named in every error.
         node: the key's node (``None`` builds nothing and returns ``None``).
         *args: positional runtime arguments of the component.
-        trust: allow targets outside the allow-list.
+        trust: the config's ``trust_remote_components``: allow any importable target.
         fix: the end of the error message (what the user should check).
         **kwargs: runtime keyword arguments of the component.
 
@@ -227,7 +216,7 @@ def build_component(key: str, node: Any, *args: Any, trust: bool, fix: str, **kw
     if node is None:
         return None
     try:
-        return instantiate(node, *args, allow_any=trust, key=key, **kwargs)
+        return instantiate(node, *args, key=key, trust=trust, **kwargs)
     except KDUserError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the user's component raises is reported

@@ -139,12 +139,15 @@ class CheckpointSettings:
         save_every_n_steps: optimizer steps between step checkpoints; None = only ``final/``.
         keep_last_n: step checkpoints kept.
         resume: continue from the newest complete step checkpoint.
+        overwrite: a fresh run moves another run's outputs in output_dir aside
+            (``overwrite_output_dir``).
     """
 
     output_dir: Path
     save_every_n_steps: int | None
     keep_last_n: int
     resume: bool
+    overwrite: bool
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ class RunConfig:
         log_every_n_steps: optimizer steps between metric rows.
         log_peak_memory_stats: add peak memory to the metric rows.
         max_bad_steps: non-finite steps skipped before the run stops.
-        trust_remote_components: allow ``_component_`` targets outside the allow-list.
+        trust_remote_components: allow any importable ``_component_`` target, not only what
+            each key may build (:mod:`kd.config.allowlist`).
         yaml: the resolved config as YAML (the snapshot checkpoints store).
     """
 
@@ -297,6 +301,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
             else int(cfg.save_every_n_steps),
             keep_last_n=int(cfg.keep_last_n),
             resume=bool(cfg.resume_from_checkpoint),
+            overwrite=bool(cfg.overwrite_output_dir),
         ),
         components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
         lora=_lora(cfg.get("model") or {}),

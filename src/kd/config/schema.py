@@ -223,6 +223,13 @@ TOP_LEVEL: dict[str, Key] = {
         "continue from the newest complete step checkpoint in output_dir",
         resume=MAY_CHANGE,
     ),
+    "overwrite_output_dir": Key(
+        False,
+        _BOOL,
+        "a fresh run into an output_dir holding another run's outputs moves them into "
+        "output_dir/previous_<time>/ (nothing is deleted); false refuses such a folder",
+        resume=MAY_CHANGE,
+    ),
     "save_every_n_steps": Key(
         None,
         _INT,
@@ -238,7 +245,8 @@ TOP_LEVEL: dict[str, Key] = {
     "trust_remote_components": Key(
         False,
         _BOOL,
-        "allow `_component_` targets outside torch, torchtune, torchao and kd",
+        "allow any importable `_component_` target, not only what each key may build "
+        "(docs/security.md)",
         resume=MAY_CHANGE,
     ),
     "memory": Key(

@@ -22,8 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import families
 from kd.config import schema
+from kd.config.allowlist import component_nodes, tree_problems
 from kd.config.compat import TORCHTUNE_KD_LOSSES
-from kd.config.instantiate import locate_target, target_problem, unknown_kwargs
+from kd.config.instantiate import locate_target, unknown_kwargs
 from kd.config.run import COMPONENT_KEYS
 from kd.config.schema import Key, Problem
 from kd.errors import ConfigError
@@ -44,8 +45,8 @@ def validate_config(
     """Check keys, types, ranges, choices, components and files of a loaded config.
 
     Nothing is built and no weight is read. The checks run in two passes so a mistake answers
-    fast: :func:`schema_problems` (keys, values, ``_component_`` paths against the allow-list,
-    model families, files) imports neither torch nor torchtune and raises first; only when it is
+    fast: :func:`schema_problems` (keys, values, ``_component_`` paths against what each key may
+    build, model families, files) imports neither torch nor torchtune and raises first; only when it is
     clean does :func:`component_problems` import the ``_component_`` targets to bind their
     signatures (every problem of that pass is then reported together).
 
@@ -78,9 +79,10 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     """Problems a config's values show by themselves, without importing any ``_component_``.
 
     Unknown and missing keys, types, ranges and choices, unsupported loss nodes, a null teacher
-    with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or outside the
-    allow-list, models of different tokenizer families and (with ``check_paths``) missing input
-    files and an unusable ``output_dir``. Imports neither torch nor torchtune.
+    with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or that their
+    key may not build (:mod:`kd.config.allowlist`), models of different tokenizer families and
+    (with ``check_paths``) missing input files and an unusable ``output_dir``. Imports neither
+    torch nor torchtune.
 
     Args:
         data: the resolved config as plain containers (``OmegaConf.to_container``).
@@ -106,6 +108,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
                 problems.append(Problem(dotted, message))
     _check_loss(data.get("loss"), problems)
     _check_teacher(data, problems)
+    _check_output_dir(data, problems)
     device = data.get("device")
     if isinstance(device, str) and not _DEVICE_RE.match(device):
         problems.append(
@@ -135,21 +138,24 @@ def component_problems(data: dict[str, Any]) -> list[Problem]:
         Every problem found, each naming the key and the fix.
     """
     problems: list[Problem] = []
-    allow_any = data.get("trust_remote_components") is True
+    trust = data.get("trust_remote_components") is True
     for name in COMPONENT_KEYS:
-        for dotted, node in _component_nodes(name, data.get(name), []):
-            target = node.get("_component_")
-            if target is None:
-                continue
-            obj, reason = locate_target(target, allow_any=allow_any)
-            if reason is not None:
-                problems.append(Problem(f"{dotted}._component_", reason))
-                continue
-            kwargs = {k: v for k, v in node.items() if k != "_component_"}
-            for arg, close in unknown_kwargs(obj, kwargs):
-                fix = f"did you mean {dotted}.{close}?" if close else "remove it"
-                problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
-            problems += _argument_type_problems(dotted, target, obj, kwargs)
+        for top, top_node in _component_nodes(name, data.get(name), []):
+            for dotted, node in component_nodes(top, top_node):
+                target = node.get("_component_")
+                if target is None:
+                    continue
+                obj, reason = locate_target(target, key=dotted, trust=trust)
+                if reason is not None:
+                    problems.append(Problem(f"{dotted}._component_", reason))
+                    continue
+                kwargs = {k: v for k, v in node.items() if k != "_component_"}
+                for arg, close in unknown_kwargs(obj, kwargs):
+                    fix = f"did you mean {dotted}.{close}?" if close else "remove it"
+                    problems.append(
+                        Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}")
+                    )
+                problems += _argument_type_problems(dotted, target, obj, kwargs)
     _check_model_types(data, problems)
     return problems
 
@@ -384,13 +390,37 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
+def _check_output_dir(data: dict[str, Any], problems: list[Problem]) -> None:
+    """An empty ``output_dir`` (it would be the working directory) and contradictory outputs keys."""
+    output_dir = data.get("output_dir")
+    if isinstance(output_dir, str) and not output_dir.strip():
+        problems.append(
+            Problem(
+                "output_dir",
+                "is empty; set output_dir to the folder for this run's checkpoints, "
+                "metrics.jsonl and final/ (a new or empty one)",
+            )
+        )
+    if data.get("overwrite_output_dir") is True and data.get("resume_from_checkpoint") is True:
+        problems.append(
+            Problem(
+                "overwrite_output_dir",
+                "true moves aside the checkpoints resume_from_checkpoint=true continues from; "
+                "set one of them to false",
+            )
+        )
+
+
 def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> None:
-    """Each component node names a ``_component_`` on the allow-list (checked as text)."""
-    allow_any = data.get("trust_remote_components") is True
+    """Each component node (and each nested one) names a ``_component_`` its key may build.
+
+    Checked as text against :mod:`kd.config.allowlist` (nothing is imported), together with the
+    values torchtune would import (a tokenizer's string ``prompt_template``).
+    """
+    trust = data.get("trust_remote_components") is True
     for name in COMPONENT_KEYS:
         for dotted, node in _component_nodes(name, data.get(name), problems):
-            target = node.get("_component_")
-            if target is None:
+            if node.get("_component_") is None:
                 help_text = schema.TOP_LEVEL[name].help
                 problems.append(
                     Problem(
@@ -398,10 +428,7 @@ def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> N
                         f"missing; add _component_ with the builder's dotted path ({help_text})",
                     )
                 )
-                continue
-            reason = target_problem(target, allow_any=allow_any)
-            if reason is not None:
-                problems.append(Problem(f"{dotted}._component_", reason))
+            problems += [Problem(k, m) for k, m in tree_problems(dotted, node, trust=trust)]
 
 
 def _component_nodes(
@@ -464,7 +491,7 @@ def _path_ok(key: str, text: str, problems: list[Problem]) -> bool:
 
 def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
     output_dir = data.get("output_dir")
-    if isinstance(output_dir, str) and output_dir != schema.MISSING:
+    if isinstance(output_dir, str) and output_dir.strip() and output_dir != schema.MISSING:
         message = writable_dir_problem(output_dir)
         if message:
             problems.append(Problem("output_dir", message))
@@ -499,7 +526,7 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
 _MAX_SHARDS = 100_000  # checkpoint_files.max_filename beyond this is a typo, not a model
 
 
-def _checkpoint_file_names(files: Any) -> list[str] | None:
+def checkpoint_file_names(files: Any) -> list[str] | None:
     """Entries of ``checkpoint_files``: a list, or torchtune's ``{filename_format, max_filename}``."""
     if isinstance(files, list):
         return [str(f) for f in files]
@@ -537,7 +564,7 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
             )
         )
         return
-    names = _checkpoint_file_names(node.get("checkpoint_files"))
+    names = checkpoint_file_names(node.get("checkpoint_files"))
     if names is None:
         problems.append(
             Problem(

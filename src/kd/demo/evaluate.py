@@ -51,8 +51,8 @@ class HeldOut:
         from kd.config import instantiate
         from kd.train import shift_labels
 
-        self.tokenizer = instantiate(OmegaConf.create(tokenizer_cfg))
-        dataset = instantiate(OmegaConf.create(dataset_cfg), self.tokenizer)
+        self.tokenizer = instantiate(OmegaConf.create(tokenizer_cfg), key="tokenizer")
+        dataset = instantiate(OmegaConf.create(dataset_cfg), self.tokenizer, key="dataset")
         self.rows = [
             json.loads(line) for line in data_file.read_text().splitlines() if line.strip()
         ]

@@ -193,7 +193,7 @@ def build_optimizer(
         if not foreach or data.get("foreach") is None:
             data.pop("foreach", None)
             extra["foreach"] = foreach
-    return instantiate(OmegaConf.create(data), params, **extra)
+    return instantiate(OmegaConf.create(data), params, key="optimizer", **extra)
 
 
 def prime_steady_state(
@@ -279,8 +279,10 @@ def build_fake_step(
 
     torch.manual_seed(0)
     with models.default_dtype(dtype):
-        student = instantiate(model)
-        teacher = instantiate(teacher_model) if teacher_model is not None else None
+        student = instantiate(model, key="model")
+        teacher = (
+            instantiate(teacher_model, key="teacher_model") if teacher_model is not None else None
+        )
     student = prepare_student(
         student,
         lora=models.is_lora(student),

@@ -25,7 +25,11 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
     - LoRA students (torchtune ``lora_*`` builders): only adapters train; saved merged and as an adapter.
     - FSDP2 (``fsdp.*``): per-layer sharding of both models; rank 0 alone reads checkpoint files.
     - Step checkpoints (``save_every_n_steps``, ``keep_last_n``), exact resume
-      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step, save and exit 0.
+      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step (or the final save), save and
+      exit 0.
+    - One run per ``output_dir`` (an OS file lock held by rank 0); a fresh run into another run's
+      outputs is refused before any weight loads, unless ``overwrite_output_dir`` moves them into
+      ``output_dir/previous_<time>/``.
     - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb offline/online).
 """
 
@@ -44,7 +48,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, models, train
+from kd import checkpoint, data, distributed, models, outputs, train
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
@@ -53,6 +57,7 @@ from kd.checkpoint.training import (
 )
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig, run_config
+from kd.config.validate import checkpoint_file_names
 from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
@@ -83,6 +88,7 @@ class KDRecipe:
         self.global_step = 0
         self.epoch = 0
         self.plan: MemoryPlan | None = None
+        self.lock: outputs.OutputDirLock | None = None
 
     def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         node = self.run.components[key]
@@ -94,9 +100,12 @@ class KDRecipe:
     def preload(self) -> None:
         """Every check that needs no weight, cheapest first; reads inputs, writes nothing.
 
-        ``kd validate`` runs exactly this. Fails on: the device, the tokenizer against both models'
-        vocabularies (meta-device shapes), the memory plan against the budget, the resume state, and
-        the data (readable, non-empty, labelled, long enough for one optimizer step per rank).
+        ``kd validate`` runs exactly this. Fails on: the device, the tokenizer (its files, a test
+        encoding, its ids against both models' vocabularies from meta-device shapes), each
+        checkpoint's config.json against its safetensors headers, the memory plan against the
+        budget, output_dir (in use by another run, or holding another run's outputs without resume
+        or overwrite), the resume state, and the data (readable, non-empty, labelled, long enough
+        for one optimizer step per rank).
         """
         run = self.run
         check_device(run.device)
@@ -105,7 +114,7 @@ class KDRecipe:
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
-        self.tokenizer = self._build("tokenizer", fix="check the tokenizer files and arguments")
+        self.tokenizer = self._build_tokenizer()
         with torch.device("meta"):
             student = self._build("model", fix="fix the builder's arguments")
             teacher = self._build("teacher_model", fix="fix the builder's arguments")
@@ -136,10 +145,14 @@ class KDRecipe:
                     f"at most {longest} (its max_seq_len); lower tokenizer.max_seq_len to "
                     f"{longest} or raise {key}.max_seq_len"
                 )
+        for ckpt_key, model in (("checkpointer", student), ("teacher_checkpointer", teacher)):
+            if model is not None:
+                problems += self._hf_config_problems(ckpt_key, model)
         if problems:
             raise KDUserError("\n".join(problems))
         del student, teacher
         self._check_memory()
+        outputs.check_not_in_use(self.output_dir)
         self.resume_from = self._find_resume()
         self.dataset = data.build_dataset(
             run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
@@ -169,6 +182,54 @@ class KDRecipe:
                     "resume with the max_steps_per_epoch the run started with"
                 )
 
+    def _build_tokenizer(self) -> Any:
+        """The tokenizer, with a damaged file blamed on the key naming it (not on the first data
+        row the tokenizer fails on)."""
+        node = self.run.components["tokenizer"]
+        files = {
+            f"tokenizer.{k}": Path(v).expanduser()
+            for k, v in (OmegaConf.to_container(node, resolve=True) if node else {}).items()
+            if k != "_component_" and isinstance(v, str) and Path(v).expanduser().is_file()
+        }
+        problems = models.tokenizer_file_problems(files, parse_json=False)
+        if problems:
+            raise KDUserError("\n".join(problems))
+        try:
+            tokenizer = self._build("tokenizer", fix="check the tokenizer files and arguments")
+        except KDUserError as e:
+            problems = models.tokenizer_file_problems(files, parse_json=True)
+            if problems:
+                raise KDUserError("\n".join(problems)) from e
+            raise
+        key = "tokenizer.path" if "tokenizer.path" in files else next(iter(files), None)
+        vocabulary = f"{key} ({files[key]})" if key else "the tokenizer files"
+        problem = models.tokenizer_encode_problem(tokenizer, vocabulary=vocabulary)
+        if problem is not None:
+            raise KDUserError(problem)
+        return tokenizer
+
+    def _hf_config_problems(self, ckpt_key: str, model: torch.nn.Module) -> list[str]:
+        """Where ``ckpt_key``'s config.json contradicts its safetensors (headers only: no weight is
+        read), so a wrong config never converts the weights nor reaches ``final/``."""
+        node = self.run.components[ckpt_key]
+        if node is None:
+            return []
+        folder, files = node.get("checkpoint_dir"), node.get("checkpoint_files")
+        names = checkpoint_file_names(
+            OmegaConf.to_container(files, resolve=True) if OmegaConf.is_config(files) else files
+        )
+        if not isinstance(folder, str) or not names:
+            return []
+        root = Path(folder).expanduser()
+        shapes = checkpoint.safetensors_shapes(
+            [root / n for n in names if n.endswith(".safetensors")]
+        )
+        if not shapes:
+            return []
+        return checkpoint.hf_config_problems(
+            root, shapes, key=ckpt_key, heads=models.attention_shape(model)
+        )
+
     def _check_memory(self) -> None:
         budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
         plan = check_memory(
@@ -189,20 +250,34 @@ class KDRecipe:
 
     def _find_resume(self) -> Path | None:
         if not self.run.checkpoint.resume:
-            if any(self.output_dir.glob("step_*")):
-                raise KDUserError(
-                    f"output_dir: {self.output_dir} already holds step checkpoints of another run; "
-                    f"set resume_from_checkpoint=true to continue it, or choose a new output_dir"
-                )
+            # Moving aside (overwrite_output_dir) happens in load(), once this run holds the lock.
+            outputs.check_fresh_output_dir(self.output_dir, overwrite=self.run.checkpoint.overwrite)
             return None
         found = checkpoint.find_latest_checkpoint(self.output_dir)
-        if found is None:
+        if found is None and any(self.output_dir.glob("step_*")):
             raise KDUserError(
-                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; "
-                f"set resume_from_checkpoint=false to start fresh"
+                f"resume_from_checkpoint: every step checkpoint under {self.output_dir} is "
+                "incomplete or damaged (the warnings above say why); set output_dir to a new "
+                "folder to start fresh"
             )
-        saved = checkpoint.load_checkpoint_config(found)
-        saved_seed = OmegaConf.create(saved).get("seed")
+        if found is None:
+            fresh = "set resume_from_checkpoint=false to start fresh"
+            if outputs.run_outputs(self.output_dir):
+                fresh += " with overwrite_output_dir=true (the earlier outputs are moved aside)"
+            raise KDUserError(
+                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; {fresh}"
+            )
+        try:
+            saved = checkpoint.load_checkpoint_config(found)
+            saved_cfg = OmegaConf.create(saved)
+            if not isinstance(saved_cfg, DictConfig):
+                raise ValueError(f"a {type(saved_cfg).__name__}, not a mapping")
+            saved_seed = saved_cfg.get("seed")
+        except Exception as e:  # noqa: BLE001 - OSError, UnicodeDecodeError, YAML errors
+            raise KDUserError(
+                f"{found / checkpoint.CONFIG_SNAPSHOT_FILE}: not a readable config snapshot "
+                f"({brief(e)}); delete {found.name} to resume from an older checkpoint"
+            ) from e
         if self.run.seed is None and isinstance(saved_seed, int):
             # seed: null draws a fresh seed per process; the run being resumed drew its own.
             self.run = self.run.with_seed(saved_seed)
@@ -211,7 +286,9 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
-        """Seed, data order, teacher (frozen) then student, optimizer, schedule, resume, outputs."""
+        """output_dir (rank 0 takes it), seed, data order, teacher (frozen) then student,
+        optimizer, schedule, resume, outputs."""
+        self.lock = distributed.on_rank_zero(self._claim_output_dir, world=self.world)
         run = self.run
         seed = run.seed if run.seed is not None else random.SystemRandom().randrange(2**31)
         # Every rank must shuffle alike: a drawn seed comes from rank 0.
@@ -244,18 +321,50 @@ class KDRecipe:
             num_training_steps=self.total_steps,
         )
         if self.resume_from is not None:
-            progress = restore_training_checkpoint(
-                self.resume_from,
-                student=self.student,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                source=self._source(),
-                world=self.world,
-            )
+            try:
+                progress = restore_training_checkpoint(
+                    self.resume_from,
+                    student=self.student,
+                    optimizer=self.optimizer,
+                    lr_scheduler=self.lr_scheduler,
+                    source=self._source(),
+                    world=self.world,
+                )
+            except (KDUserError, torch.OutOfMemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged state fails anywhere in torch
+                raise KDUserError(
+                    f"resume_from_checkpoint: cannot restore {self.resume_from} ({brief(e)}); "
+                    f"delete {self.resume_from.name} to resume from an older checkpoint"
+                ) from e
             self.global_step, self.epoch = progress.global_step, progress.epoch
             self.run = self.run.with_seed(progress.seed)
         if self.world.is_rank_zero:
             self._open_outputs()
+
+    def _claim_output_dir(self) -> outputs.OutputDirLock:
+        """Lock output_dir for this run before anything is written, then (under the lock, so no
+        other run can interleave) check it again and move another run's outputs aside when
+        ``overwrite_output_dir`` asks to."""
+        lock = outputs.lock_output_dir(self.output_dir)
+        try:
+            checkpoint.recover_interrupted_saves(self.output_dir)
+            if not self.run.checkpoint.resume:
+                found = outputs.check_fresh_output_dir(
+                    self.output_dir, overwrite=self.run.checkpoint.overwrite
+                )
+                if found:
+                    dest = outputs.move_aside(self.output_dir, found)
+                    log.warning(
+                        "overwrite_output_dir: moved the earlier outputs in %s (%s) into %s",
+                        self.output_dir,
+                        ", ".join(p.name for p in found),
+                        dest,
+                    )
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     def _cpu_offload_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The configured optimizer with its states and step on the CPU (torchao): frees the GPU of
@@ -265,7 +374,9 @@ class KDRecipe:
         from kd.config.instantiate import locate_target
 
         opt = self.run.optimizer
-        cls, reason = locate_target(opt.component, allow_any=self.run.trust_remote_components)
+        cls, reason = locate_target(
+            opt.component, key="optimizer", trust=self.run.trust_remote_components
+        )
         if reason is not None:
             raise KDUserError(f"optimizer._component_: {reason}")
         return CPUOffloadOptimizer(params, optimizer_class=cls, **opt.kwargs())
@@ -279,6 +390,7 @@ class KDRecipe:
                 return self._build(key, fix="fix the builder's arguments")
 
         def load(model: torch.nn.Module) -> None:
+            self._make_checkpointer_output_dir(ckpt_key)
             try:
                 ckpt = self._build(
                     ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
@@ -318,25 +430,73 @@ class KDRecipe:
             models.compile_layers(model)
         return model
 
+    def _make_checkpointer_output_dir(self, ckpt_key: str) -> None:
+        """Create the folder torchtune's checkpointer creates when it is built (its ``output_dir``,
+        usually the run's), so a folder that cannot be made is blamed on that key, not on the
+        checkpoint files."""
+        node = self.run.components[ckpt_key]
+        out = node.get("output_dir") if node is not None else None
+        if not isinstance(out, str) or not out:
+            return
+        path = Path(out).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            # The run's own folder (or one above it) failing is output_dir's problem.
+            failed = Path(e.filename).absolute() if e.filename else path.absolute()
+            run_dir = self.output_dir.absolute()
+            ours = failed == run_dir or failed in run_dir.parents
+            key = "output_dir" if ours else f"{ckpt_key}.output_dir"
+            raise KDUserError(
+                f"{key}: cannot create {path} ({e.strerror or brief(e)}); set {key} to a "
+                "writable folder with free space"
+            ) from e
+
     def _open_outputs(self) -> None:
+        # The logger first: a logger that cannot start leaves output_dir as it was.
+        self.metric_logger = self._build("metric_logger", fix="fix the logger's arguments")
+        if self.metric_logger is not None:
+            if not callable(getattr(self.metric_logger, "log_dict", None)):
+                target = self.run.components["metric_logger"].get("_component_")
+                raise KDUserError(
+                    f"metric_logger: {target} has no log_dict(payload, step) method; set "
+                    "metric_logger._component_ to kd.metrics.StdoutLogger, kd.metrics.WandBLogger "
+                    "or a torchtune metric logger"
+                )
+            if callable(getattr(self.metric_logger, "log_config", None)):
+                self._call_logger("log_config", OmegaConf.create(self.run.yaml))
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(self.run.yaml)
+            (self.output_dir / outputs.CONFIG_FILE).write_text(self.run.yaml)
             if self.resume_from is not None:
-                trim_jsonl(self.output_dir / "metrics.jsonl", self.global_step)
-            self.metrics = JsonlWriter(self.output_dir / "metrics.jsonl")
+                trim_jsonl(self.output_dir / outputs.METRICS_FILE, self.global_step)
+            self.metrics = JsonlWriter(self.output_dir / outputs.METRICS_FILE)
         except OSError as e:
             raise KDUserError(
                 f"output_dir: cannot write to {self.output_dir} ({e.strerror or e}); "
                 f"set output_dir to a writable folder with free space"
             ) from e
-        self.metric_logger = self._build("metric_logger", fix="fix the logger's arguments")
-        if hasattr(self.metric_logger, "log_config"):
-            self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
+
+    def _call_logger(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """``metric_logger.<method>(...)``; whatever it raises becomes one line naming the key."""
+        try:
+            getattr(self.metric_logger, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a logger raises whatever its backend raises
+            raise KDUserError(self._logger_failed(method, e)) from e
+
+    def _logger_failed(self, method: str, e: BaseException) -> str:
+        target = self.run.components["metric_logger"].get("_component_")
+        kept = " (metrics.jsonl and the checkpoints saved so far are kept)"
+        return (
+            f"metric_logger: {target}.{method}() failed ({brief(e)}); fix the logger's settings "
+            "or set metric_logger._component_ to kd.metrics.StdoutLogger"
+            + (kept if hasattr(self, "metrics") else "")
+        )
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
-        """The loop: step, log, checkpoint; stop cleanly on SIGTERM/SIGINT."""
+        """The loop: step, log, checkpoint, final save; stop cleanly on SIGTERM/SIGINT (a signal
+        after the last step waits for the final save)."""
         grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
         bad_steps = 0
@@ -377,12 +537,22 @@ class KDRecipe:
                         self._log(stats)
                     if every is not None and self.global_step % every == 0:
                         saved = (self.global_step, self.save(final=False))
-                    if distributed.any_rank(stop.requested, device=self.device):
+                    last = self.global_step == self.total_steps  # then final/ is the save
+                    if distributed.any_rank(stop.requested, device=self.device) and not last:
                         bar.close()
                         just_saved = saved[1] if saved and saved[0] == self.global_step else None
                         self._stop(stop.signal_name, just_saved)
                         return
-        self.save(final=True)
+            bar.close()
+            # Inside GracefulStop: a signal now waits for final/ to be complete.
+            stop.action = "finishing the final save"
+            final = self.save(final=True)
+            if stop.requested and self.world.is_rank_zero:
+                print(
+                    f"kd: received {stop.signal_name} at the end of training; saved {final} "
+                    "(the run is complete)",
+                    file=sys.stderr,
+                )
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> train.StepStats:
         """One optimizer step over ``batches`` (the micro-batches of this rank).
@@ -451,10 +621,18 @@ class KDRecipe:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:
                 row["planned_peak_gib"] = self.plan.peak_gib
-        self.metrics.write(row)
-        self.metric_logger.log_dict(
-            {k: v for k, v in row.items() if k != "step"}, step=self.global_step
-        )
+        try:
+            self.metrics.write(row)
+        except OSError as e:
+            raise KDUserError(
+                f"output_dir: cannot write the step {self.global_step} row of "
+                f"{self.metrics.path} ({e.strerror or brief(e)}); free disk space under "
+                f"{self.output_dir} or set output_dir to a disk with room (the earlier rows and "
+                "checkpoints are kept; resume_from_checkpoint=true continues)"
+            ) from e
+        if self.metric_logger is not None:
+            payload = {k: v for k, v in row.items() if k != "step"}
+            self._call_logger("log_dict", payload, step=self.global_step)
 
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
@@ -497,12 +675,36 @@ class KDRecipe:
                 file=sys.stderr,
             )
 
-    def cleanup(self) -> None:
-        if self.world.is_rank_zero and hasattr(self, "metrics"):
-            self.metrics.close()
-            if hasattr(self, "metric_logger"):
-                self.metric_logger.close()
-        distributed.destroy()
+    def cleanup(self, *, failing: bool = False) -> None:
+        """Close the metric sinks and leave the process group.
+
+        Args:
+            failing: an error is on its way out; a logger's failure to close is then only logged,
+                so the first error is the one reported.
+
+        Raises:
+            KDUserError: the metric logger's ``close()`` failed (when not ``failing``).
+        """
+        problem = None
+        try:
+            if self.world.is_rank_zero:
+                if hasattr(self, "metrics"):
+                    self.metrics.close()
+                close = getattr(getattr(self, "metric_logger", None), "close", None)
+                if callable(close):
+                    try:
+                        close()
+                    except Exception as e:  # noqa: BLE001 - reported below, never instead of another
+                        problem = self._logger_failed("close", e)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            distributed.destroy()
+        if problem is not None:
+            if failing:
+                log.warning("%s", problem)
+            else:
+                raise KDUserError(problem)
 
 
 def recipe_main(cfg: DictConfig) -> None:
@@ -513,8 +715,13 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.preload()
         recipe.load()
         recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        try:
+            recipe.cleanup(failing=True)
+        except Exception as e:  # noqa: BLE001 - the first error is the one to report
+            log.warning("cleanup after the error failed too: %s", brief(e))
+        raise
+    recipe.cleanup()
 
 
 if __name__ == "__main__":
