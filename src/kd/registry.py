@@ -134,6 +134,7 @@ def find_config(name_or_path: str) -> Path:
         if path.is_file():
             return path
         exists = path.exists()
+        folder = path.is_dir()
     except (OSError, ValueError) as e:  # a name too long, a NUL byte, a loop of links
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise KDUserError(
@@ -144,8 +145,9 @@ def find_config(name_or_path: str) -> Path:
     if name in builtin:
         return builtin[name]
     if exists:
+        what = "a folder" if folder else "not a regular file (a device or a pipe)"
         raise KDUserError(
-            f"config {one_line(name_or_path)}: is a folder, not a YAML file; pass the file"
+            f"config {one_line(name_or_path)}: is {what}, not a YAML file; pass the file"
         )
     close = difflib.get_close_matches(name, list(builtin), n=1)
     fix = f"did you mean the built-in {close[0]}?" if close else "check the path"

@@ -380,6 +380,10 @@ def config_binary_file(assets, tmp, cfg):
     return ["validate", "--config", str(bad)], "is a binary file, not YAML"
 
 
+def config_not_a_regular_file(assets, tmp, cfg):
+    return ["validate", "--config", "/dev/null"], "config /dev/null: is not a regular file"
+
+
 def integer_beyond_int64(assets, tmp, cfg):
     return _run("batch_size=99999999999999999999"), "beyond the 64-bit integer range"
 
@@ -623,6 +627,7 @@ CASES: list[Case] = [
     torchrun_options_on_single_device,
     config_not_utf8,
     config_binary_file,
+    config_not_a_regular_file,
     integer_beyond_int64,
     nan_in_float_key,
     yaml_nan_in_float_key,

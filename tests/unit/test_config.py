@@ -543,6 +543,13 @@ def test_config_file_not_utf8_or_binary(tmp_path):
     binary.write_bytes(b"\x00\x01\x02seed: 1")
     with pytest.raises(KDUserError, match="is a binary file, not YAML text"):
         load_config(str(binary), [])
+    huge = tmp_path / "weights.safetensors"
+    with huge.open("wb") as fh:
+        fh.truncate(17 << 20)  # sparse: nothing is written
+    with pytest.raises(KDUserError, match="larger than 16 MiB, so not a config"):
+        load_config(str(huge), [])
+    with pytest.raises(KDUserError, match="is not a regular file"):
+        load_config("/dev/null", [])
 
 
 def test_unusable_paths_are_named_not_raised(tmp_path):

@@ -93,6 +93,9 @@ def _value_error(e: ValueError) -> str:
     return f"a value cannot be read ({first}); fix it"
 
 
+_MAX_CONFIG_BYTES = 16 << 20  # a YAML config is a few KiB; a bigger file is something else
+
+
 def _check_text(path: Path) -> None:
     """Refuse a config file that is not UTF-8 text before YAML reads it (names file and line).
 
@@ -100,11 +103,17 @@ def _check_text(path: Path) -> None:
         KDUserError: the file cannot be read, is binary, or is not UTF-8.
     """
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as fh:
+            raw = fh.read(_MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise KDUserError(
             f"config {one_line(str(path))}: cannot be read ({e.strerror}); check the path"
         ) from e
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise KDUserError(
+            f"config {one_line(str(path))}: larger than {_MAX_CONFIG_BYTES >> 20} MiB, so not a "
+            "config (a weights file?); pass the YAML config"
+        )
     if b"\0" in raw:
         raise KDUserError(
             f"config {one_line(str(path))}: is a binary file, not YAML text; pass the YAML config"
