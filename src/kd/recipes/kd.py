@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -204,11 +203,7 @@ class KDRecipe:
             ),
             world=self.world,
         )
-        seed = run.seed if run.seed is not None else random.SystemRandom().randrange(2**31)
-        # Every rank must shuffle alike: a drawn seed comes from rank 0.
-        self.run = run = run.with_seed(distributed.broadcast_object(seed, world=self.world))
-        torch.manual_seed(run.seed)
-        random.seed(run.seed)
+        self.run = run = run.with_seed(distributed.seed_all_ranks(run.seed, world=self.world))
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=run.batch_size,
