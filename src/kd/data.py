@@ -188,3 +188,25 @@ def steps_per_epoch(
             f"only {micro_batches}; lower gradient_accumulation_steps or batch_size"
         )
     return steps
+
+
+def next_micro_batches(batches: Iterator[Any], *, count: int, step: int) -> list[Any]:
+    """The next ``count`` micro-batches of ``batches`` (the dataloader's iterator): one optimizer
+    step's worth.
+
+    Args:
+        batches: the dataloader's iterator for this epoch.
+        count: ``gradient_accumulation_steps``.
+        step: the optimizer step they are for (1-based), named in errors.
+
+    Raises:
+        KDUserError: reading them failed (a bad row raises whatever the transform raises); the
+            message names the step and the fix.
+    """
+    try:
+        return [next(batches) for _ in range(count)]
+    except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
+        raise KDUserError(
+            f"dataset: reading the batches of step {step} failed ({brief(e)}); "
+            "fix that row of the data file (the last checkpoint is kept)"
+        ) from e

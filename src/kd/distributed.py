@@ -32,6 +32,7 @@ so every rank gets the weights a single-device run would have.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -313,6 +314,24 @@ def broadcast_object(obj: Any, *, world: WorldInfo) -> Any:
     box = [obj if world.is_rank_zero else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def seed_all_ranks(seed: int | None, *, world: WorldInfo) -> int:
+    """Seed torch and Python's ``random`` alike on every rank. Collective when distributed.
+
+    Args:
+        seed: the run's seed; None draws one (on rank 0: every rank must shuffle alike).
+        world: this process's place in the job.
+
+    Returns:
+        The seed used (rank 0's).
+    """
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    seed = int(broadcast_object(seed, world=world))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return seed
 
 
 def optimizer_state_dict(

@@ -3,7 +3,7 @@
 Every recipe writes ``output_dir/metrics.jsonl`` (one JSON object per logged step) through
 :class:`JsonlWriter`; the config's ``metric_logger`` adds one more sink with torchtune's logger
 interface (``log_dict(payload, step)``, ``close()``): :class:`StdoutLogger` (default),
-:class:`WandBLogger`, or torchtune's own loggers.
+:class:`WandBLogger`, or torchtune's own loggers, called through :class:`GuardedLogger`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kd.errors import KDUserError, brief
 
 GIB = 1024**3
 
@@ -195,6 +197,64 @@ class WandBLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class GuardedLogger:
+    """The config's ``metric_logger``, each call guarded: whatever the logger raises becomes one
+    :class:`KDUserError` line naming the key and the fix.
+
+    Args:
+        logger: the built logger, or None (no ``metric_logger``: every call does nothing).
+        target: its ``_component_``, named in errors.
+
+    Attributes:
+        outputs_kept: set once the run has written ``metrics.jsonl``: a failure then says that it
+            and the checkpoints saved so far are kept.
+
+    Raises:
+        KDUserError: ``logger`` has no ``log_dict(payload, step)`` method.
+    """
+
+    def __init__(self, logger: Any, *, target: str | None):
+        self.logger = logger
+        self.target = target
+        self.outputs_kept = False
+        if logger is not None and not callable(getattr(logger, "log_dict", None)):
+            raise KDUserError(
+                f"metric_logger: {target} has no log_dict(payload, step) method; set "
+                "metric_logger._component_ to kd.metrics.StdoutLogger, kd.metrics.WandBLogger "
+                "or a torchtune metric logger"
+            )
+
+    def failed(self, method: str, e: BaseException) -> str:
+        """The one line saying that ``<target>.<method>()`` raised ``e``."""
+        kept = " (metrics.jsonl and the checkpoints saved so far are kept)"
+        return (
+            f"metric_logger: {self.target}.{method}() failed ({brief(e)}); fix the logger's "
+            "settings or set metric_logger._component_ to kd.metrics.StdoutLogger"
+            + (kept if self.outputs_kept else "")
+        )
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+        call = getattr(self.logger, method, None)
+        if not callable(call):
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a logger raises whatever its backend raises
+            raise KDUserError(self.failed(method, e)) from e
+
+    def log_config(self, config: Any) -> None:
+        """``logger.log_config(config)`` if the logger has it (torchtune's loggers do)."""
+        self._call("log_config", config)
+
+    def log_dict(self, payload: dict[str, Any], step: int) -> None:
+        """``logger.log_dict(payload, step=step)``."""
+        self._call("log_dict", payload, step=step)
+
+    def close(self) -> None:
+        """``logger.close()`` if the logger has it."""
+        self._call("close")
 
 
 def _netrc_has_wandb() -> bool:

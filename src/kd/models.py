@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,36 @@ def load_weights(
         ) from e
 
 
+def load_checkpointer_weights(
+    model: nn.Module, build_checkpointer: Callable[[], Any], *, key: str, folder: Any
+) -> None:
+    """Load ``model``'s weights through a torchtune checkpointer (:func:`load_weights`).
+
+    Args:
+        model: the built model.
+        build_checkpointer: builds the checkpointer of ``key`` (raising :class:`KDUserError`).
+        key: the checkpointer key (``checkpointer``, ``teacher_checkpointer``), named in errors.
+        folder: its ``checkpoint_dir``, named in errors.
+
+    Raises:
+        KDUserError: the checkpointer cannot be built, its weights do not match the model, or
+            reading them failed (truncated or foreign files: whatever torchtune or safetensors
+            raise becomes one line naming ``key``). Out-of-memory errors pass through.
+    """
+    try:
+        checkpointer = build_checkpointer()
+        state = checkpointer.load_checkpoint()[MODEL_KEY]
+        load_weights(model, state, lora=is_lora(model), source=key)
+    except (KDUserError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types
+        raise KDUserError(
+            f"{key}: cannot load the weights in {folder} ({brief(e)}); check that "
+            f"{key}.checkpoint_files are complete safetensors of the model its "
+            "builder names (re-download truncated files)"
+        ) from e
+
+
 def setup_lora_trainable(model: nn.Module) -> None:
     """Only adapter weights train; everything else is frozen."""
     tt.set_trainable_params(model, tt.get_adapter_params(model))
@@ -245,6 +275,53 @@ def tokenizer_file_problems(files: Mapping[str, Path], *, parse_json: bool) -> l
                     "from the model's source"
                 )
     return problems
+
+
+def tokenizer_files(node: Mapping[str, Any]) -> dict[str, Path]:
+    """The files a tokenizer node names: ``{"tokenizer.<argument>": path}`` for each string
+    argument that is an existing file (``~`` expanded).
+
+    Args:
+        node: the ``tokenizer`` node's plain values (``_component_`` and its arguments).
+    """
+    return {
+        f"tokenizer.{k}": Path(v).expanduser()
+        for k, v in node.items()
+        if k != "_component_" and isinstance(v, str) and Path(v).expanduser().is_file()
+    }
+
+
+def checked_tokenizer(build: Callable[[], Any], files: Mapping[str, Path]) -> Any:
+    """Build the tokenizer with a damaged file blamed on the key naming it, not on the first data
+    row the tokenizer fails on.
+
+    Args:
+        build: builds the tokenizer (raising :class:`KDUserError` when it fails).
+        files: its files, :func:`tokenizer_files`.
+
+    Returns:
+        The tokenizer, which encodes :data:`TOKENIZER_PROBE` to token ids.
+
+    Raises:
+        KDUserError: a file is empty; the builder failed (then a ``.json`` file that is not JSON
+            is named, if one is); the tokenizer cannot encode the probe text.
+    """
+    problems = tokenizer_file_problems(files, parse_json=False)
+    if problems:
+        raise KDUserError("\n".join(problems))
+    try:
+        tokenizer = build()
+    except KDUserError as e:
+        problems = tokenizer_file_problems(files, parse_json=True)
+        if problems:
+            raise KDUserError("\n".join(problems)) from e
+        raise
+    key = "tokenizer.path" if "tokenizer.path" in files else next(iter(files), None)
+    vocabulary = f"{key} ({files[key]})" if key else "the tokenizer files"
+    problem = tokenizer_encode_problem(tokenizer, vocabulary=vocabulary)
+    if problem is not None:
+        raise KDUserError(problem)
+    return tokenizer
 
 
 def tokenizer_encode_problem(tokenizer: Any, *, vocabulary: str) -> str | None:

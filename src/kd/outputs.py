@@ -8,7 +8,12 @@ clean release also removes the file, and a file left by a killed run is harmless
 counts, not the file).
 
 A fresh run into a folder holding another run's outputs is refused unless asked to move them aside
-(``overwrite_output_dir``): they go into ``output_dir/previous_<time>/``, nothing is deleted.
+(``overwrite_output_dir``): they go into ``output_dir/previous_<time>/``, nothing is deleted. A
+resumed run continues from the newest complete step checkpoint (:func:`find_resume`).
+
+A run's steps here, in order: :func:`check_not_in_use` and :func:`find_resume` before any weight
+loads (they write nothing), :func:`claim_output_dir` (the lock, then moving aside), then
+:func:`open_metrics` once the models are loaded.
 """
 
 from __future__ import annotations
@@ -22,9 +27,19 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, FINAL_DIRNAME, MARKER_FILE
-from kd.errors import KDUserError
+from omegaconf import DictConfig, OmegaConf
+
+from kd.checkpoint.layout import (
+    CONFIG_SNAPSHOT_FILE,
+    FINAL_DIRNAME,
+    MARKER_FILE,
+    load_checkpoint_config,
+)
+from kd.checkpoint.store import find_latest_checkpoint, recover_interrupted_saves
+from kd.errors import KDUserError, brief
+from kd.metrics import JsonlWriter, trim_jsonl
 
 logger = logging.getLogger("kd")
 
@@ -111,6 +126,13 @@ def _read_holder(fd: int) -> LockHolder:
     )
 
 
+def _cannot_write(output_dir: Path, e: OSError) -> KDUserError:
+    return KDUserError(
+        f"output_dir: cannot write to {output_dir} ({e.strerror or e}); "
+        "set output_dir to a writable folder with free space"
+    )
+
+
 def in_use_message(output_dir: Path, holder: LockHolder) -> str:
     """The one line that refuses a second run on ``output_dir``."""
     return (
@@ -172,10 +194,7 @@ def lock_output_dir(output_dir: Path, *, wait_s: float = 1.0) -> OutputDirLock:
             output_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise KDUserError(
-                f"output_dir: cannot write to {output_dir} ({e.strerror or e}); "
-                "set output_dir to a writable folder with free space"
-            ) from e
+            raise _cannot_write(output_dir, e) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -298,3 +317,178 @@ def move_aside(output_dir: Path, paths: list[Path]) -> Path:
             f"({e.strerror or e}); move or remove them yourself, or choose another output_dir"
         ) from e
     return dest
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resumed run continues from.
+
+    Attributes:
+        checkpoint: the newest complete ``step_*`` folder.
+        config_yaml: its config snapshot (``config.yaml``), a YAML mapping.
+        seed: the snapshot's ``seed`` when it is an integer, else None.
+    """
+
+    checkpoint: Path
+    config_yaml: str
+    seed: int | None
+
+
+def find_resume(output_dir: Path, *, resume: bool, overwrite: bool) -> ResumePoint | None:
+    """What a run finds in ``output_dir`` before it loads a weight (reads only, writes nothing).
+
+    A fresh run (not ``resume``) is refused when the folder holds another run's outputs, unless
+    ``overwrite`` (:func:`check_fresh_output_dir`; they are moved aside by
+    :func:`claim_output_dir`, once the run holds the lock). A resumed run gets the newest complete
+    step checkpoint and its readable config snapshot.
+
+    Args:
+        output_dir: the run's output folder.
+        resume: ``resume_from_checkpoint``.
+        overwrite: ``overwrite_output_dir``.
+
+    Returns:
+        None for a fresh run, else the checkpoint to resume from.
+
+    Raises:
+        KDUserError: a fresh run into another run's outputs; a resumed run with every step
+            checkpoint damaged, with none at all, or with a config snapshot that is not a
+            readable YAML mapping.
+    """
+    if not resume:
+        check_fresh_output_dir(output_dir, overwrite=overwrite)
+        return None
+    found = find_latest_checkpoint(output_dir)
+    if found is None and any(Path(output_dir).glob(STEP_GLOB)):
+        raise KDUserError(
+            f"resume_from_checkpoint: every step checkpoint under {output_dir} is "
+            "incomplete or damaged (the warnings above say why); set output_dir to a new "
+            "folder to start fresh"
+        )
+    if found is None:
+        fresh = "set resume_from_checkpoint=false to start fresh"
+        if run_outputs(output_dir):
+            fresh += " with overwrite_output_dir=true (the earlier outputs are moved aside)"
+        raise KDUserError(
+            f"resume_from_checkpoint: no complete checkpoint under {output_dir}; {fresh}"
+        )
+    try:
+        saved = load_checkpoint_config(found)
+        saved_cfg = OmegaConf.create(saved)
+        if not isinstance(saved_cfg, DictConfig):
+            raise ValueError(f"a {type(saved_cfg).__name__}, not a mapping")
+        seed = saved_cfg.get("seed")
+    except Exception as e:  # noqa: BLE001 - OSError, UnicodeDecodeError, YAML errors
+        raise KDUserError(
+            f"{found / CONFIG_SNAPSHOT_FILE}: not a readable config snapshot "
+            f"({brief(e)}); delete {found.name} to resume from an older checkpoint"
+        ) from e
+    return ResumePoint(found, saved, seed if isinstance(seed, int) else None)
+
+
+def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> OutputDirLock:
+    """Lock ``output_dir`` for this run before anything is written, then, under the lock (so no
+    other run can interleave), put back what a killed save moved aside, check the folder again and
+    move another run's outputs aside when ``overwrite`` asks to.
+
+    Args:
+        output_dir: the run's output folder.
+        resume: ``resume_from_checkpoint`` (a resumed run moves nothing).
+        overwrite: ``overwrite_output_dir``.
+
+    Returns:
+        The lock; released here if anything after taking it fails.
+
+    Raises:
+        KDUserError: another run holds the folder, it cannot be written, a fresh run meets another
+            run's outputs without ``overwrite``, or they cannot be moved.
+    """
+    lock = lock_output_dir(output_dir)
+    try:
+        recover_interrupted_saves(output_dir)
+        if not resume:
+            found = check_fresh_output_dir(output_dir, overwrite=overwrite)
+            if found:
+                dest = move_aside(output_dir, found)
+                logger.warning(
+                    "overwrite_output_dir: moved the earlier outputs in %s (%s) into %s",
+                    output_dir,
+                    ", ".join(p.name for p in found),
+                    dest,
+                )
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def make_checkpointer_output_dir(folder: str | None, *, key: str, run_dir: Path) -> None:
+    """Create the folder torchtune's checkpointer creates when it is built (its ``output_dir``,
+    usually the run's), so a folder that cannot be made is blamed on that key, not on the
+    checkpoint files.
+
+    Args:
+        folder: the checkpointer's ``output_dir`` (nothing is done unless a non-empty string).
+        key: the checkpointer key (``checkpointer``, ``teacher_checkpointer``).
+        run_dir: the run's ``output_dir``: when it (or a folder above it) is the one that cannot
+            be created, the error names ``output_dir`` instead of ``<key>.output_dir``.
+
+    Raises:
+        KDUserError: the folder cannot be created.
+    """
+    if not isinstance(folder, str) or not folder:
+        return
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        # The run's own folder (or one above it) failing is output_dir's problem.
+        failed = Path(e.filename).absolute() if e.filename else path.absolute()
+        run_dir = Path(run_dir).absolute()
+        ours = failed == run_dir or failed in run_dir.parents
+        name = "output_dir" if ours else f"{key}.output_dir"
+        raise KDUserError(
+            f"{name}: cannot create {path} ({e.strerror or brief(e)}); set {name} to a "
+            "writable folder with free space"
+        ) from e
+
+
+def open_metrics(output_dir: Path, *, config_yaml: str, resume_step: int | None) -> JsonlWriter:
+    """Write the run's ``config.yaml`` and open ``metrics.jsonl`` for appending.
+
+    Args:
+        output_dir: the run's output folder (created if needed).
+        config_yaml: the run's resolved config.
+        resume_step: the step a resumed run continues after: the rows of later steps (logged
+            before the run stopped) are dropped, as those steps run again. None for a fresh run.
+
+    Raises:
+        KDUserError: the folder cannot be written.
+    """
+    output_dir = Path(output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / CONFIG_FILE).write_text(config_yaml)
+        if resume_step is not None:
+            trim_jsonl(output_dir / METRICS_FILE, resume_step)
+        return JsonlWriter(output_dir / METRICS_FILE)
+    except OSError as e:
+        raise _cannot_write(output_dir, e) from e
+
+
+def write_metrics_row(metrics: JsonlWriter, row: dict[str, Any], *, output_dir: Path) -> None:
+    """Append one step's ``row`` to the run's ``metrics.jsonl`` (:func:`open_metrics`).
+
+    Raises:
+        KDUserError: the write failed (disk full, quota): one line naming the row's ``step``, the
+            file and the fix; the file keeps only whole rows.
+    """
+    try:
+        metrics.write(row)
+    except OSError as e:
+        raise KDUserError(
+            f"output_dir: cannot write the step {row['step']} row of "
+            f"{metrics.path} ({e.strerror or brief(e)}); free disk space under "
+            f"{output_dir} or set output_dir to a disk with room (the earlier rows and "
+            "checkpoints are kept; resume_from_checkpoint=true continues)"
+        ) from e

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kd import distributed, models
+from kd.config.run import FSDPSettings
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError
 
@@ -48,6 +49,23 @@ class ShardSpec:
     reshard_after_forward: bool
     cpu_offload: bool
     mesh: DeviceMesh | None = None
+
+
+def shard_spec(fsdp: FSDPSettings, *, device_type: str, param_dtype: torch.dtype) -> ShardSpec:
+    """The :class:`ShardSpec` of a run's ``fsdp:`` settings (one mesh over all ranks).
+
+    Args:
+        fsdp: the run's FSDP2 settings (``reduce_dtype`` by its config name, ``fp32`` or ``bf16``).
+        device_type: the training device's type.
+        param_dtype: the models' dtype (``dtype``).
+    """
+    return ShardSpec(
+        device_type=device_type,
+        param_dtype=param_dtype,
+        reduce_dtype=models.DTYPES[fsdp.reduce_dtype],
+        reshard_after_forward=fsdp.reshard_after_forward,
+        cpu_offload=fsdp.cpu_offload,
+    )
 
 
 def _shard(model: nn.Module, spec: ShardSpec) -> nn.Module:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ __all__ = [
     "StepStats",
     "compute_loss",
     "count_tokens",
+    "cpu_offload_optimizer",
     "grad_norm",
     "micro_step",
     "optimizer_step",
@@ -237,6 +239,32 @@ def optimizer_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def cpu_offload_optimizer(
+    params: list[nn.Parameter], *, component: str, kwargs: dict[str, Any], trust: bool
+) -> torch.optim.Optimizer:
+    """The configured optimizer with its states and step on the CPU (torchao
+    ``CPUOffloadOptimizer``): frees the GPU of the states (AdamW: twice the trainable weights) for
+    a host round trip of the gradients.
+
+    Args:
+        params: the parameters to train.
+        component: the optimizer class (``optimizer._component_``).
+        kwargs: its arguments (the rest of the ``optimizer`` node).
+        trust: ``trust_remote_components`` (any importable class, not only the allowed ones).
+
+    Raises:
+        KDUserError: ``optimizer._component_`` is refused or cannot be imported.
+    """
+    from torchao.optim import CPUOffloadOptimizer
+
+    from kd.config.instantiate import locate_target
+
+    cls, reason = locate_target(component, key="optimizer", trust=trust)
+    if reason is not None:
+        raise KDUserError(f"optimizer._component_: {reason}")
+    return CPUOffloadOptimizer(params, optimizer_class=cls, **kwargs)
 
 
 def skip_or_stop(

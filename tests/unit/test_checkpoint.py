@@ -708,3 +708,77 @@ def test_hf_config_unreadable_headers_and_configs(tmp_path: Path) -> None:
     (folder / "config.json").write_text("[1, 2]")
     with pytest.raises(KDUserError, match="holds a JSON list, not an object"):
         ck.hf_config_problems(folder, {}, key="checkpointer")
+
+
+def test_checkpoint_config_problems_reads_the_checkpointers_files(tmp_path: Path) -> None:
+    folder = _tiny_folder("llama", tmp_path / "llama")
+    heads = (HEADS, KV_HEADS, HEAD_DIM)
+    assert ck.checkpoint_config_problems(str(folder), [ck.MODEL_FILE], key="checkpointer") == []
+    _edit_config(folder, num_hidden_layers=3)
+    (problem,) = ck.checkpoint_config_problems(
+        str(folder), ck.MODEL_FILE, key="teacher_checkpointer", heads=heads
+    )
+    assert problem.startswith(
+        f"teacher_checkpointer.checkpoint_dir: {folder / 'config.json'} says num_hidden_layers=3"
+    )
+    # torchtune's {filename_format, max_filename} names the files too.
+    (folder / ck.MODEL_FILE).rename(folder / "model-00001-of-00001.safetensors")
+    sharded = {"filename_format": "model-{}-of-{}.safetensors", "max_filename": "00001"}
+    assert len(ck.checkpoint_config_problems(str(folder), sharded, key="checkpointer")) == 1
+    # Nothing to read: the config check and the weight load report it.
+    assert ck.checkpoint_config_problems(None, sharded, key="checkpointer") == []
+    assert ck.checkpoint_config_problems(str(folder), None, key="checkpointer") == []
+    assert ck.checkpoint_config_problems(str(folder), ["model.bin"], key="checkpointer") == []
+    assert ck.checkpoint_config_problems(str(folder), [ck.MODEL_FILE], key="checkpointer") == []
+
+
+@pytest.mark.parametrize(
+    ("step", "epoch", "fits"),
+    [(0, 0, True), (4, 1, True), (6, 1, True), (7, 1, False), (2, 1, False)],
+)
+def test_check_resume_position(tmp_path: Path, step: int, epoch: int, fits: bool) -> None:
+    (tmp_path / ck.MARKER_FILE).write_text(json.dumps({"step": step, "epoch": epoch}))
+    if fits:
+        ck.check_resume_position(tmp_path, steps_per_epoch=3)
+        return
+    with pytest.raises(KDUserError) as e:
+        ck.check_resume_position(tmp_path, steps_per_epoch=3)
+    assert str(e.value) == (
+        f"max_steps_per_epoch: the checkpoint is at step {step} in epoch {epoch}, which does not "
+        "fit epochs of 3 steps; resume with the max_steps_per_epoch the run started with"
+    )
+
+
+def test_restore_training_checkpoint_blames_a_damaged_state_on_the_checkpoint(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from kd.checkpoint import training
+    from kd.distributed import WorldInfo
+
+    ckpt = tmp_path / "step_000004"
+    args = dict(
+        student=torch.nn.Linear(2, 2),
+        optimizer=None,
+        lr_scheduler=None,
+        source=training.StudentSource("QWEN2", tmp_path, None),
+        world=WorldInfo(world_size=1, rank=0, local_rank=0),
+    )
+
+    def raising(error: BaseException):
+        def restore(*a, **k):
+            raise error
+
+        return restore
+
+    monkeypatch.setattr(training, "_restore", raising(RuntimeError("size mismatch for w")))
+    with pytest.raises(KDUserError) as e:
+        training.restore_training_checkpoint(ckpt, **args)
+    assert str(e.value) == (
+        f"resume_from_checkpoint: cannot restore {ckpt} (RuntimeError: size mismatch for w); "
+        "delete step_000004 to resume from an older checkpoint"
+    )
+    for passes in (KDUserError("its own line"), torch.OutOfMemoryError("CUDA out of memory")):
+        monkeypatch.setattr(training, "_restore", raising(passes))
+        with pytest.raises(type(passes)) as e:
+            training.restore_training_checkpoint(ckpt, **args)
+        assert e.value is passes

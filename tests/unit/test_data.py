@@ -258,3 +258,20 @@ def test_pad_id_of(tmp_path):
         max_seq_len=MAX_SEQ_LEN,
     )
     assert data.pad_id_of(tok) == tok.special_tokens["<|endoftext|>"] == 256
+
+
+def test_next_micro_batches_takes_one_steps_worth():
+    batches = iter(range(5))
+    assert data.next_micro_batches(batches, count=2, step=1) == [0, 1]
+    assert data.next_micro_batches(batches, count=2, step=2) == [2, 3]
+
+    def bad_rows():
+        yield {"tokens": 1}
+        raise KeyError("labels")
+
+    with pytest.raises(KDUserError) as e:
+        data.next_micro_batches(bad_rows(), count=2, step=7)
+    assert str(e.value) == (
+        "dataset: reading the batches of step 7 failed (KeyError: 'labels'); fix that row of the "
+        "data file (the last checkpoint is kept)"
+    )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kd import metrics
+from kd.errors import KDUserError
 
 
 def test_jsonl_writer_appends_rows(tmp_path):
@@ -111,3 +112,58 @@ def test_trim_jsonl_failing_rewrite_leaves_the_file(tmp_path, monkeypatch):
         metrics.trim_jsonl(path, 1)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+class _Recorder:
+    def __init__(self, fail: str | None = None):
+        self.calls: list[tuple] = []
+        self.fail = fail
+
+    def log_dict(self, payload, step):
+        self.calls.append(("log_dict", payload, step))
+        if self.fail == "log_dict":
+            raise ValueError("rejected")
+
+    def close(self):
+        self.calls.append(("close",))
+        if self.fail == "close":
+            raise RuntimeError("flush failed")
+
+
+def test_guarded_logger_passes_calls_through():
+    inner = _Recorder()
+    logger = metrics.GuardedLogger(inner, target="my.Logger")
+    logger.log_config({"seed": 1})  # the logger has no log_config: skipped
+    logger.log_dict({"loss": 1.0}, step=3)
+    logger.close()
+    assert inner.calls == [("log_dict", {"loss": 1.0}, 3), ("close",)]
+    nothing = metrics.GuardedLogger(None, target=None)  # no metric_logger: every call is a no-op
+    nothing.log_config({})
+    nothing.log_dict({"loss": 1.0}, step=1)
+    nothing.close()
+
+
+def test_guarded_logger_refuses_a_logger_without_log_dict():
+    with pytest.raises(KDUserError) as e:
+        metrics.GuardedLogger(object(), target="collections.OrderedDict")
+    assert str(e.value) == (
+        "metric_logger: collections.OrderedDict has no log_dict(payload, step) method; set "
+        "metric_logger._component_ to kd.metrics.StdoutLogger, kd.metrics.WandBLogger or a "
+        "torchtune metric logger"
+    )
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_guarded_logger_failures_are_one_line_naming_the_key(kept):
+    logger = metrics.GuardedLogger(_Recorder(fail="log_dict"), target="my.Logger")
+    logger.outputs_kept = kept
+    with pytest.raises(KDUserError) as e:
+        logger.log_dict({"loss": 1.0}, step=1)
+    suffix = " (metrics.jsonl and the checkpoints saved so far are kept)" if kept else ""
+    assert str(e.value) == (
+        "metric_logger: my.Logger.log_dict() failed (ValueError: rejected); fix the logger's "
+        "settings or set metric_logger._component_ to kd.metrics.StdoutLogger" + suffix
+    )
+    closing = metrics.GuardedLogger(_Recorder(fail="close"), target="my.Logger")
+    with pytest.raises(KDUserError, match=r"^metric_logger: my.Logger.close\(\) failed \(Runtime"):
+        closing.close()

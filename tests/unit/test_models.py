@@ -356,3 +356,121 @@ def test_check_vocab_padded_vocabularies():
     assert len(both) == 2
     assert "student (model)" in both[0] and "teacher (teacher_model)" in both[1]
     assert models.check_vocab(tokenizer_max=400, student_vocab=320, teacher_vocab=None) == [both[0]]
+
+
+def _tokenizer_node(tok_dir) -> dict:
+    return {
+        "_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
+        "path": str(tok_dir / "vocab.json"),
+        "merges_file": str(tok_dir / "merges.txt"),
+        "special_tokens_path": str(tok_dir / "tokenizer.json"),
+        "max_seq_len": MAX_SEQ_LEN,
+    }
+
+
+def _build_tokenizer(node: dict):
+    from torchtune.models.qwen2_5 import qwen2_5_tokenizer
+
+    try:
+        return qwen2_5_tokenizer(**{k: v for k, v in node.items() if k != "_component_"})
+    except Exception as e:  # what kd.config.instantiate.build_component does
+        raise KDUserError(f"tokenizer: failed ({e})") from e
+
+
+def test_tokenizer_files_are_the_arguments_naming_files(tmp_path):
+    node = _tokenizer_node(write_tokenizer(tmp_path / "tok"))
+    node["merges_file"] = str(tmp_path / "absent.txt")
+    files = models.tokenizer_files(node)
+    assert files == {
+        "tokenizer.path": tmp_path / "tok" / "vocab.json",
+        "tokenizer.special_tokens_path": tmp_path / "tok" / "tokenizer.json",
+    }
+    assert models.tokenizer_files({}) == {}
+
+
+def test_checked_tokenizer_builds_and_encodes(tmp_path):
+    node = _tokenizer_node(write_tokenizer(tmp_path / "tok"))
+    tok = models.checked_tokenizer(lambda: _build_tokenizer(node), models.tokenizer_files(node))
+    assert tok.encode(models.TOKENIZER_PROBE, add_bos=False, add_eos=False)
+
+
+def test_checked_tokenizer_blames_the_damaged_file(tmp_path):
+    tok_dir = write_tokenizer(tmp_path / "tok")
+    node = _tokenizer_node(tok_dir)
+    files = models.tokenizer_files(node)
+
+    def never() -> None:
+        raise AssertionError("an empty file is found before the builder runs")
+
+    (tok_dir / "merges.txt").write_text("")
+    with pytest.raises(KDUserError) as e:
+        models.checked_tokenizer(never, files)
+    assert str(e.value) == (
+        f"tokenizer.merges_file: {tok_dir / 'merges.txt'} is empty; restore the tokenizer files "
+        "from the model's source"
+    )
+    write_tokenizer(tok_dir)
+    (tok_dir / "tokenizer.json").write_text("{not json")
+    with pytest.raises(KDUserError, match=r"^tokenizer.special_tokens_path: .* is not valid JSON"):
+        models.checked_tokenizer(lambda: _build_tokenizer(node), files)
+    write_tokenizer(tok_dir)
+
+    def fails() -> None:
+        raise KDUserError("tokenizer: failed (its own reason)")
+
+    # No file explains the failure: the builder's error is the one reported.
+    with pytest.raises(KDUserError, match=r"^tokenizer: failed \(its own reason\)$"):
+        models.checked_tokenizer(fails, files)
+
+
+def test_checked_tokenizer_that_maps_text_to_no_id(tmp_path):
+    class Cut:
+        def encode(self, text):
+            return [None]
+
+    files = {"tokenizer.path": tmp_path / "vocab.json"}
+    with pytest.raises(KDUserError) as e:
+        models.checked_tokenizer(Cut, files)
+    assert str(e.value).startswith(
+        f"tokenizer: maps parts of {models.TOKENIZER_PROBE!r} to no token id (None)"
+    )
+    assert str(e.value).endswith(
+        f"restore tokenizer.path ({tmp_path / 'vocab.json'}) from the model's source"
+    )
+    with pytest.raises(KDUserError, match="restore the tokenizer files from"):
+        models.checked_tokenizer(Cut, {})
+
+
+def test_load_checkpointer_weights(tmp_path):
+    source, model = plain(seed=1), plain(seed=2)
+
+    class Checkpointer:
+        def __init__(self, state):
+            self.state = state
+
+        def load_checkpoint(self):
+            if isinstance(self.state, Exception):
+                raise self.state
+            return {models.MODEL_KEY: self.state}
+
+    models.load_checkpointer_weights(
+        model, lambda: Checkpointer(source.state_dict()), key="checkpointer", folder="/models/s"
+    )
+    assert torch.equal(model.output.weight, source.output.weight)
+    with pytest.raises(KDUserError) as e:
+        models.load_checkpointer_weights(
+            model,
+            lambda: Checkpointer(ValueError("header too large")),
+            key="teacher_checkpointer",
+            folder="/models/t",
+        )
+    assert str(e.value) == (
+        "teacher_checkpointer: cannot load the weights in /models/t (ValueError: header too "
+        "large); check that teacher_checkpointer.checkpoint_files are complete safetensors of the "
+        "model its builder names (re-download truncated files)"
+    )
+    # The builder's and load_weights' own errors pass as they are.
+    with pytest.raises(KDUserError, match="^checkpointer: the checkpoint does not match"):
+        models.load_checkpointer_weights(
+            model, lambda: Checkpointer({}), key="checkpointer", folder="/models/s"
+        )

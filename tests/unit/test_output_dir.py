@@ -3,6 +3,7 @@ kd.checkpoint.recover_interrupted_saves (a save killed between its two renames).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -154,3 +155,149 @@ def test_recover_interrupted_saves_puts_back_the_replaced_folder(tmp_path: Path)
     assert checkpoint.recover_interrupted_saves(out) == [out / "final"]
     assert (out / "final" / checkpoint.MARKER_FILE).exists()
     assert not (out / "step_000002").exists() and not (out / "step_000004").exists()
+
+
+def _step(out: Path, step: int, config_yaml: str = "seed: 7\nlr: 0.1\n") -> Path:
+    return checkpoint.save_checkpoint(
+        out,
+        step,
+        epoch=0,
+        write_model=lambda d: (d / "model.safetensors").write_bytes(b"weights"),
+        recipe_state={"global_step": step},
+        config_yaml=config_yaml,
+        keep_last_n=3,
+    )
+
+
+def test_find_resume_fresh_runs(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert outputs.find_resume(out, resume=False, overwrite=False) is None
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(KDUserError, match="holds the outputs of another run"):
+        outputs.find_resume(out, resume=False, overwrite=False)
+    # Moving them aside waits for the lock (claim_output_dir): nothing moves here.
+    assert outputs.find_resume(out, resume=False, overwrite=True) is None
+    assert (out / "metrics.jsonl").exists()
+
+
+def test_find_resume_without_a_complete_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(KDUserError) as e:
+        outputs.find_resume(out, resume=True, overwrite=False)
+    assert str(e.value) == (
+        f"resume_from_checkpoint: no complete checkpoint under {out}; "
+        "set resume_from_checkpoint=false to start fresh"
+    )
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(KDUserError) as e:
+        outputs.find_resume(out, resume=True, overwrite=False)
+    assert str(e.value).endswith(
+        "start fresh with overwrite_output_dir=true (the earlier outputs are moved aside)"
+    )
+    (out / "step_000002").mkdir()  # no marker: incomplete
+    with pytest.raises(KDUserError) as e:
+        outputs.find_resume(out, resume=True, overwrite=False)
+    assert str(e.value) == (
+        f"resume_from_checkpoint: every step checkpoint under {out} is incomplete or damaged "
+        "(the warnings above say why); set output_dir to a new folder to start fresh"
+    )
+
+
+def test_find_resume_returns_the_newest_checkpoint_and_its_snapshot(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _step(out, 2)
+    newest = _step(out, 4, config_yaml="seed: 9\n")
+    found = outputs.find_resume(out, resume=True, overwrite=False)
+    assert found == outputs.ResumePoint(newest, "seed: 9\n", 9)
+    _step(out, 6, config_yaml="seed: null\n")
+    assert outputs.find_resume(out, resume=True, overwrite=False).seed is None
+    not_a_mapping = _step(out, 8, config_yaml="- a list\n")
+    with pytest.raises(KDUserError) as e:
+        outputs.find_resume(out, resume=True, overwrite=False)
+    assert str(e.value) == (
+        f"{not_a_mapping / 'config.yaml'}: not a readable config snapshot (ValueError: a "
+        "ListConfig, not a mapping); delete step_000008 to resume from an older checkpoint"
+    )
+
+
+def test_claim_output_dir_moves_another_runs_outputs_aside_under_the_lock(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(KDUserError, match="holds the outputs of another run"):
+        outputs.claim_output_dir(out, resume=False, overwrite=False)
+    assert outputs.lock_holder(out) is None and not (out / outputs.LOCK_FILE).exists()
+    with outputs.claim_output_dir(out, resume=True, overwrite=False) as lock:
+        assert lock.held and (out / "metrics.jsonl").exists()  # a resumed run moves nothing
+    with outputs.claim_output_dir(out, resume=False, overwrite=True) as lock:
+        assert lock.held and outputs.run_outputs(out) == []
+        (moved,) = out.glob(f"{outputs.PREVIOUS_PREFIX}*")
+        assert (moved / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_make_checkpointer_output_dir_blames_the_right_key(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    outputs.make_checkpointer_output_dir(None, key="checkpointer", run_dir=run_dir)
+    outputs.make_checkpointer_output_dir("", key="checkpointer", run_dir=run_dir)
+    assert not run_dir.exists()
+    outputs.make_checkpointer_output_dir(str(run_dir / "tt"), key="checkpointer", run_dir=run_dir)
+    assert (run_dir / "tt").is_dir()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(KDUserError) as e:
+        outputs.make_checkpointer_output_dir(
+            str(blocker / "tt"), key="teacher_checkpointer", run_dir=run_dir
+        )
+    assert str(e.value) == (
+        f"teacher_checkpointer.output_dir: cannot create {blocker / 'tt'} (Not a directory); "
+        "set teacher_checkpointer.output_dir to a writable folder with free space"
+    )
+    # The run's own folder (or one above it) failing is output_dir's problem.
+    for run_dir in (blocker / "tt", blocker / "tt" / "run"):
+        with pytest.raises(KDUserError) as e:
+            outputs.make_checkpointer_output_dir(
+                str(blocker / "tt"), key="checkpointer", run_dir=run_dir
+            )
+        assert str(e.value).startswith(f"output_dir: cannot create {blocker / 'tt'} (Not a ")
+
+
+def test_open_metrics_writes_the_config_and_trims_a_resumed_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    writer = outputs.open_metrics(out, config_yaml="seed: 1\n", resume_step=None)
+    for step in (1, 2, 3):
+        outputs.write_metrics_row(writer, {"step": step}, output_dir=out)
+    writer.close()
+    assert (out / outputs.CONFIG_FILE).read_text() == "seed: 1\n"
+    writer = outputs.open_metrics(out, config_yaml="seed: 2\n", resume_step=2)
+    outputs.write_metrics_row(writer, {"step": 3, "loss": 1.0}, output_dir=out)
+    writer.close()
+    rows = [json.loads(line) for line in (out / outputs.METRICS_FILE).read_text().splitlines()]
+    assert rows == [{"step": 1}, {"step": 2}, {"step": 3, "loss": 1.0}]
+    assert (out / outputs.CONFIG_FILE).read_text() == "seed: 2\n"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(KDUserError) as e:
+        outputs.open_metrics(blocker / "run", config_yaml="", resume_step=None)
+    assert str(e.value) == (
+        f"output_dir: cannot write to {blocker / 'run'} (Not a directory); "
+        "set output_dir to a writable folder with free space"
+    )
+
+
+def test_write_metrics_row_on_a_full_disk(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "run"
+    writer = outputs.open_metrics(out, config_yaml="", resume_step=None)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(KDUserError) as e:
+        outputs.write_metrics_row(writer, {"step": 5}, output_dir=out)
+    assert str(e.value) == (
+        f"output_dir: cannot write the step 5 row of {out / 'metrics.jsonl'} (No space left on "
+        f"device); free disk space under {out} or set output_dir to a disk with room (the earlier "
+        "rows and checkpoints are kept; resume_from_checkpoint=true continues)"
+    )

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from kd import _torchtune as tt
 from kd import models
 from kd.config import instantiate
-from kd.prepare import ShardSpec, prepare_student, prepare_teacher
+from kd.prepare import ShardSpec, prepare_student, prepare_teacher, shard_spec
 
 
 def _build(spec: dict, *, lora: bool = False, device: str = "cpu") -> torch.nn.Module:
@@ -120,3 +120,24 @@ def test_shard_comes_last_and_keeps_the_flags(fake_mesh):
     assert not any(m.training for m in teacher.modules())
     # Rank 0 holds half of each parameter (the teacher's untied output projection: half the rows).
     assert teacher.output.weight.to_local().shape[0] == full_rows // 2
+
+
+def test_shard_spec_of_the_fsdp_settings():
+    from kd.config.run import FSDPSettings
+
+    fsdp = FSDPSettings(cpu_offload=True, reshard_after_forward=False, reduce_dtype="fp32")
+    assert shard_spec(fsdp, device_type="cuda", param_dtype=torch.bfloat16) == ShardSpec(
+        device_type="cuda",
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        reshard_after_forward=False,
+        cpu_offload=True,
+    )
+    bf16 = FSDPSettings(cpu_offload=False, reshard_after_forward=True, reduce_dtype="bf16")
+    spec = shard_spec(bf16, device_type="cpu", param_dtype=torch.float32)
+    assert (spec.reduce_dtype, spec.reshard_after_forward, spec.cpu_offload, spec.mesh) == (
+        torch.bfloat16,
+        True,
+        False,
+        None,
+    )

@@ -119,3 +119,11 @@ def test_optimizer_step_refuses_nonfinite_gradients():
     assert not stepped and not torch.isfinite(norm)
     assert torch.equal(model.weight.detach(), before)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_cpu_offload_optimizer_refuses_what_optimizer_may_not_build():
+    from kd.errors import KDUserError
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(KDUserError, match=r"^optimizer._component_: os.system is not something"):
+        train.cpu_offload_optimizer(params, component="os.system", kwargs={}, trust=False)

@@ -20,9 +20,10 @@ Modules, by concern:
 - ``layout``: file and folder names, readers of the marker and the config snapshot;
 - ``convert``: state-dict names torchtune <-> HF <-> PEFT, q/k RoPE row permutation;
 - ``hf_folder``: write the student as an HF folder (merged LoRA + PEFT adapter), read weights,
-  check a config.json against its safetensors headers;
+  check a config.json (or a checkpointer's files) against its safetensors headers;
 - ``recipe_state``: weights_only-safe recipe state (tensor subclasses, RNG);
-- ``resume``: which config keys must match on resume (schema flags) and their hash;
+- ``resume``: which config keys must match on resume (schema flags) and their hash, and whether
+  a checkpoint's step fits the run's epochs;
 - ``store``: atomic step folders, keep_last_n, finding the newest intact one, recovering from a
   save killed midway.
 """
@@ -34,6 +35,7 @@ from kd.checkpoint.convert import (
     tune_to_peft_adapter_state_dict,
 )
 from kd.checkpoint.hf_folder import (
+    checkpoint_config_problems,
     hf_config_problems,
     load_adapter_weights,
     load_hf_weights,
@@ -63,7 +65,7 @@ from kd.checkpoint.recipe_state import (
     load_recipe_state,
     restore_rng_state,
 )
-from kd.checkpoint.resume import check_resume_compatible, config_hash
+from kd.checkpoint.resume import check_resume_compatible, check_resume_position, config_hash
 from kd.checkpoint.store import (
     find_latest_checkpoint,
     recover_interrupted_saves,
@@ -82,7 +84,9 @@ __all__ = [
     "RECIPE_STATE_FILE",
     "capture_rng_state",
     "check_resume_compatible",
+    "check_resume_position",
     "check_weights_only",
+    "checkpoint_config_problems",
     "config_hash",
     "decode_tensor_subclasses",
     "encode_tensor_subclasses",

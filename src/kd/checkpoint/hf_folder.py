@@ -33,6 +33,7 @@ from kd.checkpoint.layout import (
     MODEL_INDEX_FILE,
     RECIPE_STATE_FILE,
 )
+from kd.config.validate import checkpoint_file_names
 from kd.errors import KDUserError, brief
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -180,6 +181,38 @@ def hf_config_problems(
                 "(or restore it)"
             )
     return problems
+
+
+def checkpoint_config_problems(
+    checkpoint_dir: str | None,
+    checkpoint_files: Any,
+    *,
+    key: str,
+    heads: tuple[int, int, int] | None = None,
+) -> list[str]:
+    """Where a checkpointer's ``config.json`` contradicts its safetensors, read from the headers
+    only (no weight is read), so a wrong config never converts the weights nor reaches ``final/``.
+
+    Args:
+        checkpoint_dir: the checkpointer's ``checkpoint_dir`` (anything but a string: unchecked).
+        checkpoint_files: its ``checkpoint_files`` as plain values: a list, a file name, or
+            torchtune's ``{filename_format, max_filename}``.
+        key: the checkpointer key (``checkpointer``, ``teacher_checkpointer``), named in each problem.
+        heads: ``(num_heads, num_kv_heads, head_dim)`` of the model's builder, as in
+            :func:`hf_config_problems`.
+
+    Returns:
+        The problems of :func:`hf_config_problems`; empty when the files name no readable
+        safetensors (loading the weights reports those).
+    """
+    names = checkpoint_file_names(checkpoint_files)
+    if not isinstance(checkpoint_dir, str) or not names:
+        return []
+    root = Path(checkpoint_dir).expanduser()
+    shapes = safetensors_shapes([root / n for n in names if n.endswith(".safetensors")])
+    if not shapes:
+        return []
+    return hf_config_problems(root, shapes, key=key, heads=heads)
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

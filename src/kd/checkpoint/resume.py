@@ -118,3 +118,23 @@ def check_resume_compatible(
         "(only paths, logging, memory and saving keys may change), or set output_dir to a new folder"
     )
     raise KDUserError("\n".join(problems))
+
+
+def check_resume_position(ckpt: Path, *, steps_per_epoch: int) -> None:
+    """Raise unless step checkpoint ``ckpt`` sits inside an epoch of ``steps_per_epoch`` steps.
+
+    Its marker records the step and the epoch; the steps done in that epoch must be between 0 and
+    ``steps_per_epoch`` (a run resumed with another ``max_steps_per_epoch`` would skip or repeat
+    data).
+
+    Raises:
+        KDUserError: the checkpoint does not fit; the message names ``max_steps_per_epoch``.
+    """
+    marker = read_checkpoint_marker(ckpt)
+    done_in_epoch = int(marker["step"]) - int(marker["epoch"]) * steps_per_epoch
+    if not 0 <= done_in_epoch <= steps_per_epoch:
+        raise KDUserError(
+            f"max_steps_per_epoch: the checkpoint is at step {marker['step']} in epoch "
+            f"{marker['epoch']}, which does not fit epochs of {steps_per_epoch} steps; "
+            "resume with the max_steps_per_epoch the run started with"
+        )

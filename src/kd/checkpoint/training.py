@@ -25,7 +25,7 @@ from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, res
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
 from kd.distributed import WorldInfo
-from kd.errors import KDUserError
+from kd.errors import KDUserError, brief
 
 log = logging.getLogger("kd")
 
@@ -154,7 +154,39 @@ def restore_training_checkpoint(
 
     Returns:
         Where the loop continues.
+
+    Raises:
+        KDUserError: the recipe state is not kd's, or restoring failed anywhere (a damaged state
+            fails anywhere in torch): one line naming ``ckpt`` and the fix. Out-of-memory errors
+            pass through.
     """
+    try:
+        return _restore(
+            ckpt,
+            student=student,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            source=source,
+            world=world,
+        )
+    except (KDUserError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged state fails anywhere in torch
+        raise KDUserError(
+            f"resume_from_checkpoint: cannot restore {ckpt} ({brief(e)}); "
+            f"delete {ckpt.name} to resume from an older checkpoint"
+        ) from e
+
+
+def _restore(
+    ckpt: Path,
+    *,
+    student: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any | None,
+    source: StudentSource,
+    world: WorldInfo,
+) -> Progress:
     rank0 = world.is_rank_zero
     state: dict[str, Any] = {}
     problem = None

@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +55,12 @@ from kd.checkpoint.training import (
 )
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig, run_config
-from kd.config.validate import checkpoint_file_names
 from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan, check_memory
-from kd.metrics import JsonlWriter, peak_memory_gib, trim_jsonl
-from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher
+from kd.metrics import GuardedLogger, peak_memory_gib
+from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher, shard_spec
 from kd.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
@@ -96,6 +93,11 @@ class KDRecipe:
             key, node, *args, trust=self.run.trust_remote_components, fix=fix, **kwargs
         )
 
+    def _node(self, key: str) -> dict[str, Any]:
+        """Component ``key``'s plain values, for kd's functions (empty when it is absent)."""
+        node = self.run.components[key]
+        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
         """Every check that needs no weight, cheapest first; reads inputs, writes nothing.
@@ -114,7 +116,10 @@ class KDRecipe:
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
-        self.tokenizer = self._build_tokenizer()
+        self.tokenizer = models.checked_tokenizer(
+            lambda: self._build("tokenizer", fix="check the tokenizer files and arguments"),
+            models.tokenizer_files(self._node("tokenizer")),
+        )
         with torch.device("meta"):
             student = self._build("model", fix="fix the builder's arguments")
             teacher = self._build("teacher_model", fix="fix the builder's arguments")
@@ -147,13 +152,28 @@ class KDRecipe:
                 )
         for ckpt_key, model in (("checkpointer", student), ("teacher_checkpointer", teacher)):
             if model is not None:
-                problems += self._hf_config_problems(ckpt_key, model)
+                node = self._node(ckpt_key)
+                problems += checkpoint.checkpoint_config_problems(
+                    node.get("checkpoint_dir"),
+                    node.get("checkpoint_files"),
+                    key=ckpt_key,
+                    heads=models.attention_shape(model),
+                )
         if problems:
             raise KDUserError("\n".join(problems))
         del student, teacher
         self._check_memory()
         outputs.check_not_in_use(self.output_dir)
-        self.resume_from = self._find_resume()
+        ckpt = run.checkpoint
+        found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
+        self.resume_from = found.checkpoint if found is not None else None
+        if found is not None:
+            if run.seed is None and found.seed is not None:
+                # seed: null draws a fresh seed per process; the run being resumed drew its own.
+                self.run = run = run.with_seed(found.seed)
+            checkpoint.check_resume_compatible(
+                found.config_yaml, run.yaml, checkpoint=found.checkpoint
+            )
         self.dataset = data.build_dataset(
             run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
         )
@@ -173,62 +193,7 @@ class KDRecipe:
         )
         self.total_steps = self.steps_per_epoch * run.epochs
         if self.resume_from is not None:
-            marker = checkpoint.read_checkpoint_marker(self.resume_from)
-            done_in_epoch = int(marker["step"]) - int(marker["epoch"]) * self.steps_per_epoch
-            if not 0 <= done_in_epoch <= self.steps_per_epoch:
-                raise KDUserError(
-                    f"max_steps_per_epoch: the checkpoint is at step {marker['step']} in epoch "
-                    f"{marker['epoch']}, which does not fit epochs of {self.steps_per_epoch} steps; "
-                    "resume with the max_steps_per_epoch the run started with"
-                )
-
-    def _build_tokenizer(self) -> Any:
-        """The tokenizer, with a damaged file blamed on the key naming it (not on the first data
-        row the tokenizer fails on)."""
-        node = self.run.components["tokenizer"]
-        files = {
-            f"tokenizer.{k}": Path(v).expanduser()
-            for k, v in (OmegaConf.to_container(node, resolve=True) if node else {}).items()
-            if k != "_component_" and isinstance(v, str) and Path(v).expanduser().is_file()
-        }
-        problems = models.tokenizer_file_problems(files, parse_json=False)
-        if problems:
-            raise KDUserError("\n".join(problems))
-        try:
-            tokenizer = self._build("tokenizer", fix="check the tokenizer files and arguments")
-        except KDUserError as e:
-            problems = models.tokenizer_file_problems(files, parse_json=True)
-            if problems:
-                raise KDUserError("\n".join(problems)) from e
-            raise
-        key = "tokenizer.path" if "tokenizer.path" in files else next(iter(files), None)
-        vocabulary = f"{key} ({files[key]})" if key else "the tokenizer files"
-        problem = models.tokenizer_encode_problem(tokenizer, vocabulary=vocabulary)
-        if problem is not None:
-            raise KDUserError(problem)
-        return tokenizer
-
-    def _hf_config_problems(self, ckpt_key: str, model: torch.nn.Module) -> list[str]:
-        """Where ``ckpt_key``'s config.json contradicts its safetensors (headers only: no weight is
-        read), so a wrong config never converts the weights nor reaches ``final/``."""
-        node = self.run.components[ckpt_key]
-        if node is None:
-            return []
-        folder, files = node.get("checkpoint_dir"), node.get("checkpoint_files")
-        names = checkpoint_file_names(
-            OmegaConf.to_container(files, resolve=True) if OmegaConf.is_config(files) else files
-        )
-        if not isinstance(folder, str) or not names:
-            return []
-        root = Path(folder).expanduser()
-        shapes = checkpoint.safetensors_shapes(
-            [root / n for n in names if n.endswith(".safetensors")]
-        )
-        if not shapes:
-            return []
-        return checkpoint.hf_config_problems(
-            root, shapes, key=ckpt_key, heads=models.attention_shape(model)
-        )
+            checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
 
     def _check_memory(self) -> None:
         budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
@@ -248,53 +213,18 @@ class KDRecipe:
                     "an unknown budget" if budget.gib is None else f"{budget.gib:.2f} GiB",
                 )
 
-    def _find_resume(self) -> Path | None:
-        if not self.run.checkpoint.resume:
-            # Moving aside (overwrite_output_dir) happens in load(), once this run holds the lock.
-            outputs.check_fresh_output_dir(self.output_dir, overwrite=self.run.checkpoint.overwrite)
-            return None
-        found = checkpoint.find_latest_checkpoint(self.output_dir)
-        if found is None and any(self.output_dir.glob("step_*")):
-            raise KDUserError(
-                f"resume_from_checkpoint: every step checkpoint under {self.output_dir} is "
-                "incomplete or damaged (the warnings above say why); set output_dir to a new "
-                "folder to start fresh"
-            )
-        if found is None:
-            fresh = "set resume_from_checkpoint=false to start fresh"
-            if outputs.run_outputs(self.output_dir):
-                fresh += " with overwrite_output_dir=true (the earlier outputs are moved aside)"
-            raise KDUserError(
-                f"resume_from_checkpoint: no complete checkpoint under {self.output_dir}; {fresh}"
-            )
-        try:
-            saved = checkpoint.load_checkpoint_config(found)
-            saved_cfg = OmegaConf.create(saved)
-            if not isinstance(saved_cfg, DictConfig):
-                raise ValueError(f"a {type(saved_cfg).__name__}, not a mapping")
-            saved_seed = saved_cfg.get("seed")
-        except Exception as e:  # noqa: BLE001 - OSError, UnicodeDecodeError, YAML errors
-            raise KDUserError(
-                f"{found / checkpoint.CONFIG_SNAPSHOT_FILE}: not a readable config snapshot "
-                f"({brief(e)}); delete {found.name} to resume from an older checkpoint"
-            ) from e
-        if self.run.seed is None and isinstance(saved_seed, int):
-            # seed: null draws a fresh seed per process; the run being resumed drew its own.
-            self.run = self.run.with_seed(saved_seed)
-        checkpoint.check_resume_compatible(saved, self.run.yaml, checkpoint=found)
-        return found
-
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
         """output_dir (rank 0 takes it), seed, data order, teacher (frozen) then student,
         optimizer, schedule, resume, outputs."""
-        self.lock = distributed.on_rank_zero(self._claim_output_dir, world=self.world)
-        run = self.run
-        seed = run.seed if run.seed is not None else random.SystemRandom().randrange(2**31)
-        # Every rank must shuffle alike: a drawn seed comes from rank 0.
-        self.run = run = run.with_seed(distributed.broadcast_object(seed, world=self.world))
-        torch.manual_seed(run.seed)
-        random.seed(run.seed)
+        run, ckpt = self.run, self.run.checkpoint
+        self.lock = distributed.on_rank_zero(
+            lambda: outputs.claim_output_dir(
+                self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite
+            ),
+            world=self.world,
+        )
+        self.run = run = run.with_seed(distributed.seed_all_ranks(run.seed, world=self.world))
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=run.batch_size,
@@ -310,7 +240,12 @@ class KDRecipe:
         self.student = self._load_model("model", "checkpointer")
         trainable = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = (
-            self._cpu_offload_optimizer(trainable)
+            train.cpu_offload_optimizer(
+                trainable,
+                component=run.optimizer.component,
+                kwargs=run.optimizer.kwargs(),
+                trust=run.trust_remote_components,
+            )
             if run.optimizer.in_cpu
             else self._build("optimizer", trainable, fix="fix the optimizer's arguments")
         )
@@ -321,65 +256,18 @@ class KDRecipe:
             num_training_steps=self.total_steps,
         )
         if self.resume_from is not None:
-            try:
-                progress = restore_training_checkpoint(
-                    self.resume_from,
-                    student=self.student,
-                    optimizer=self.optimizer,
-                    lr_scheduler=self.lr_scheduler,
-                    source=self._source(),
-                    world=self.world,
-                )
-            except (KDUserError, torch.OutOfMemoryError):
-                raise
-            except Exception as e:  # noqa: BLE001 - a damaged state fails anywhere in torch
-                raise KDUserError(
-                    f"resume_from_checkpoint: cannot restore {self.resume_from} ({brief(e)}); "
-                    f"delete {self.resume_from.name} to resume from an older checkpoint"
-                ) from e
+            progress = restore_training_checkpoint(
+                self.resume_from,
+                student=self.student,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                source=self._source(),
+                world=self.world,
+            )
             self.global_step, self.epoch = progress.global_step, progress.epoch
             self.run = self.run.with_seed(progress.seed)
         if self.world.is_rank_zero:
             self._open_outputs()
-
-    def _claim_output_dir(self) -> outputs.OutputDirLock:
-        """Lock output_dir for this run before anything is written, then (under the lock, so no
-        other run can interleave) check it again and move another run's outputs aside when
-        ``overwrite_output_dir`` asks to."""
-        lock = outputs.lock_output_dir(self.output_dir)
-        try:
-            checkpoint.recover_interrupted_saves(self.output_dir)
-            if not self.run.checkpoint.resume:
-                found = outputs.check_fresh_output_dir(
-                    self.output_dir, overwrite=self.run.checkpoint.overwrite
-                )
-                if found:
-                    dest = outputs.move_aside(self.output_dir, found)
-                    log.warning(
-                        "overwrite_output_dir: moved the earlier outputs in %s (%s) into %s",
-                        self.output_dir,
-                        ", ".join(p.name for p in found),
-                        dest,
-                    )
-        except BaseException:
-            lock.release()
-            raise
-        return lock
-
-    def _cpu_offload_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """The configured optimizer with its states and step on the CPU (torchao): frees the GPU of
-        the states (AdamW: twice the trainable weights) for a host round trip of the gradients."""
-        from torchao.optim import CPUOffloadOptimizer
-
-        from kd.config.instantiate import locate_target
-
-        opt = self.run.optimizer
-        cls, reason = locate_target(
-            opt.component, key="optimizer", trust=self.run.trust_remote_components
-        )
-        if reason is not None:
-            raise KDUserError(f"optimizer._component_: {reason}")
-        return CPUOffloadOptimizer(params, optimizer_class=cls, **opt.kwargs())
 
     def _load_model(self, key: str, ckpt_key: str) -> torch.nn.Module:
         """The model of ``key`` with the weights of ``ckpt_key``, prepared (and sharded when
@@ -390,22 +278,18 @@ class KDRecipe:
                 return self._build(key, fix="fix the builder's arguments")
 
         def load(model: torch.nn.Module) -> None:
-            self._make_checkpointer_output_dir(ckpt_key)
-            try:
-                ckpt = self._build(
+            node = self._node(ckpt_key)
+            outputs.make_checkpointer_output_dir(
+                node.get("output_dir"), key=ckpt_key, run_dir=self.output_dir
+            )
+            models.load_checkpointer_weights(
+                model,
+                lambda: self._build(
                     ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
-                )
-                state = ckpt.load_checkpoint()[models.MODEL_KEY]
-                models.load_weights(model, state, lora=models.is_lora(model), source=ckpt_key)
-            except (KDUserError, torch.OutOfMemoryError):
-                raise
-            except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types
-                folder = (self.run.components[ckpt_key] or {}).get("checkpoint_dir")
-                raise KDUserError(
-                    f"{ckpt_key}: cannot load the weights in {folder} ({brief(e)}); check that "
-                    f"{ckpt_key}.checkpoint_files are complete safetensors of the model its "
-                    "builder names (re-download truncated files)"
-                ) from e
+                ),
+                key=ckpt_key,
+                folder=node.get("checkpoint_dir"),
+            )
 
         def prepare(model: torch.nn.Module, shard: ShardSpec | None) -> torch.nn.Module:
             if key == "teacher_model":
@@ -413,16 +297,11 @@ class KDRecipe:
             ac = self.run.activation_checkpointing
             return prepare_student(model, lora=self.lora, activation_checkpointing=ac, shard=shard)
 
-        shard = None
-        if self.world.distributed:
-            fsdp = self.run.fsdp
-            shard = ShardSpec(
-                device_type=self.device.type,
-                param_dtype=self.dtype,
-                reduce_dtype=models.DTYPES[fsdp.reduce_dtype],
-                reshard_after_forward=fsdp.reshard_after_forward,
-                cpu_offload=fsdp.cpu_offload,
-            )
+        shard = (
+            shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
+            if self.world.distributed
+            else None
+        )
         model = materialize(
             build, load, prepare, key=key, device=self.device, shard=shard, world=self.world
         )
@@ -430,68 +309,19 @@ class KDRecipe:
             models.compile_layers(model)
         return model
 
-    def _make_checkpointer_output_dir(self, ckpt_key: str) -> None:
-        """Create the folder torchtune's checkpointer creates when it is built (its ``output_dir``,
-        usually the run's), so a folder that cannot be made is blamed on that key, not on the
-        checkpoint files."""
-        node = self.run.components[ckpt_key]
-        out = node.get("output_dir") if node is not None else None
-        if not isinstance(out, str) or not out:
-            return
-        path = Path(out).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            # The run's own folder (or one above it) failing is output_dir's problem.
-            failed = Path(e.filename).absolute() if e.filename else path.absolute()
-            run_dir = self.output_dir.absolute()
-            ours = failed == run_dir or failed in run_dir.parents
-            key = "output_dir" if ours else f"{ckpt_key}.output_dir"
-            raise KDUserError(
-                f"{key}: cannot create {path} ({e.strerror or brief(e)}); set {key} to a "
-                "writable folder with free space"
-            ) from e
-
     def _open_outputs(self) -> None:
         # The logger first: a logger that cannot start leaves output_dir as it was.
-        self.metric_logger = self._build("metric_logger", fix="fix the logger's arguments")
-        if self.metric_logger is not None:
-            if not callable(getattr(self.metric_logger, "log_dict", None)):
-                target = self.run.components["metric_logger"].get("_component_")
-                raise KDUserError(
-                    f"metric_logger: {target} has no log_dict(payload, step) method; set "
-                    "metric_logger._component_ to kd.metrics.StdoutLogger, kd.metrics.WandBLogger "
-                    "or a torchtune metric logger"
-                )
-            if callable(getattr(self.metric_logger, "log_config", None)):
-                self._call_logger("log_config", OmegaConf.create(self.run.yaml))
-        try:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / outputs.CONFIG_FILE).write_text(self.run.yaml)
-            if self.resume_from is not None:
-                trim_jsonl(self.output_dir / outputs.METRICS_FILE, self.global_step)
-            self.metrics = JsonlWriter(self.output_dir / outputs.METRICS_FILE)
-        except OSError as e:
-            raise KDUserError(
-                f"output_dir: cannot write to {self.output_dir} ({e.strerror or e}); "
-                f"set output_dir to a writable folder with free space"
-            ) from e
-
-    def _call_logger(self, method: str, *args: Any, **kwargs: Any) -> None:
-        """``metric_logger.<method>(...)``; whatever it raises becomes one line naming the key."""
-        try:
-            getattr(self.metric_logger, method)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a logger raises whatever its backend raises
-            raise KDUserError(self._logger_failed(method, e)) from e
-
-    def _logger_failed(self, method: str, e: BaseException) -> str:
-        target = self.run.components["metric_logger"].get("_component_")
-        kept = " (metrics.jsonl and the checkpoints saved so far are kept)"
-        return (
-            f"metric_logger: {target}.{method}() failed ({brief(e)}); fix the logger's settings "
-            "or set metric_logger._component_ to kd.metrics.StdoutLogger"
-            + (kept if hasattr(self, "metrics") else "")
+        self.metric_logger = GuardedLogger(
+            self._build("metric_logger", fix="fix the logger's arguments"),
+            target=self._node("metric_logger").get("_component_"),
         )
+        self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
+        self.metrics = outputs.open_metrics(
+            self.output_dir,
+            config_yaml=self.run.yaml,
+            resume_step=self.global_step if self.resume_from is not None else None,
+        )
+        self.metric_logger.outputs_kept = True
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
@@ -518,12 +348,15 @@ class KDRecipe:
                 self.sampler.skip = skip * grad_accum * self.run.batch_size
                 batches = iter(self.loader)
                 for _ in range(skip, self.steps_per_epoch):
-                    stats = self.train_step(self._next_micro_batches(batches))
+                    step = self.global_step + 1
+                    stats = self.train_step(
+                        data.next_micro_batches(batches, count=grad_accum, step=step)
+                    )
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
                         train.skip_or_stop(
                             stats,
-                            step=self.global_step + 1,
+                            step=step,
                             bad_steps=bad_steps,
                             max_bad_steps=self.run.max_bad_steps,
                             latest_checkpoint=checkpoint.find_latest_checkpoint(self.output_dir),
@@ -596,15 +429,6 @@ class KDRecipe:
             seconds=time.perf_counter() - t0,
         )
 
-    def _next_micro_batches(self, batches: Iterator[Any]) -> list[dict[str, torch.Tensor]]:
-        try:
-            return [next(batches) for _ in range(self.run.optimizer.grad_accum)]
-        except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
-            raise KDUserError(
-                f"dataset: reading the batches of step {self.global_step + 1} failed ({brief(e)}); "
-                "fix that row of the data file (the last checkpoint is kept)"
-            ) from e
-
     def _log(self, stats: train.StepStats) -> None:
         row: dict[str, Any] = {
             "step": self.global_step,
@@ -621,18 +445,9 @@ class KDRecipe:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:
                 row["planned_peak_gib"] = self.plan.peak_gib
-        try:
-            self.metrics.write(row)
-        except OSError as e:
-            raise KDUserError(
-                f"output_dir: cannot write the step {self.global_step} row of "
-                f"{self.metrics.path} ({e.strerror or brief(e)}); free disk space under "
-                f"{self.output_dir} or set output_dir to a disk with room (the earlier rows and "
-                "checkpoints are kept; resume_from_checkpoint=true continues)"
-            ) from e
-        if self.metric_logger is not None:
-            payload = {k: v for k, v in row.items() if k != "step"}
-            self._call_logger("log_dict", payload, step=self.global_step)
+        outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
+        payload = {k: v for k, v in row.items() if k != "step"}
+        self.metric_logger.log_dict(payload, step=self.global_step)
 
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
@@ -685,26 +500,20 @@ class KDRecipe:
         Raises:
             KDUserError: the metric logger's ``close()`` failed (when not ``failing``).
         """
-        problem = None
         try:
             if self.world.is_rank_zero:
                 if hasattr(self, "metrics"):
                     self.metrics.close()
-                close = getattr(getattr(self, "metric_logger", None), "close", None)
-                if callable(close):
-                    try:
-                        close()
-                    except Exception as e:  # noqa: BLE001 - reported below, never instead of another
-                        problem = self._logger_failed("close", e)
+                if hasattr(self, "metric_logger"):
+                    self.metric_logger.close()
+        except KDUserError as e:
+            if not failing:
+                raise
+            log.warning("%s", e)
         finally:
             if self.lock is not None:
                 self.lock.release()
             distributed.destroy()
-        if problem is not None:
-            if failing:
-                log.warning("%s", problem)
-            else:
-                raise KDUserError(problem)
 
 
 def recipe_main(cfg: DictConfig) -> None:
