@@ -373,3 +373,39 @@ def check_vocab(*, tokenizer_max: int, student_vocab: int, teacher_vocab: int | 
             f"{teacher_vocab} vocab rows; teacher and student must share a tokenizer (same family)"
         )
     return problems
+
+
+def check_decoders(built: dict[str, tuple[Any, Any]]) -> None:
+    """Refuse a model builder that built something other than a decoder with an output projection.
+
+    Args:
+        built: config key -> (its ``_component_``, what it built; None for an absent teacher).
+
+    Raises:
+        KDUserError: naming the key and its ``_component_``.
+    """
+    for key, (target, model) in built.items():
+        if model is not None and not (isinstance(model, nn.Module) and hasattr(model, "output")):
+            raise KDUserError(
+                f"{key}._component_: {target} built a {type(model).__name__}, not a decoder "
+                f"with an output projection; set {key}._component_ to a torchtune model builder"
+            )
+
+
+def max_seq_len_problems(built: dict[str, Any], *, max_seq_len: int | None) -> list[str]:
+    """``tokenizer.max_seq_len`` longer than a model takes (it would fail at the first step).
+
+    Args:
+        built: config key -> the built (meta-device) model, or None.
+        max_seq_len: ``tokenizer.max_seq_len`` (None: untruncated, nothing to check).
+    """
+    problems = []
+    for key, model in built.items():
+        longest = getattr(model, "max_seq_len", None)
+        if isinstance(longest, int) and max_seq_len is not None and max_seq_len > longest:
+            problems.append(
+                f"tokenizer.max_seq_len: {max_seq_len} tokens per example but {key} takes "
+                f"at most {longest} (its max_seq_len); lower tokenizer.max_seq_len to "
+                f"{longest} or raise {key}.max_seq_len"
+            )
+    return problems

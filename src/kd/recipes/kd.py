@@ -116,6 +116,7 @@ class KDRecipe:
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
+        self._check_memory()  # arithmetic on shapes: before anything is built
         self.tokenizer = models.checked_tokenizer(
             lambda: self._build("tokenizer", fix="check the tokenizer files and arguments"),
             models.tokenizer_files(self._node("tokenizer")),
@@ -123,33 +124,15 @@ class KDRecipe:
         with torch.device("meta"):
             student = self._build("model", fix="fix the builder's arguments")
             teacher = self._build("teacher_model", fix="fix the builder's arguments")
-        for key, built in (("model", student), ("teacher_model", teacher)):
-            if built is not None and not (
-                isinstance(built, torch.nn.Module) and hasattr(built, "output")
-            ):
-                target = (self.run.components[key] or {}).get("_component_")
-                raise KDUserError(
-                    f"{key}._component_: {target} built a {type(built).__name__}, not a decoder "
-                    f"with an output projection; set {key}._component_ to a torchtune model builder"
-                )
+        built = {"model": student, "teacher_model": teacher}
+        models.check_decoders({k: (self._node(k).get("_component_"), m) for k, m in built.items()})
         self.lora = models.is_lora(student)
         problems = models.check_vocab(
             tokenizer_max=models.tokenizer_max_id(self.tokenizer),
             student_vocab=models.vocab_size(student),
             teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
         )
-        for key, built in (("model", student), ("teacher_model", teacher)):
-            longest = getattr(built, "max_seq_len", None)
-            if (
-                isinstance(longest, int)
-                and run.max_seq_len is not None
-                and run.max_seq_len > longest
-            ):
-                problems.append(
-                    f"tokenizer.max_seq_len: {run.max_seq_len} tokens per example but {key} takes "
-                    f"at most {longest} (its max_seq_len); lower tokenizer.max_seq_len to "
-                    f"{longest} or raise {key}.max_seq_len"
-                )
+        problems += models.max_seq_len_problems(built, max_seq_len=run.max_seq_len)
         for ckpt_key, model in (("checkpointer", student), ("teacher_checkpointer", teacher)):
             if model is not None:
                 node = self._node(ckpt_key)
@@ -161,8 +144,7 @@ class KDRecipe:
                 )
         if problems:
             raise KDUserError("\n".join(problems))
-        del student, teacher
-        self._check_memory()
+        del student, teacher, built
         outputs.check_not_in_use(self.output_dir)
         ckpt = run.checkpoint
         found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
