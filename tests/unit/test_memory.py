@@ -439,3 +439,21 @@ def test_fsdp_trace_through_trace_config_is_per_rank():
         assert four[phase] < one[phase], phase
     with pytest.raises(KDUserError, match="CPU offload"):
         trace_run(_run(OmegaConf.merge(cfg, {"fsdp": {"cpu_offload": True}})), world_size=2)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1e-300, 2.5, True, "8"])
+def test_shape_sizes_must_be_whole_numbers_from_one(bad, tmp_path):
+    """A size the builder would reject (or that divides by zero in the plan) is a ShapeError."""
+    from kd.memory.shapes import ShapeError
+
+    kwargs = dict(TINY_STUDENT)
+    kwargs.pop("_component_")
+    with pytest.raises(ShapeError, match="num_heads must be a whole number >= 1"):
+        shape_from_component("torchtune.models.qwen2.qwen2", {**kwargs, "num_heads": bad})
+    config = tmp_path / "config.json"
+    config.write_text(
+        '{"num_attention_heads": 0, "hidden_size": 64, "vocab_size": 10, '
+        '"num_hidden_layers": 1, "intermediate_size": 8}'
+    )
+    with pytest.raises(ShapeError, match="num_attention_heads must be a whole number"):
+        shape_from_component("my.pkg.model", {}, hf_config_path=str(config))

@@ -254,6 +254,22 @@ def _lora_from_kwargs(kwargs: dict[str, Any]) -> LoraSpec:
     )
 
 
+def _dim(kwargs: dict[str, Any], key: str) -> int:
+    """A builder's size argument as a whole number >= 1.
+
+    Raises:
+        KeyError: the argument is missing.
+        ShapeError: it is not a whole number >= 1 (0 heads would divide by zero in the plan).
+    """
+    value = kwargs[key]
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, float) and value.is_integer():
+        whole, value = True, int(value)
+    if not whole or value < 1:
+        raise ShapeError(f"{key} must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
 def shape_from_component(
     component: str, kwargs: dict[str, Any], *, hf_config_path: str | None = None
 ) -> ModelShape:
@@ -281,20 +297,21 @@ def shape_from_component(
     if family is not None and family.name == base and family.component_tied is not None:
         tied_default = family.component_tied
         try:
-            h = int(kwargs["embed_dim"])
-            f = kwargs.get("intermediate_dim")
-            nh = int(kwargs["num_heads"])
+            h = _dim(kwargs, "embed_dim")
+            nh = _dim(kwargs, "num_heads")
             return ModelShape(
                 name=name,
                 family=arch,
-                vocab_size=int(kwargs["vocab_size"]),
-                num_layers=int(kwargs["num_layers"]),
+                vocab_size=_dim(kwargs, "vocab_size"),
+                num_layers=_dim(kwargs, "num_layers"),
                 num_heads=nh,
-                num_kv_heads=int(kwargs.get("num_kv_heads") or nh),
+                num_kv_heads=_dim(kwargs, "num_kv_heads") if kwargs.get("num_kv_heads") else nh,
                 embed_dim=h,
-                intermediate_dim=int(f) if f else _scale_hidden_dim_for_mlp(h),
+                intermediate_dim=_dim(kwargs, "intermediate_dim")
+                if kwargs.get("intermediate_dim")
+                else _scale_hidden_dim_for_mlp(h),
                 tie_word_embeddings=bool(kwargs.get("tie_word_embeddings", tied_default)),
-                max_seq_len=int(kwargs["max_seq_len"]),
+                max_seq_len=_dim(kwargs, "max_seq_len"),
                 lora=lora,
                 rope_per_layer=per_layer_rope,
             )
@@ -315,23 +332,32 @@ def shape_from_hf_config(path: str) -> ModelShape:
     Raises:
         ShapeError: missing keys.
     """
-    with open(path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
     try:
-        nh = int(cfg["num_attention_heads"])
-        h = int(cfg["hidden_size"])
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ShapeError(f"{path}: not a readable JSON config ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ShapeError(f"{path}: not a JSON object")
+    try:
+        nh = _dim(cfg, "num_attention_heads")
+        h = _dim(cfg, "hidden_size")
         model_type = str(cfg.get("model_type", "llama"))
         return ModelShape(
             name=os.path.basename(os.path.dirname(os.path.abspath(path))) or model_type,
             family=families.architecture_of_hf_model_type(model_type),
-            vocab_size=int(cfg["vocab_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            vocab_size=_dim(cfg, "vocab_size"),
+            num_layers=_dim(cfg, "num_hidden_layers"),
             num_heads=nh,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or nh),
+            num_kv_heads=_dim(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") else nh,
             embed_dim=h,
-            intermediate_dim=int(cfg["intermediate_size"]),
+            intermediate_dim=_dim(cfg, "intermediate_size"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+            max_seq_len=_dim(cfg, "max_position_embeddings")
+            if cfg.get("max_position_embeddings")
+            else 4096,
         )
     except KeyError as e:
         raise ShapeError(f"{path}: missing key {e.args[0]}") from e
+    except ShapeError as e:
+        raise ShapeError(f"{path}: {e}") from e
