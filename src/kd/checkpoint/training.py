@@ -161,14 +161,7 @@ def restore_training_checkpoint(
             pass through.
     """
     try:
-        return _restore(
-            ckpt,
-            student=student,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            source=source,
-            world=world,
-        )
+        return _restore(ckpt, student, optimizer, lr_scheduler, source, world)
     except (KDUserError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged state fails anywhere in torch
@@ -180,13 +173,13 @@ def restore_training_checkpoint(
 
 def _restore(
     ckpt: Path,
-    *,
     student: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any | None,
     source: StudentSource,
     world: WorldInfo,
 ) -> Progress:
+    """The body of :func:`restore_training_checkpoint` (which turns its failures into one line)."""
     rank0 = world.is_rank_zero
     state: dict[str, Any] = {}
     problem = None
