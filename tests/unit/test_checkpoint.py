@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,9 +30,9 @@ LORA_ATTN = ["q_proj", "k_proj", "v_proj", "output_proj"]
 RANK, ALPHA = 4, 8.0
 
 
-def _hf_model(kind: str, dest: Path) -> tuple[torch.nn.Module, dict]:
-    """A tiny transformers model saved as safetensors + config.json (+ a tokenizer-like file)."""
-    shape = TinyModel(
+def _tiny_shape(kind: str, **extra: Any) -> TinyModel:
+    """The tiny shape of ``kind`` (qwen2: tied embeddings; llama: untied)."""
+    return TinyModel(
         VOCAB,
         LAYERS,
         HEADS,
@@ -41,8 +42,13 @@ def _hf_model(kind: str, dest: Path) -> tuple[torch.nn.Module, dict]:
         max_seq_len=MAX_SEQ,
         tie_word_embeddings=kind == "qwen2",
         family=kind,
-        rope_base=10000.0,
+        **extra,
     )
+
+
+def _hf_model(kind: str, dest: Path) -> tuple[torch.nn.Module, dict]:
+    """A tiny transformers model saved as safetensors + config.json (+ a tokenizer-like file)."""
+    shape = _tiny_shape(kind, rope_base=10000.0)
     # Random init has unit norms / zero biases; perturb everything so a wrong mapping shows.
     write_tiny_model(dest, shape, seed=0, writer="transformers", perturb=0.05)
     (dest / "tokenizer_config.json").write_text('{"model_max_length": 64}')
@@ -626,18 +632,7 @@ def test_load_recipe_state_rejects_what_is_not_a_dict(tmp_path: Path, state) -> 
 
 
 def _tiny_folder(kind: str, dest: Path) -> Path:
-    shape = TinyModel(
-        VOCAB,
-        LAYERS,
-        HEADS,
-        KV_HEADS,
-        HIDDEN,
-        INTER,
-        max_seq_len=MAX_SEQ,
-        tie_word_embeddings=kind == "qwen2",
-        family=kind,
-    )
-    return write_tiny_model(dest, shape, seed=0)
+    return write_tiny_model(dest, _tiny_shape(kind), seed=0)
 
 
 def _edit_config(folder: Path, **fields) -> None:
