@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kd import _torchtune as tt
+from kd import models
 from kd.errors import KDUserError
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ def shard_model(
     layout and why the root keeps its parameters gathered after forward.
 
     Args:
-        model: a torchtune ``TransformerDecoder`` (``layers``, ``tok_embeddings``, ``output``) on
+        model: a decoder of either backend (:func:`kd.models.decoder_layers`) on
             the meta device (then :func:`load_into_meta_sharded`) or on CPU.
         device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
         param_dtype: dtype of the gathered parameters in forward/backward.
@@ -174,11 +175,13 @@ def shard_model(
     if cpu_offload:
         # Pinned memory needs an accelerator; on a CPU-only run the policy changes nothing anyway.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
-    for layer in model.layers:
+    for layer in models.decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    if not isinstance(model.output, tt.TiedLinear):
+    if not models.is_tied(model):
         # Untied: the embedding is only needed at the start of forward (and for its own gradient).
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(
+            models.input_embeddings(model), reshard_after_forward=reshard_after_forward, **kwargs
+        )
     # The root keeps norm + output projection gathered after forward: the fused loss uses the
     # projection weight after model(tokens) returned.
     fully_shard(model, reshard_after_forward=False, **kwargs)

@@ -1,9 +1,12 @@
-"""Teacher and student models: building, loading, vocab checks and the hidden-state forward.
+"""Teacher and student models: kd's one model interface, loading, vocab checks, the hidden forward.
 
-Both models are torchtune ``TransformerDecoder``s built by torchtune builders and loaded through
-torchtune checkpointers (all imported via :mod:`kd._torchtune`). The recipes run the decoders *without*
-their output projection (:func:`set_hidden_output`) and hand the final-norm hidden states plus the
-projection weight (:func:`output_weight`) to the fused loss, so no full-vocab logits tensor is built.
+Two backends build the models: torchtune builders (``TransformerDecoder``, loaded through torchtune
+checkpointers, all imported via :mod:`kd._torchtune`) and transformers (any causal LM of a local
+Hugging Face folder, :mod:`kd.hf.model`). The functions here take either and dispatch on the model,
+so the recipe, :mod:`kd.prepare`, :mod:`kd.distributed` and the memory tracers never ask which
+backend built a model. The recipes run the decoders *without* their output projection
+(:func:`set_hidden_output`) and hand the final-norm hidden states plus the projection weight
+(:func:`output_weight`) to the fused loss, so no full-vocab logits tensor is built.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import json
 import types
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from torch import nn
 from kd import _torchtune as tt
 from kd.config.run import LoraSettings
 from kd.errors import KDUserError, brief
+from kd.hf import model as hf
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -50,16 +55,38 @@ def has_plain_output(model: nn.Module) -> bool:
     A LoRA output projection (``apply_lora_to_output``) is not: its logits need the adapter path, so the
     recipe uses the unfused loss for such students.
     """
+    if hf.is_hf_model(model):
+        return hf.has_plain_output(model)
     out = model.output
     return isinstance(out, tt.TiedLinear) or type(out) is nn.Linear
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The output projection weight ``[V, D]`` (the embedding for tied models; the base weight of LoRA)."""
+    if hf.is_hf_model(model):
+        return hf.output_weight(model)
     out = model.output
     if isinstance(out, tt.TiedLinear):
         return out.tied_module.weight
     return out.weight
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: what FSDP2 shards one by one, activation checkpointing wraps and
+    ``compile`` compiles."""
+    return hf.decoder_layers(model) if hf.is_hf_model(model) else model.layers
+
+
+def input_embeddings(model: nn.Module) -> nn.Module:
+    """The token embedding module."""
+    return hf.input_embeddings(model) if hf.is_hf_model(model) else model.tok_embeddings
+
+
+def is_tied(model: nn.Module) -> bool:
+    """Whether the output projection shares the embedding's weight."""
+    if hf.is_hf_model(model):
+        return hf.is_tied(model)
+    return isinstance(model.output, tt.TiedLinear)
 
 
 def _unembed_hidden(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -73,7 +100,9 @@ def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:
 
     The module's forward (and so FSDP's hooks on it) still runs; only the last projection is skipped.
     """
-    if enabled:
+    if hf.is_hf_model(model):
+        hf.set_hidden_output(model, enabled)
+    elif enabled:
         model.unembed = types.MethodType(_unembed_hidden, model)
     elif "unembed" in model.__dict__:
         del model.__dict__["unembed"]
@@ -81,10 +110,14 @@ def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:
 
 def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Full logits ``[..., V]`` in fp32 from hidden states (the unfused path and evaluation)."""
+    if hf.is_hf_model(model):
+        return hf.logits_from_hidden(model, hidden)
     return model.output(hidden).float()
 
 
 def is_lora(model: nn.Module) -> bool:
+    if hf.is_hf_model(model):
+        return hf.is_lora(model)
     return any(isinstance(m, tt.LoRALinear) for m in model.modules())
 
 
@@ -96,25 +129,37 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 def reset_rope_buffers(model: nn.Module) -> None:
-    """Recompute RoPE caches after ``to_empty`` (they are buffers, not in the checkpoint)."""
+    """Recompute torchtune's RoPE caches after ``to_empty`` (buffers, not in the checkpoint)."""
     for m in model.modules():
         if hasattr(m, "rope_init"):
             m.rope_init()
 
 
-def unrecomputable_buffers(model: nn.Module) -> list[str]:
-    """Non-persistent buffers other than RoPE caches.
+def unrecomputable_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Non-persistent buffers other than torchtune's RoPE caches, by qualified name.
 
     Non-persistent buffers are in no state dict, so after distributed loading (meta build + rank 0
-    broadcast) kd can only recompute RoPE caches (:func:`reset_rope_buffers`); anything else would
-    be left uninitialised.
+    broadcast) they hold garbage: torchtune's RoPE caches are recomputed
+    (:func:`reset_rope_buffers`); these (transformers' ``inv_freq``, Gemma's ``embed_scale``) are
+    small and are sent from rank 0's real model instead (:func:`set_buffers`).
     """
-    return [
-        f"{name}.{buf}" if name else buf
+    return {
+        f"{name}.{buf}" if name else buf: m._buffers[buf]
         for name, m in model.named_modules()
         if not hasattr(m, "rope_init")
         for buf in m._non_persistent_buffers_set
-    ]
+        if m._buffers.get(buf) is not None
+    }
+
+
+def set_buffers(
+    model: nn.Module, buffers: Mapping[str, torch.Tensor], device: torch.device
+) -> None:
+    """Replace buffers by qualified name (rank 0's values of :func:`unrecomputable_buffers`)."""
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[leaf] = value.to(device)
 
 
 def load_weights(
@@ -174,9 +219,80 @@ def load_checkpointer_weights(
         ) from e
 
 
+TORCHTUNE = "torchtune"
+TRANSFORMERS = "transformers"
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a model's weights come from (either backend).
+
+    Attributes:
+        key: the config key whose folder it is (``checkpointer``, ``teacher_checkpointer`` for a
+            torchtune builder; ``model``, ``teacher_model`` for a Hugging Face folder).
+        field: that key's folder argument (``checkpoint_dir`` or ``path``), named in errors.
+        folder: the Hugging Face folder (config.json, safetensors, tokenizer files).
+        files: the weight files: the checkpointer's ``checkpoint_files`` as given, or the folder's
+            safetensors names.
+        backend: ``torchtune`` or ``transformers``.
+        model_type: the torchtune ``ModelType`` name, or config.json's ``model_type``.
+    """
+
+    key: str
+    field: str
+    folder: Path
+    files: Any
+    backend: str
+    model_type: str
+
+
+def weights_source(
+    model: nn.Module,
+    *,
+    model_key: str,
+    model_node: Mapping[str, Any],
+    ckpt_key: str,
+    ckpt_node: Mapping[str, Any],
+) -> WeightsSource:
+    """The :class:`WeightsSource` of a built model: its own folder for the transformers backend,
+    its checkpointer's for a torchtune builder.
+
+    Raises:
+        KDUserError: a Hugging Face folder without config.json or without safetensors weights.
+    """
+    if hf.is_hf_model(model):
+        folder = Path(str(model_node["path"])).expanduser()
+        files = [p.name for p in hf.weight_files(folder, key=model_key)]
+        return WeightsSource(
+            model_key, "path", folder, files, TRANSFORMERS, str(model.config.model_type)
+        )
+    return WeightsSource(
+        ckpt_key,
+        "checkpoint_dir",
+        Path(str(ckpt_node.get("checkpoint_dir"))).expanduser(),
+        ckpt_node.get("checkpoint_files"),
+        TORCHTUNE,
+        str(ckpt_node.get("model_type")),
+    )
+
+
+def load_model_weights(
+    model: nn.Module, source: WeightsSource, build_checkpointer: Callable[[], Any]
+) -> None:
+    """Load ``model``'s weights from ``source`` (its folder's safetensors, or its torchtune
+    checkpointer, built by ``build_checkpointer``); a LoRA student's adapters keep their init."""
+    if source.backend == TRANSFORMERS:
+        hf.load_folder_weights(model, source.folder, key=source.key)
+    else:
+        load_checkpointer_weights(model, build_checkpointer, key=source.key, folder=source.folder)
+
+
 def setup_lora_trainable(model: nn.Module) -> None:
     """Only adapter weights train; everything else is frozen."""
-    tt.set_trainable_params(model, tt.get_adapter_params(model))
+    if hf.is_hf_model(model):
+        hf.setup_lora_trainable(model)
+    else:
+        tt.set_trainable_params(model, tt.get_adapter_params(model))
 
 
 def peft_adapter_config(lora: LoraSettings) -> dict[str, Any]:
@@ -198,16 +314,17 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         checkpoint_wrapper,
     )
 
+    layers = {id(layer) for layer in decoder_layers(model)}
     apply_activation_checkpointing(
         model,
         checkpoint_wrapper_fn=checkpoint_wrapper,
-        check_fn=lambda m: isinstance(m, tt.TransformerSelfAttentionLayer),
+        check_fn=lambda m: id(m) in layers,
     )
 
 
 def compile_layers(model: nn.Module) -> None:
     """torch.compile each decoder layer (per-layer compile keeps compile time bounded)."""
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         layer.compile()
 
 
@@ -233,7 +350,9 @@ def tokenizer_max_id(tokenizer: Any) -> int:
 
 
 def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
-    """``(num_heads, num_kv_heads, head_dim)`` of a torchtune decoder's first layer, or None."""
+    """``(num_heads, num_kv_heads, head_dim)`` of a decoder's attention, or None."""
+    if hf.is_hf_model(model):
+        return hf.attention_shape(model)
     layers = getattr(model, "layers", None)
     attn = getattr(layers[0], "attn", None) if layers is not None and len(layers) else None
     values = [getattr(attn, name, None) for name in ("num_heads", "num_kv_heads", "head_dim")]
@@ -288,6 +407,46 @@ def tokenizer_files(node: Mapping[str, Any]) -> dict[str, Path]:
         f"tokenizer.{k}": Path(v).expanduser()
         for k, v in node.items()
         if k != "_component_" and isinstance(v, str) and Path(v).expanduser().is_file()
+    }
+
+
+# The files of a Hugging Face tokenizer folder (what AutoTokenizer reads).
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+def tokenizer_files_to_copy(node: Mapping[str, Any]) -> dict[str, Path]:
+    """The Hugging Face tokenizer files of the folder(s) a ``tokenizer`` node reads, by name.
+
+    Copied into a saved student whose model folder has no tokenizer of its own, so ``final/``
+    loads with ``AutoTokenizer``.
+
+    Args:
+        node: the ``tokenizer`` node's plain values: a ``path`` folder (``kd.hf.tokenizer``) or
+            file arguments (torchtune's builders; their folders are searched).
+    """
+    folders: list[Path] = []
+    for k, v in node.items():
+        if k == "_component_" or not isinstance(v, str):
+            continue
+        p = Path(v).expanduser()
+        folder = p if p.is_dir() else p.parent if p.is_file() else None
+        if folder is not None and folder not in folders:
+            folders.append(folder)
+    return {
+        name: folder / name
+        for folder in reversed(folders)
+        for name in HF_TOKENIZER_FILES
+        if (folder / name).is_file()
     }
 
 
@@ -385,7 +544,9 @@ def check_decoders(built: dict[str, tuple[Any, Any]]) -> None:
         KDUserError: naming the key and its ``_component_``.
     """
     for key, (target, model) in built.items():
-        if model is not None and not (isinstance(model, nn.Module) and hasattr(model, "output")):
+        if model is None or hf.is_hf_model(model):
+            continue
+        if not (isinstance(model, nn.Module) and hasattr(model, "output")):
             raise KDUserError(
                 f"{key}._component_: {target} built a {type(model).__name__}, not a decoder "
                 f"with an output projection; set {key}._component_ to a torchtune model builder"
@@ -401,7 +562,9 @@ def max_seq_len_problems(built: dict[str, Any], *, max_seq_len: int | None) -> l
     """
     problems = []
     for key, model in built.items():
-        longest = getattr(model, "max_seq_len", None)
+        longest = (
+            hf.max_seq_len(model) if hf.is_hf_model(model) else getattr(model, "max_seq_len", None)
+        )
         if isinstance(longest, int) and max_seq_len is not None and max_seq_len > longest:
             problems.append(
                 f"tokenizer.max_seq_len: {max_seq_len} tokens per example but {key} takes "

@@ -23,7 +23,6 @@ from torch import nn
 from kd import distributed, models
 from kd.config.run import FSDPSettings
 from kd.distributed import WorldInfo
-from kd.errors import KDUserError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -167,8 +166,7 @@ def materialize(
         world: this process's place in the job.
 
     Raises:
-        KDUserError: a model with non-persistent buffers that cannot be recomputed after
-            distributed loading; whatever ``build`` or ``load`` raise (on every rank).
+        KDUserError: whatever ``build`` or ``load`` raise (on every rank).
     """
 
     def built_and_loaded() -> nn.Module:
@@ -181,20 +179,18 @@ def materialize(
         assert model is not None
         return prepare(model, None)
     full = model.state_dict() if model is not None else {}  # tensors outlive the module
+    # Non-persistent buffers are in no state dict: torchtune's RoPE caches are recomputed, the
+    # rest (transformers' inv_freq, Gemma's embed_scale: small) come from rank 0's real model.
+    buffers = models.unrecomputable_buffers(model) if model is not None else {}
+    buffers = distributed.broadcast_object(buffers, world=world)
     del model
     distributed.sync_cpu_rng(world=world)
     meta = build(torch.device("meta"))
-    unknown = models.unrecomputable_buffers(meta)
-    if unknown:
-        raise KDUserError(
-            f"{key}: non-persistent buffers {unknown[:3]} cannot be recomputed after distributed "
-            "loading; use a builder whose only non-persistent buffers are RoPE caches, or run on "
-            "one device"
-        )
     prepare(meta, shard)
     # Shards live on the device, or in CPU memory with cpu_offload.
     init_device = torch.device("cpu") if shard.cpu_offload else device
     distributed.load_into_meta_sharded(meta, full, init_device=init_device, world=world)
     with device:  # buffers are not offloaded: RoPE caches belong on the device
         models.reset_rope_buffers(meta)
+    models.set_buffers(meta, buffers, device)
     return meta

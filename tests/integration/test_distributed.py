@@ -158,7 +158,7 @@ def test_lora_student(assets, tmp_path):
     one, two = _pair(assets, tmp_path, "lora", global_batch=8, accum=1, lora=True)
     _assert_same_metrics(one, two, steps=3)
     _assert_same_files(one / "final", two / "final")
-    _assert_same_files(one / "final", two / "final", "adapter_model.safetensors")
+    _assert_same_files(one / "final", two / "final", "adapter/adapter_model.safetensors")
 
 
 @pytest.mark.slow

@@ -278,7 +278,7 @@ def test_reset_rope_buffers_after_to_empty():
 
 def test_unrecomputable_buffers():
     m = plain()
-    assert models.unrecomputable_buffers(m) == []  # only RoPE caches are non-persistent
+    assert models.unrecomputable_buffers(m) == {}  # only RoPE caches are non-persistent
     m.layers[1].mlp.register_buffer("mask", torch.ones(3), persistent=False)
     m.register_buffer("top", torch.ones(1), persistent=False)
     m.layers[0].register_buffer("saved", torch.ones(1))  # persistent: in the state dict

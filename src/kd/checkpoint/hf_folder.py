@@ -36,9 +36,21 @@ from kd.checkpoint.layout import (
 from kd.config.validate import checkpoint_file_names
 from kd.errors import KDUserError, brief
 
+# What makes a folder a tokenizer for AutoTokenizer (kd.models.HF_TOKENIZER_FILES has them all).
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # kd's own files: never copied from a source folder that is itself a kd checkpoint.
-_KD_FILES = frozenset({MARKER_FILE, RECIPE_STATE_FILE, CONFIG_SNAPSHOT_FILE, ADAPTER_CONFIG_FILE})
+# A PEFT adapter's files are never copied either: at the top of a folder they make transformers
+# load the adapter's base model instead of the folder's weights.
+_KD_FILES = frozenset(
+    {
+        MARKER_FILE,
+        RECIPE_STATE_FILE,
+        CONFIG_SNAPSHOT_FILE,
+        Path(ADAPTER_CONFIG_FILE).name,
+        Path(ADAPTER_MODEL_FILE).name,
+    }
+)
 
 
 def read_hf_config(model_dir: Path, *, key: str = "checkpointer") -> dict[str, Any]:
@@ -103,6 +115,7 @@ def hf_config_problems(
     *,
     key: str,
     heads: tuple[int, int, int] | None = None,
+    field: str = "checkpoint_dir",
 ) -> list[str]:
     """Where a model folder's ``config.json`` contradicts its weights (empty when it agrees).
 
@@ -189,6 +202,7 @@ def checkpoint_config_problems(
     *,
     key: str,
     heads: tuple[int, int, int] | None = None,
+    field: str = "checkpoint_dir",
 ) -> list[str]:
     """Where a checkpointer's ``config.json`` contradicts its safetensors, read from the headers
     only (no weight is read), so a wrong config never converts the weights nor reaches ``final/``.
@@ -212,7 +226,7 @@ def checkpoint_config_problems(
     shapes = safetensors_shapes([root / n for n in names if n.endswith(".safetensors")])
     if not shapes:
         return []
-    return hf_config_problems(root, shapes, key=key, heads=heads)
+    return hf_config_problems(root, shapes, key=key, heads=heads, field=field)
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -240,8 +254,9 @@ def save_hf_model(
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
     adapter_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    extra_files: dict[str, Path] | None = None,
 ) -> None:
-    """Write the student as an HF model folder into the existing folder ``dest``.
+    """Write a torchtune student as an HF model folder into the existing folder ``dest``.
 
     Args:
         dest: an existing (usually temporary) folder.
@@ -255,10 +270,10 @@ def save_hf_model(
         adapter_config: LoRA only: ``{"r", "lora_alpha", "target_modules", ...}`` in torchtune's
             form (target modules ``q_proj``, ``output_proj``, ``w1``...).
         dtype: cast floating tensors to this dtype (None keeps each tensor's dtype).
+        extra_files: as in :func:`write_hf_folder`.
     """
     from kd import _torchtune as tt  # only writing a model needs torchtune (a multi-second import)
 
-    dest = Path(dest)
     source_dir = Path(source_dir)
     hf_config = read_hf_config(source_dir)
 
@@ -276,40 +291,13 @@ def save_hf_model(
         state_dict = tt.get_merged_lora_ckpt(
             state_dict, rank=int(adapter_config["r"]), alpha=float(adapter_config["lora_alpha"])
         )
-    hf_state = {
-        k: _prepare(v, dtype)
-        for k, v in tune_to_hf_state_dict(
-            state_dict, model_type=model_type, hf_config=hf_config
-        ).items()
-    }
-
-    for item in sorted(source_dir.iterdir()):
-        name = item.name
-        if not item.is_file() or name.startswith(".") or name == HF_CONFIG_FILE:
-            continue
-        if _is_weight_file(name) or name in _KD_FILES:
-            continue
-        shutil.copyfile(item, dest / name)
-
-    # config.json says which dtype the weights are in; transformers' dtype="auto" reads it.
-    saved_dtype = dtype or next((v.dtype for v in hf_state.values() if v.is_floating_point()), None)
-    if saved_dtype is not None:
-        dtype_keys = [k for k in ("torch_dtype", "dtype") if k in hf_config] or ["torch_dtype"]
-        for k in dtype_keys:
-            hf_config[k] = _dtype_name(saved_dtype)
-    (dest / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    save_file(hf_state, str(dest / MODEL_FILE), metadata={"format": "pt"})
-
+    hf_state = tune_to_hf_state_dict(state_dict, model_type=model_type, hf_config=hf_config)
+    peft_state = peft_config = None
     if adapter_state_dict is not None:
         if adapter_config is None:
             raise ValueError("adapter_state_dict needs adapter_config")
         peft_state = tune_to_peft_adapter_state_dict(
             adapter_state_dict, model_type=model_type, hf_config=hf_config
-        )
-        save_file(
-            {k: _prepare(v, dtype) for k, v in peft_state.items()},
-            str(dest / ADAPTER_MODEL_FILE),
-            metadata={"format": "pt"},
         )
         peft_config = tt.tune_to_peft_adapter_config(
             copy.deepcopy(dict(adapter_config)), base_model_name_or_path=str(source_dir.resolve())
@@ -320,8 +308,80 @@ def save_hf_model(
         peft_config.setdefault(
             "use_dora", any(k.endswith(".magnitude") for k in adapter_state_dict)
         )
+    write_hf_folder(
+        dest,
+        hf_state,
+        source_dir=source_dir,
+        adapter_state=peft_state,
+        adapter_config=peft_config,
+        dtype=dtype,
+        extra_files=extra_files,
+    )
+
+
+def write_hf_folder(
+    dest: Path,
+    hf_state: dict[str, torch.Tensor],
+    *,
+    source_dir: Path,
+    adapter_state: dict[str, torch.Tensor] | None = None,
+    adapter_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    extra_files: dict[str, Path] | None = None,
+) -> None:
+    """Write an HF model folder (either backend) into the existing folder ``dest``.
+
+    Args:
+        dest: an existing (usually temporary) folder.
+        hf_state: weights in transformers' names (merged; no LoRA keys), on CPU.
+        source_dir: the student's original HF folder: its ``config.json`` (with the saved dtype)
+            and every non-weight file (tokenizer files, chat template, generation config) are
+            copied, so the folder loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``.
+        adapter_state: LoRA only: the adapter in PEFT's names (``base_model.model.*.lora_A.weight``).
+        adapter_config: LoRA only: the contents of ``adapter_config.json``.
+        dtype: cast floating tensors to this dtype (None keeps each tensor's dtype).
+        extra_files: file name -> a tokenizer file to copy too when ``source_dir`` holds no
+            tokenizer file (the files of a tokenizer kept outside the model folder).
+    """
+    dest = Path(dest)
+    source_dir = Path(source_dir)
+    hf_config = read_hf_config(source_dir)
+    hf_state = {k: _prepare(v, dtype) for k, v in hf_state.items()}
+
+    copied = set()
+    for item in sorted(source_dir.iterdir()):
+        name = item.name
+        if not item.is_file() or name.startswith(".") or name == HF_CONFIG_FILE:
+            continue
+        if _is_weight_file(name) or name in _KD_FILES:
+            continue
+        shutil.copyfile(item, dest / name)
+        copied.add(name)
+    if not copied & set(TOKENIZER_FILE_NAMES):
+        for name, path in (extra_files or {}).items():
+            if name not in copied and name != HF_CONFIG_FILE and Path(path).is_file():
+                shutil.copyfile(path, dest / name)
+
+    # config.json says which dtype the weights are in; transformers' dtype="auto" reads it.
+    saved_dtype = dtype or next((v.dtype for v in hf_state.values() if v.is_floating_point()), None)
+    if saved_dtype is not None:
+        dtype_keys = [k for k in ("torch_dtype", "dtype") if k in hf_config] or ["torch_dtype"]
+        for k in dtype_keys:
+            hf_config[k] = _dtype_name(saved_dtype)
+    (dest / HF_CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    save_file(hf_state, str(dest / MODEL_FILE), metadata={"format": "pt"})
+
+    if adapter_state is not None:
+        if adapter_config is None:
+            raise ValueError("adapter_state needs adapter_config")
+        (dest / ADAPTER_MODEL_FILE).parent.mkdir(exist_ok=True)
+        save_file(
+            {k: _prepare(v, dtype) for k, v in adapter_state.items()},
+            str(dest / ADAPTER_MODEL_FILE),
+            metadata={"format": "pt"},
+        )
         (dest / ADAPTER_CONFIG_FILE).write_text(
-            json.dumps(peft_config, indent=2, sort_keys=True) + "\n"
+            json.dumps(adapter_config, indent=2, sort_keys=True, default=sorted) + "\n"
         )
 
 

@@ -12,8 +12,11 @@ CONFIG_SNAPSHOT_FILE = "config.yaml"
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 HF_CONFIG_FILE = "config.json"
-ADAPTER_MODEL_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
+# A LoRA student's PEFT adapter lives in a subfolder: with adapter_config.json at the top,
+# transformers' from_pretrained would load the base model + adapter instead of the merged weights.
+ADAPTER_DIR = "adapter"
+ADAPTER_MODEL_FILE = f"{ADAPTER_DIR}/adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = f"{ADAPTER_DIR}/adapter_config.json"
 FINAL_DIRNAME = "final"
 
 

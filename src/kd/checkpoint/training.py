@@ -10,7 +10,7 @@ full copy and a checkpoint of N ranks resumes on M.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,14 @@ import torch
 from kd import _torchtune as tt
 from kd import distributed, models
 from kd.checkpoint.convert import hf_to_tune_state_dict
-from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model
+from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model, write_hf_folder
 from kd.checkpoint.layout import RECIPE_STATE_FILE
 from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
+from kd.hf import model as hf
 
 log = logging.getLogger("kd")
 
@@ -35,15 +36,21 @@ class StudentSource:
     """Where the student came from: what an HF export of it needs.
 
     Attributes:
-        model_type: torchtune ``ModelType`` name (``checkpointer.model_type``).
-        source_dir: the student's HF folder (``checkpointer.checkpoint_dir``): its config.json and
-            tokenizer files are copied next to the saved weights.
+        model_type: torchtune ``ModelType`` name (``checkpointer.model_type``); for the
+            transformers backend, config.json's ``model_type``.
+        source_dir: the student's HF folder (``checkpointer.checkpoint_dir`` or ``model.path``):
+            its config.json and tokenizer files are copied next to the saved weights.
         lora: the LoRA settings of a LoRA student, None for a full fine-tune.
+        backend: ``torchtune`` (weights are converted to HF names) or ``transformers``.
+        tokenizer_files: file name -> path of the run's tokenizer files, copied when the source
+            folder has none of that name (a tokenizer kept outside the model folder).
     """
 
     model_type: str
     source_dir: Path
     lora: LoraSettings | None
+    backend: str = "torchtune"
+    tokenizer_files: dict[str, Path] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,9 @@ def save_training_checkpoint(
 
         def write_model(dest: Path) -> None:
             lora = source.lora
+            if source.backend == TRANSFORMERS:
+                _write_hf_student(dest, student, full, source)
+                return
             save_hf_model(
                 dest,
                 full,
@@ -101,6 +111,7 @@ def save_training_checkpoint(
                 # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
                 adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
                 adapter_config=models.peft_adapter_config(lora) if lora else None,
+                extra_files=source.tokenizer_files,
             )
 
         path = save_checkpoint(
@@ -114,6 +125,33 @@ def save_training_checkpoint(
         )
     distributed.barrier()
     return path
+
+
+TRANSFORMERS = "transformers"
+
+
+def _write_hf_student(
+    dest: Path, student: torch.nn.Module, full: dict[str, torch.Tensor], source: StudentSource
+) -> None:
+    """A transformers student's folder: merged weights, and its PEFT adapter when LoRA."""
+    lora = source.lora
+    adapter_state = adapter_config = None
+    if lora is not None:
+        adapter_state = hf.peft_adapter_state_dict(full)
+        adapter_config = hf.peft_adapter_config(student, base=source.source_dir)
+    write_hf_folder(
+        dest,
+        hf.hf_state_dict(
+            student,
+            full,
+            lora_alpha=lora.alpha if lora else None,
+            rank=lora.rank if lora else None,
+        ),
+        source_dir=source.source_dir,
+        adapter_state=adapter_state,
+        adapter_config=adapter_config,
+        extra_files=source.tokenizer_files,
+    )
 
 
 # What restore_training_checkpoint reads from a recipe state, and the type each must have.
@@ -196,6 +234,8 @@ def _restore(
     weights: dict[str, torch.Tensor] = {}
     if source.lora is not None:
         weights = state.get("adapter", {})
+    elif rank0 and source.backend == TRANSFORMERS:
+        weights = hf.to_model_names(student, load_hf_weights(ckpt))
     elif rank0:
         weights = hf_to_tune_state_dict(
             load_hf_weights(ckpt),

@@ -94,11 +94,15 @@ class Allowed:
     targets: frozenset[str]
 
 
+# The transformers backend: any causal LM of a local Hugging Face folder (kd/hf/model.py).
+HF_MODEL_BUILDERS = _in("kd.hf", ("causal_lm", "lora_causal_lm"))
+
 MODELS = Allowed(
+    "kd.hf.causal_lm / kd.hf.lora_causal_lm (a Hugging Face folder), or "
     "torchtune.models.<family>.<builder> decoders and lora_ builders such as "
     "torchtune.models.qwen2_5.qwen2_5_3b",
     "torchtune.models.qwen2_5.qwen2_5_3b",
-    frozenset().union(
+    HF_MODEL_BUILDERS.union(
         *(
             _in(f"torchtune.models.{package}", (*names, *(f"lora_{n}" for n in names)))
             for package, names in _MODEL_BUILDERS.items()

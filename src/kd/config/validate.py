@@ -92,7 +92,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         Every problem found, each naming the key and the fix.
     """
     problems: list[Problem] = []
-    _check_keys(data, schema.TOP_LEVEL, "", problems)
+    _check_keys(data, schema.TOP_LEVEL, "", problems, optional=_hf_checkpointers(data, problems))
     _check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
         node = data.get(name)
@@ -290,6 +290,7 @@ def _check_keys(
     prefix: str,
     problems: list[Problem],
     required: bool = True,
+    optional: frozenset[str] = frozenset(),
 ) -> None:
     for name, value in data.items():
         dotted = f"{prefix}{name}"
@@ -312,6 +313,8 @@ def _check_keys(
     if not required:
         return
     for name, key in keys.items():
+        if name in optional:
+            continue
         if key.default is schema.MISSING and (name not in data or data[name] == schema.MISSING):
             problems.append(
                 Problem(f"{prefix}{name}", f"required key is missing; add it ({key.help})")
@@ -368,6 +371,45 @@ def _check_loss(value: Any, problems: list[Problem]) -> None:
     )
 
 
+# Model key -> its checkpointer key (torchtune builders; a Hugging Face model's folder is its own).
+_CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
+HF_MODEL_PREFIX = "kd.hf."
+
+
+def is_hf_model_node(node: Any) -> bool:
+    """Whether a model node uses the transformers backend (``_component_: kd.hf.*``)."""
+    return isinstance(node, dict) and str(node.get("_component_", "")).startswith(HF_MODEL_PREFIX)
+
+
+def _hf_checkpointers(data: dict[str, Any], problems: list[Problem]) -> frozenset[str]:
+    """The checkpointer keys a config needs not have (their model is a Hugging Face folder); a
+    checkpointer set for such a model is a problem (which weights would load is ambiguous)."""
+    optional = set()
+    for model_key, ckpt_key in _CHECKPOINTER_OF.items():
+        node = data.get(model_key)
+        if not is_hf_model_node(node):
+            continue
+        optional.add(ckpt_key)
+        if data.get(ckpt_key) not in (None, schema.MISSING):
+            problems.append(
+                Problem(
+                    ckpt_key,
+                    f"{model_key} is {node['_component_']}, which loads the weights of "
+                    f"{model_key}.path; remove {ckpt_key} (it is for torchtune builders)",
+                )
+            )
+        path = node.get("path")
+        if not isinstance(path, str) or not path.strip():
+            problems.append(
+                Problem(
+                    f"{model_key}.path",
+                    "required: the local Hugging Face folder (config.json + *.safetensors) "
+                    f"that {node['_component_']} loads",
+                )
+            )
+    return frozenset(optional)
+
+
 def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
     """``teacher_model: null`` is plain fine-tuning: only with ``kd_ratio: 0``."""
     if "teacher_model" in data and data["teacher_model"] is None:
@@ -380,7 +422,11 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
                     "builder, or kd_ratio=0 for plain fine-tuning",
                 )
             )
-    elif "teacher_checkpointer" in data and data["teacher_checkpointer"] is None:
+    elif (
+        "teacher_checkpointer" in data
+        and data["teacher_checkpointer"] is None
+        and not is_hf_model_node(data.get("teacher_model"))
+    ):
         problems.append(
             Problem(
                 "teacher_checkpointer",
@@ -499,6 +545,20 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
         node = data.get(name)
         if isinstance(node, dict):
             _check_checkpointer(name, node, problems)
+    for name in _CHECKPOINTER_OF:
+        node = data.get(name)
+        path = node.get("path") if is_hf_model_node(node) else None
+        if isinstance(path, str) and path.strip() and _path_ok(f"{name}.path", path, problems):
+            folder = Path(path).expanduser()
+            if not (folder / "config.json").is_file():
+                what = "does not exist" if not folder.exists() else "has no config.json"
+                problems.append(
+                    Problem(
+                        f"{name}.path",
+                        f"{path} {what}; point it at a local Hugging Face model folder "
+                        "(config.json + *.safetensors)",
+                    )
+                )
     tokenizer = data.get("tokenizer")
     if isinstance(tokenizer, dict):
         for sub in ("path", "merges_file", "special_tokens_path"):

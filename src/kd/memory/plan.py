@@ -223,10 +223,14 @@ def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> ModelShape:
     data = OmegaConf.to_container(node, resolve=True)
     assert isinstance(data, dict)
     comp = str(data.pop("_component_", ""))
+    # A Hugging Face model (kd.hf.*) is sized from its own folder's config.json.
+    config_path = (
+        os.path.join(os.path.expanduser(str(data["path"])), "config.json")
+        if "path" in data
+        else _hf_config_path(run.components[ckpt_key])
+    )
     try:
-        return shape_from_component(
-            comp, data, hf_config_path=_hf_config_path(run.components[ckpt_key])
-        )
+        return shape_from_component(comp, data, hf_config_path=config_path)
     except ShapeError as e:
         raise KDUserError(
             f"{model_key}: cannot plan memory: {e}; use a torchtune builder or set "

@@ -65,6 +65,10 @@ from kd.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
 
+# The checkpointer of each model key (torchtune builders only: a Hugging Face model's folder is
+# its checkpoint).
+CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
+
 
 class KDRecipe:
     """Distil ``teacher_model`` into ``model`` (the student). See the module docstring for knobs.
@@ -133,14 +137,16 @@ class KDRecipe:
             teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
         )
         problems += models.max_seq_len_problems(built, max_seq_len=run.max_seq_len)
-        for ckpt_key, model in (("checkpointer", student), ("teacher_checkpointer", teacher)):
+        self.sources: dict[str, models.WeightsSource] = {}
+        for key, model in built.items():
             if model is not None:
-                node = self._node(ckpt_key)
+                src = self.sources[key] = self._weights_source(key, model)
                 problems += checkpoint.checkpoint_config_problems(
-                    node.get("checkpoint_dir"),
-                    node.get("checkpoint_files"),
-                    key=ckpt_key,
+                    str(src.folder),
+                    src.files,
+                    key=src.key,
                     heads=models.attention_shape(model),
+                    field=src.field,
                 )
         if problems:
             raise KDUserError("\n".join(problems))
@@ -176,6 +182,16 @@ class KDRecipe:
         self.total_steps = self.steps_per_epoch * run.epochs
         if self.resume_from is not None:
             checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
+
+    def _weights_source(self, key: str, model: torch.nn.Module) -> models.WeightsSource:
+        ckpt_key = CHECKPOINTER_OF[key]
+        return models.weights_source(
+            model,
+            model_key=key,
+            model_node=self._node(key),
+            ckpt_key=ckpt_key,
+            ckpt_node=self._node(ckpt_key),
+        )
 
     def _check_memory(self) -> None:
         budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
@@ -216,10 +232,8 @@ class KDRecipe:
             world_size=self.world.world_size,
             rank=self.world.rank,
         )
-        self.teacher = (
-            self._load_model("teacher_model", "teacher_checkpointer") if run.has_teacher else None
-        )
-        self.student = self._load_model("model", "checkpointer")
+        self.teacher = self._load_model("teacher_model") if run.has_teacher else None
+        self.student = self._load_model("model")
         trainable = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = (
             train.cpu_offload_optimizer(
@@ -251,26 +265,26 @@ class KDRecipe:
         if self.world.is_rank_zero:
             self._open_outputs()
 
-    def _load_model(self, key: str, ckpt_key: str) -> torch.nn.Module:
-        """The model of ``key`` with the weights of ``ckpt_key``, prepared (and sharded when
-        distributed: rank 0 alone reads the files, :func:`kd.prepare.materialize`)."""
+    def _load_model(self, key: str) -> torch.nn.Module:
+        """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
+        (and sharded when distributed: rank 0 alone reads the files,
+        :func:`kd.prepare.materialize`)."""
+        ckpt_key = CHECKPOINTER_OF[key]
 
         def build(device: torch.device) -> torch.nn.Module:
             with models.default_dtype(self.dtype), device:
                 return self._build(key, fix="fix the builder's arguments")
 
         def load(model: torch.nn.Module) -> None:
-            node = self._node(ckpt_key)
             outputs.make_checkpointer_output_dir(
-                node.get("output_dir"), key=ckpt_key, run_dir=self.output_dir
+                self._node(ckpt_key).get("output_dir"), key=ckpt_key, run_dir=self.output_dir
             )
-            models.load_checkpointer_weights(
+            models.load_model_weights(
                 model,
+                self.sources[key],
                 lambda: self._build(
                     ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
                 ),
-                key=ckpt_key,
-                folder=node.get("checkpoint_dir"),
             )
 
         def prepare(model: torch.nn.Module, shard: ShardSpec | None) -> torch.nn.Module:
@@ -451,12 +465,13 @@ class KDRecipe:
         )
 
     def _source(self) -> StudentSource:
-        node = self.run.components["checkpointer"]
-        assert node is not None
+        src = self.sources["model"]
         return StudentSource(
-            model_type=str(node.model_type),
-            source_dir=Path(node.checkpoint_dir),
+            model_type=src.model_type,
+            source_dir=src.folder,
             lora=self.run.lora,
+            backend=src.backend,
+            tokenizer_files=models.tokenizer_files_to_copy(self._node("tokenizer")),
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
