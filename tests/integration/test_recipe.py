@@ -89,7 +89,7 @@ def test_saved_student_matches_transformers(assets, tmp_path, lora):
     theirs = _hf_logits(tmp_path / "run" / "final", tokens)
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
     if lora:
-        assert (tmp_path / "run" / "final" / "adapter" / "adapter/adapter_model.safetensors").exists()
+        assert (tmp_path / "run" / "final" / "adapter" / "adapter_model.safetensors").exists()
         assert (tmp_path / "run" / "final" / "adapter" / "adapter_config.json").exists()
 
 
@@ -167,7 +167,7 @@ def test_torchtune_kd_config_runs(assets, tmp_path):
     code = cli.main(["run", "kd_single_device", "--config", str(tt_cfg), *overrides])
     assert code == 0
     assert len(read_metrics(out)) == 2
-    assert (out / "final" / "adapter" / "adapter/adapter_model.safetensors").exists()
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 def test_misspelled_key_exits_2_one_line(assets, tmp_path):

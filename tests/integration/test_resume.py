@@ -239,8 +239,8 @@ def test_lora_with_seed_null_resumes_bit_identical(assets, tmp_path, monkeypatch
     assert run_cli(ref_config) == 0
     assert_bit_identical(ref, out)
     assert_same_metrics(ref, out)
-    adapter_a = load_file(ref / "final" / "adapter" / "adapter/adapter_model.safetensors")
-    adapter_b = load_file(out / "final" / "adapter" / "adapter/adapter_model.safetensors")
+    adapter_a = load_file(ref / "final" / "adapter" / "adapter_model.safetensors")
+    adapter_b = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
     assert all(torch.equal(adapter_a[k], adapter_b[k]) for k in adapter_a)
 
 
