@@ -135,6 +135,8 @@ def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) ->
             example = dataset[i]
             labels = list(example["labels"])
             length = len(example["tokens"])
+        except KDUserError:
+            raise  # already names its key (a chat template kd.hf.tokenizer cannot split)
         except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
             raise KDUserError(
                 f"dataset: example {i} cannot be read ({brief(e)}); check dataset.column_map "

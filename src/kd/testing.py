@@ -7,6 +7,9 @@ config at:
 - :func:`write_tokenizer`: a Qwen2.5-style byte-level BPE tokenizer (``vocab.json``,
   ``merges.txt``, ``tokenizer.json``) for torchtune's ``qwen2_5_tokenizer``;
   :func:`tokenizer_node` is the ``tokenizer:`` config node that loads it.
+- :func:`write_hf_tokenizer`: the same ids as a Hugging Face tokenizer folder (``tokenizer.json``,
+  ``tokenizer_config.json`` with a chat template, :data:`CHATML` by default) for
+  transformers' ``AutoTokenizer`` and ``kd.hf.tokenizer``; :func:`hf_tokenizer_node` is its node.
 - :func:`write_tiny_model`: a random-init :class:`TinyModel` (Qwen2 or Llama shaped) as a Hugging
   Face folder (``model.safetensors`` + ``config.json``) that transformers' ``AutoModelForCausalLM``
   and torchtune's ``FullModelHFCheckpointer`` both load; :func:`checkpointer_node` is the
@@ -53,6 +56,20 @@ IM_START_ID = 257
 IM_END_ID = 258
 TOKENIZER_VOCAB_SIZE = NUM_BYTE_TOKENS + 22
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json")
+
+# The ChatML chat template of Qwen2.5 / SmolLM2 (without their default system prompt): each message
+# is `<|im_start|>{role}\n{content}<|im_end|>\n`; the generation prompt is `<|im_start|>assistant\n`.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen2's pre-tokenizer split (its tokenizer.json); with no merges it changes no id.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|"
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 MODEL_FILE = "model.safetensors"
 HF_CONFIG_FILE = "config.json"
@@ -124,6 +141,86 @@ def tokenizer_node(tokenizer_dir: Path, max_seq_len: int | None = None) -> dict[
         "path": str(tokenizer_dir / "vocab.json"),
         "merges_file": str(tokenizer_dir / "merges.txt"),
         "special_tokens_path": str(tokenizer_dir / "tokenizer.json"),
+        "max_seq_len": max_seq_len,
+    }
+
+
+def write_hf_tokenizer(dest: Path, *, chat_template: str | None = CHATML) -> Path:
+    """Write :func:`write_tokenizer`'s tokenizer as a Hugging Face tokenizer folder.
+
+    Same ids (0..255 the bytes, ``<|endoftext|>`` = 256, ``<|im_start|>`` = 257,
+    ``<|im_end|>`` = 258, ... up to 277): a byte-level BPE ``tokenizer.json`` without merges
+    (Qwen2's normalizer, pre-tokenizer and decoder) built with the ``tokenizers`` library, and a
+    ``tokenizer_config.json`` as Qwen2.5-Instruct's (no bos, eos ``<|im_end|>``, pad
+    ``<|endoftext|>``). ``AutoTokenizer.from_pretrained(dest)`` loads it; so does
+    :func:`hf_tokenizer_node`. ``dest`` may be a model folder (a downloaded model holds its
+    tokenizer).
+
+    Args:
+        dest: folder to write into (created).
+        chat_template: the Jinja chat template (None: the folder has none).
+
+    Returns:
+        ``dest``.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
+
+    from kd import _torchtune as tt
+
+    dest.mkdir(parents=True, exist_ok=True)
+    b2u = tt.bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(NUM_BYTE_TOKENS)}, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    names = sorted(tt.QWEN2_5_SPECIAL_TOKENS, key=tt.QWEN2_5_SPECIAL_TOKENS.get)
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    tok.save(str(dest / "tokenizer.json"))
+    config: dict[str, Any] = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "errors": "replace",
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dest
+
+
+def hf_tokenizer_node(tokenizer_dir: Path, max_seq_len: int | None = None) -> dict[str, Any]:
+    """The ``tokenizer:`` config node that loads a :func:`write_hf_tokenizer` folder.
+
+    Args:
+        tokenizer_dir: the folder (a model folder holding the tokenizer files is fine).
+        max_seq_len: the tokenizer's truncation length (None: no truncation).
+
+    Returns:
+        A plain dict for ``kd.hf.tokenizer``.
+    """
+    return {
+        "_component_": "kd.hf.tokenizer",
+        "path": str(tokenizer_dir),
         "max_seq_len": max_seq_len,
     }
 
