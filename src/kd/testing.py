@@ -55,7 +55,7 @@ ENDOFTEXT_ID = 256
 IM_START_ID = 257
 IM_END_ID = 258
 TOKENIZER_VOCAB_SIZE = NUM_BYTE_TOKENS + 22
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
 
 # The ChatML chat template of Qwen2.5 / SmolLM2 (without their default system prompt): each message
 # is `<|im_start|>{role}\n{content}<|im_end|>\n`; the generation prompt is `<|im_start|>assistant\n`.
@@ -101,10 +101,12 @@ def write_tokenizer(dest: Path) -> Path:
 
     Ids 0..255 are the bytes, 256..277 the special tokens (``<|endoftext|>`` = 256,
     ``<|im_start|>`` = 257, ``<|im_end|>`` = 258); there are no merges, so every ASCII character is
-    one token. Load it with :func:`tokenizer_node` (torchtune's ``qwen2_5_tokenizer``).
+    one token. Load it with :func:`tokenizer_node` (torchtune's ``qwen2_5_tokenizer``), with
+    :func:`hf_tokenizer_node` (``kd.hf.tokenizer``) or with ``AutoTokenizer``.
 
     Args:
-        dest: folder to write ``vocab.json``, ``merges.txt`` and ``tokenizer.json`` into (created).
+        dest: folder to write ``vocab.json``, ``merges.txt``, ``tokenizer.json`` and
+            ``tokenizer_config.json`` into (created).
 
     Returns:
         ``dest``.
@@ -118,12 +120,9 @@ def write_tokenizer(dest: Path) -> Path:
         encoding="utf-8",
     )
     (dest / "merges.txt").write_text("#version: 0.2\n")
-    names = sorted(tt.QWEN2_5_SPECIAL_TOKENS, key=tt.QWEN2_5_SPECIAL_TOKENS.get)
-    added = [
-        {"id": NUM_BYTE_TOKENS + i, "content": n, "special": True} for i, n in enumerate(names)
-    ]
-    (dest / "tokenizer.json").write_text(json.dumps({"added_tokens": added}, indent=1))
-    return dest
+    # tokenizer.json (torchtune reads its added_tokens) and tokenizer_config.json: the same
+    # tokenizer for transformers' AutoTokenizer and kd.hf.tokenizer.
+    return write_hf_tokenizer(dest)
 
 
 def tokenizer_node(tokenizer_dir: Path, max_seq_len: int | None = None) -> dict[str, Any]:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TEACHER, make_config, read_metrics, tiny_model, write_config
+from conftest import MAX_SEQ_LEN, TEACHER, make_config, read_metrics, tiny_model, write_config
 from safetensors.torch import load_file
 
 from kd import cli
 from kd.recipes.kd import KDRecipe
-from kd.testing import TinyModel, write_tiny_model
+from kd.testing import TinyModel, hf_tokenizer_node, write_tiny_model
 
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
 TOL = 1e-5
@@ -47,8 +47,10 @@ def hf_config(
     lora: bool = False,
     **top,
 ) -> dict:
-    """``make_config`` with the student and/or teacher on the transformers backend."""
+    """``make_config`` with the student and/or teacher on the transformers backend, and the
+    tokenizer read by ``kd.hf.tokenizer`` from its folder."""
     cfg = make_config(assets, out, lora=lora and student == "tt", **top)
+    cfg["tokenizer"] = hf_tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN)
     if student == "hf":
         cfg["model"] = hf_node(assets["student"], lora=lora)
         del cfg["checkpointer"]
@@ -97,7 +99,10 @@ def llama_assets(assets, tmp_path_factory) -> dict:
 
 
 def _torchtune_config(assets: dict, out: Path, **top) -> dict:
+    """torchtune builders and checkpointers, with the folder tokenizer (kd.hf.tokenizer works with
+    either backend; torchtune's Qwen2.5 tokenizer would not pass for Llama models)."""
     cfg = make_config(assets, out, **top)
+    cfg["tokenizer"] = hf_tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN)
     if "student_shape" in assets:  # llama: the builders of those shapes
         cfg["model"] = assets["student_shape"].builder()
         cfg["teacher_model"] = assets["teacher_shape"].builder()
@@ -150,15 +155,15 @@ def test_lora_final_loads_merged_and_as_peft_adapter(assets, tmp_path):
     assert run(hf_config(assets, out, lora=True), tmp_path / "c.yaml") == 0
     final = out / "final"
     merged = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        assets["student"], dtype=torch.float32
-    )
-    adapted = peft.PeftModel.from_pretrained(base, final / "adapter").eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(assets["student"], dtype=torch.float32)
     tokens = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    untrained = _hf_logits(base.eval(), tokens)
+    adapted = peft.PeftModel.from_pretrained(base, final / "adapter").eval()
     a, b = _hf_logits(merged, tokens), _hf_logits(adapted, tokens)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    untrained = _hf_logits(base.get_base_model(), tokens)
     assert (a - untrained).abs().max() > 1e-4  # the adapters trained
+    tokenizer = transformers.AutoTokenizer.from_pretrained(final)  # copied with the weights
+    assert tokenizer.chat_template and tokenizer("abc")["input_ids"] == [97, 98, 99]
     config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
     assert sorted(config["target_modules"]) == [
@@ -210,7 +215,10 @@ def test_sigterm_then_resume_is_bit_identical(assets, tmp_path, monkeypatch, lor
         assert run(config, tmp_path / "run.yaml") == 0
     assert not (out / "final").exists()
     assert run(config, tmp_path / "run.yaml", "resume_from_checkpoint=true") == 0
-    a, b = load_file(ref / "final" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    a, b = (
+        load_file(ref / "final" / "model.safetensors"),
+        load_file(out / "final" / "model.safetensors"),
+    )
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert_same_metrics(ref, out, tol=0)
@@ -227,7 +235,9 @@ def test_user_mistakes_are_one_line_each(assets, tmp_path, capsys):
     # A folder that does not exist.
     cfg = hf_config(assets, tmp_path / "o1")
     cfg["model"]["path"] = str(tmp_path / "nowhere")
-    lines = _error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "1.yaml", cfg)))
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "1.yaml", cfg))
+    )
     assert lines == [
         f"kd: error: model.path: {tmp_path / 'nowhere'} does not exist; point it at a local "
         "Hugging Face model folder (config.json + *.safetensors)"
@@ -235,7 +245,9 @@ def test_user_mistakes_are_one_line_each(assets, tmp_path, capsys):
     # A checkpointer next to a Hugging Face model.
     cfg = hf_config(assets, tmp_path / "o2")
     cfg["checkpointer"] = make_config(assets, tmp_path / "o2")["checkpointer"]
-    lines = _error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "2.yaml", cfg)))
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "2.yaml", cfg))
+    )
     assert len(lines) == 1 and "remove checkpointer" in lines[0]
     # config.json only (the weights still downloading): kd validate says what kd run would.
     partial = tmp_path / "partial"
@@ -243,7 +255,9 @@ def test_user_mistakes_are_one_line_each(assets, tmp_path, capsys):
     (partial / "config.json").write_text((assets["student"] / "config.json").read_text())
     cfg = hf_config(assets, tmp_path / "o3")
     cfg["model"]["path"] = str(partial)
-    lines = _error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "3.yaml", cfg)))
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "3.yaml", cfg))
+    )
     assert len(lines) == 1 and "holds no *.safetensors weights" in lines[0]
     assert "kd run needs the weights" in lines[0]
     # A config.json that contradicts its weights.
@@ -254,7 +268,9 @@ def test_user_mistakes_are_one_line_each(assets, tmp_path, capsys):
     (bad / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     cfg = hf_config(assets, tmp_path / "o4")
     cfg["model"]["path"] = str(bad)
-    lines = _error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "4.yaml", cfg)))
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "4.yaml", cfg))
+    )
     assert lines == [
         f"kd: error: model.path: {bad / 'config.json'} says intermediate_size=96 but the weights "
         "have 64 (rows of model.layers.0.mlp.gate_proj.weight); set intermediate_size to 64 in "
@@ -263,7 +279,9 @@ def test_user_mistakes_are_one_line_each(assets, tmp_path, capsys):
     # A LoRA module name the model does not have.
     cfg = hf_config(assets, tmp_path / "o5", lora=True)
     cfg["model"]["lora_attn_modules"] = ["q_proj", "qkv_proj"]
-    lines = _error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "5.yaml", cfg)))
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "5.yaml", cfg))
+    )
     assert len(lines) == 1 and lines[0].startswith("kd: error: model.lora_attn_modules: 'qkv_proj'")
 
 
@@ -279,7 +297,9 @@ def test_teacher_with_padded_vocab_and_tied_student(assets, tmp_path, tied):
     """A student tied or not, a teacher with more vocab rows: the run trains and final/ reloads."""
     import transformers
 
-    shape = tiny_model({**dict(vocab=288, hidden=32, inter=64, layers=2, heads=4, kv_heads=2), "tied": tied})
+    shape = tiny_model(
+        {**dict(vocab=288, hidden=32, inter=64, layers=2, heads=4, kv_heads=2), "tied": tied}
+    )
     folder = write_tiny_model(tmp_path / "student", shape, seed=5, writer="transformers")
     cfg = hf_config({**assets, "student": folder}, tmp_path / "run")
     assert TEACHER["vocab"] > shape.vocab_size

@@ -25,7 +25,7 @@ from kd.config.instantiate import instantiate, locate_target
 from kd.data import check_dataset, pad_id_of
 from kd.errors import KDUserError
 from kd.hf import tokenizer as build_tokenizer
-from kd.hf.tokenizer import HFTokenizer
+from kd.hf.tokenization import HFTokenizer
 from kd.models import checked_tokenizer, tokenizer_files, tokenizer_max_id
 from kd.testing import (
     CHATML,
@@ -407,7 +407,7 @@ def test_pickles_for_dataloader_workers(tok: HFTokenizer) -> None:
 
 
 def test_import_does_not_load_transformers() -> None:
-    code = "import sys, kd.hf.tokenizer; print('transformers' in sys.modules)"
+    code = "import sys, kd.hf.tokenization; print('transformers' in sys.modules)"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )

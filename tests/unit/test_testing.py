@@ -54,6 +54,7 @@ def test_tokenizer_loads_through_torchtune(tmp_path: Path) -> None:
     assert sorted(p.name for p in tok_dir.iterdir()) == [
         "merges.txt",
         "tokenizer.json",
+        "tokenizer_config.json",
         "vocab.json",
     ]
     tok = instantiate(tokenizer_node(tok_dir, 16), key="tokenizer")

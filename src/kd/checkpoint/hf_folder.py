@@ -115,7 +115,7 @@ def hf_config_problems(
     *,
     key: str,
     heads: tuple[int, int, int] | None = None,
-    field: str = "checkpoint_dir",
+    folder_arg: str = "checkpoint_dir",
 ) -> list[str]:
     """Where a model folder's ``config.json`` contradicts its weights (empty when it agrees).
 
@@ -132,12 +132,14 @@ def hf_config_problems(
         heads: ``(num_heads, num_kv_heads, head_dim)`` of the model's builder; the attention
             projections only fix products of heads and head_dim, so when these agree with the
             weights they say which of the config's values is wrong.
+        folder_arg: ``key``'s argument naming the folder (``checkpoint_dir``; ``path`` for a
+            Hugging Face model of the transformers backend).
 
     Returns:
         One line per contradiction: the field, both values and the fix.
     """
     config = read_hf_config(model_dir, key=key)
-    where = f"{key}.checkpoint_dir: {Path(model_dir) / HF_CONFIG_FILE}"
+    where = f"{key}.{folder_arg}: {Path(model_dir) / HF_CONFIG_FILE}"
     problems: list[str] = []
 
     def setting(field: str) -> int | None:
@@ -202,7 +204,7 @@ def checkpoint_config_problems(
     *,
     key: str,
     heads: tuple[int, int, int] | None = None,
-    field: str = "checkpoint_dir",
+    folder_arg: str = "checkpoint_dir",
 ) -> list[str]:
     """Where a checkpointer's ``config.json`` contradicts its safetensors, read from the headers
     only (no weight is read), so a wrong config never converts the weights nor reaches ``final/``.
@@ -226,7 +228,7 @@ def checkpoint_config_problems(
     shapes = safetensors_shapes([root / n for n in names if n.endswith(".safetensors")])
     if not shapes:
         return []
-    return hf_config_problems(root, shapes, key=key, heads=heads, field=field)
+    return hf_config_problems(root, shapes, key=key, heads=heads, folder_arg=folder_arg)
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

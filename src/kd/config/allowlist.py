@@ -110,7 +110,7 @@ MODELS = Allowed(
     ),
 )
 
-# kd.hf.tokenizer: a Hugging Face folder's tokenizer.json / tokenizer_config.json (kd/hf/tokenizer.py;
+# kd.hf.tokenizer: a Hugging Face folder's tokenizer.json / tokenizer_config.json (kd/hf/tokenization.py;
 # transformers reads them as text, never with trust_remote_code).
 TOKENIZERS = Allowed(
     "kd.hf.tokenizer (a Hugging Face folder), or torchtune.models.<family>.<family>_tokenizer, "

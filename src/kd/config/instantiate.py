@@ -68,11 +68,6 @@ def locate_target(target: Any, *, key: str, trust: bool) -> tuple[Any, str | Non
                 None,
                 f"importing {module_name} failed ({type(e).__name__}: {e}); fix that module",
             )
-        if i == len(parts) > 1:
-            # A package may export a builder named like its module (kd.hf.tokenizer is both the
-            # module kd/hf/tokenizer.py and the function kd/hf/__init__.py imports from it).
-            exported = getattr(_quiet_import(".".join(parts[:-1])), parts[-1], obj)
-            obj = obj if inspect.ismodule(exported) else exported
         for j in range(i, len(parts)):
             attr = parts[j]
             if not hasattr(obj, attr):

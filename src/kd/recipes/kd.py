@@ -146,7 +146,7 @@ class KDRecipe:
                     src.files,
                     key=src.key,
                     heads=models.attention_shape(model),
-                    field=src.field,
+                    folder_arg=src.field,
                 )
         if problems:
             raise KDUserError("\n".join(problems))
