@@ -307,3 +307,31 @@ def test_teacher_with_padded_vocab_and_tied_student(assets, tmp_path, tied):
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert final.config.tie_word_embeddings == tied
     assert (final.lm_head.weight is final.model.embed_tokens.weight) == tied
+
+
+# ------------------------------------------------------------------ FSDP2 on 2 CPU ranks (slow)
+def _pair_hf(assets: dict, root: Path, name: str, *, lora: bool, **top) -> tuple[Path, Path]:
+    """One device with batch 8 vs 2 ranks with batch 4 each, accumulation 2: the same global
+    batch, launched as a user would (``kd run --nproc_per_node 2``)."""
+    from test_distributed import _launch
+
+    one, two = root / f"{name}_1", root / f"{name}_2"
+    common = dict(gradient_accumulation_steps=2, lora=lora, save_every_n_steps=2, **top)
+    assert run(hf_config(assets, one, batch_size=8, **common), root / f"{name}_1.yaml") == 0
+    _launch(write_config(root / f"{name}_2.yaml", hf_config(assets, two, batch_size=4, **common)))
+    return one, two
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_two_ranks_match_one_device(assets, tmp_path, lora):
+    """Per-decoder-layer FSDP2 of transformers models: the losses and the saved weights of 2
+    ranks equal one device's (tied student with activation checkpointing, untied teacher)."""
+    from test_distributed import _assert_same_files
+
+    one, two = _pair_hf(assets, tmp_path, "hf", lora=lora, enable_activation_checkpointing=True)
+    assert_same_metrics(one, two)
+    _assert_same_files(one / "final", two / "final")
+    _assert_same_files(one / "step_000002", two / "step_000002")
+    if lora:
+        _assert_same_files(one / "final", two / "final", "adapter/adapter_model.safetensors")

@@ -216,6 +216,8 @@ class KDRecipe:
         """output_dir (rank 0 takes it), seed, data order, teacher (frozen) then student,
         optimizer, schedule, resume, outputs."""
         run, ckpt = self.run, self.run.checkpoint
+        # Every rank has finished its checks of output_dir before rank 0 takes it.
+        distributed.barrier()
         self.lock = distributed.on_rank_zero(
             lambda: outputs.claim_output_dir(
                 self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite
