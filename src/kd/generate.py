@@ -6,9 +6,10 @@
 
 The folder is any Hugging Face causal-LM folder (``config.json``, weights, tokenizer files): kd's
 ``final/`` and ``step_*/`` folders, or a downloaded model. A kd folder of a LoRA student holds the
-merged weights next to the PEFT adapter: the merged weights are loaded (the adapter is already in
-them). A folder with only a PEFT adapter (``adapter_config.json`` and ``adapter_model.safetensors``)
-is loaded with peft on top of its base model folder (``base_model_name_or_path``, a local folder).
+merged weights, and its PEFT adapter in ``adapter/``: ``--model out/final`` loads the merged
+weights, ``--model out/final/adapter`` the adapter with peft on top of its base model folder
+(``base_model_name_or_path``, a local folder). A foreign folder with an adapter next to its
+weights loads the weights alone (the adapter is taken to be merged in them).
 Nothing is downloaded. The new text alone is printed on stdout.
 """
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DEFAULT_MAX_NEW_TOKENS = 64
 _ADAPTER_FILE_PREFIX = "adapter_model."
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file; kd keeps its adapter in <folder>/adapter/
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def _is_model_weight_file(name: str) -> bool:
 
 
 def _inspect(path: Path, flag: str) -> _Folder:
-    from kd.checkpoint.layout import ADAPTER_CONFIG_FILE, HF_CONFIG_FILE
+    from kd.checkpoint.layout import HF_CONFIG_FILE
 
     if not path.exists():
         raise KDUserError(
@@ -71,7 +73,7 @@ def _inspect(path: Path, flag: str) -> _Folder:
         path=path,
         has_config=HF_CONFIG_FILE in names,
         has_weights=any(_is_model_weight_file(n) for n in names),
-        has_adapter=ADAPTER_CONFIG_FILE in names,
+        has_adapter=ADAPTER_CONFIG in names,
         has_tokenizer=any(n in names for n in TOKENIZER_FILES),
     )
 
@@ -96,9 +98,7 @@ def _check_model_folder(folder: _Folder, flag: str) -> None:
 
 def _adapter_base(folder: _Folder, flag: str) -> _Folder:
     """The base model folder of an adapter-only ``folder`` (``base_model_name_or_path``)."""
-    from kd.checkpoint.layout import ADAPTER_CONFIG_FILE
-
-    config_path = folder.path / ADAPTER_CONFIG_FILE
+    config_path = folder.path / ADAPTER_CONFIG
     where = one_line(str(config_path))
     try:
         adapter_config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -141,11 +141,9 @@ def _without_adapter(folder: Path) -> Iterator[Path]:
     loads the weights *and then* the adapter on top of them, which would apply a LoRA adapter twice
     to kd's merged weights. The other files are linked into a temporary folder instead.
     """
-    from kd.checkpoint.layout import ADAPTER_CONFIG_FILE
-
     with tempfile.TemporaryDirectory(prefix="kd-generate-") as tmp:
         for item in folder.iterdir():
-            if item.name == ADAPTER_CONFIG_FILE or item.name.startswith(_ADAPTER_FILE_PREFIX):
+            if item.name == ADAPTER_CONFIG or item.name.startswith(_ADAPTER_FILE_PREFIX):
                 continue
             os.symlink(item.resolve(), Path(tmp) / item.name)
         yield Path(tmp)
@@ -184,7 +182,8 @@ def load_model(
 
     Returns:
         The model (a ``peft.PeftModel`` for an adapter-only folder) and the tokenizer (the
-        adapter folder's own, else its base folder's).
+        adapter folder's own, else its parent's (kd's ``final/adapter/``), else its base
+        folder's).
 
     Raises:
         KDUserError: a missing folder, config.json, weights or tokenizer files, an adapter whose
@@ -196,7 +195,12 @@ def load_model(
     folder = _inspect(Path(model_dir).expanduser(), flag)
     _check_model_folder(folder, flag)
     base = _adapter_base(folder, flag) if folder.has_adapter and not folder.has_weights else None
-    tokenizer_folder = folder if folder.has_tokenizer or base is None else base
+    # An adapter's tokenizer: its own, else that of the kd folder holding it (<folder>/adapter/),
+    # else its base model's.
+    candidates = [folder]
+    if base is not None:
+        candidates += [_inspect(folder.path.parent, flag), base]
+    tokenizer_folder = next((f for f in candidates if f.has_tokenizer), folder)
     if not tokenizer_folder.has_tokenizer:
         raise KDUserError(
             f"{flag}: {one_line(str(folder.path))} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "

@@ -164,6 +164,14 @@ def test_lora_final_loads_merged_and_as_peft_adapter(assets, tmp_path):
     assert (a - untrained).abs().max() > 1e-4  # the adapters trained
     tokenizer = transformers.AutoTokenizer.from_pretrained(final)  # copied with the weights
     assert tokenizer.chat_template and tokenizer("abc")["input_ids"] == [97, 98, 99]
+    # kd generate reads both: the merged folder, and the adapter on its base folder.
+    from kd.generate import generate
+
+    texts = [
+        generate(folder, "12+30=", chat=True, max_new_tokens=5, device="cpu", temperature=0, seed=0)
+        for folder in (final, final / "adapter")
+    ]
+    assert texts[0] == texts[1]
     config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
     assert sorted(config["target_modules"]) == [
