@@ -93,3 +93,81 @@ def test_kd_generate_chat_answers(folder):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     assert "Paris" in proc.stdout  # greedy: the same answer every run
+
+
+def test_kd_run_distils_the_real_model_into_a_layer_dropped_student(folder, tmp_path):
+    """kd run on real weights and the real tokenizer and chat template: SmolLM2-135M-Instruct
+    teaches a 10-layer student made of its every third layer (full fine-tune) through the
+    transformers backend; the KD loss falls and final/ loads with AutoModelForCausalLM +
+    AutoTokenizer."""
+    import json
+
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kd import cli
+
+    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    keep = list(range(0, teacher.config.num_hidden_layers, 3))
+    teacher.model.layers = torch.nn.ModuleList(teacher.model.layers[i] for i in keep)
+    teacher.config.num_hidden_layers = len(keep)
+    student = tmp_path / "student"
+    teacher.save_pretrained(student)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(student)
+    del teacher
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"What is the capital of {country}?"},
+                {"role": "assistant", "content": f"The capital of {country} is {city}."},
+            ]
+        }
+        for country, city in [
+            ("France", "Paris"),
+            ("Italy", "Rome"),
+            ("Japan", "Tokyo"),
+            ("Peru", "Lima"),
+            ("Egypt", "Cairo"),
+            ("Chile", "Santiago"),
+        ]
+        * 4
+    ]
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    config = {
+        "output_dir": str(out),
+        "model": {"_component_": "kd.hf.causal_lm", "path": str(student)},
+        "teacher_model": {"_component_": "kd.hf.causal_lm", "path": str(folder)},
+        "tokenizer": {"_component_": "kd.hf.tokenizer", "path": str(student), "max_seq_len": 128},
+        "dataset": {
+            "_component_": "torchtune.datasets.chat_dataset",
+            "source": "json",
+            "data_files": str(data),
+            "split": "train",
+            "conversation_column": "messages",
+            "conversation_style": "openai",
+        },
+        "batch_size": 4,
+        "epochs": 1,
+        "max_steps_per_epoch": 4,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+        "lr_scheduler": None,
+        "kd_ratio": 1.0,
+        "shuffle": False,
+        "device": "cpu",
+        "dtype": "fp32",
+        "seed": 0,
+    }
+    path = tmp_path / "kd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli.main(["run", "kd", "--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # 4 steps cycle through the same 6 questions: the KL to the teacher falls.
+    assert rows[-1]["kd_loss"] < rows[0]["kd_loss"]
+    # Only the assistant's answer is labelled: "The capital of X is Y.<|im_end|>" per example.
+    assert 4 * 7 <= rows[0]["num_tokens"] <= 4 * 14
+    final = AutoModelForCausalLM.from_pretrained(out / "final", local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out / "final", local_files_only=True)
+    assert final.config.num_hidden_layers == len(keep)
+    assert tokenizer.chat_template is not None
