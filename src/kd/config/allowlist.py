@@ -110,10 +110,13 @@ MODELS = Allowed(
     ),
 )
 
+# kd.hf.tokenizer: a Hugging Face folder's tokenizer.json / tokenizer_config.json (kd/hf/tokenizer.py;
+# transformers reads them as text, never with trust_remote_code).
 TOKENIZERS = Allowed(
-    "torchtune.models.<family>.<family>_tokenizer, e.g. torchtune.models.qwen2_5.qwen2_5_tokenizer",
+    "kd.hf.tokenizer (a Hugging Face folder), or torchtune.models.<family>.<family>_tokenizer, "
+    "e.g. torchtune.models.qwen2_5.qwen2_5_tokenizer",
     "torchtune.models.qwen2_5.qwen2_5_tokenizer",
-    frozenset().union(
+    _in("kd.hf", ("tokenizer",)).union(
         *(_in(f"torchtune.models.{p}", names) for p, names in _TOKENIZER_BUILDERS.items())
     ),
 )
