@@ -1,9 +1,10 @@
-"""The ``kd`` command: ``ls``, ``cp``, ``run``, ``validate``, ``generate`` (and ``plan`` / ``demo``
-when installed).
+"""The ``kd`` command: ``ls``, ``cp``, ``init``, ``run``, ``validate``, ``generate`` (and ``plan``
+/ ``demo`` when installed).
 
 Examples::
 
     kd ls
+    kd init --teacher DIR --student DIR --data train.jsonl --output-dir out --config-out my_kd.yaml
     kd cp qwen2_5/14B_to_3B_full_single_device ./my_kd.yaml
     kd validate --config ./my_kd.yaml
     kd run kd_single_device --config ./my_kd.yaml batch_size=2 ~lr_scheduler
@@ -45,7 +46,11 @@ if TYPE_CHECKING:
 
 # Optional subcommands written elsewhere: (module, name). Each module defines
 # add_parser(subparsers) and run(args) -> int | None.
-_OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (("kd.memory.cli", "plan"), ("kd.demo", "demo"))
+_OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("kd.init", "init"),
+    ("kd.memory.cli", "plan"),
+    ("kd.demo", "demo"),
+)
 
 _RUN_USAGE = "kd run [TORCHRUN-OPTIONS] <recipe> --config <name|path> [key=value ...] [~key ...]"
 _RUN_EPILOG = textwrap.dedent(

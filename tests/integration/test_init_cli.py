@@ -1,0 +1,493 @@
+"""``kd init`` end to end: tiny Hugging Face folders (config.json, safetensors, tokenizer files) in,
+a config that ``kd validate`` accepts and ``kd run kd`` trains out; and its one-line refusals."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from conftest import STUDENT, TEACHER, read_metrics, tiny_model, write_hf_qwen2
+
+from kd import cli
+from kd.config import load_config, validate_config
+from kd.testing import write_tiny_model
+
+# kd.hf.tokenizer is written on another branch; `kd validate` and `kd run` build it.
+HAS_HF_TOKENIZER = importlib.util.find_spec("kd.hf.tokenizer") is not None
+needs_hf_tokenizer = pytest.mark.skipif(
+    not HAS_HF_TOKENIZER, reason="kd.hf.tokenizer (the HF tokenizer builder) is not in this tree"
+)
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def write_hf_tokenizer(
+    dest: Path,
+    *,
+    merges: bool = False,
+    extra_special: str | None = None,
+    eos_token: str = "<|im_end|>",
+) -> Path:
+    """A byte-level BPE tokenizer folder with kd.testing.write_tokenizer's ids (0..255 the bytes,
+    256 <|endoftext|>, 257 <|im_start|>, 258 <|im_end|>) and a ChatML template.
+
+    ``merges`` adds the merge ``H e`` (id 256, specials shifted by one); ``extra_special`` adds one
+    more special token after the three; ``eos_token`` picks the eos (a base model's is
+    ``<|endoftext|>``).
+    TODO(merge): use kd.testing.write_hf_tokenizer for the plain folder.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from kd import _torchtune as tt
+
+    dest.mkdir(parents=True, exist_ok=True)
+    b2u = tt.bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    merge_list: list[tuple[str, str]] = []
+    if merges:
+        vocab["He"] = 256
+        merge_list = [("H", "e")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merge_list))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    names = [*SPECIALS, *([extra_special] if extra_special else [])]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
+    tok.save(str(dest / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": eos_token,
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHATML,
+    }
+    (dest / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def write_qwen3(dest: Path, spec: dict[str, Any], seed: int) -> Path:
+    """A Qwen3 folder (an architecture torchtune 0.6.1 lacks) written by transformers."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["inter"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        head_dim=spec["hidden"] // spec["heads"],
+        max_position_embeddings=256,
+        tie_word_embeddings=spec["tied"],
+        bos_token_id=256,
+        eos_token_id=258,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(dest)
+    return dest
+
+
+def _rows(kind: str, n: int = 40) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        a, b = i % 10, (3 * i) % 10
+        if kind == "chat":
+            out.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"{a}+{b}"},
+                        {"role": "assistant", "content": str(a + b)},
+                    ]
+                }
+            )
+        elif kind == "instruct":
+            out.append({"instruction": f"Add {a} and {b}.", "output": str(a + b)})
+        elif kind == "alpaca":
+            out.append(
+                {"instruction": "Add the numbers.", "input": f"{a} {b}", "output": str(a + b)}
+            )
+        elif kind == "text":
+            out.append({"text": f"{a} plus {b} is {a + b}."})
+        else:
+            out.append({"question": f"{a}+{b}", "answer": str(a + b)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("init")
+    out = {
+        "teacher": write_hf_qwen2(root / "teacher", TEACHER, seed=2),
+        "student": write_hf_qwen2(root / "student", STUDENT, seed=1),
+        "qwen3": write_qwen3(root / "qwen3", STUDENT, seed=3),
+        "llama": write_tiny_model(
+            root / "llama",
+            replace(tiny_model(STUDENT), family="llama", tie_word_embeddings=False),
+            seed=4,
+            writer="transformers",
+        ),
+    }
+    for folder in out.values():
+        write_hf_tokenizer(folder)
+    # Folders with a config.json and tokenizer files but no weights (still downloading).
+    for name, tokenizer in (
+        ("pending", {}),
+        ("merged", {"merges": True}),
+        ("extra", {"extra_special": "<|tool|>"}),
+        ("base_eos", {"eos_token": "<|endoftext|>"}),
+    ):
+        folder = root / name
+        folder.mkdir()
+        shutil.copyfile(out["teacher"] / "config.json", folder / "config.json")
+        write_hf_tokenizer(folder, **tokenizer)
+        out[name] = folder
+    small = root / "small_vocab"
+    small.mkdir()
+    config = json.loads((out["student"] / "config.json").read_text())
+    config["vocab_size"] = 200
+    (small / "config.json").write_text(json.dumps(config))
+    write_hf_tokenizer(small)
+    out["small_vocab"] = small
+    bare = root / "no_tokenizer"
+    bare.mkdir()
+    shutil.copyfile(out["student"] / "config.json", bare / "config.json")
+    out["no_tokenizer"] = bare
+    for kind in ("chat", "instruct", "alpaca", "text", "unknown"):
+        path = root / f"{kind}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in _rows(kind)))
+        out[kind] = path
+    return out
+
+
+def _init(folders: dict[str, Path], tmp_path: Path, *extra: str, **names: str) -> list[str]:
+    """The ``kd init`` argv (teacher, student and data given by their fixture names)."""
+    return [
+        "init",
+        "--teacher",
+        str(folders[names.get("teacher", "teacher")]),
+        "--student",
+        str(folders[names.get("student", "student")]),
+        "--data",
+        str(folders[names.get("data", "chat")]),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--config-out",
+        str(tmp_path / "kd.yaml"),
+        "--max-seq-len",
+        "64",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def _written(tmp_path: Path) -> dict[str, Any]:
+    path = tmp_path / "kd.yaml"
+    # As kd run reads it: loads, and passes the schema and file checks.
+    validate_config(load_config(str(path), []), check_paths=True, check_components=False)
+    return yaml.safe_load(path.read_text())
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("kd: error: ")
+    return err[0]
+
+
+def _dims(spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "vocab_size": spec["vocab"],
+        "num_layers": spec["layers"],
+        "num_heads": spec["heads"],
+        "num_kv_heads": spec["kv_heads"],
+        "embed_dim": spec["hidden"],
+        "intermediate_dim": spec["inter"],
+        "max_seq_len": 256,
+        "tie_word_embeddings": spec["tied"],
+    }
+
+
+def test_torchtune_backend_chat_data(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path)) == 0
+    out = capsys.readouterr().out
+    cfg = _written(tmp_path)
+    model, teacher = cfg["model"], cfg["teacher_model"]
+    assert model["_component_"] == teacher["_component_"] == "torchtune.models.qwen2.qwen2"
+    assert {k: model[k] for k in _dims(STUDENT)} == _dims(STUDENT)
+    assert {k: teacher[k] for k in _dims(TEACHER)} == _dims(TEACHER)
+    for key, folder in (("checkpointer", "student"), ("teacher_checkpointer", "teacher")):
+        assert cfg[key]["checkpoint_dir"] == str(folders[folder])
+        assert cfg[key]["checkpoint_files"] == ["model.safetensors"]
+        assert cfg[key]["model_type"] == "QWEN2"
+    assert cfg["tokenizer"] == {
+        "_component_": "kd.hf.tokenizer",
+        "path": str(folders["student"]),
+        "max_seq_len": 64,
+    }
+    assert cfg["dataset"]["_component_"] == "torchtune.datasets.chat_dataset"
+    assert cfg["dataset"]["conversation_column"] == "messages"
+    assert cfg["dataset"]["conversation_style"] == "openai"
+    assert cfg["dataset"]["data_files"] == str(folders["chat"])
+    assert (cfg["device"], cfg["dtype"], cfg["memory"]["budget_gib"]) == ("cpu", "fp32", None)
+    assert cfg["output_dir"] == str(tmp_path / "out")
+    assert "memory plan (one device)" in out
+    assert "fits" in out
+    assert out.strip().splitlines()[-1] == f"next: kd run kd --config {tmp_path / 'kd.yaml'}"
+
+
+@needs_hf_tokenizer
+def test_torchtune_backend_validates_and_trains(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path)) == 0
+    config = str(tmp_path / "kd.yaml")
+    assert cli.main(["validate", "--config", config]) == 0
+    assert "config OK" in capsys.readouterr().out
+    assert cli.main(["run", "kd", "--config", config, "max_steps_per_epoch=1"]) == 0
+    rows = read_metrics(tmp_path / "out")
+    assert len(rows) == 1 and rows[0]["kd_loss"] > 0
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_transformers_backend_lora_student(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, "--lora", student="qwen3", data="instruct")) == 0
+    out = capsys.readouterr().out
+    cfg = _written(tmp_path)
+    assert cfg["model"] == {
+        "_component_": "kd.hf.lora_causal_lm",
+        "path": str(folders["qwen3"]),
+        "lora_attn_modules": ["q_proj", "v_proj"],
+        "apply_lora_to_mlp": True,
+        "lora_rank": 16,
+        "lora_alpha": 32,
+    }
+    assert "checkpointer" not in cfg  # a Hugging Face folder is its own checkpoint
+    assert cfg["teacher_model"]["_component_"] == "torchtune.models.qwen2.qwen2"
+    assert cfg["optimizer"]["lr"] == pytest.approx(3e-4)
+    assert "torchtune 0.6.1 has no qwen3 builder" in out
+
+
+@needs_hf_tokenizer
+def test_transformers_backend_trains(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, "--lora", student="qwen3", data="instruct")) == 0
+    config = str(tmp_path / "kd.yaml")
+    assert cli.main(["validate", "--config", config]) == 0
+    assert cli.main(["run", "kd_single_device", "--config", config, "max_steps_per_epoch=1"]) == 0
+    rows = read_metrics(tmp_path / "out")
+    assert len(rows) == 1 and rows[0]["kd_loss"] > 0
+    assert (tmp_path / "out" / "final" / "config.json").is_file()
+
+
+def test_backend_transformers_for_both(folders, tmp_path):
+    assert cli.main(_init(folders, tmp_path, "--backend", "transformers", data="text")) == 0
+    cfg = _written(tmp_path)
+    assert cfg["model"] == {"_component_": "kd.hf.causal_lm", "path": str(folders["student"])}
+    assert cfg["teacher_model"] == {
+        "_component_": "kd.hf.causal_lm",
+        "path": str(folders["teacher"]),
+    }
+    assert "checkpointer" not in cfg and "teacher_checkpointer" not in cfg
+    assert cfg["dataset"]["_component_"] == "torchtune.datasets.text_completion_dataset"
+
+
+@pytest.mark.parametrize(
+    ("data", "component", "extra"),
+    [
+        (
+            "instruct",
+            "instruct_dataset",
+            {"column_map": {"input": "instruction", "output": "output"}},
+        ),
+        ("alpaca", "alpaca_dataset", {"train_on_input": False}),
+        ("text", "text_completion_dataset", {}),
+    ],
+)
+def test_data_formats(folders, tmp_path, data, component, extra):
+    assert cli.main(_init(folders, tmp_path, data=data)) == 0
+    node = _written(tmp_path)["dataset"]
+    assert node["_component_"] == f"torchtune.datasets.{component}"
+    assert (node["source"], node["data_files"], node["split"]) == (
+        "json",
+        str(folders[data]),
+        "train",
+    )
+    assert {k: node[k] for k in extra} == extra
+
+
+def test_weights_not_downloaded_yet(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, teacher="pending")) == 0
+    out = capsys.readouterr().out
+    # kd init checks everything but the weight files the checkpointer will read.
+    cfg = yaml.safe_load((tmp_path / "kd.yaml").read_text())
+    assert cfg["teacher_checkpointer"]["checkpoint_files"] == ["model.safetensors"]
+    assert "weights not downloaded yet" in (tmp_path / "kd.yaml").read_text()
+    assert f"{folders['pending']} holds no *.safetensors yet" in out
+
+
+def test_tokenizer_mismatch_refused(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, teacher="merged")) == 2
+    line = _error_line(capsys)
+    assert "tokenizers differ" in line
+    assert str(folders["merged"]) in line and str(folders["student"]) in line
+    assert "teacher id 256, student id 72" in line
+    assert not (tmp_path / "kd.yaml").exists()
+
+
+def test_special_token_mismatch_refused(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, teacher="extra")) == 2
+    line = _error_line(capsys)
+    assert "special token '<|tool|>'" in line and "teacher 259, student None" in line
+
+
+def test_other_eos_choice_is_a_note(folders, tmp_path, capsys):
+    # A base teacher beside an instruct student: every token has the same id in both.
+    assert cli.main(_init(folders, tmp_path, teacher="base_eos")) == 0
+    out = capsys.readouterr().out
+    assert "note: the teacher's eos token is '<|endoftext|>' and the student's '<|im_end|>'" in out
+
+
+def test_vocab_too_small_refused(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, student="small_vocab")) == 2
+    line = _error_line(capsys)
+    assert "token ids go up to 258" in line and "vocab_size 200" in line
+
+
+def test_folder_without_tokenizer_refused(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, student="no_tokenizer")) == 2
+    line = _error_line(capsys)
+    assert line.startswith("kd: error: --student: ") and "has no tokenizer files" in line
+
+
+def test_unknown_data_format_refused(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, data="unknown")) == 2
+    line = _error_line(capsys)
+    assert line.startswith("kd: error: --data: ")
+    assert "(question, answer)" in line and "messages" in line and "text" in line
+
+
+def test_config_out_exists_refused(folders, tmp_path, capsys):
+    (tmp_path / "kd.yaml").write_text("keep: me\n")
+    assert cli.main(_init(folders, tmp_path)) == 2
+    line = _error_line(capsys)
+    assert "already exists" in line and "--force" in line
+    assert (tmp_path / "kd.yaml").read_text() == "keep: me\n"
+    assert cli.main(_init(folders, tmp_path, "--force")) == 0
+    assert _written(tmp_path)["model"]["_component_"] == "torchtune.models.qwen2.qwen2"
+
+
+def test_backend_torchtune_refused_for_unsupported_model(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, "--backend", "torchtune", student="qwen3")) == 2
+    line = _error_line(capsys)
+    assert "--backend torchtune" in line and "no qwen3 builder" in line
+    assert str(folders["qwen3"]) in line and "--backend auto" in line
+
+
+def test_torchtune_families_of_other_token_ids_are_not_mixed(folders, tmp_path, capsys):
+    # kd's config check refuses a torchtune qwen2 teacher beside a torchtune llama student (their
+    # packages' tokenizers differ); these two share one tokenizer, so the teacher uses transformers.
+    assert cli.main(_init(folders, tmp_path, student="llama")) == 0
+    cfg = _written(tmp_path)
+    assert cfg["model"]["_component_"] == "torchtune.models.llama3.llama3"
+    assert cfg["checkpointer"]["model_type"] == "LLAMA3"
+    assert cfg["teacher_model"] == {
+        "_component_": "kd.hf.causal_lm",
+        "path": str(folders["teacher"]),
+    }
+    assert "teacher_checkpointer" not in cfg
+    capsys.readouterr()
+    assert (
+        cli.main(_init(folders, tmp_path, "--backend", "torchtune", "--force", student="llama"))
+        == 2
+    )
+    assert "pass --backend auto" in _error_line(capsys)
+
+
+def test_output_dir_inside_a_model_folder_refused(folders, tmp_path, capsys):
+    argv = _init(folders, tmp_path)
+    argv[argv.index("--output-dir") + 1] = str(folders["student"] / "run")
+    assert cli.main(argv) == 2
+    assert "is inside the student folder" in _error_line(capsys)
+
+
+def test_max_seq_len_beyond_the_models_refused(folders, tmp_path, capsys):
+    argv = _init(folders, tmp_path)
+    argv[argv.index("--max-seq-len") + 1] = "4096"
+    assert cli.main(argv) == 2
+    assert "max_position_embeddings (256)" in _error_line(capsys)
+
+
+def test_plan_over_budget_still_writes_the_config(folders, tmp_path, capsys):
+    assert cli.main(_init(folders, tmp_path, "--budget-gib", "0.5")) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert _written(tmp_path)["memory"]["budget_gib"] == 0.5
+    assert out[-1].startswith("the plan does not fit this device")
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("llama", {"tie_word_embeddings": True}),  # SmolLM2: llama3_2 with scale_factor 1
+        ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),  # Llama 3.2
+        ("llama", {"rope_scaling": {**LLAMA3_ROPE, "factor": 8.0}}),  # Llama 3.1
+        ("qwen2", {"tie_word_embeddings": True}),
+    ],
+)
+def test_chosen_torchtune_builder_matches_transformers(tmp_path, model_type, extra):
+    """The builder and checkpointer kd init writes give transformers' logits for the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kd import _torchtune as tt
+    from kd.config.instantiate import locate_target
+    from kd.init import choose_model
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=384,
+        rope_theta=500_000.0,
+        **extra,
+    )
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in hf.parameters():  # norms and biases away from 1 and 0 too
+            param.add_(0.05 * torch.randn_like(param))
+    hf.save_pretrained(tmp_path / "model")
+    choice = choose_model(tmp_path / "model", role="student", flag="--student", backend="auto")
+    node = choice.model_node(lora=False)
+    builder, reason = locate_target(node.pop("_component_"), key="model", trust=False)
+    assert reason is None
+    model = builder(**node)
+    ckpt = {**choice.checkpointer_node(), "output_dir": str(tmp_path / "out")}
+    checkpointer, _ = locate_target(ckpt.pop("_component_"), key="checkpointer", trust=False)
+    model.load_state_dict(checkpointer(**ckpt).load_checkpoint()[tt.MODEL_KEY])
+    tokens = torch.randint(0, 96, (2, 320))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.eval()(tokens), hf.eval()(tokens).logits, atol=1e-4, rtol=1e-4
+        )
