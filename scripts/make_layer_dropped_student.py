@@ -1,5 +1,8 @@
-"""Make a student from a Hugging Face causal LM by dropping every third decoder layer (30 -> 20
-a common initialisation for a distilled student."""
+"""Make a student from a Hugging Face causal LM by dropping every third decoder layer (SmolLM2-135M:
+30 -> 20 layers), a common initialisation for a distilled student (docs/your_own_models.md).
+
+    python scripts/make_layer_dropped_student.py SRC_FOLDER DEST_FOLDER
+"""
 
 import sys
 
