@@ -21,13 +21,14 @@ from typing import Any
 
 from kd.commands import add_target_arguments, resolve_target
 from kd.errors import KDUserError, brief, one_line
-from kd.memory.estimate import GIB
 
 _EPILOG = """\
 The plan assumes every sequence is tokenizer.max_seq_len tokens long (memory.seq_len overrides it).
---fit searches activation checkpointing, micro-batch (accumulation raised to keep the global batch),
-loss chunk size, 8-bit AdamW and CPU-offloaded optimizer states, and prints the settings that fit,
-fastest first, as overrides; a LoRA student and a quantized teacher are only suggested.
+--fit searches activation checkpointing, micro-batch (accumulation raised to keep the global batch,
+never beyond what the dataset holds), loss chunk size, 8-bit AdamW and the CPU offload the recipe
+accepts (optimizer_in_cpu on one CUDA device, fsdp.cpu_offload over several ranks), and prints the
+settings that fit, fastest first, as overrides; a LoRA student and a quantized teacher are only
+suggested, with the settings that make them fit.
 --trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
 (FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters)."""
 
@@ -109,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
     from kd.device import resolve_budget
     from kd.memory.estimate import estimate
-    from kd.memory.fit import fit_options, format_options
-    from kd.memory.plan import inputs_from_run, make_plan
+    from kd.memory.fit import format_options
+    from kd.memory.plan import attach_fit, inputs_from_run, make_plan
 
     t0 = time.perf_counter()
     if args.plot is not None:
@@ -139,15 +140,9 @@ def run(args: argparse.Namespace) -> int:
         plan.trace_estimate = estimate(
             inputs.student, inputs.teacher, dataclasses.replace(inputs.knobs, select_labelled=False)
         )
+    note = None
     if args.fit and not plan.fits:
-        plan.fit = fit_options(
-            inputs.student,
-            inputs.teacher,
-            inputs.knobs,
-            budget_bytes=int((plan.budget_gib or 0) * GIB),
-            student_component=inputs.student_component,
-            optimizer_keys=inputs.optimizer_keys,
-        )
+        note = attach_fit(plan, run)
     if args.plot:
         from kd.memory.report import plot_plan
 
@@ -166,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fit and plan.fits:
             print("fit: the plan fits as it is; nothing to change")
         elif args.fit:
-            print(format_options(plan.fit))
+            print(format_options(plan.fit, note=note))
         if args.plot:
             print(f"plot written to {args.plot}")
     sys.stdout.flush()

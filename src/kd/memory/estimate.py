@@ -13,7 +13,7 @@ What one optimizer step of ``kd.train`` allocates on one device, phase by phase:
 * **optimizer step**: weights + gradients + states (+ foreach temporaries).
 
 Every byte term below is derived from the tensors torchtune's modules and ``kd.losses`` save or
-allocate (see ``docs/memory_accuracy.md`` for the derivation and the check against MemTracker
+allocate (transformers' layers, for ``kd.hf`` models: :mod:`kd.memory.hf_terms`) (see ``docs/memory_accuracy.md`` for the derivation and the check against MemTracker
 traces). Bytes are per device; FSDP2 terms divide the sharded pieces by the world size.
 """
 
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kd.memory.shapes import NF4_BYTES_PER_PARAM, ModelShape
+from kd.memory import hf_terms
+from kd.memory.shapes import NF4_BYTES_PER_PARAM, ModelShape, trainable_parts
 
 GIB = 1 << 30
 
@@ -78,6 +79,8 @@ class TrainKnobs:
         reserve_bytes: runtime reserve override (None = documented default).
         select_labelled: the real fused path copies labelled rows of both hidden states; the
             fake-tensor trace keeps all rows instead (False reproduces the trace).
+        teacher_bytes_per_param: a quantized teacher's bytes per parameter (the fit search's
+            suggestions; no config key sets it); None: the dtype's.
     """
 
     batch_size: int
@@ -95,6 +98,7 @@ class TrainKnobs:
     reduce_dtype_bytes: int = 4
     reserve_bytes: int | None = None
     select_labelled: bool = True
+    teacher_bytes_per_param: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -159,25 +163,6 @@ class Estimate:
 
 
 # --------------------------------------------------------------------------- activations
-@dataclass(frozen=True)
-class _Trainable:
-    """Which parts of a decoder train: full weights, LoRA adapters, or nothing (teacher)."""
-
-    full: bool
-    lora_linears: frozenset[str]
-
-    def linear(self, name: str) -> bool:
-        """Whether the linear's input is needed for a weight gradient (full or LoRA)."""
-        return self.full or name in self.lora_linears
-
-
-def _trainable(shape: ModelShape) -> _Trainable:
-    if shape.lora is None:
-        return _Trainable(True, frozenset())
-    names = frozenset(n for n in shape.linear_dims() if shape.lora.adapted(n))
-    return _Trainable(False, names)
-
-
 def layer_saved_bytes(
     shape: ModelShape, batch: int, seq: int, dtype_bytes: int, input_grad: bool
 ) -> int:
@@ -205,7 +190,7 @@ def layer_saved_bytes(
     h, f, nh = shape.embed_dim, shape.intermediate_dim, shape.num_heads
     q_dim = shape.q_dim
     k_saved = shape.kv_dim if (shape.num_kv_heads == 1 and nh > 1) else q_dim
-    tr = _trainable(shape)
+    tr = trainable_parts(shape)
     norm_tr = tr.full
     r = shape.lora.rank if shape.lora else 0
     dropout = bool(shape.lora and shape.lora.dropout > 0)
@@ -258,20 +243,35 @@ def layer_saved_bytes(
 
 
 def _student_activations(shape: ModelShape, k: TrainKnobs) -> list[int]:
-    """Saved bytes per decoder layer (index 0 first) after the forward."""
+    """Saved bytes per decoder layer (index 0 first) after the forward.
+
+    transformers' shared RoPE tables (and, with checkpointing, a sliding layer's mask) are counted
+    with the layer whose backward frees them.
+    """
     b, s, a = k.batch_size, k.seq_len, k.dtype_bytes
     first_input_grad = shape.lora is None  # a trainable embedding makes layer 0's input need grad
     out = []
     for i in range(shape.num_layers):
         if k.activation_checkpointing:
             out.append(a * b * s * shape.embed_dim)  # the checkpointed layer's input
+        elif shape.hf:
+            out.append(
+                hf_terms.layer_saved_bytes(shape, i, b, s, a, input_grad=i > 0 or first_input_grad)
+            )
         else:
             out.append(layer_saved_bytes(shape, b, s, a, input_grad=(i > 0 or first_input_grad)))
+    if shape.hf:
+        for i, extra in hf_terms.shared_saved_bytes(
+            shape, b, s, a, checkpointed=k.activation_checkpointing
+        ).items():
+            out[i] += extra
     return out
 
 
 def _head_saved_bytes(shape: ModelShape, k: TrainKnobs) -> int:
     """Final RMSNorm's saved tensors (its input always needs grad after the first layer)."""
+    if shape.hf:
+        return hf_terms.head_saved_bytes(shape, k.tokens, k.dtype_bytes)
     h = shape.embed_dim
     return k.tokens * (4 * h + 4 + (4 * h if shape.lora is None else 0))
 
@@ -418,6 +418,22 @@ def _state_bytes(trainable: int, largest: int, k: TrainKnobs) -> tuple[int, int]
 
 
 # --------------------------------------------------------------------------- the estimate
+def _trained_share(shape: ModelShape, linears: tuple[str, ...]) -> float:
+    """The share of a layer's trainable parameters that belongs to ``linears``."""
+    dims = shape.linear_dims()
+    if shape.lora is None:
+        total = shape.layer_base_params()
+        part = sum(i * o for name, (i, o) in dims.items() if name in linears)
+    else:
+        total = shape.layer_lora_params()
+        part = sum(
+            shape.lora.rank * (i + o)
+            for name, (i, o) in dims.items()
+            if name in linears and shape.lora.adapted(name)
+        )
+    return part / total if total else 0.0
+
+
 def _ceil_div(x: int, d: int) -> int:
     return -(-x // d)
 
@@ -447,7 +463,8 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     student_w = int((student.base_params() - qbase) * a + qbase * NF4_BYTES_PER_PARAM)
     lora_w = a * student.lora_params()
     teacher_params = teacher.total_params() if teacher is not None else 0
-    teacher_w = a * teacher_params
+    t_bytes = a if k.teacher_bytes_per_param is None else k.teacher_bytes_per_param
+    teacher_w = int(t_bytes * teacher_params)
     trainable = student.total_params() if full else student.lora_params()
     largest = max(student.vocab_size * h, h * student.intermediate_dim)
     if not full:
@@ -456,7 +473,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         )
     grads = a * trainable
     states, opt_temp = _state_bytes(trainable, largest, k)
-    buffers = student.rope_buffer_bytes() + (teacher.rope_buffer_bytes() if teacher else 0)
+    buffers = student.buffer_bytes(a) + (teacher.buffer_bytes(a) if teacher else 0)
     layer_g = a * (student.layer_base_params() if full else student.layer_lora_params())
     out_g = a * student.vocab_size * h if full else 0  # output (tied: embedding) weight gradient
     in_flight_fwd = in_flight_bwd = 0
@@ -470,9 +487,11 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         grads, states, opt_temp = div(grads), div(states), div(opt_temp)
         layer_g, out_g = div(layer_g), div(out_g)
         s_layer = a * student.largest_layer_params()
-        t_layer = a * teacher.largest_layer_params() if teacher else 0
+        t_layer = int(t_bytes * teacher.largest_layer_params()) if teacher else 0
         s_root = a * (student.embedding_params() + student.output_params() + h)
-        t_root = a * (teacher.embedding_params() + teacher.output_params()) if teacher else 0
+        t_root = (
+            int(t_bytes * (teacher.embedding_params() + teacher.output_params())) if teacher else 0
+        )
         in_flight_fwd = 2 * max(s_layer, t_layer) + s_root + t_root
         train_layer = student.largest_layer_params() if full else student.layer_lora_params()
         rs = int(k.reduce_dtype_bytes * train_layer * (1 + 1 / ws))
@@ -501,7 +520,10 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     )
     if use_fused:
         loss_peak, loss_saved = _fused_loss_bytes(student, teacher, k)
-        bwd_start = (_HEAD_BWD_FULL if full else _HEAD_BWD_FROZEN) * n_tok * h * a // 2
+        if student.hf:
+            bwd_start = hf_terms.head_backward_bytes(student, n_tok, a)
+        else:
+            bwd_start = (_HEAD_BWD_FULL if full else _HEAD_BWD_FROZEN) * n_tok * h * a // 2
         out_g_held = out_g  # d(weight) from the loss is held until the layers are done
     else:
         loss_peak, loss_saved, bwd_start = _unfused_loss_bytes(student, teacher, k)
@@ -523,13 +545,32 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     base = sum(resident.values())
 
     # ---- forward: student forward, teacher forward (no grad) on top, the loss on top ----
-    if k.activation_checkpointing:
+    if student.hf:
+        fixed = hf_terms.forward_fixed_bytes(student, b, s, a, grad=True)
+        head_peak = acts + hid_s + hf_terms.final_norm_peak_bytes(student, n_tok, a)
+        if k.activation_checkpointing:
+            # the embedding output is layer 0's (checkpointed) input, counted in its activations
+            fixed -= hid_s
+            inner = sum(layer_saved) + hf_terms.nograd_layer_peak(student, b, s, a)
+            s_fwd = fixed + max(inner, head_peak - hid_s)
+        else:
+            s_fwd = fixed + head_peak
+    elif k.activation_checkpointing:
         s_fwd = sum(layer_saved) + _layer_nograd_peak(student, b, s, a)
     else:
         s_fwd = (
             acts + hid_s + (6 if full else 8) * n_tok * h * a // 2
         )  # final norm's fp32 temporaries
-    t_fwd = (_layer_nograd_peak(teacher, b, s, a) + hid_t) if teacher is not None else 0
+    if teacher is None:
+        t_fwd = 0
+    elif teacher.hf:
+        t_fwd = (
+            hf_terms.forward_fixed_bytes(teacher, b, s, a, grad=False)
+            + hf_terms.nograd_layer_peak(teacher, b, s, a)
+            + hid_t
+        )
+    else:
+        t_fwd = _layer_nograd_peak(teacher, b, s, a) + hid_t
     l_fwd = hid_t + loss_peak
     subphases = {
         "student_forward": base + s_fwd + in_flight_fwd,
@@ -569,11 +610,33 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     mlp_temp = n_tok * (2 * a * f + a * h)
     held_apart = out_g_held if student.tie_word_embeddings else 0
     for i in reversed(range(student.num_layers)):
-        recompute = full_layer if k.activation_checkpointing else 0
         g_now = g_done + layer_g
-        for grads_here, temp in ((g_now, ltemp), (g_done + w2_g, mlp_temp)):
+        recompute = full_layer if k.activation_checkpointing else 0
+        # (gradients, saved activations, temporaries) at the layer's backward peaks
+        steps = [
+            (g_now, remaining + recompute, ltemp),
+            (g_done + w2_g, remaining + recompute, mlp_temp),
+        ]
+        if student.hf:
+            # transformers: the layer's own saved tensors (recomputed first with checkpointing)
+            # shrink step by step as its nodes finish
+            input_grad = i > 0 or full
+            own = 0
+            if not k.activation_checkpointing:
+                own = hf_terms.layer_saved_bytes(student, i, b, s, a, input_grad=input_grad)
+            steps = [
+                (
+                    g_done + int(layer_g * _trained_share(student, done)),
+                    remaining - own + held,
+                    temp,
+                )
+                for held, temp, done in hf_terms.layer_backward_steps(
+                    student, i, b, s, a, input_grad=input_grad
+                )
+            ]
+        for grads_here, saved, temp in steps:
             cand = {
-                "activations": remaining + recompute,
+                "activations": saved,
                 "logits_loss": 0,
                 "gradients": grads_resident or grads_here,
                 # with accumulation, new gradients are temporaries and the loss's d(weight) is

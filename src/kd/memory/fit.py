@@ -2,9 +2,15 @@
 
 Knobs searched (all keep the training the same, only slower or with a different optimizer
 implementation): activation checkpointing, a smaller micro-batch with gradient accumulation raised so
-the global batch is unchanged, a smaller loss chunk, torchao AdamW8bit, CPU offload of the optimizer
-states. A LoRA student and a quantized teacher change what is trained, so they are only suggested
-(with their planned peak), never switched.
+the global batch is unchanged, a smaller loss chunk, torchao AdamW8bit, and CPU offload where the
+recipe accepts it (``optimizer_in_cpu`` on one CUDA device, ``fsdp.cpu_offload`` over several CUDA
+ranks). A LoRA student and a quantized teacher change what is trained, so they are only suggested,
+each with the fastest knob setting that makes it fit, never switched.
+
+Every option is planned again with its own knobs and shapes and kept only when it fits the budget
+and the data: a micro-batch times accumulation never needs more examples per rank than the dataset
+has (:mod:`kd.memory.data_size`), or, when its length is not known before it is built, than
+:data:`UNKNOWN_DATA_EXAMPLES` (the options then say so).
 
 Relative step times are rough, documented multipliers (``_TIME``), only used to order the options.
 """
@@ -12,16 +18,18 @@ Relative step times are rough, documented multipliers (``_TIME``), only used to 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kd import families
 from kd.memory.estimate import GIB, OptimizerSpec, TrainKnobs, estimate
-from kd.memory.shapes import NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
+from kd.memory.shapes import BUILDERS, NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
 
 # Multipliers on the step time (ordering heuristics, not measurements):
 # recomputing every layer's forward costs ~1/3 of a forward+backward; each halving of the
 # micro-batch loses some GPU efficiency; smaller loss chunks add kernel launches; 8-bit states
-# add (de)quantization; CPU-offloaded states move gradients over PCIe every step.
+# add (de)quantization; CPU-offloaded states (or FSDP2 shards) move over PCIe every step.
 _TIME = {
     "ac": 1.33,
     "halve_batch": 1.06,
@@ -29,6 +37,15 @@ _TIME = {
     "adamw8bit": 1.03,
     "cpu_offload": 1.6,
 }
+
+# Examples per rank one optimizer step may need when the dataset's length is unknown at plan time.
+UNKNOWN_DATA_EXAMPLES = 4096
+
+# A quantized teacher's bytes per parameter (memory_anchors.md: torchao int8 weight-only and NF4
+# measured under FakeTensorMode).
+INT8_BYTES_PER_PARAM = 1.006
+# Savings below this are not worth a suggestion (they print as 0.0 GiB).
+MIN_SAVING_BYTES = GIB // 10
 
 
 # Keyword arguments torchao.optim.AdamW8bit accepts (others are removed from the optimizer node).
@@ -44,6 +61,12 @@ _ADAMW8BIT_KEYS = frozenset(
         "bf16_stochastic_round",
     }
 )
+
+# The LoRA student the fit search suggests (torchtune's knob names; kd.hf.lora_causal_lm too).
+SUGGESTED_LORA = LoraSpec(
+    rank=16, alpha=32, attn_modules=("q_proj", "k_proj", "v_proj", "output_proj"), mlp=True
+)
+HF_LORA_COMPONENT = "kd.hf.lora_causal_lm"
 
 
 @dataclass
@@ -75,13 +98,34 @@ class FitOption:
         }
 
 
-def _batches(knobs: TrainKnobs) -> list[tuple[int, int]]:
-    """(micro-batch, accumulation) pairs with the same global batch, largest micro-batch first."""
-    total = knobs.batch_size * knobs.grad_accum
+def examples_bound(knobs: TrainKnobs, dataset_size: int | None) -> tuple[int, str | None]:
+    """The most examples per rank one optimizer step may use, and a note when that bound comes from
+    a guess rather than the data.
+
+    Args:
+        knobs: the current knobs (world size).
+        dataset_size: examples in the dataset, or None when not known at plan time.
+    """
+    if dataset_size is not None:
+        return max(1, dataset_size // max(1, knobs.world_size)), None
+    note = None
+    if knobs.batch_size * knobs.grad_accum > UNKNOWN_DATA_EXAMPLES:
+        note = (
+            "the dataset's length is not known before it is built: settings use at most "
+            f"{UNKNOWN_DATA_EXAMPLES} examples per rank per optimizer step; check the dataset has "
+            "that many"
+        )
+    return UNKNOWN_DATA_EXAMPLES, note
+
+
+def _batches(knobs: TrainKnobs, bound: int) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs, largest micro-batch first: the same global batch when
+    the data holds it, else the largest one it holds (``bound`` examples per rank)."""
+    total = min(knobs.batch_size * knobs.grad_accum, bound)
     out = []
-    b = knobs.batch_size
+    b = min(knobs.batch_size, total)
     while b >= 1:
-        if total % b == 0:
+        if total % b == 0 or total < knobs.batch_size * knobs.grad_accum:
             out.append((b, total // b))
         b = b // 2 if b > 1 else 0
     if (1, total) not in out:
@@ -100,12 +144,23 @@ def _chunks(knobs: TrainKnobs) -> list[int]:
     return out
 
 
-def _optimizers(knobs: TrainKnobs) -> list[str]:
+def _offload(knobs: TrainKnobs, device: str) -> str | None:
+    """The CPU offload the recipe accepts here: ``optimizer_in_cpu`` on one CUDA device,
+    ``fsdp.cpu_offload`` over several CUDA ranks; none on the CPU (nothing to move)."""
+    if not device.startswith("cuda"):
+        return None
+    if knobs.world_size > 1:
+        return None if knobs.fsdp_cpu_offload else "fsdp_offload"
+    return None if knobs.optimizer.in_cpu else "cpu_offload"
+
+
+def _optimizers(knobs: TrainKnobs, device: str) -> list[str]:
     opts = ["same"]
     if knobs.optimizer.kind == "adamw" and not knobs.optimizer.in_cpu:
         opts.append("adamw8bit")
-    if not knobs.optimizer.in_cpu:
-        opts.append("cpu_offload")
+    offload = _offload(knobs, device)
+    if offload is not None:
+        opts.append(offload)
     return opts
 
 
@@ -117,37 +172,23 @@ def _log2_ratio(a: int, b: int) -> int:
     return n
 
 
-def fit_options(
-    student: ModelShape,
-    teacher: ModelShape | None,
+def _settings(
     knobs: TrainKnobs,
     *,
-    budget_bytes: int,
-    student_component: str = "",
-    optimizer_keys: tuple[str, ...] = (),
-    limit: int = 5,
-) -> list[FitOption]:
-    """Knob settings whose planned peak fits ``budget_bytes``, fastest first, then suggestions.
-
-    Args:
-        student: student shape.
-        teacher: teacher shape or None.
-        knobs: the current knobs (the search starts from them).
-        budget_bytes: per-device budget.
-        student_component: the student's builder path (for the LoRA suggestion).
-        optimizer_keys: keys of the config's optimizer node (those AdamW8bit does not take are
-            deleted with ``~optimizer.key``).
-        limit: at most this many knob options (suggestions come on top).
-
-    Returns:
-        Options that fit, fastest first (ties: lower peak first), followed by suggestions.
-    """
-    found: list[FitOption] = []
+    device: str,
+    bound: int,
+    optimizer_keys: tuple[str, ...],
+    data_known: bool = False,
+) -> Iterator[tuple[TrainKnobs, list[str], list[str], float]]:
+    """Every searched knob setting: (knobs, overrides, words, relative time), the current one
+    first when the data holds it; ``bound`` examples per rank at most (:func:`examples_bound`)."""
+    total = knobs.batch_size * knobs.grad_accum
+    why = "the dataset's size" if data_known else "the bound for data of unknown size"
     ac_values = [knobs.activation_checkpointing] + (
         [True] if not knobs.activation_checkpointing else []
     )
     for ac, (b, ga), chunk, opt in itertools.product(
-        ac_values, _batches(knobs), _chunks(knobs), _optimizers(knobs)
+        ac_values, _batches(knobs, bound), _chunks(knobs), _optimizers(knobs, device)
     ):
         k = replace(
             knobs, activation_checkpointing=ac, batch_size=b, grad_accum=ga, loss_chunk_size=chunk
@@ -159,9 +200,11 @@ def fit_options(
             over.append("enable_activation_checkpointing=true")
             words.append("activation checkpointing")
             t *= _TIME["ac"]
-        if b != knobs.batch_size:
+        if (b, ga) != (knobs.batch_size, knobs.grad_accum):
             over += [f"batch_size={b}", f"gradient_accumulation_steps={ga}"]
             words.append(f"micro-batch {b} x accumulation {ga}")
+            if b * ga < total:
+                words.append(f"global batch lowered to {b * ga} examples per rank ({why})")
             t *= _TIME["halve_batch"] ** _log2_ratio(knobs.batch_size, b)
         if chunk != knobs.loss_chunk_size:
             over.append(f"loss_chunk_size={chunk}")
@@ -178,21 +221,123 @@ def fit_options(
             over.append("optimizer_in_cpu=true")
             words.append("optimizer states on the CPU")
             t *= _TIME["cpu_offload"]
-        if not over:
+        elif opt == "fsdp_offload":
+            k = replace(k, fsdp_cpu_offload=True)
+            over.append("fsdp.cpu_offload=true")
+            words.append("sharded weights, gradients and optimizer states on the CPU")
+            t *= _TIME["cpu_offload"]
+        yield k, over, words, t
+
+
+def _fitting(
+    student: ModelShape,
+    teacher: ModelShape | None,
+    knobs: TrainKnobs,
+    *,
+    budget_bytes: int,
+    device: str,
+    bound: int,
+    optimizer_keys: tuple[str, ...],
+    data_known: bool = False,
+) -> list[FitOption]:
+    """Every searched setting (the current one included, with no overrides) that fits, fastest
+    first (ties: lower peak first)."""
+    found: list[FitOption] = []
+    for k, over, words, t in _settings(
+        knobs, device=device, bound=bound, optimizer_keys=optimizer_keys, data_known=data_known
+    ):
+        if k.batch_size * k.grad_accum > bound:
             continue
         est = estimate(student, teacher, k)
         if est.peak_bytes <= budget_bytes:
             found.append(FitOption(over, est.peak_bytes, t, ", ".join(words)))
     found.sort(key=lambda o: (round(o.relative_time, 4), o.peak_bytes))
-    # Drop options that only add changes to a faster option that already fits.
+    return found
+
+
+def fit_options(
+    student: ModelShape,
+    teacher: ModelShape | None,
+    knobs: TrainKnobs,
+    *,
+    budget_bytes: int,
+    device: str = "cuda",
+    dataset_size: int | None = None,
+    student_component: str = "",
+    optimizer_keys: tuple[str, ...] = (),
+    limit: int = 5,
+) -> list[FitOption]:
+    """Knob settings whose planned peak fits ``budget_bytes`` and the data, fastest first, then
+    suggestions that fit.
+
+    Args:
+        student: student shape.
+        teacher: teacher shape or None.
+        knobs: the current knobs (the search starts from them).
+        budget_bytes: per-device budget.
+        device: the run's ``device`` (``cuda`` or ``cpu``): which offload the recipe accepts.
+        dataset_size: examples in the dataset (:func:`kd.memory.data_size.dataset_examples`), or
+            None when not known at plan time.
+        student_component: the student's builder path (for the LoRA suggestion).
+        optimizer_keys: keys of the config's optimizer node (those AdamW8bit does not take are
+            deleted with ``~optimizer.key``).
+        limit: at most this many knob options (suggestions come on top).
+
+    Returns:
+        Options that fit, fastest first (ties: lower peak first), followed by suggestions.
+    """
+    bound, _ = examples_bound(knobs, dataset_size)
+    common: dict[str, Any] = {
+        "budget_bytes": budget_bytes,
+        "device": device,
+        "bound": bound,
+        "optimizer_keys": optimizer_keys,
+        "data_known": dataset_size is not None,
+    }
     kept: list[FitOption] = []
-    for opt in found:
+    for opt in _fitting(student, teacher, knobs, **common):
+        if not opt.overrides:
+            continue  # the current setting (over budget by assumption, or no search needed)
+        # Drop options that only add changes to a faster option that already fits.
         if any(set(prev.overrides) <= set(opt.overrides) for prev in kept):
             continue
         kept.append(opt)
         if len(kept) >= limit:
             break
-    return kept + suggestions(student, teacher, knobs, student_component=student_component)
+    return kept + suggestions(
+        student, teacher, knobs, student_component=student_component, **common
+    )
+
+
+def lora_overrides(student: ModelShape, student_component: str) -> tuple[ModelShape, list[str]]:
+    """The suggested LoRA student's shape and the overrides that build it, or the student itself
+    and no overrides when there is no LoRA builder for it.
+
+    The shape is the one the planner reads from those overrides (torchtune's ``lora_*`` builders
+    of some families build one RoPE cache per layer).
+    """
+    keys = [
+        "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj]",
+        "model.apply_lora_to_mlp=true",
+        f"model.lora_rank={SUGGESTED_LORA.rank}",
+        f"model.lora_alpha={SUGGESTED_LORA.alpha:g}",
+    ]
+    if student.hf:
+        return replace(student, lora=SUGGESTED_LORA), [
+            f"model._component_={HF_LORA_COMPONENT}",
+            *keys,
+        ]
+    family = families.family_of_builder(student.name)
+    known = student.name in BUILDERS or (family is not None and family.name == student.name)
+    if family is None or not known:
+        return student, []
+    module = (
+        student_component.rsplit(".", 1)[0]
+        if "." in student_component
+        else f"torchtune.models.{family.name}"
+    )
+    shape = replace(student, lora=SUGGESTED_LORA, rope_per_layer=family.lora_rope_per_layer)
+    return shape, [f"model._component_={module}.lora_{student.name}", *keys]
 
 
 def suggestions(
@@ -200,61 +345,101 @@ def suggestions(
     teacher: ModelShape | None,
     knobs: TrainKnobs,
     *,
+    budget_bytes: int,
+    device: str = "cuda",
+    bound: int = UNKNOWN_DATA_EXAMPLES,
+    optimizer_keys: tuple[str, ...] = (),
+    data_known: bool = False,
     student_component: str = "",
 ) -> list[FitOption]:
-    """LoRA student and quantized teacher: what they would save (they change the training)."""
+    """A LoRA student and a quantized teacher, each with the fastest knob setting that makes it
+    fit (they change the training); only those that fit and save memory are returned."""
+    common: dict[str, Any] = {
+        "budget_bytes": budget_bytes,
+        "device": device,
+        "bound": bound,
+        "optimizer_keys": optimizer_keys,
+        "data_known": data_known,
+    }
     out: list[FitOption] = []
     if student.lora is None:
-        lora = replace(
-            student,
-            lora=LoraSpec(
-                rank=16,
-                alpha=32,
-                attn_modules=("q_proj", "k_proj", "v_proj", "output_proj"),
-                mlp=True,
-            ),
-        )
-        est = estimate(lora, teacher, knobs)
-        module = (
-            student_component.rsplit(".", 1)[0] if "." in student_component else "torchtune.models"
-        )
-        out.append(
-            FitOption(
-                [
-                    f"model._component_={module}.lora_{student.name}",
-                    "model.lora_attn_modules=[q_proj,k_proj,v_proj,output_proj]",
-                    "model.apply_lora_to_mlp=true",
-                    "model.lora_rank=16",
-                    "model.lora_alpha=32",
-                ],
-                est.peak_bytes,
-                0.8,
-                "suggestion: a LoRA student (trains adapters only; changes the result)",
-                suggestion=True,
-            )
-        )
-    if teacher is not None:
-        t_bytes = knobs.dtype_bytes * teacher.total_params()
-        nf4 = int(teacher.total_params() * NF4_BYTES_PER_PARAM)
-        int8 = int(teacher.total_params() * 1.006)
-        base = estimate(student, teacher, knobs).peak_bytes
-        for name, q in (("int8 weight-only", int8), ("NF4", nf4)):
-            peak = base - (t_bytes - q)
+        lora, keys = lora_overrides(student, student_component)
+        found = _fitting(lora, teacher, knobs, **common) if keys else []
+        if found:
+            best = found[0]
             out.append(
                 FitOption(
-                    [],
-                    peak,
-                    1.1,
-                    f"suggestion: an {name} teacher would save {(t_bytes - q) / GIB:.1f} GiB "
-                    f"(peak about {peak / GIB:.1f} GiB; not a kd config key yet, changes the teacher's outputs)",
+                    keys + best.overrides,
+                    best.peak_bytes,
+                    best.relative_time * 0.8,
+                    "suggestion: a LoRA student (trains adapters only; changes the result)"
+                    + (f", with {best.description}" if best.description else ""),
                     suggestion=True,
+                )
+            )
+    if teacher is not None:
+        for name, per_param in (
+            ("int8 weight-only", INT8_BYTES_PER_PARAM),
+            ("NF4", NF4_BYTES_PER_PARAM),
+        ):
+            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
+            if best is None:
+                continue
+            option, saving = best
+            with_knobs = f" with {option.description}" if option.overrides else ""
+            out.append(
+                FitOption(
+                    option.overrides,
+                    option.peak_bytes,
+                    option.relative_time * 1.1,
+                    f"suggestion: an {name} teacher (not a kd config key yet; changes the "
+                    f"teacher's outputs) would save {saving / GIB:.1f} GiB per device and fit at "
+                    f"{option.peak_bytes / GIB:.1f} GiB{with_knobs}",
+                    suggestion=True,
+                    extra={"teacher_quantization": name},
                 )
             )
     return out
 
 
-def format_options(options: list[FitOption]) -> str:
-    """Options as lines: ready overrides first (fastest first), then suggestions."""
+def _quantized_teacher_setting(
+    student: ModelShape,
+    teacher: ModelShape,
+    knobs: TrainKnobs,
+    per_param: float,
+    *,
+    budget_bytes: int,
+    device: str,
+    bound: int,
+    optimizer_keys: tuple[str, ...],
+    data_known: bool = False,
+) -> tuple[FitOption, int] | None:
+    """The fastest knob setting that fits only because the teacher is quantized to
+    ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
+    none (or it saves less than :data:`MIN_SAVING_BYTES`)."""
+    found: list[tuple[FitOption, int]] = []
+    for k, over, words, t in _settings(
+        knobs, device=device, bound=bound, optimizer_keys=optimizer_keys, data_known=data_known
+    ):
+        if k.batch_size * k.grad_accum > bound:
+            continue
+        plain = estimate(student, teacher, k).peak_bytes
+        quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
+        saving = plain - quantized.peak_bytes
+        if quantized.peak_bytes <= budget_bytes < plain and saving >= MIN_SAVING_BYTES:
+            found.append((FitOption(over, quantized.peak_bytes, t, ", ".join(words)), saving))
+    if not found:
+        return None
+    return min(found, key=lambda f: (round(f[0].relative_time, 4), f[0].peak_bytes))
+
+
+def format_options(options: list[FitOption], *, note: str | None = None) -> str:
+    """Options as lines: ready overrides first (fastest first), then suggestions.
+
+    Args:
+        options: :func:`fit_options`' result.
+        note: a line on the bound the data put on the options (:func:`examples_bound`).
+    """
     knobs = [o for o in options if not o.suggestion]
     lines = []
     if knobs:
@@ -269,12 +454,15 @@ def format_options(options: list[FitOption]) -> str:
             "no setting of the searched knobs fits; consider the suggestions below or more devices"
         )
     for o in options:
-        if o.suggestion:
-            fits = ""
+        if not o.suggestion:
+            continue
+        if o.extra.get("teacher_quantization"):
+            lines.append(o.description)
             if o.overrides:
-                fits = f"  {' '.join(o.overrides)}    # {o.peak_bytes / GIB:.2f} GiB"
-                lines.append(f"{o.description}:")
-                lines.append(fits)
-            else:
-                lines.append(o.description)
+                lines.append(f"  {' '.join(o.overrides)}")
+        else:
+            lines.append(f"{o.description}:")
+            lines.append(f"  {' '.join(o.overrides)}    # {o.peak_bytes / GIB:.2f} GiB")
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError, brief
@@ -25,7 +26,8 @@ from kd.memory.estimate import (
     TrainKnobs,
     estimate,
 )
-from kd.memory.shapes import ModelShape, ShapeError, shape_from_component
+from kd.memory.hf_config import shape_of_folder
+from kd.memory.shapes import LoraSpec, ModelShape, ShapeError, shape_from_component
 
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer_step": "optim step"}
 
@@ -216,30 +218,62 @@ def _hf_config_path(node: Any) -> str | None:
     return os.path.join(os.path.expanduser(str(ckpt_dir)), "config.json")
 
 
-def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> ModelShape:
+HF_COMPONENTS = ("kd.hf.causal_lm", "kd.hf.lora_causal_lm")
+
+
+def _hf_lora(data: dict[str, Any]) -> LoraSpec | None:
+    """The adapters of a ``kd.hf.lora_causal_lm`` node (torchtune's knob names; ``o_proj`` is
+    transformers' ``output_proj``)."""
+    if "lora_attn_modules" not in data and "lora_rank" not in data:
+        return None
+    attn = data.get("lora_attn_modules") or []
+    return LoraSpec(
+        rank=int(data.get("lora_rank", 8)),
+        alpha=float(data.get("lora_alpha", 16)),
+        attn_modules=tuple("output_proj" if str(a) == "o_proj" else str(a) for a in attn),
+        mlp=bool(data.get("apply_lora_to_mlp", False)),
+        output=bool(data.get("apply_lora_to_output", False)),
+        dropout=float(data.get("lora_dropout", 0.0) or 0.0),
+    )
+
+
+def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> tuple[ModelShape, list[str]]:
     node = run.components[model_key]
     if node is None:
         raise KDUserError(f"{model_key}: missing; set its _component_ (a torchtune model builder)")
     data = OmegaConf.to_container(node, resolve=True)
     assert isinstance(data, dict)
     comp = str(data.pop("_component_", ""))
-    # A Hugging Face model (kd.hf.*) is sized from its own folder's config.json.
-    config_path = (
-        os.path.join(os.path.expanduser(str(data["path"])), "config.json")
-        if "path" in data
-        else _hf_config_path(run.components[ckpt_key])
-    )
     try:
-        return shape_from_component(comp, data, hf_config_path=config_path)
+        if comp in HF_COMPONENTS:
+            # A Hugging Face model is sized from its own folder's config.json.
+            if "path" not in data:
+                raise ShapeError(f"{comp} needs path (the model's folder)")
+            lora = _hf_lora(data) if comp.endswith("lora_causal_lm") else None
+            shape, notes = shape_of_folder(str(data["path"]), lora=lora)
+            attention = data.get("attn_implementation", "sdpa")
+            if attention != "sdpa":
+                notes.append(
+                    f"{model_key}.attn_implementation={attention}: planned as sdpa (eager "
+                    "attention keeps [b, heads, s, s] probabilities); check with kd plan --trace"
+                )
+            return shape, notes
+        config_path = (
+            os.path.join(os.path.expanduser(str(data["path"])), "config.json")
+            if "path" in data
+            else _hf_config_path(run.components[ckpt_key])
+        )
+        return shape_from_component(comp, data, hf_config_path=config_path), []
     except ShapeError as e:
         raise KDUserError(
             f"{model_key}: cannot plan memory: {e}; use a torchtune builder or set "
             "memory.check=off to skip the plan"
         ) from e
     except (ValueError, TypeError, OSError) as e:  # a size that is not a number, a bad config.json
+        where = f"{model_key}.path" if "path" in data else f"{ckpt_key}.checkpoint_dir"
         raise KDUserError(
             f"{model_key}: cannot plan memory ({brief(e)}); give the builder's sizes as whole "
-            f"numbers, and check {ckpt_key}.checkpoint_dir/config.json"
+            f"numbers, and check {where}/config.json"
         ) from e
 
 
@@ -270,9 +304,11 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     Raises:
         KDUserError: a model whose shape cannot be determined.
     """
-    notes: list[str] = []
-    student = _shape(run, "model", "checkpointer")
-    teacher = _shape(run, "teacher_model", "teacher_checkpointer") if run.has_teacher else None
+    student, notes = _shape(run, "model", "checkpointer")
+    teacher = None
+    if run.has_teacher:
+        teacher, teacher_notes = _shape(run, "teacher_model", "teacher_checkpointer")
+        notes += teacher_notes
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -348,6 +384,43 @@ def plan_from_config(
     return make_plan(inputs_from_run(run, world_size=world_size), budget)
 
 
+def dataset_size(run: RunConfig) -> int | None:
+    """Examples of the run's dataset when its local files tell cheaply (None otherwise)."""
+    from kd.memory.data_size import dataset_examples
+
+    node = run.components["dataset"]
+    if node is None:
+        return None
+    try:
+        data = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException:  # an interpolation the config check reports
+        return None
+    return dataset_examples(data)
+
+
+def attach_fit(plan: MemoryPlan, run: RunConfig) -> str | None:
+    """Search the knobs for ``plan`` (:func:`kd.memory.fit.fit_options`) with the recipe's limits
+    for the run's device and the dataset's size; sets ``plan.fit``.
+
+    Returns:
+        A note for the options when the data's size had to be guessed, else None.
+    """
+    from kd.memory.fit import examples_bound, fit_options
+
+    size = dataset_size(run)
+    plan.fit = fit_options(
+        plan.inputs.student,
+        plan.inputs.teacher,
+        plan.inputs.knobs,
+        budget_bytes=int(plan.budget_gib * GIB) if plan.budget_gib else 0,
+        device=run.device,
+        dataset_size=size,
+        student_component=plan.inputs.student_component,
+        optimizer_keys=plan.inputs.optimizer_keys,
+    )
+    return examples_bound(plan.inputs.knobs, size)[1]
+
+
 def check_memory(
     run: RunConfig, *, world_size: int, budget_gib: float | None, config_name: str = ""
 ) -> MemoryPlan | None:
@@ -382,22 +455,15 @@ def check_memory(
     plan = make_plan(inputs, budget_gib)
     if plan.fits:
         return plan
-    from kd.memory.fit import fit_options, format_options
+    from kd.memory.fit import format_options
 
-    plan.fit = fit_options(
-        plan.inputs.student,
-        plan.inputs.teacher,
-        plan.inputs.knobs,
-        budget_bytes=int(plan.budget_gib * GIB) if plan.budget_gib else 0,
-        student_component=plan.inputs.student_component,
-        optimizer_keys=plan.inputs.optimizer_keys,
-    )
+    note = attach_fit(plan, run)
     message = (
         f"memory: the plan needs {plan.peak_gib:.2f} GiB per device in {plan.phase} but the budget "
         f"is {plan.budget_gib:.2f} GiB (memory.budget_gib); nothing was loaded or written\n"
         + plan.table()
         + "\n"
-        + format_options(plan.fit)
+        + format_options(plan.fit, note=note)
         + "\nset memory.check=warn to run anyway"
     )
     if mode == "warn":

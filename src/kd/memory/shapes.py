@@ -11,6 +11,10 @@ The planner needs only a decoder's dimensions. They come, in this order, from:
 Parameter counts follow torchtune's modules exactly: q/k/v biases for the Qwen2 family, tied
 embeddings (``TiedLinear``) where the builder ties them, LoRA ``lora_a``/``lora_b`` (and DoRA
 ``magnitude``) per adapted linear.
+
+A model of the transformers backend (``kd.hf.*``) is sized from its folder's ``config.json`` by
+:mod:`kd.memory.hf_config`, which fills the fields below that describe transformers' layers
+(head size, q/k norms, Gemma's extra norms and (1 + w) scales, sliding-window layers).
 """
 
 from __future__ import annotations
@@ -57,6 +61,17 @@ BUILDERS: dict[str, tuple[int, int, int, int, int, int, bool, int]] = {
 # The seven linears of a decoder layer, in torchtune's names (attention, then MLP).
 ATTN_LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "output_proj")
 MLP_LINEARS: tuple[str, ...] = ("w1", "w2", "w3")
+
+# Which library's modules a shape describes (their saved activations differ).
+TORCHTUNE = "torchtune"
+TRANSFORMERS = "transformers"
+# RMSNorm kinds: ``rms`` scales by w in the input dtype (torchtune, Llama, Qwen); ``rms_1p`` scales
+# by (1 + w) in fp32 (Gemma).
+RMS = "rms"
+RMS_1P = "rms_1p"
+# Attention layer kinds of transformers' ``layer_types``.
+FULL = "full_attention"
+SLIDING = "sliding_attention"
 
 # torchao NF4 (QLoRA ``quantize_base``): 4-bit codes + an int8 scaler per 64 values + an fp32
 # scaler-of-scalers per 256 scalers, measured 0.516 B/param under FakeTensorMode (memory_anchors.md).
@@ -113,6 +128,19 @@ class ModelShape:
         lora: adapters, or None for a fully trainable model.
         rope_per_layer: torchtune's ``lora_qwen2``, ``lora_llama2`` and ``lora_llama3`` build one RoPE
             module (and cache) per layer instead of sharing one.
+        backend: ``torchtune`` or ``transformers``: whose modules run the layers.
+        head_size: attention head size when it is not ``embed_dim // num_heads`` (Qwen3, Gemma 3).
+        bias_linears: the layer linears (torchtune names) with a bias; None: q/k/v for ``qwen2``.
+        qk_norm: an RMSNorm over each head of q and of k (Qwen3, Gemma 3).
+        norm: ``rms`` or ``rms_1p`` (see :data:`RMS_1P`).
+        sandwich_norms: also a norm after attention and after the MLP (Gemma 3: 4 per layer).
+        embed_scale: the embedding output is scaled by sqrt(h) (Gemma 3).
+        layer_types: per layer ``full_attention`` or ``sliding_attention`` (empty: all full).
+        sliding_window: window of the sliding layers.
+        rope_types: rotary tables (transformers keeps one ``inv_freq`` pair per layer kind).
+        model_type: config.json's ``model_type`` (transformers backend).
+        counted_params: parameters counted by building the model on the meta device (an
+            architecture kd has no closed form for); replaces :meth:`base_params`.
     """
 
     name: str
@@ -127,10 +155,27 @@ class ModelShape:
     max_seq_len: int
     lora: LoraSpec | None = field(default=None)
     rope_per_layer: bool = False
+    backend: str = TORCHTUNE
+    head_size: int | None = None
+    bias_linears: tuple[str, ...] | None = None
+    qk_norm: bool = False
+    norm: str = RMS
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_types: int = 1
+    model_type: str = ""
+    counted_params: int | None = None
+
+    @property
+    def hf(self) -> bool:
+        """Whether transformers' modules run this model."""
+        return self.backend == TRANSFORMERS
 
     @property
     def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+        return self.head_size or self.embed_dim // self.num_heads
 
     @property
     def q_dim(self) -> int:
@@ -142,7 +187,31 @@ class ModelShape:
 
     @property
     def qkv_bias(self) -> bool:
-        return self.family == "qwen2"
+        return "q_proj" in self.biases
+
+    @property
+    def biases(self) -> tuple[str, ...]:
+        """The layer linears (torchtune names) that have a bias."""
+        if self.bias_linears is not None:
+            return self.bias_linears
+        return ("q_proj", "k_proj", "v_proj") if self.family == "qwen2" else ()
+
+    def layer_kind(self, index: int) -> str:
+        """``full_attention`` or ``sliding_attention`` of decoder layer ``index``."""
+        return self.layer_types[index] if self.layer_types else FULL
+
+    def masked(self, index: int, seq: int) -> bool:
+        """Whether layer ``index`` attends through an explicit ``[b, 1, s, s]`` mask.
+
+        transformers lets SDPA apply causality itself (no mask, grouped-query attention without
+        k/v copies) unless the layer slides and the sequence reaches its window.
+        """
+        return (
+            self.hf
+            and self.layer_kind(index) == SLIDING
+            and self.sliding_window is not None
+            and seq >= self.sliding_window
+        )
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each layer linear."""
@@ -159,11 +228,12 @@ class ModelShape:
 
     # ---- parameter counts (exact) ----
     def layer_base_params(self) -> int:
-        """Base (non-adapter) parameters of one decoder layer: 7 linears, biases, 2 norms."""
-        n = sum(i * o for i, o in self.linear_dims().values())
-        if self.qkv_bias:
-            n += self.q_dim + 2 * self.kv_dim
-        return n + 2 * self.embed_dim
+        """Base (non-adapter) parameters of one decoder layer: 7 linears, biases, norms."""
+        dims = self.linear_dims()
+        n = sum(i * o for i, o in dims.values())
+        n += sum(dims[name][1] for name in self.biases)
+        norms = (4 if self.sandwich_norms else 2) * self.embed_dim
+        return n + norms + (2 * self.head_dim if self.qk_norm else 0)
 
     def layer_lora_params(self) -> int:
         """Adapter parameters of one decoder layer (0 without LoRA)."""
@@ -190,6 +260,8 @@ class ModelShape:
 
     def base_params(self) -> int:
         """Every non-adapter parameter (embedding, layers, final norm, untied output)."""
+        if self.counted_params is not None:
+            return self.counted_params
         return (
             self.embedding_params()
             + self.num_layers * self.layer_base_params()
@@ -212,6 +284,10 @@ class ModelShape:
         )
         return self.num_layers * per_layer
 
+    def buffer_bytes(self, dtype_bytes: int) -> int:
+        """Every buffer: the RoPE tables, and Gemma's embedding scale (a scalar in the model dtype)."""
+        return self.rope_buffer_bytes() + (dtype_bytes if self.embed_scale else 0)
+
     def largest_layer_params(self) -> int:
         """Parameters of one decoder layer including adapters (an FSDP unit)."""
         return self.layer_base_params() + self.layer_lora_params()
@@ -220,12 +296,39 @@ class ModelShape:
         """RoPE cache + theta buffers (fp32; one module shared by all layers, or one per layer).
 
         Qwen2 caches ``cat([cos, sin])`` as ``[max_seq_len, 2 * head_dim]``; Llama caches
-        ``[max_seq_len, head_dim // 2, 2]``.
+        ``[max_seq_len, head_dim // 2, 2]``. transformers keeps no cache, only ``inv_freq`` and
+        ``original_inv_freq`` (fp32 ``[head_dim // 2]``) per rotary table.
         """
         hd = self.head_dim
+        if self.hf:
+            return self.rope_types * 2 * 4 * (hd // 2)
         cache = self.max_seq_len * hd * (2 if self.family == "qwen2" else 1)
         one = 4 * (cache + hd // 2)
         return one * (self.num_layers if self.rope_per_layer else 1)
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """Which parts of a decoder train: full weights, LoRA adapters, or nothing (teacher).
+
+    Attributes:
+        full: every weight trains (norm scales included).
+        lora_linears: the layer linears (torchtune names) with adapters.
+    """
+
+    full: bool
+    lora_linears: frozenset[str]
+
+    def linear(self, name: str) -> bool:
+        """Whether the linear's input is needed for a weight gradient (full or LoRA)."""
+        return self.full or name in self.lora_linears
+
+
+def trainable_parts(shape: ModelShape) -> Trainable:
+    """What trains in ``shape``: everything, or its LoRA adapters."""
+    if shape.lora is None:
+        return Trainable(True, frozenset())
+    return Trainable(False, frozenset(n for n in shape.linear_dims() if shape.lora.adapted(n)))
 
 
 def _scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:

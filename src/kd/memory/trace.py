@@ -37,8 +37,10 @@ from kd.memory.tracing import (
     build_fake_step,
     check_traceable_optimizer,
     fake_friendly_rope,
+    fake_friendly_transformers,
     quiet,
     trace_step_phases,
+    uses_transformers,
 )
 
 
@@ -127,7 +129,12 @@ def trace_step(
     settings = loss or LossSettings()
     gc.collect()
     check_traceable_optimizer(optimizer)
-    with quiet(), fake_friendly_rope(), FakeTensorMode():
+    with (
+        quiet(),
+        fake_friendly_rope(),
+        fake_friendly_transformers(uses_transformers(model, teacher_model)),
+        FakeTensorMode(),
+    ):
         step = build_fake_step(
             model=model,
             teacher_model=teacher_model,

@@ -37,8 +37,10 @@ from kd.memory.tracing import (
     build_fake_step,
     check_traceable_optimizer,
     fake_friendly_rope,
+    fake_friendly_transformers,
     quiet,
     trace_step_phases,
+    uses_transformers,
 )
 
 
@@ -118,7 +120,13 @@ def trace_fsdp_step(
     settings = loss or LossSettings()
     tdtype = models.DTYPES[dtype]
     gc.collect()
-    with quiet(), fake_friendly_rope(), _fake_process_group(world_size) as mesh, FakeTensorMode():
+    with (
+        quiet(),
+        fake_friendly_rope(),
+        fake_friendly_transformers(uses_transformers(model, teacher_model)),
+        _fake_process_group(world_size) as mesh,
+        FakeTensorMode(),
+    ):
         step = build_fake_step(
             model=model,
             teacher_model=teacher_model,

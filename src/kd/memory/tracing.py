@@ -139,6 +139,60 @@ def fake_friendly_rope() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fake_friendly_transformers(enabled: bool) -> Iterator[None]:
+    """Let transformers build the causal-mask inputs on fake tensors as it does on real ones.
+
+    On real tensors kd's hidden forward passes no position ids, transformers finds no packed
+    sequences and lets SDPA apply causality itself (``is_causal``, grouped-query attention without
+    copies of k and v). Its packed-sequence test reads tensor values, which FakeTensorMode cannot,
+    so under fake tensors it keeps a packed-sequence mask: an explicit ``[b, 1, s, s]`` mask per
+    layer and repeated k/v heads that the real step never allocates. Positions are ``0..s-1`` in
+    every row, so the test's real answer (no packing) is returned instead.
+
+    peft moves each new LoRA adapter (and its wrapped layer) to the base layer's device and dtype
+    with ``module.to``, which fails on fake parameters (they cannot be swapped). The adapters are
+    built in the base layer's dtype on its device already, so a ``module.to`` that would change
+    nothing returns the module unchanged.
+
+    Args:
+        enabled: a model of the trace comes from transformers (else nothing is imported or patched).
+    """
+    if not enabled:
+        yield
+        return
+    from transformers import masking_utils
+
+    packed = masking_utils.find_packed_sequence_indices
+    to = nn.Module.to
+
+    def to_if_needed(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all(
+            (device is None or t.device == device)
+            and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+            for t in tensors
+        ):
+            return self
+        return to(self, *args, **kwargs)
+
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    nn.Module.to = to_if_needed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = packed
+        nn.Module.to = to  # type: ignore[method-assign]
+
+
+def uses_transformers(*nodes: Any) -> bool:
+    """Whether any of the model nodes builds a transformers model (``kd.hf.*``)."""
+    return any(
+        node is not None and str(node.get("_component_", "")).startswith("kd.hf.") for node in nodes
+    )
+
+
+@contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence warnings and torchao's log while tracing (fake tensors trigger many)."""
     logging.getLogger("torchao").setLevel(logging.ERROR)

@@ -1,0 +1,235 @@
+"""``kd plan --fit`` (and the over-budget error): only settings the recipe accepts for the device and
+the world size, each planned again from its overrides and fitting the budget and the data."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kd.config import load_config
+from kd.config.run import run_config
+from kd.errors import KDUserError
+from kd.memory import check_memory, plan_from_config
+from kd.memory import cli as plan_cli
+from kd.memory.estimate import GIB
+from kd.memory.fit import INT8_BYTES_PER_PARAM, MIN_SAVING_BYTES, UNKNOWN_DATA_EXAMPLES
+from kd.memory.plan import MemoryPlan, attach_fit
+from kd.testing import write_jsonl
+
+FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
+DISTRIBUTED_8B = "llama3_1/8B_to_8B_full_distributed"
+
+
+def _fit(config: str, over: list[str], *, world_size: int, budget: float) -> MemoryPlan:
+    cfg = load_config(config, over)
+    plan = plan_from_config(cfg, world_size=world_size, budget_gib=budget)
+    assert not plan.fits
+    attach_fit(plan, run_config(cfg))
+    return plan
+
+
+def _replans(config: str, over: list[str], plan: MemoryPlan, *, world_size: int) -> None:
+    """Every option with overrides, applied to the config, is planned again at the same peak and
+    fits (quantized-teacher suggestions have no config key: their settings alone must not fit)."""
+    for opt in plan.fit:
+        if opt.extra.get("teacher_quantization"):
+            if opt.overrides:
+                again = plan_from_config(
+                    load_config(config, [*over, *opt.overrides]),
+                    world_size=world_size,
+                    budget_gib=plan.budget_gib,
+                )
+                assert not again.fits, opt.overrides
+            continue
+        again = plan_from_config(
+            load_config(config, [*over, *opt.overrides]),
+            world_size=world_size,
+            budget_gib=plan.budget_gib,
+        )
+        assert again.fits, opt.overrides
+        assert again.peak_bytes == opt.peak_bytes, opt.overrides
+
+
+def test_two_ranks_offer_fsdp_offload_never_optimizer_in_cpu():
+    """The recipe refuses optimizer_in_cpu with several ranks; fsdp.cpu_offload is what fits."""
+    plan = _fit(DISTRIBUTED_8B, ["device=cuda"], world_size=2, budget=30)
+    overrides = [o for opt in plan.fit for o in opt.overrides]
+    assert "optimizer_in_cpu=true" not in overrides
+    knobs = [opt for opt in plan.fit if not opt.suggestion]
+    assert knobs and all("fsdp.cpu_offload=true" in opt.overrides for opt in knobs)
+    _replans(DISTRIBUTED_8B, ["device=cuda"], plan, world_size=2)
+
+
+def test_one_device_offers_the_offload_its_device_accepts():
+    """One CUDA device: optimizer_in_cpu, never fsdp.cpu_offload; on the CPU no offload at all."""
+    cuda = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=45)
+    overrides = [o for opt in cuda.fit for o in opt.overrides]
+    assert "optimizer_in_cpu=true" in overrides
+    assert "fsdp.cpu_offload=true" not in overrides
+    _replans(FULL_14B_3B, ["device=cuda"], cuda, world_size=1)
+    cpu = _fit(FULL_14B_3B, ["device=cpu"], world_size=1, budget=45)
+    overrides = [o for opt in cpu.fit for o in opt.overrides]
+    assert not {"optimizer_in_cpu=true", "fsdp.cpu_offload=true"} & set(overrides)
+
+
+def _local_data(tmp_path: Path, rows: int) -> list[str]:
+    data = write_jsonl(
+        tmp_path / "data.jsonl",
+        ({"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(rows)),
+    )
+    return [
+        "dataset._component_=torchtune.datasets.instruct_dataset",
+        "dataset.source=json",
+        f"dataset.data_files={data}",
+        "dataset.split=train",
+    ]
+
+
+def test_options_fit_a_small_dataset(tmp_path):
+    """A 64-example dataset: no micro-batch x accumulation beyond 64 examples per rank (the recipe
+    needs one optimizer step per rank), whatever batch_size the config asked for."""
+    over = [*_local_data(tmp_path, 64), "batch_size=100000", "device=cuda"]
+    plan = _fit(FULL_14B_3B, over, world_size=1, budget=80)
+    knobs = [opt for opt in plan.fit if opt.overrides]
+    assert knobs
+    for opt in knobs:
+        values = dict(o.split("=", 1) for o in opt.overrides if "=" in o and "~" not in o)
+        batch = int(values.get("batch_size", 100000))
+        accumulation = int(values.get("gradient_accumulation_steps", 1))
+        assert batch * accumulation <= 64, opt.overrides
+    _replans(FULL_14B_3B, over, plan, world_size=1)
+    two = _fit(FULL_14B_3B, over, world_size=2, budget=80)
+    for opt in (o for o in two.fit if not o.suggestion):
+        values = dict(o.split("=", 1) for o in opt.overrides if "=" in o and "~" not in o)
+        assert int(values["batch_size"]) * int(values["gradient_accumulation_steps"]) <= 32
+
+
+def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    plan_cli.add_parser(sub)
+    code = plan_cli.run(parser.parse_args(["plan", *argv]))
+    return code, capsys.readouterr().out
+
+
+def test_cli_fit_bounds_batch_by_the_data(tmp_path, capsys):
+    """kd plan --fit prints no batch_size the dataset cannot fill; with a dataset whose size is
+    unknown at plan time it bounds the options and says so."""
+    data = _local_data(tmp_path, 64)
+    code, out = _run_cli(
+        ["--config", FULL_14B_3B, *data, "batch_size=100000", "--budget-gib", "80", "--fit"],
+        capsys,
+    )
+    assert code == 1
+    printed = [int(b) for b in re.findall(r"\bbatch_size=(\d+)", out)]
+    assert printed and max(printed) <= 64
+    assert "not known" not in out
+    code, out = _run_cli(
+        ["--config", FULL_14B_3B, "batch_size=100000", "--budget-gib", "80", "--fit"], capsys
+    )
+    assert code == 1 and f"at most {UNKNOWN_DATA_EXAMPLES} examples per rank" in out
+    assert max(int(b) for b in re.findall(r"\bbatch_size=(\d+)", out)) <= UNKNOWN_DATA_EXAMPLES
+
+
+def test_lora_suggestion_is_planned_again_and_fits():
+    """The LoRA student is suggested with the knobs that make it fit, never over the budget."""
+    plan = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=40)
+    lora = [o for o in plan.fit if o.suggestion and "LoRA" in o.description]
+    assert lora and lora[0].peak_bytes <= 40 * GIB
+    assert "loss_chunk_size=512" in lora[0].overrides  # the current knobs alone do not fit
+    _replans(FULL_14B_3B, ["device=cuda"], plan, world_size=1)
+    # no setting of a LoRA student fits 20 GiB (the teacher alone is 27.5): nothing is suggested
+    nothing = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=20)
+    assert nothing.fit == []
+
+
+def test_hf_lora_suggestion_uses_the_transformers_builder(tmp_path):
+    """For a transformers student the LoRA suggestion names kd.hf.lora_causal_lm and plans again
+    to the same peak from the folder's config.json."""
+    from kd.memory.hf_accuracy import write_config_folder
+
+    student = write_config_folder(tmp_path, "Qwen3-1.7B")
+    teacher = write_config_folder(tmp_path, "Qwen3-8B")
+    over = [
+        "model=null",
+        "teacher_model=null",
+        "model._component_=kd.hf.causal_lm",
+        f"model.path={student}",
+        "teacher_model._component_=kd.hf.causal_lm",
+        f"teacher_model.path={teacher}",
+        "device=cuda",
+    ]
+    plan = _fit(FULL_14B_3B, over, world_size=1, budget=34)
+    lora = [o for o in plan.fit if o.suggestion and "LoRA" in o.description]
+    assert lora and "model._component_=kd.hf.lora_causal_lm" in lora[0].overrides
+    _replans(FULL_14B_3B, over, plan, world_size=1)
+
+
+def test_quantized_teacher_is_suggested_only_when_it_saves_and_fits():
+    """Never 'would save 0.0 GiB': a suggested teacher quantization saves at least 0.1 GiB and
+    makes a setting fit that does not fit without it."""
+    from kd.memory.fit import suggestions
+
+    plan = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=40)
+    quantized = [o for o in plan.fit if o.extra.get("teacher_quantization")]
+    assert quantized
+    for opt in quantized:
+        saved = float(re.search(r"save (\d+\.\d) GiB", opt.description).group(1))
+        assert saved >= 0.1 and opt.peak_bytes <= 40 * GIB
+    _replans(FULL_14B_3B, ["device=cuda"], plan, world_size=1)
+    # a tiny teacher saves nothing worth saying
+    inp = plan.inputs
+    tiny_teacher = replace(inp.teacher, vocab_size=64, num_layers=1, embed_dim=64)
+    saving = INT8_BYTES_PER_PARAM * tiny_teacher.total_params()
+    assert saving < MIN_SAVING_BYTES
+    out = suggestions(inp.student, tiny_teacher, inp.knobs, budget_bytes=40 * GIB)
+    assert not any(o.extra.get("teacher_quantization") for o in out)
+
+
+def test_over_budget_error_lists_only_fitting_settings(tmp_path):
+    """The recipe's check (memory.check: error) carries the same fit search, with the data bound."""
+    over = [*_local_data(tmp_path, 64), "batch_size=100000", "device=cuda"]
+    run = run_config(load_config(FULL_14B_3B, over))
+    with pytest.raises(KDUserError) as e:
+        check_memory(run, world_size=2, budget_gib=80)
+    text = str(e.value)
+    assert "optimizer_in_cpu=true" not in text
+    printed = [int(b) for b in re.findall(r"\bbatch_size=(\d+)", text)]
+    assert printed and max(printed) <= 32
+
+
+def test_dataset_examples_counts_local_files_only(tmp_path):
+    """Rows of local json / jsonl / csv / text files; None for what only the loader can tell."""
+    import json
+
+    from kd.memory.data_size import dataset_examples
+
+    (tmp_path / "a.json").write_text(json.dumps([{"text": str(i)} for i in range(7)]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"text": i}) + "\n\n" for i in range(5)))
+    (tmp_path / "c.csv").write_text('text\n"a\nb"\nc\nd\n')
+    (tmp_path / "d.txt").write_text("x\ny\nz\n")
+    node = {"_component_": "torchtune.datasets.text_completion_dataset", "split": "train"}
+    assert dataset_examples({**node, "source": "json", "data_files": str(tmp_path / "a.json")}) == 7
+    assert (
+        dataset_examples({**node, "source": "json", "data_files": str(tmp_path / "b.jsonl")}) == 5
+    )
+    assert dataset_examples({**node, "source": "csv", "data_files": str(tmp_path / "c.csv")}) == 3
+    assert dataset_examples({**node, "source": "text", "data_files": str(tmp_path / "d.txt")}) == 3
+    both = [
+        {**node, "source": "json", "data_files": str(tmp_path / "*.json*")},
+        {**node, "source": "text", "data_files": [str(tmp_path / "d.txt")]},
+    ]
+    assert dataset_examples(both) == 7 + 5 + 3
+    local = {**node, "source": "json", "data_files": str(tmp_path / "a.json")}
+    for unknown in (
+        {**local, "split": "train[:10%]"},
+        {**local, "packed": True},
+        {**local, "data_files": str(tmp_path / "missing.json")},
+        {**node, "source": "tatsu-lab/alpaca"},
+        [local, {**node, "source": "tatsu-lab/alpaca"}],
+    ):
+        assert dataset_examples(unknown) is None, unknown
