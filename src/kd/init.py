@@ -1095,9 +1095,8 @@ def _print_plan(config: Path) -> tuple[bool, bool]:
     """
     from kd.commands import resolve_target
     from kd.device import resolve_budget
-    from kd.memory.estimate import GIB
-    from kd.memory.fit import fit_options, format_options
-    from kd.memory.plan import inputs_from_run, make_plan
+    from kd.memory.fit import format_options
+    from kd.memory.plan import attach_fit, inputs_from_run, make_plan
 
     args = argparse.Namespace(config=str(config), overrides=[], budget_gib=None, world_size=None)
     target = resolve_target(args, for_plan=True)
@@ -1110,15 +1109,8 @@ def _print_plan(config: Path) -> tuple[bool, bool]:
     print(plan.table())
     if plan.fits:
         return True, True
-    plan.fit = fit_options(
-        inputs.student,
-        inputs.teacher,
-        inputs.knobs,
-        budget_bytes=int((plan.budget_gib or 0) * GIB),
-        student_component=inputs.student_component,
-        optimizer_keys=inputs.optimizer_keys,
-    )
-    print(format_options(plan.fit))
+    note = attach_fit(plan, run)
+    print(format_options(plan.fit, note=note))
     return False, any(not option.suggestion for option in plan.fit)
 
 
