@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kd import _torchtune as tt
 from kd.cli import main
 from kd.generate import generate, load_model
-from kd.testing import IM_END_ID, TOKENIZER_VOCAB_SIZE, TinyModel, write_tiny_model
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% endif %}"
+from kd.testing import (
+    TOKENIZER_VOCAB_SIZE,
+    TinyModel,
+    write_hf_tokenizer,
+    write_tiny_model,
 )
+
 SHAPE = TinyModel(
     vocab_size=TOKENIZER_VOCAB_SIZE,
     num_layers=2,
@@ -34,35 +33,6 @@ SHAPE = TinyModel(
     max_seq_len=256,
 )
 PROMPT = "12+30="
-
-
-def write_hf_tokenizer(dest: Path, *, chat_template: str | None = CHATML) -> Path:
-    """A byte-level BPE tokenizer AutoTokenizer loads, with the ids of kd.testing.write_tokenizer
-    (0..255 the bytes, 256 <|endoftext|>, 257 <|im_start|>, 258 <|im_end|>, then the other Qwen2.5
-    special tokens) and the chat template in tokenizer_config.json."""
-    # TODO(merge): the lead may switch this to kd.testing.write_hf_tokenizer once it exists.
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    b2u = tt.bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    names = sorted(tt.QWEN2_5_SPECIAL_TOKENS, key=tt.QWEN2_5_SPECIAL_TOKENS.get)
-    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in names])
-    assert tok.token_to_id("<|im_end|>") == IM_END_ID
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    dest.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(dest)
-    config_path = dest / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    config_path.write_text(json.dumps(config, indent=2))
-    (dest / "chat_template.jinja").unlink(missing_ok=True)
-    return dest
 
 
 def copy_files(src: Path, dest: Path) -> Path:

@@ -3,7 +3,6 @@ a config that ``kd validate`` accepts and ``kd run kd`` trains out; and its one-
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from dataclasses import replace
@@ -18,12 +17,6 @@ from conftest import STUDENT, TEACHER, read_metrics, tiny_model, write_hf_qwen2
 from kd import cli
 from kd.config import load_config, validate_config
 from kd.testing import write_tiny_model
-
-# kd.hf.tokenizer is written on another branch; `kd validate` and `kd run` build it.
-HAS_HF_TOKENIZER = importlib.util.find_spec("kd.hf.tokenizer") is not None
-needs_hf_tokenizer = pytest.mark.skipif(
-    not HAS_HF_TOKENIZER, reason="kd.hf.tokenizer (the HF tokenizer builder) is not in this tree"
-)
 
 CHATML = (
     "{% for message in messages %}"
@@ -47,7 +40,6 @@ def write_hf_tokenizer(
     ``merges`` adds the merge ``H e`` (id 256, specials shifted by one); ``extra_special`` adds one
     more special token after the three; ``eos_token`` picks the eos (a base model's is
     ``<|endoftext|>``).
-    TODO(merge): use kd.testing.write_hf_tokenizer for the plain folder.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -248,7 +240,6 @@ def test_torchtune_backend_chat_data(folders, tmp_path, capsys):
     assert out.strip().splitlines()[-1] == f"next: kd run kd --config {tmp_path / 'kd.yaml'}"
 
 
-@needs_hf_tokenizer
 def test_torchtune_backend_validates_and_trains(folders, tmp_path, capsys):
     assert cli.main(_init(folders, tmp_path)) == 0
     config = str(tmp_path / "kd.yaml")
@@ -278,7 +269,6 @@ def test_transformers_backend_lora_student(folders, tmp_path, capsys):
     assert "torchtune 0.6.1 has no qwen3 builder" in out
 
 
-@needs_hf_tokenizer
 def test_transformers_backend_trains(folders, tmp_path, capsys):
     assert cli.main(_init(folders, tmp_path, "--lora", student="qwen3", data="instruct")) == 0
     config = str(tmp_path / "kd.yaml")
