@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import re
 import sys
 import time
 
@@ -180,6 +181,13 @@ def write_markdown(rows: list[dict], path: str, command: str, total_s: float) ->
         "(Qwen2.5-3B LoRA: 36 x 32 MiB), and a tied embedding's gradient briefly exists three times",
         "at the end of backward (the held output gradient, the embedding's and their sum).",
     ]
+    # Sections other scripts (or hand measurements) keep in the file between
+    # `<!-- NAME: begin -->` and `<!-- NAME: end -->` survive a rewrite, at the end.
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        for block in re.finditer(r"<!-- ([^:>]+): begin -->.*?<!-- \1: end -->", text, re.S):
+            lines += ["", block.group(0)]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(lines) + "\n")
