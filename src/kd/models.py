@@ -26,6 +26,7 @@ from kd import _torchtune as tt
 from kd.config.run import LoraSettings
 from kd.errors import KDUserError, brief
 from kd.hf import model as hf
+from kd.hf import tokenization
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -276,6 +277,39 @@ def weights_source(
     )
 
 
+def check_teacher_tokenizer(
+    teacher: WeightsSource | None,
+    tokenizer_node: Mapping[str, Any],
+    *,
+    teacher_vocab: int,
+    student_vocab: int,
+) -> None:
+    """Refuse a Hugging Face teacher whose own tokenizer differs from the run's ``kd.hf.tokenizer``.
+
+    KD compares the two models' distributions token id by token id, so a teacher trained with
+    another tokenizer would be taught ids that mean other text. Checked when the teacher is a
+    folder of the transformers backend holding tokenizer files and the tokenizer is another folder's
+    (the same probe texts and special tokens must give the same ids; :func:`kd.hf.tokenization.
+    compare_tokenizers`). A torchtune teacher is checked by the config's family rule instead.
+
+    Raises:
+        KDUserError: the first difference, naming both folders.
+    """
+    path = tokenizer_node.get("path")
+    if teacher is None or teacher.backend != TRANSFORMERS or not isinstance(path, str):
+        return
+    if tokenizer_node.get("_component_") != "kd.hf.tokenizer":
+        return
+    folder = Path(path).expanduser()
+    if folder.resolve() == teacher.folder.resolve():
+        return
+    if not any((teacher.folder / n).is_file() for n in tokenization.HF_TOKENIZER_FOLDER_FILES):
+        return
+    tokenization.compare_tokenizers(
+        teacher.folder, folder, teacher_vocab=teacher_vocab, student_vocab=student_vocab
+    )
+
+
 def load_model_weights(
     model: nn.Module, source: WeightsSource, build_checkpointer: Callable[[], Any]
 ) -> None:
@@ -361,8 +395,7 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
     return None
 
 
-# Plain ASCII that every real vocabulary covers (byte-level BPE, tiktoken, sentencepiece).
-TOKENIZER_PROBE = "Hello, world! 1+2=3."
+TOKENIZER_PROBE = tokenization.TOKENIZER_PROBE
 
 
 def tokenizer_file_problems(files: Mapping[str, Path], *, parse_json: bool) -> list[str]:

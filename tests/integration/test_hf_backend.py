@@ -343,3 +343,24 @@ def test_fsdp2_two_ranks_match_one_device(assets, tmp_path, lora):
     _assert_same_files(one / "step_000002", two / "step_000002")
     if lora:
         _assert_same_files(one / "final", two / "final", "adapter/adapter_model.safetensors")
+
+
+def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path, capsys):
+    """A Hugging Face teacher whose own tokenizer maps text to other ids than the run's tokenizer
+    is refused before loading (KD would compare ids that mean different text)."""
+    import shutil
+
+    from test_init_cli import write_hf_tokenizer as write_variant_tokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(assets["teacher"], teacher)
+    write_variant_tokenizer(teacher, merges=True)  # "He" is one token: ids differ from the run's
+    cfg = hf_config({**assets, "teacher": teacher}, tmp_path / "out")
+    lines = _error_lines(
+        capsys, "validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))
+    )
+    assert len(lines) == 1 and lines[0].startswith("kd: error: tokenizers differ: the teacher")
+    # The same teacher folder with the run's tokenizer files passes.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(assets["tokenizer"] / name, teacher / name)
+    assert cli.main(["validate", "--config", str(tmp_path / "c.yaml")]) == 0

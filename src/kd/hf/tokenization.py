@@ -21,11 +21,13 @@ A folder without a chat template falls back to plain concatenation (see :class:`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, one_line
 
 if TYPE_CHECKING:
     from torchtune.data import Message
@@ -289,3 +291,158 @@ def _text(message: Message) -> str:
             )
         parts.append(item["content"])
     return "".join(parts)
+
+
+# Plain ASCII that every real vocabulary covers (byte-level BPE, tiktoken, sentencepiece): the
+# probe of a tokenizer's files (kd.models) and of two tokenizers' agreement.
+TOKENIZER_PROBE = "Hello, world! 1+2=3."
+
+# Files a Hugging Face tokenizer is loaded from (any one of them makes a tokenizer folder).
+HF_TOKENIZER_FOLDER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+)
+
+
+# ------------------------------------------------------------ two folders, one tokenizer?
+@dataclass(frozen=True)
+class TokenizerCheck:
+    """What :func:`compare_tokenizers` found.
+
+    Attributes:
+        probes: the texts both tokenizers encoded to the same ids.
+        size: token ids the tokenizers use (the largest id + 1).
+        chat_template: the student's tokenizer has a chat template.
+        notes: differences that do not change any id (e.g. a different eos choice).
+    """
+
+    probes: tuple[str, ...]
+    size: int
+    chat_template: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load_hf_tokenizer(folder: Path, *, flag: str) -> Any:
+    """The tokenizer of a model folder, loaded offline with ``AutoTokenizer``.
+
+    Raises:
+        KDUserError: the folder holds no tokenizer files, or transformers cannot load them.
+    """
+    if not any((folder / name).is_file() for name in HF_TOKENIZER_FOLDER_FILES):
+        raise KDUserError(
+            f"{flag}: {one_line(str(folder))} has no tokenizer files (tokenizer.json / "
+            "tokenizer_config.json); download them from the model's source into that folder"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged folder raises anything
+        raise KDUserError(
+            f"{flag}: transformers cannot load the tokenizer in {one_line(str(folder))} "
+            f"({brief(e)}); restore its tokenizer files from the model's source"
+        ) from e
+
+
+def _chat_probe(tokenizer: Any) -> str:
+    """A short conversation rendered by ``tokenizer``'s chat template (ChatML when it has none)."""
+    messages = [
+        {"role": "user", "content": "What is 12 + 30?"},
+        {"role": "assistant", "content": "12 + 30 = 42."},
+    ]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            if isinstance(text, str) and text:
+                return text
+        except Exception:  # noqa: BLE001, S110 - a template that refuses these roles: use ChatML
+            pass
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def _special_tokens(tokenizer: Any) -> set[str]:
+    """Special tokens of a tokenizer: bos/eos/pad/unk and the added special tokens."""
+    names = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return names | {str(t) for t in decoder.values() if getattr(t, "special", False)}
+
+
+def compare_tokenizers(
+    teacher: Path, student: Path, *, teacher_vocab: int, student_vocab: int
+) -> TokenizerCheck:
+    """Check that teacher and student tokenize alike, so KD can compare them id by id.
+
+    Both encode the same probes (:data:`TOKENIZER_PROBE`, a non-ASCII line and a
+    conversation rendered by the student's chat template) to the same ids, and every special token
+    of either (bos/eos/pad/unk and the added special tokens) has the same id in both. A different
+    choice of eos or pad token between two tokenizers that map every token alike (a base and an
+    instruct model) changes no id: it is reported as a note (the data uses the student's).
+
+    Args:
+        teacher: the teacher's folder.
+        student: the student's folder.
+        teacher_vocab: the teacher's ``vocab_size`` (embedding rows).
+        student_vocab: the student's ``vocab_size``.
+
+    Raises:
+        KDUserError: a folder without a loadable tokenizer, the first difference between the two
+            (one line naming both folders), or token ids beyond a model's vocab_size.
+    """
+    t_tok = load_hf_tokenizer(teacher, flag="--teacher")
+    s_tok = load_hf_tokenizer(student, flag="--student")
+    pair = f"the teacher {one_line(str(teacher))} and the student {one_line(str(student))}"
+    fix = "KD compares the two models token id by token id: pick models that share one tokenizer"
+    probes = (TOKENIZER_PROBE, "Grüße, 世界! naïve café ½ → 🙂", _chat_probe(s_tok))
+    for text in probes:
+        t_ids = t_tok.encode(text, add_special_tokens=False)
+        s_ids = s_tok.encode(text, add_special_tokens=False)
+        if t_ids != s_ids:
+            i = next(
+                (k for k, (a, b) in enumerate(zip(t_ids, s_ids, strict=False)) if a != b),
+                min(len(t_ids), len(s_ids)),
+            )
+            t_at = t_ids[i] if i < len(t_ids) else "end"
+            s_at = s_ids[i] if i < len(s_ids) else "end"
+            raise KDUserError(
+                f"tokenizers differ: {pair} encode {text[:40]!r} differently (token {i}: teacher "
+                f"id {t_at}, student id {s_at}); {fix}"
+            )
+    t_vocab, s_vocab = t_tok.get_vocab(), s_tok.get_vocab()
+    for name in sorted(
+        _special_tokens(t_tok) | _special_tokens(s_tok),
+        key=lambda n: (min(t_vocab.get(n, math.inf), s_vocab.get(n, math.inf)), n),
+    ):
+        t_id, s_id = t_vocab.get(name), s_vocab.get(name)
+        if t_id != s_id:
+            raise KDUserError(
+                f"tokenizers differ: {pair} give the special token {name!r} different ids "
+                f"(teacher {t_id}, student {s_id}); {fix}"
+            )
+    notes = []
+    for role in ("bos", "eos", "pad"):
+        t_name = getattr(t_tok, f"{role}_token", None)
+        s_name = getattr(s_tok, f"{role}_token", None)
+        if t_name != s_name:
+            notes.append(
+                f"the teacher's {role} token is {t_name!r} and the student's {s_name!r} (same ids "
+                "in both); the data is tokenized with the student's"
+            )
+    size = max(max(t_vocab.values(), default=-1), max(s_vocab.values(), default=-1)) + 1
+    for role, folder, rows in (
+        ("teacher", teacher, teacher_vocab),
+        ("student", student, student_vocab),
+    ):
+        if size > rows:
+            raise KDUserError(
+                f"tokenizers: token ids go up to {size - 1} but the {role} "
+                f"{one_line(str(folder))} has vocab_size {rows} (embedding rows); KD needs every "
+                "token id in both models: use the tokenizer files that came with the models"
+            )
+    return TokenizerCheck(
+        probes=probes,
+        size=size,
+        chat_template=bool(getattr(s_tok, "chat_template", None)),
+        notes=tuple(notes),
+    )

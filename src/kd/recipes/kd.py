@@ -150,6 +150,13 @@ class KDRecipe:
                 )
         if problems:
             raise KDUserError("\n".join(problems))
+        if teacher is not None:
+            models.check_teacher_tokenizer(
+                self.sources.get("teacher_model"),
+                self._node("tokenizer"),
+                teacher_vocab=models.vocab_size(teacher),
+                student_vocab=models.vocab_size(student),
+            )
         del student, teacher, built
         outputs.check_not_in_use(self.output_dir)
         ckpt = run.checkpoint
