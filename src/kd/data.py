@@ -71,7 +71,7 @@ def build_dataloader(
     return loader, sampler
 
 
-def build_dataset(node: Any, tokenizer: Any, *, trust: bool) -> Dataset:
+def build_dataset(node: Any, tokenizer: Any, *, trust: bool, key: str = "dataset") -> Dataset:
     """The dataset a config's ``dataset`` names: one builder, or a list of them concatenated.
 
     A list is torchtune's form of several datasets (each built with the tokenizer, then joined by
@@ -81,6 +81,8 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool) -> Dataset:
         node: ``run.components["dataset"]``: a node with ``_component_``, or a list of them.
         tokenizer: the built tokenizer (the builders' first argument).
         trust: the config's ``trust_remote_components``.
+        key: the config key of ``node`` (``validation.dataset`` for the held-out data): what it
+            may build and what errors name.
 
     Raises:
         KDUserError: a builder fails (names the key), or packed and unpacked datasets are mixed.
@@ -89,17 +91,17 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool) -> Dataset:
 
     from kd.config.instantiate import build_component
 
-    def one(key: str, sub: Any) -> Dataset:
-        fix = f"check {key}.source, {key}.data_files and its rows"
-        return build_component(key, sub, tokenizer, trust=trust, fix=fix)
+    def one(dotted: str, sub: Any) -> Dataset:
+        fix = f"check {dotted}.source, {dotted}.data_files and its rows"
+        return build_component(dotted, sub, tokenizer, trust=trust, fix=fix)
 
     if not isinstance(node, ListConfig | list):
-        return one("dataset", node)
-    parts = [one(f"dataset[{i}]", sub) for i, sub in enumerate(node)]
+        return one(key, node)
+    parts = [one(f"{key}[{i}]", sub) for i, sub in enumerate(node)]
     try:
         return tt.ConcatDataset(parts)
     except ValueError as e:  # packed and unpacked datasets mixed
-        raise KDUserError(f"dataset: {e}; set packed alike in every entry") from e
+        raise KDUserError(f"{key}: {e}; set packed alike in every entry") from e
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -108,12 +110,20 @@ def pad_id_of(tokenizer: Any) -> int:
     return int(pad) if pad is not None else 0
 
 
-def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) -> tuple[int, int]:
+def check_dataset(
+    dataset: Any, *, max_seq_len: int | None, sample: int = 32, key: str = "dataset"
+) -> tuple[int, int]:
     """Fail fast when no example can teach the student anything.
 
     torchtune truncates every example to ``tokenizer.max_seq_len``; when the prompts are that long,
     truncation removes the whole response and every label is masked, and training would silently
     run on zero tokens. ``sample`` examples spread over the dataset are checked.
+
+    Args:
+        dataset: the built dataset.
+        max_seq_len: ``tokenizer.max_seq_len`` (None: untruncated).
+        sample: examples checked, spread over the dataset.
+        key: its config key (``dataset`` or ``validation.dataset``), named in errors.
 
     Returns:
         ``(truncated, checked)``: examples that reach ``max_seq_len``, of those checked.
@@ -126,7 +136,7 @@ def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) ->
     except TypeError:
         return 0, 0  # an iterable dataset: nothing to index
     if n == 0:
-        raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
+        raise KDUserError(f"{key}: it has no examples; point {key} at a non-empty data file")
     k = min(n, sample)
     indices = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
     labelled = truncated = 0
@@ -139,7 +149,7 @@ def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) ->
             raise  # already names its key (a chat template kd.hf.tokenizer cannot split)
         except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
             raise KDUserError(
-                f"dataset: example {i} cannot be read ({brief(e)}); check dataset.column_map "
+                f"{key}: example {i} cannot be read ({brief(e)}); check {key}.column_map "
                 "against the columns of the data file"
             ) from e
         # Position j predicts token j+1 (train.shift_labels), so labels[0] never trains.
@@ -154,9 +164,105 @@ def check_dataset(dataset: Any, *, max_seq_len: int | None, sample: int = 32) ->
             "tokenizer.max_seq_len or shorten the prompts"
         )
     raise KDUserError(
-        f"dataset: every label is masked in the {len(indices)} examples checked (of {n}), so "
-        "there is nothing to train on; check the response column in dataset.column_map and "
-        "the dataset's masking (train_on_input)"
+        f"{key}: every label is masked in the {len(indices)} examples checked (of {n}), so "
+        f"there is nothing to {'evaluate' if key != 'dataset' else 'train on'}; check the "
+        f"response column in {key}.column_map and the dataset's masking (train_on_input)"
+    )
+
+
+class EvalShard(Dataset):
+    """One rank's share of an evaluation set: examples ``rank, rank + W, rank + 2W...`` of the
+    first ``num_examples``, padded to the same length on every rank without counting anything
+    twice.
+
+    Every rank must run the same number of forward passes (FSDP2 gathers parameters in each), so
+    a rank with one example fewer gets a filler: a real example with every label set to
+    ``ignore_index``, which adds no labelled position to any sum. Examples are read (tokenized)
+    once and kept: every evaluation reads the same ones.
+
+    Args:
+        dataset: the evaluation dataset (``{"tokens", "labels"}`` examples).
+        num_examples: evaluate its first ``num_examples`` examples (>= 1).
+        world_size: number of ranks.
+        rank: this rank.
+        ignore_index: label value of unlabelled positions.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        num_examples: int,
+        world_size: int,
+        rank: int,
+        ignore_index: int = -100,
+    ):
+        self.dataset = dataset
+        self.num_examples = num_examples
+        self.ignore_index = ignore_index
+        per_rank = -(-num_examples // world_size)  # ceil: the same on every rank
+        self.indices = [rank + k * world_size for k in range(per_rank)]
+        self._read: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i not in self._read:
+            index = self.indices[i]
+            example = self.dataset[index % self.num_examples]
+            if index >= self.num_examples:
+                example = dict(example, labels=[self.ignore_index] * len(example["labels"]))
+            self._read[i] = example
+        return self._read[i]
+
+
+def build_eval_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    max_batches: int | None,
+    pad_id: int,
+    ignore_index: int = -100,
+    world_size: int = 1,
+    rank: int = 0,
+) -> DataLoader:
+    """Padded ``{"tokens", "labels"}`` batches of this rank's share of an evaluation set.
+
+    In dataset order, the last batch kept even when partial; rank r gets examples r, r + W...
+    (:class:`EvalShard`), so summing per-token quantities over all ranks counts each example of
+    the set exactly once whatever the number of ranks and the batch size. Build it once and
+    iterate it at every evaluation: each example is tokenized on first use only.
+
+    Args:
+        dataset: the evaluation dataset.
+        batch_size: examples per batch on each rank.
+        max_batches: evaluate the first ``max_batches * batch_size`` examples; None = all.
+        pad_id: the tokenizer's padding id.
+        ignore_index: label value of unlabelled positions.
+        world_size: number of ranks.
+        rank: this rank.
+
+    Raises:
+        KDUserError: the dataset has no examples.
+    """
+    total = len(dataset)
+    if total == 0:
+        raise KDUserError(
+            "validation.dataset: it has no examples; point it at a non-empty data file"
+        )
+    n = total if max_batches is None else min(total, max_batches * batch_size)
+    shard = EvalShard(
+        dataset, num_examples=n, world_size=world_size, rank=rank, ignore_index=ignore_index
+    )
+    return DataLoader(
+        shard,
+        batch_size=batch_size,
+        shuffle=False,
+        drop_last=False,
+        collate_fn=functools.partial(
+            tt.padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index
+        ),
     )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "fused_linear_kd_loss",
     "kd_loss",
     "per_token_divergence",
+    "shared_vocab_logprobs",
 ]
 
 # Must equal kd.config.schema.DIVERGENCES (a unit test checks it); kept literal so importing the
@@ -84,6 +85,27 @@ def _log_softmax_fp32(
         x = x / temperature
     out = torch.log_softmax(x, dim=-1)
     return out.clamp_min_(_LOG_MIN) if inplace else out.clamp_min(_LOG_MIN)
+
+
+def shared_vocab_logprobs(
+    student_logits: Tensor, teacher_logits: Tensor, *, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """The two distributions the KD term compares: fp32 ``log_softmax(logits / T)`` of both
+    models over their shared first ``min(Vs, Vt)`` vocab entries (the teacher's detached).
+
+    Args:
+        student_logits: ``[..., Vs]`` any float dtype.
+        teacher_logits: ``[..., Vt]`` same leading shape.
+        temperature: softmax temperature T (> 0) of both models.
+
+    Returns:
+        ``(log q, log p)``, each ``[..., min(Vs, Vt)]`` fp32, clamped to a finite minimum.
+    """
+    vocab = min(student_logits.size(-1), teacher_logits.size(-1))
+    return (
+        _log_softmax_fp32(student_logits, vocab, temperature),
+        _log_softmax_fp32(teacher_logits.detach(), vocab, temperature),
+    )
 
 
 def per_token_divergence(
@@ -175,9 +197,7 @@ def kd_loss(
         ValueError: unknown ``divergence``.
     """
     _check_divergence(divergence)
-    vocab = min(student_logits.size(-1), teacher_logits.size(-1))
-    s = _log_softmax_fp32(student_logits, vocab, temperature)
-    t = _log_softmax_fp32(teacher_logits.detach(), vocab, temperature)
+    s, t = shared_vocab_logprobs(student_logits, teacher_logits, temperature=temperature)
     per_tok = per_token_divergence(s, t, divergence, beta, skew_alpha)
     return _masked_mean(per_tok, labels != ignore_index) * (temperature * temperature)
 

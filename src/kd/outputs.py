@@ -1,8 +1,8 @@
 """One run per ``output_dir``: the lock, what counts as another run's outputs, moving them aside.
 
-A run's outputs are ``final/``, ``step_*/``, ``metrics.jsonl`` and ``config.yaml``. Rank 0 holds an
-OS file lock (``fcntl.flock`` on ``output_dir/.kd.lock``) from before its first write to its end,
-so a second run on the same folder is refused instead of mixing metric rows and overwriting
+A run's outputs are ``final/``, ``best/``, ``step_*/``, ``metrics.jsonl`` and ``config.yaml``. Rank
+0 holds an OS file lock (``fcntl.flock`` on ``output_dir/.kd.lock``) from before its first write to
+its end, so a second run on the same folder is refused instead of mixing metric rows and overwriting
 ``final/``. The OS drops the lock when the process ends however it ends (``kill -9`` included); a
 clean release also removes the file, and a file left by a killed run is harmless (only the lock
 counts, not the file).
@@ -32,6 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kd.checkpoint.layout import (
+    BEST_DIRNAME,
     CONFIG_SNAPSHOT_FILE,
     FINAL_DIRNAME,
     MARKER_FILE,
@@ -233,12 +234,13 @@ def lock_output_dir(output_dir: Path, *, wait_s: float = 1.0) -> OutputDirLock:
 
 
 def run_outputs(output_dir: Path) -> list[Path]:
-    """The outputs of a run present in ``output_dir``: ``final/``, ``step_*/``, ``metrics.jsonl``,
-    ``config.yaml`` (sorted; ``previous_*/``, the lock and temporary folders do not count)."""
+    """The outputs of a run present in ``output_dir``: ``final/``, ``best/``, ``step_*/``,
+    ``metrics.jsonl``, ``config.yaml`` (sorted; ``previous_*/``, the lock and temporary folders do
+    not count)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
-    found = [output_dir / n for n in (FINAL_DIRNAME, METRICS_FILE, CONFIG_FILE)]
+    found = [output_dir / n for n in (FINAL_DIRNAME, BEST_DIRNAME, METRICS_FILE, CONFIG_FILE)]
     found = [p for p in found if p.exists()]
     found += [p for p in output_dir.glob(STEP_GLOB) if p.is_dir()]
     return sorted(found)

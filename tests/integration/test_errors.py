@@ -577,6 +577,72 @@ def bad_rows_in_dataset_list(assets, tmp, cfg):
     return _run(), "dataset[1]: torchtune.datasets.instruct_dataset failed"
 
 
+def _validation(cfg: dict) -> dict:
+    """A ``validation:`` node on the training data (a valid one)."""
+    return {"dataset": dict(cfg["dataset"]), "every_n_steps": 2}
+
+
+def validation_every_zero_steps(assets, tmp, cfg):
+    """`validation: {dataset: ..., every_n_steps: 2}`, then `validation.every_n_steps=0`"""
+    cfg["validation"] = _validation(cfg)
+    return _run("validation.every_n_steps=0"), "validation.every_n_steps: 0 is below the minimum 1"
+
+
+def validation_without_dataset(assets, tmp, cfg):
+    """`validation: {every_n_steps: 2}` (no dataset)"""
+    cfg["validation"] = {"every_n_steps": 2}
+    return _run(), "validation.dataset: required key is missing"
+
+
+def keep_best_without_validation(assets, tmp, cfg):
+    """`keep_best: {metric: val_loss}` without `validation`"""
+    cfg["keep_best"] = {"metric": "val_loss"}
+    return _run(), "keep_best: needs validation"
+
+
+def keep_best_unknown_metric(assets, tmp, cfg):
+    """`keep_best: {metric: val_acc}` with `validation`"""
+    cfg["validation"] = _validation(cfg)
+    cfg["keep_best"] = {"metric": "val_acc"}
+    return _run(), "keep_best.metric: 'val_acc' is not allowed"
+
+
+def keep_best_teacher_metric_without_teacher(assets, tmp, cfg):
+    """`keep_best: {metric: val_top1_agreement}`, `teacher_model: null`, `kd_ratio: 0`"""
+    cfg.update(teacher_model=None, teacher_checkpointer=None, kd_ratio=0)
+    cfg["validation"] = _validation(cfg)
+    cfg["keep_best"] = {"metric": "val_top1_agreement"}
+    return _run(), "keep_best.metric: val_top1_agreement compares the student with the teacher"
+
+
+def early_stopping_without_validation(assets, tmp, cfg):
+    """`early_stopping: {patience: 3}` without `validation`"""
+    cfg["early_stopping"] = {"patience": 3}
+    return _run(), "early_stopping: needs validation"
+
+
+def early_stopping_only_at_the_end(assets, tmp, cfg):
+    """`early_stopping: {patience: 3}`, `validation.every_n_steps: null`"""
+    cfg["validation"] = dict(_validation(cfg), every_n_steps=None)
+    cfg["early_stopping"] = {"patience": 3}
+    return _run(), "early_stopping: validation.every_n_steps is null"
+
+
+def validation_data_file_missing(assets, tmp, cfg):
+    """`validation.dataset.data_files` names a missing file (`kd validate`)"""
+    cfg["validation"] = _validation(cfg)
+    cfg["validation"]["dataset"]["data_files"] = str(tmp / "heldout.json")
+    return _validate(), "validation.dataset.data_files:"
+
+
+def validation_every_label_masked(assets, tmp, cfg):
+    """a validation dataset whose labels are all -100 (`kd validate`)"""
+    cfg["validation"] = _validation(cfg)
+    cfg["validation"]["dataset"] = {"_component_": f"{__name__}.MaskedDataset"}
+    cfg["trust_remote_components"] = True
+    return _validate(), "validation.dataset: every label is masked"
+
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -668,6 +734,15 @@ CASES: list[Case] = [
     empty_dataset_list,
     missing_file_in_dataset_list,
     bad_rows_in_dataset_list,
+    validation_every_zero_steps,
+    validation_without_dataset,
+    keep_best_without_validation,
+    keep_best_unknown_metric,
+    keep_best_teacher_metric_without_teacher,
+    early_stopping_without_validation,
+    early_stopping_only_at_the_end,
+    validation_data_file_missing,
+    validation_every_label_masked,
 ]
 
 

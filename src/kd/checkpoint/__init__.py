@@ -11,6 +11,8 @@ Layout under ``output_dir``::
       config.yaml                resolved config snapshot
       kd_checkpoint.json         written last: step, epoch, file sizes / sha256, config hash
     final/                       the same HF files at the end of training, no recipe_state.pt
+    best/                        keep_best: the same HF files at the best validation step; its
+                                 marker also holds {"best": {"metric", "value", "mode"}}
 
 Nothing is unpickled on load: weights come from safetensors, recipe state from
 ``torch.load(weights_only=True)``.
@@ -46,6 +48,7 @@ from kd.checkpoint.hf_folder import (
 from kd.checkpoint.layout import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_MODEL_FILE,
+    BEST_DIRNAME,
     CONFIG_SNAPSHOT_FILE,
     FINAL_DIRNAME,
     HF_CONFIG_FILE,
@@ -75,6 +78,7 @@ from kd.checkpoint.store import (
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_MODEL_FILE",
+    "BEST_DIRNAME",
     "CONFIG_SNAPSHOT_FILE",
     "FINAL_DIRNAME",
     "HF_CONFIG_FILE",

@@ -18,6 +18,8 @@ ADAPTER_DIR = "adapter"
 ADAPTER_MODEL_FILE = f"{ADAPTER_DIR}/adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = f"{ADAPTER_DIR}/adapter_config.json"
 FINAL_DIRNAME = "final"
+# The student of the best validation metric (``keep_best``): weights only, like final/.
+BEST_DIRNAME = "best"
 
 
 def step_dirname(step: int) -> str:

@@ -208,6 +208,8 @@ def save_checkpoint(
     recipe_state: dict[str, Any] | None,
     config_yaml: str,
     keep_last_n: int,
+    name: str | None = None,
+    marker_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Atomically write ``output_dir/step_<step>/`` (or ``output_dir/final/`` when recipe_state is None).
 
@@ -223,6 +225,9 @@ def save_checkpoint(
             :func:`kd.checkpoint.config_hash`, which resuming checks.
         keep_last_n: complete step folders kept; older ones are removed after the new one is in
             place (``final/`` is never counted or removed).
+        name: the folder's name instead (``best``; with ``recipe_state`` None): replaced
+            atomically at each save, never counted or removed.
+        marker_extra: more entries of the marker (``best``'s metric and value).
 
     Returns:
         The final folder.
@@ -233,7 +238,8 @@ def save_checkpoint(
     """
     output_dir = Path(output_dir)
     resume_hash = config_hash(config_yaml)
-    name = FINAL_DIRNAME if recipe_state is None else step_dirname(step)
+    if name is None:
+        name = FINAL_DIRNAME if recipe_state is None else step_dirname(step)
     final = output_dir / name
     tmp = output_dir / f"{_TMP_PREFIX}{name}_{os.getpid()}"
     try:
@@ -258,6 +264,7 @@ def save_checkpoint(
             "files": _describe_files(tmp),
             "config_hash": resume_hash,
             "kd_version": kd.__version__,
+            **(marker_extra or {}),
         }
         # The marker goes last: a folder is complete iff it has one, and everything it lists is
         # already on disk.

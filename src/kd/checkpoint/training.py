@@ -10,6 +10,7 @@ full copy and a checkpoint of N ranks resumes on M.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from kd import _torchtune as tt
 from kd import distributed, models
 from kd.checkpoint.convert import hf_to_tune_state_dict
 from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model, write_hf_folder
-from kd.checkpoint.layout import RECIPE_STATE_FILE
+from kd.checkpoint.layout import BEST_DIRNAME, RECIPE_STATE_FILE
 from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
@@ -55,11 +56,21 @@ class StudentSource:
 
 @dataclass(frozen=True)
 class Progress:
-    """The loop's position, saved in and restored from a step checkpoint."""
+    """The loop's position, saved in and restored from a step checkpoint.
+
+    Attributes:
+        global_step: optimizer steps done.
+        epoch: the epoch the next step belongs to.
+        seed: the run's seed.
+        validation: the best validation value so far and the evaluations since it improved
+            (:meth:`kd.evaluate.BestTracker.state_dict`); empty without validation and when
+            restored from a checkpoint written before kd had it.
+    """
 
     global_step: int
     epoch: int
     seed: int
+    validation: dict[str, Any] = field(default_factory=dict)
 
 
 def save_training_checkpoint(
@@ -90,6 +101,7 @@ def save_training_checkpoint(
             "global_step": progress.global_step,
             "epoch": progress.epoch,
             "seed": progress.seed,
+            "validation": dict(progress.validation),
             "world_size": world.world_size,
             "rng": capture_rng_state(),
         }
@@ -97,34 +109,79 @@ def save_training_checkpoint(
             state["adapter"] = distributed.adapter_state_dict(student, world=world)
     path = None
     if world.is_rank_zero:
-
-        def write_model(dest: Path) -> None:
-            lora = source.lora
-            if source.backend == TRANSFORMERS:
-                _write_hf_student(dest, student, full, source)
-                return
-            save_hf_model(
-                dest,
-                full,
-                model_type=source.model_type,
-                source_dir=source.source_dir,
-                # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
-                adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
-                adapter_config=models.peft_adapter_config(lora) if lora else None,
-                extra_files=source.tokenizer_files,
-            )
-
         path = save_checkpoint(
             output_dir,
             progress.global_step,
             epoch=progress.epoch,
-            write_model=write_model,
+            write_model=_model_writer(student, full, source),
             recipe_state=state,
             config_yaml=config_yaml,
             keep_last_n=keep_last_n,
         )
     distributed.barrier()
     return path
+
+
+def save_best_checkpoint(
+    output_dir: Path,
+    *,
+    student: torch.nn.Module,
+    progress: Progress,
+    source: StudentSource,
+    config_yaml: str,
+    metric: str,
+    value: float,
+    mode: str,
+    world: WorldInfo,
+) -> Path | None:
+    """Replace ``output_dir/best/`` atomically with the student now (``keep_best``). Collective.
+
+    The folder holds what ``final/`` holds (HF weights, config, tokenizer files; no resume
+    state); its marker records the step and ``{"best": {"metric", "value", "mode"}}``.
+
+    Returns:
+        The folder on rank 0, None on the other ranks.
+    """
+    full = distributed.full_state_dict(student, world=world)
+    path = None
+    if world.is_rank_zero:
+        path = save_checkpoint(
+            output_dir,
+            progress.global_step,
+            epoch=progress.epoch,
+            write_model=_model_writer(student, full, source),
+            recipe_state=None,
+            config_yaml=config_yaml,
+            keep_last_n=1,
+            name=BEST_DIRNAME,
+            marker_extra={"best": {"metric": metric, "value": float(value), "mode": mode}},
+        )
+    distributed.barrier()
+    return path
+
+
+def _model_writer(
+    student: torch.nn.Module, full: dict[str, torch.Tensor], source: StudentSource
+) -> Callable[[Path], None]:
+    """Writes the student's HF files (``full``: its full state dict) into a folder."""
+
+    def write_model(dest: Path) -> None:
+        lora = source.lora
+        if source.backend == TRANSFORMERS:
+            _write_hf_student(dest, student, full, source)
+            return
+        save_hf_model(
+            dest,
+            full,
+            model_type=source.model_type,
+            source_dir=source.source_dir,
+            # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
+            adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
+            adapter_config=models.peft_adapter_config(lora) if lora else None,
+            extra_files=source.tokenizer_files,
+        )
+
+    return write_model
 
 
 TRANSFORMERS = "transformers"
@@ -260,7 +317,13 @@ def _restore(
             saved_world,
             world.world_size,
         )
-    progress = Progress(int(state["global_step"]), int(state["epoch"]), int(state["seed"]))
+    validation = state.get("validation")
+    progress = Progress(
+        int(state["global_step"]),
+        int(state["epoch"]),
+        int(state["seed"]),
+        validation=dict(validation) if isinstance(validation, dict) else {},
+    )
     if rank0:
         log.info("resumed from %s at step %d", ckpt, progress.global_step)
     return progress

@@ -262,6 +262,10 @@ ALLOWED: dict[str, Allowed] = {
     "dataset": DATASETS,
     "dataset.message_transform": MESSAGE_TRANSFORMS,
     "dataset.model_transform": TOKENIZERS,
+    # The held-out data of `validation:` is built like `dataset`.
+    "validation.dataset": DATASETS,
+    "validation.dataset.message_transform": MESSAGE_TRANSFORMS,
+    "validation.dataset.model_transform": TOKENIZERS,
     "optimizer": OPTIMIZERS,
     "lr_scheduler": LR_SCHEDULERS,
     "metric_logger": METRIC_LOGGERS,
@@ -296,7 +300,7 @@ def _closest(target: str, targets: frozenset[str]) -> str | None:
 
 def _refused(what: str, value: str, rule: Allowed | None, verb: str) -> str:
     if rule is None:
-        nested = ", ".join(k for k in ALLOWED if "." in k)
+        nested = ", ".join(k for k in ALLOWED if k.rpartition(".")[0] in ALLOWED)
         allowed_text = f"nothing; nested components are built only at {nested}"
     else:
         close = _closest(value, rule.targets)

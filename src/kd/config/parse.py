@@ -4,8 +4,9 @@ Order of operations in :func:`load_config`:
 
 1. read the YAML (a built-in name or a path);
 2. map torchtune keys and losses (:mod:`kd.config.compat`);
-3. merge schema defaults under it (``memory:``, ``fsdp:``, ``kd_loss:`` key by key; other nodes
-   only when absent, since merging kwargs of a different ``_component_`` would be wrong);
+3. merge schema defaults under it (the sections, ``memory:``, ``fsdp:``, ``kd_loss:``,
+   ``validation:``..., key by key when present; other nodes only when absent, since merging
+   kwargs of a different ``_component_`` would be wrong);
 4. apply ``key=value`` / ``~key`` overrides, then steps 2-3 again for what they changed;
 5. resolve ``${...}`` interpolations.
 
@@ -148,7 +149,8 @@ def fill_defaults(cfg: DictConfig, cleared: set[str] | None = None) -> None:
         node = cfg._get_node(name)
         if isinstance(node, DictConfig):
             for sub, sub_key in section.items():
-                if sub not in node:
+                # A required key of a section (validation.dataset) stays absent: validation names it.
+                if sub not in node and sub_key.default is not schema.MISSING:
                     node[sub] = schema._copy(sub_key.default)
 
 

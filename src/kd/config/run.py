@@ -16,6 +16,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from kd.config import schema
+
 # Nodes built with `_component_` (kept as read-only config nodes: the builders take their keys).
 COMPONENT_KEYS: tuple[str, ...] = (
     "model",
@@ -28,6 +30,10 @@ COMPONENT_KEYS: tuple[str, ...] = (
     "lr_scheduler",
     "metric_logger",
 )
+# The component key inside a section: the held-out data, built like ``dataset``.
+VALIDATION_DATASET = "validation.dataset"
+# Keys that hold a dataset node or a list of them (torchtune's concatenated datasets).
+DATASET_KEYS: tuple[str, ...] = ("dataset", VALIDATION_DATASET)
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,34 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True)
+class ValidationSettings:
+    """Held-out evaluation during training (``validation:``, ``keep_best:``, ``early_stopping:``).
+
+    Attributes:
+        dataset: the ``validation.dataset`` node (read-only; one builder or a list of them,
+            built like ``dataset``, :func:`kd.data.build_dataset`).
+        every_n_steps: optimizer steps between evaluations; None = only at the end of training.
+        max_batches: evaluate the first ``max_batches * batch_size`` examples; None = all.
+        batch_size: examples per evaluation batch per rank (``validation.batch_size``, else
+            ``batch_size``).
+        metric: the metric the best step is chosen by (``keep_best.metric``, else ``val_loss``).
+        mode: ``min`` or ``max``: which direction of ``metric`` is better.
+        keep_best: write ``output_dir/best/`` at each improvement.
+        patience: evaluations without improvement before training stops (``early_stopping``);
+            None = never stop early.
+    """
+
+    dataset: DictConfig | ListConfig
+    every_n_steps: int | None
+    max_batches: int | None
+    batch_size: int
+    metric: str
+    mode: str
+    keep_best: bool
+    patience: int | None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Every setting of a run, typed and read once (see :func:`run_config`).
 
@@ -164,6 +198,8 @@ class RunConfig:
             component such as ``teacher_model: null``; ``dataset`` may be a list of nodes,
             torchtune's concatenated datasets, see :func:`kd.data.build_dataset`).
         lora: the student's LoRA settings (None for a full fine-tune).
+        validation: held-out evaluation, best checkpoint and early stopping (None: no
+            ``validation:``).
         seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
         shuffle: reshuffle the dataset every epoch.
         batch_size: micro-batch per rank.
@@ -189,6 +225,7 @@ class RunConfig:
     checkpoint: CheckpointSettings
     components: dict[str, DictConfig | ListConfig | None]
     lora: LoraSettings | None
+    validation: ValidationSettings | None
     seed: int | None
     shuffle: bool
     batch_size: int
@@ -240,6 +277,30 @@ def _lora(model: Any) -> LoraSettings | None:
         attn_modules=tuple(str(m) for m in model.lora_attn_modules),
         apply_to_mlp=bool(model.get("apply_lora_to_mlp", False)),
         apply_to_output=bool(model.get("apply_lora_to_output", False)),
+    )
+
+
+def _validation(cfg: DictConfig) -> ValidationSettings | None:
+    """The validation settings, or None without ``validation:`` (keep_best and early_stopping
+    need it: :func:`kd.config.validate_config` says so)."""
+    val = cfg.get("validation")
+    if val is None:
+        return None
+    best = cfg.get("keep_best")
+    metric = str(best.metric) if best is not None else schema.KEEP_BEST["metric"].default
+    mode = best.mode if best is not None else None
+    stopping = cfg.get("early_stopping")
+    dataset = _frozen_node(val.dataset)
+    assert dataset is not None
+    return ValidationSettings(
+        dataset=dataset,
+        every_n_steps=None if val.every_n_steps is None else int(val.every_n_steps),
+        max_batches=None if val.max_batches is None else int(val.max_batches),
+        batch_size=int(val.batch_size if val.batch_size is not None else cfg.batch_size),
+        metric=metric,
+        mode=str(mode) if mode is not None else schema.VAL_METRICS[metric],
+        keep_best=best is not None,
+        patience=int(stopping.patience) if stopping is not None else None,
     )
 
 
@@ -305,6 +366,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
         ),
         components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
         lora=_lora(cfg.get("model") or {}),
+        validation=_validation(cfg),
         seed=None if cfg.seed is None else int(cfg.seed),
         shuffle=bool(cfg.shuffle),
         batch_size=int(cfg.batch_size),

@@ -261,7 +261,40 @@ TOP_LEVEL: dict[str, Key] = {
         help="FSDP2 options of the distributed recipe",
         resume=MAY_CHANGE,
     ),
+    "validation": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="held-out evaluation: {dataset, every_n_steps, max_batches, batch_size}; null = none",
+        resume=MAY_CHANGE,
+    ),
+    "keep_best": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="keep output_dir/best/, the student of the best validation: {metric, mode}; "
+        "needs validation",
+        resume=MAY_CHANGE,
+    ),
+    "early_stopping": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="stop after {patience} evaluations without improvement (keep_best's metric, else "
+        "val_loss); needs validation",
+        resume=MAY_CHANGE,
+    ),
 }
+
+# The validation metrics (kd.evaluate.ValStats.metrics) and the direction that is better.
+VAL_METRICS: dict[str, str] = {
+    "val_loss": "min",
+    "val_ce_loss": "min",
+    "val_kd_loss": "min",
+    "val_top1_agreement": "max",
+}
+# Metrics that compare the student with the teacher (none without one: teacher_model null).
+TEACHER_METRICS: tuple[str, ...] = ("val_kd_loss", "val_top1_agreement")
 
 # Keys of the `memory:` section.
 MEMORY: dict[str, Key] = {
@@ -318,7 +351,79 @@ KD_LOSS: dict[str, Key] = {
     "skew_alpha": Key(0.1, _NUM, "skew KL mixture weight", min=0.0, max=1.0, resume=MUST_MATCH),
 }
 
-SECTIONS: dict[str, dict[str, Key]] = {"memory": MEMORY, "fsdp": FSDP, "kd_loss": KD_LOSS}
+# Keys of the `validation:` section.
+VALIDATION: dict[str, Key] = {
+    "dataset": Key(
+        MISSING,
+        node=True,
+        node_list=True,
+        help="the held-out data: a dataset node as for dataset, or a list of them",
+        resume=MAY_CHANGE,
+    ),
+    "every_n_steps": Key(
+        None,
+        _INT,
+        "optimizer steps between evaluations; null = only at the end of training",
+        nullable=True,
+        min=1,
+        resume=MAY_CHANGE,
+    ),
+    "max_batches": Key(
+        None,
+        _INT,
+        "evaluate the first max_batches x batch_size examples; null = all",
+        nullable=True,
+        min=1,
+        resume=MAY_CHANGE,
+    ),
+    "batch_size": Key(
+        None,
+        _INT,
+        "examples per evaluation batch per device; null = batch_size",
+        nullable=True,
+        min=1,
+        resume=MAY_CHANGE,
+    ),
+}
+
+# Keys of the `keep_best:` section.
+KEEP_BEST: dict[str, Key] = {
+    "metric": Key(
+        "val_loss",
+        _STR,
+        "validation metric that picks the best step",
+        choices=tuple(VAL_METRICS),
+        resume=MAY_CHANGE,
+    ),
+    "mode": Key(
+        None,
+        _STR,
+        "min or max; null = min for the losses, max for val_top1_agreement",
+        nullable=True,
+        choices=("min", "max"),
+        resume=MAY_CHANGE,
+    ),
+}
+
+# Keys of the `early_stopping:` section.
+EARLY_STOPPING: dict[str, Key] = {
+    "patience": Key(
+        MISSING,
+        _INT,
+        "evaluations without improvement before training stops",
+        min=1,
+        resume=MAY_CHANGE,
+    ),
+}
+
+SECTIONS: dict[str, dict[str, Key]] = {
+    "memory": MEMORY,
+    "fsdp": FSDP,
+    "kd_loss": KD_LOSS,
+    "validation": VALIDATION,
+    "keep_best": KEEP_BEST,
+    "early_stopping": EARLY_STOPPING,
+}
 
 # Arguments of component nodes that kd reads itself (the plan, the LoRA adapter config), checked
 # like the keys above when the node has them; the component checks the rest.

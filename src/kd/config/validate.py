@@ -25,7 +25,7 @@ from kd.config import schema
 from kd.config.allowlist import component_nodes, tree_problems
 from kd.config.compat import TORCHTUNE_KD_LOSSES
 from kd.config.instantiate import locate_target, unknown_kwargs
-from kd.config.run import COMPONENT_KEYS
+from kd.config.run import COMPONENT_KEYS, DATASET_KEYS, VALIDATION_DATASET
 from kd.config.schema import Key, Problem
 from kd.errors import ConfigError
 
@@ -98,7 +98,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         node = data.get(name)
         if isinstance(node, dict):
             _check_kd_loss_component(name, node, problems)
-            _check_keys(node, section, f"{name}.", problems, required=False)
+            _check_keys(node, section, f"{name}.", problems)
     for dotted, key in schema.COMPONENT_ARGS.items():
         name, arg = dotted.split(".", 1)
         node = data.get(name)
@@ -108,6 +108,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
                 problems.append(Problem(dotted, message))
     _check_loss(data.get("loss"), problems)
     _check_teacher(data, problems)
+    _check_validation(data, problems)
     _check_output_dir(data, problems)
     device = data.get("device")
     if isinstance(device, str) and not _DEVICE_RE.match(device):
@@ -139,8 +140,8 @@ def component_problems(data: dict[str, Any]) -> list[Problem]:
     """
     problems: list[Problem] = []
     trust = data.get("trust_remote_components") is True
-    for name in COMPONENT_KEYS:
-        for top, top_node in _component_nodes(name, data.get(name), []):
+    for name, value in component_values(data):
+        for top, top_node in _component_nodes(name, value, []):
             for dotted, node in component_nodes(top, top_node):
                 target = node.get("_component_")
                 if target is None:
@@ -338,8 +339,7 @@ def _check_component_numbers(data: dict[str, Any], problems: list[Problem]) -> N
                 wanted = "a smaller integer" if isinstance(value, int) else "a finite number"
                 problems.append(Problem(dotted, f"{problem}; set {dotted} to {wanted}"))
 
-    for name in COMPONENT_KEYS:
-        value = data.get(name)
+    for name, value in component_values(data):
         if isinstance(value, dict | list):
             walk(name, value)
 
@@ -436,6 +436,47 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
+def _check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``keep_best`` and ``early_stopping`` need ``validation`` (and early stopping evaluations
+    during training); the teacher metrics need a teacher."""
+    validation = data.get("validation")
+    add = "add validation: {dataset: ..., every_n_steps: N}"
+    for name, what in (
+        ("keep_best", "it keeps the student of the best validation"),
+        ("early_stopping", "it counts evaluations without improvement"),
+    ):
+        if data.get(name) is not None and validation is None:
+            problems.append(Problem(name, f"needs validation ({what}); {add}, or remove {name}"))
+    if (
+        data.get("early_stopping") is not None
+        and isinstance(validation, dict)
+        and validation.get("every_n_steps") is None
+    ):
+        problems.append(
+            Problem(
+                "early_stopping",
+                "validation.every_n_steps is null, so validation runs only at the end of "
+                "training and cannot stop it early; set validation.every_n_steps, or remove "
+                "early_stopping",
+            )
+        )
+    best = data.get("keep_best")
+    metric = best.get("metric") if isinstance(best, dict) else None
+    if (
+        metric in schema.TEACHER_METRICS
+        and "teacher_model" in data
+        and data["teacher_model"] is None
+    ):
+        plain = [m for m in schema.VAL_METRICS if m not in schema.TEACHER_METRICS]
+        problems.append(
+            Problem(
+                "keep_best.metric",
+                f"{metric} compares the student with the teacher, but teacher_model is null; "
+                f"set keep_best.metric to {' or '.join(plain)}",
+            )
+        )
+
+
 def _check_output_dir(data: dict[str, Any], problems: list[Problem]) -> None:
     """An empty ``output_dir`` (it would be the working directory) and contradictory outputs keys."""
     output_dir = data.get("output_dir")
@@ -464,10 +505,10 @@ def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> N
     values torchtune would import (a tokenizer's string ``prompt_template``).
     """
     trust = data.get("trust_remote_components") is True
-    for name in COMPONENT_KEYS:
-        for dotted, node in _component_nodes(name, data.get(name), problems):
+    for name, value in component_values(data):
+        for dotted, node in _component_nodes(name, value, problems):
             if node.get("_component_") is None:
-                help_text = schema.TOP_LEVEL[name].help
+                help_text = _spec(name).help
                 problems.append(
                     Problem(
                         f"{dotted}._component_",
@@ -475,6 +516,22 @@ def _check_component_targets(data: dict[str, Any], problems: list[Problem]) -> N
                     )
                 )
             problems += [Problem(k, m) for k, m in tree_problems(dotted, node, trust=trust)]
+
+
+def component_values(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every key that builds a component, with its value: the top-level ``COMPONENT_KEYS`` and
+    ``validation.dataset`` (built like ``dataset``) when ``validation`` is a mapping."""
+    out = [(name, data.get(name)) for name in COMPONENT_KEYS]
+    validation = data.get("validation")
+    if isinstance(validation, dict) and "dataset" in validation:
+        out.append((VALIDATION_DATASET, validation["dataset"]))
+    return out
+
+
+def _spec(name: str) -> Key:
+    """The schema key of a top-level or dotted section key (``validation.dataset``)."""
+    section, _, sub = name.partition(".")
+    return schema.SECTIONS[section][sub] if sub else schema.TOP_LEVEL[name]
 
 
 def _component_nodes(
@@ -487,7 +544,7 @@ def _component_nodes(
     """
     if value is None or value == schema.MISSING:
         return []
-    if not (name == "dataset" and isinstance(value, list)):
+    if not (name in DATASET_KEYS and isinstance(value, list)):
         return [(name, value)] if isinstance(value, dict) else []
     nodes = []
     for index, node in enumerate(value):
@@ -572,15 +629,17 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"{path} does not exist; download the tokenizer or fix the path",
                     )
                 )
-    dataset = data.get("dataset")
-    nodes = dataset if isinstance(dataset, list) else [dataset]
-    for i, node in enumerate(nodes):
-        if isinstance(node, dict):
-            _check_dataset(
-                "dataset" if len(nodes) == 1 and not isinstance(dataset, list) else f"dataset[{i}]",
-                node,
-                problems,
-            )
+    for name, dataset in component_values(data):
+        if name not in DATASET_KEYS:
+            continue
+        nodes = dataset if isinstance(dataset, list) else [dataset]
+        for i, node in enumerate(nodes):
+            if isinstance(node, dict):
+                _check_dataset(
+                    name if len(nodes) == 1 and not isinstance(dataset, list) else f"{name}[{i}]",
+                    node,
+                    problems,
+                )
 
 
 _MAX_SHARDS = 100_000  # checkpoint_files.max_filename beyond this is a typo, not a model

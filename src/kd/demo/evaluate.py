@@ -1,9 +1,17 @@
-"""Held-out evaluation of the demo's models: loss, next-letter accuracy, greedy exact match, curves."""
+"""Held-out evaluation of the demo's models: loss, next-letter accuracy, greedy exact match, curves.
+
+The held-out loss, the divergence to the teacher and the top-1 agreement come from
+:func:`kd.evaluate.evaluate`, the code that computes ``validation:`` metrics during training (fed
+by :func:`kd.data.build_eval_loader`, as the recipe feeds it); only the letter accuracies are the
+demo's own.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,22 +24,51 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from kd.config.run import LossSettings
+    from kd.evaluate import ValStats
+
+# Held-out examples per evaluation batch (the numbers do not depend on it).
+EVAL_BATCH_SIZE = 64
+
 
 @dataclass
 class EvalResult:
     """Held-out numbers of one model.
 
     Attributes:
-        loss: mean cross-entropy over the labelled tokens of the held-out answers (nats/token).
+        loss: cross-entropy per labelled token of the held-out examples (nats/token):
+            ``val_ce_loss``.
         next_letter_acc: fraction of answer letters where the model's top guess (given the true
             previous letters) is the chain's most likely next letter.
         exact_match: fraction of prompts whose greedy 8-letter answer equals the chain's most
             likely answer.
+        kd_loss: the divergence to the trained teacher per labelled token (``val_kd_loss``, the
+            KD student's divergence and temperature); None for the teacher itself.
+        top1_agreement: fraction of labelled tokens where the model's and the trained teacher's
+            top guesses agree (``val_top1_agreement``); None for the teacher itself.
     """
 
     loss: float
     next_letter_acc: float
     exact_match: float
+    kd_loss: float | None = None
+    top1_agreement: float | None = None
+
+
+@contextlib.contextmanager
+def _hidden_output(*modules: nn.Module | None) -> Iterator[None]:
+    """The models return final-norm hidden states inside (what :mod:`kd.evaluate` takes, as the
+    recipe prepares them), logits again after."""
+    from kd import models
+
+    present = [m for m in modules if m is not None]
+    for m in present:
+        models.set_hidden_output(m)
+    try:
+        yield
+    finally:
+        for m in present:
+            models.set_hidden_output(m, False)
 
 
 class HeldOut:
@@ -48,11 +85,19 @@ class HeldOut:
         from omegaconf import OmegaConf
 
         from kd import _torchtune as tt
+        from kd import data
         from kd.config import instantiate
         from kd.train import shift_labels
 
         self.tokenizer = instantiate(OmegaConf.create(tokenizer_cfg), key="tokenizer")
         dataset = instantiate(OmegaConf.create(dataset_cfg), self.tokenizer, key="dataset")
+        # The held-out batches of kd.evaluate, as the recipe's validation reads them.
+        self.loader = data.build_eval_loader(
+            dataset,
+            batch_size=EVAL_BATCH_SIZE,
+            max_batches=None,
+            pad_id=data.pad_id_of(self.tokenizer),
+        )
         self.rows = [
             json.loads(line) for line in data_file.read_text().splitlines() if line.strip()
         ]
@@ -88,23 +133,44 @@ class HeldOut:
     def _letter_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_bos=False, add_eos=False)
 
-    def evaluate(
-        self, model: nn.Module, chain: LetterChain, *, accuracy: bool = True
-    ) -> EvalResult:
-        """Held-out loss (and accuracies) of ``model``, a torchtune decoder returning logits."""
-        import torch
-        import torch.nn.functional as F
+    def validation(
+        self, model: nn.Module, teacher: nn.Module | None, *, settings: LossSettings
+    ) -> ValStats:
+        """``kd.evaluate``'s metrics of ``model`` (against ``teacher``) on the held-out set: what
+        ``validation:`` would log for them during training.
 
+        Args:
+            model: a torchtune decoder returning logits.
+            teacher: the trained teacher (same kind), or None.
+            settings: the loss settings (the KD student's run's).
+        """
+        import torch
+
+        from kd.evaluate import evaluate
+
+        with _hidden_output(model, teacher):
+            return evaluate(
+                model, teacher, self.loader, settings=settings, device=torch.device("cpu")
+            )
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        chain: LetterChain,
+        *,
+        settings: LossSettings,
+        teacher: nn.Module | None = None,
+        accuracy: bool = True,
+    ) -> EvalResult:
+        """Held-out loss (and accuracies) of ``model``, a torchtune decoder returning logits; with
+        ``teacher``, also its divergence to the teacher and their top-1 agreement."""
+        import torch
+
+        stats = self.validation(model, teacher, settings=settings)
+        if not accuracy:
+            return EvalResult(stats.ce_loss, math.nan, math.nan)
         with torch.inference_mode():
             logits = model(self.tokens).float()  # [n, s, v]
-            loss = (
-                F.cross_entropy(
-                    logits.flatten(0, 1), self.labels.flatten(), ignore_index=-100, reduction="sum"
-                )
-                / (self.labels != -100).sum()
-            )
-            if not accuracy:
-                return EvalResult(float(loss), math.nan, math.nan)
             p = self.prompt_len
             # Positions p-1 .. p+6 predict the 8 answer letters; the letter before each is the
             # last letter of the question, then the answer letters themselves.
@@ -115,7 +181,13 @@ class HeldOut:
             generated = self._greedy(model)  # [n, 8]
         wanted = [self._letter_ids(chain.most_likely_answer(r["input"])) for r in self.rows]
         exact = [g == w for g, w in zip(generated.tolist(), wanted, strict=True)]
-        return EvalResult(float(loss), next_letter_acc, sum(exact) / len(exact))
+        return EvalResult(
+            stats.ce_loss,
+            next_letter_acc,
+            sum(exact) / len(exact),
+            kd_loss=stats.kd_loss if teacher is not None else None,
+            top1_agreement=stats.top1_agreement,
+        )
 
     def _best_next(self, previous: torch.Tensor, chain: LetterChain) -> torch.Tensor:
         import torch
@@ -140,8 +212,9 @@ def heldout_curve(
     init_dir: Path,
     shape: TinyModel,
     heldout: HeldOut,
-    chain: LetterChain,
     scratch: Path,
+    *,
+    settings: LossSettings,
 ) -> list[tuple[int, float]]:
     """Held-out loss of the initial model and of every step checkpoint of a run: ``[(step, loss)]``."""
     folders = [(0, init_dir)] + sorted(
@@ -150,7 +223,7 @@ def heldout_curve(
     curve = []
     for step, folder in folders:
         model = load_tiny_model(folder, shape, scratch)
-        curve.append((step, heldout.evaluate(model, chain, accuracy=False).loss))
+        curve.append((step, heldout.validation(model, None, settings=settings).ce_loss))
     return curve
 
 
@@ -163,13 +236,22 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def evaluate_runs(
     runs: dict[str, DemoRun], heldout: HeldOut, chain: LetterChain, scratch: Path
 ) -> dict[str, dict[str, Any]]:
-    """Final held-out results, held-out curve and training metrics of every run."""
+    """Final held-out results, held-out curve and training metrics of every run; the students
+    are also compared with the trained teacher, with the KD student's loss settings."""
+    from kd.config import load_config
+    from kd.config.run import run_config
+
+    settings = run_config(load_config(str(runs["kd_student"].config), [])).loss
+    teacher = load_tiny_model(runs["teacher"].run_dir / "final", runs["teacher"].shape, scratch)
     out = {}
     for name, run in runs.items():
         final = load_tiny_model(run.run_dir / "final", run.shape, scratch)
+        against = None if name == "teacher" else teacher
         out[name] = {
-            "final": heldout.evaluate(final, chain),
-            "curve": heldout_curve(run.run_dir, run.init_dir, run.shape, heldout, chain, scratch),
+            "final": heldout.evaluate(final, chain, settings=settings, teacher=against),
+            "curve": heldout_curve(
+                run.run_dir, run.init_dir, run.shape, heldout, scratch, settings=settings
+            ),
             "metrics": read_metrics(run.run_dir),
         }
     return out

@@ -156,21 +156,29 @@ def print_table(result: DemoResult, plan: DemoPlan) -> None:
     ]
     head = (
         f"{'model':<16} {'labelled examples':>18} {'steps':>6} {'held-out loss':>14} "
-        f"{'next-letter acc':>16} {'greedy exact match':>19}"
+        f"{'next-letter acc':>16} {'greedy exact match':>19} {'KL to teacher':>14} "
+        f"{'top-1 = teacher':>16}"
     )
     say("")
     say(head)
     say("-" * len(head))
     for name, data, steps, r in rows:
+        kl = "-" if r.kd_loss is None else f"{r.kd_loss:.4f}"
+        agree = "-" if r.top1_agreement is None else f"{r.top1_agreement:.3f}"
         say(
             f"{name:<16} {data:>18} {steps:>6} {r.loss:>14.4f} {r.next_letter_acc:>16.3f} "
-            f"{r.exact_match:>19.3f}"
+            f"{r.exact_match:>19.3f} {kl:>14} {agree:>16}"
         )
     say(
-        f"{'best possible':<16} {'':>18} {'':>6} {result.heldout_floor:>14.4f} {1.0:>16.3f} {1.0:>19.3f}"
+        f"{'best possible':<16} {'':>18} {'':>6} {result.heldout_floor:>14.4f} {1.0:>16.3f} "
+        f"{1.0:>19.3f}"
     )
     say(
         f"KD closed {100 * result.gap_closed:.0f}% of the held-out loss gap between the CE-only "
         "student and the teacher: (ce - kd) / (ce - teacher)"
+    )
+    say(
+        "held-out loss, KL to teacher and top-1 = teacher are kd.evaluate's val_ce_loss, "
+        "val_kd_loss and val_top1_agreement (what validation: logs during training)"
     )
     say("")

@@ -31,6 +31,28 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
       outputs is refused before any weight loads, unless ``overwrite_output_dir`` moves them into
       ``output_dir/previous_<time>/``.
     - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb offline/online).
+    - Validation (``validation``): every ``every_n_steps`` steps and at the end, ``val_loss``,
+      ``val_ce_loss``, ``val_kd_loss`` and ``val_top1_agreement`` on held-out data, token-weighted
+      over the whole set (the same numbers for any batch size and number of ranks), in their own
+      metric rows. ``keep_best`` keeps ``output_dir/best/`` (HF folder, like ``final/``) at the best
+      step; ``early_stopping`` stops after ``patience`` evaluations without improvement, saves
+      ``final/`` and says why. Resume keeps the best value and the patience count.
+
+Cookbook (held-out data, the best student, early stopping)::
+
+    validation:
+      dataset:                      # any dataset node, or a list of them, as for `dataset`
+        _component_: torchtune.datasets.instruct_dataset
+        source: json
+        data_files: heldout.jsonl
+        split: train
+      every_n_steps: 100            # null = only at the end of training
+      max_batches: null             # an int evaluates the first max_batches x batch_size examples
+      batch_size: null              # null = batch_size; the numbers do not depend on it
+    keep_best: {metric: val_loss, mode: min}   # or val_ce_loss, val_kd_loss, val_top1_agreement
+    early_stopping: {patience: 3}   # follows keep_best's metric, else val_loss (lower is better)
+
+    kd run kd --config my.yaml validation.every_n_steps=50 early_stopping.patience=5
 """
 
 from __future__ import annotations
@@ -46,15 +68,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, models, outputs, train
+from kd import checkpoint, data, distributed, evaluate, models, outputs, train
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
     restore_training_checkpoint,
+    save_best_checkpoint,
     save_training_checkpoint,
 )
 from kd.config.instantiate import build_component
-from kd.config.run import RunConfig, run_config
+from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
@@ -90,6 +113,12 @@ class KDRecipe:
         self.epoch = 0
         self.plan: MemoryPlan | None = None
         self.lock: outputs.OutputDirLock | None = None
+        val = run.validation
+        self.tracker = (
+            evaluate.BestTracker(val.metric, val.mode, patience=val.patience)
+            if val is not None
+            else None
+        )
 
     def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         node = self.run.components[key]
@@ -111,7 +140,7 @@ class KDRecipe:
         checkpoint's config.json against its safetensors headers, the memory plan against the
         budget, output_dir (in use by another run, or holding another run's outputs without resume
         or overwrite), the resume state, and the data (readable, non-empty, labelled, long enough
-        for one optimizer step per rank).
+        for one optimizer step per rank; the validation data readable, non-empty and labelled).
         """
         run = self.run
         check_device(run.device)
@@ -169,16 +198,9 @@ class KDRecipe:
             checkpoint.check_resume_compatible(
                 found.config_yaml, run.yaml, checkpoint=found.checkpoint
             )
-        self.dataset = data.build_dataset(
-            run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
-        )
-        truncated, checked = data.check_dataset(self.dataset, max_seq_len=run.max_seq_len)
-        if truncated and self.world.is_rank_zero:
-            log.warning(
-                "%d of %d examples checked reach tokenizer.max_seq_len and are truncated",
-                truncated,
-                checked,
-            )
+        self.dataset = self._dataset(run.components["dataset"], key="dataset")
+        if run.validation is not None:
+            self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
         self.steps_per_epoch = data.steps_per_epoch(
             len(self.dataset),
             batch_size=run.batch_size,
@@ -189,6 +211,21 @@ class KDRecipe:
         self.total_steps = self.steps_per_epoch * run.epochs
         if self.resume_from is not None:
             checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
+
+    def _dataset(self, node: Any, *, key: str) -> Any:
+        """The dataset of config key ``key``, checked (readable, non-empty, labelled)."""
+        dataset = data.build_dataset(
+            node, self.tokenizer, trust=self.run.trust_remote_components, key=key
+        )
+        truncated, checked = data.check_dataset(dataset, max_seq_len=self.run.max_seq_len, key=key)
+        if truncated and self.world.is_rank_zero:
+            log.warning(
+                "%s: %d of %d examples checked reach tokenizer.max_seq_len and are truncated",
+                key,
+                truncated,
+                checked,
+            )
+        return dataset
 
     def _weights_source(self, key: str, model: torch.nn.Module) -> models.WeightsSource:
         ckpt_key = CHECKPOINTER_OF[key]
@@ -241,6 +278,15 @@ class KDRecipe:
             world_size=self.world.world_size,
             rank=self.world.rank,
         )
+        if run.validation is not None:
+            self.val_loader = data.build_eval_loader(
+                self.val_dataset,
+                batch_size=run.validation.batch_size,
+                max_batches=run.validation.max_batches,
+                pad_id=data.pad_id_of(self.tokenizer),
+                world_size=self.world.world_size,
+                rank=self.world.rank,
+            )
         self.teacher = self._load_model("teacher_model") if run.has_teacher else None
         self.student = self._load_model("model")
         trainable = [p for p in self.student.parameters() if p.requires_grad]
@@ -271,6 +317,12 @@ class KDRecipe:
             )
             self.global_step, self.epoch = progress.global_step, progress.epoch
             self.run = self.run.with_seed(progress.seed)
+            tracker = self.tracker
+            if tracker is not None and not tracker.load_state_dict(progress.validation):
+                if self.world.is_rank_zero:
+                    log.info(
+                        "%s holds no best %s: it starts over", self.resume_from, tracker.metric
+                    )
         if self.world.is_rank_zero:
             self._open_outputs()
 
@@ -330,13 +382,15 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
-        """The loop: step, log, checkpoint, final save; stop cleanly on SIGTERM/SIGINT (a signal
-        after the last step waits for the final save)."""
+        """The loop: step, log, validate, checkpoint, final save; stop cleanly on SIGTERM/SIGINT
+        (a signal after the last step waits for the final save) or when early stopping says so."""
         grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
         bad_steps = 0
         saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         every = self.run.checkpoint.save_every_n_steps
+        val = self.run.validation
+        val_every = val.every_n_steps if val is not None else None
         bar = tqdm(
             total=self.total_steps,
             initial=self.global_step,
@@ -373,9 +427,18 @@ class KDRecipe:
                         and self.global_step % self.run.log_every_n_steps == 0
                     ):
                         self._log(stats)
+                    # Before the step save: its resume state holds this evaluation.
+                    evaluated = val_every is not None and self.global_step % val_every == 0
+                    if evaluated:
+                        self.validate()
                     if every is not None and self.global_step % every == 0:
                         saved = (self.global_step, self.save(final=False))
                     last = self.global_step == self.total_steps  # then final/ is the save
+                    tracker = self.tracker
+                    if evaluated and not last and tracker is not None and tracker.should_stop:
+                        bar.close()
+                        self._stop_early(stop)
+                        return
                     if distributed.any_rank(stop.requested, device=self.device) and not last:
                         bar.close()
                         just_saved = saved[1] if saved and saved[0] == self.global_step else None
@@ -384,6 +447,8 @@ class KDRecipe:
             bar.close()
             # Inside GracefulStop: a signal now waits for final/ to be complete.
             stop.action = "finishing the final save"
+            if self.tracker is not None and self.tracker.last_step != self.global_step:
+                self.validate()  # the end of training (unless this step was just evaluated)
             final = self.save(final=True)
             if stop.requested and self.world.is_rank_zero:
                 print(
@@ -434,6 +499,60 @@ class KDRecipe:
             seconds=time.perf_counter() - t0,
         )
 
+    def validate(self) -> evaluate.ValStats:
+        """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the
+        followed metric improved. Collective when distributed."""
+        val, tracker = self.run.validation, self.tracker
+        assert val is not None and tracker is not None
+        stats = evaluate.evaluate(
+            self.student, self.teacher, self.val_loader, settings=self.run.loss, device=self.device
+        )
+        value = stats.value(tracker.metric)
+        improved = tracker.update(float("nan") if value is None else value, step=self.global_step)
+        if self.world.is_rank_zero:
+            row = {"step": self.global_step, "epoch": self.epoch, **stats.metrics()}
+            outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
+            self.metric_logger.log_dict(
+                {k: v for k, v in row.items() if k != "step"}, step=self.global_step
+            )
+        if improved and val.keep_best and tracker.best is not None:
+            save_best_checkpoint(
+                self.output_dir,
+                student=self.student,
+                progress=self._progress(),
+                source=self._source(),
+                config_yaml=self.run.yaml,
+                metric=tracker.metric,
+                value=tracker.best,
+                mode=tracker.mode,
+                world=self.world,
+            )
+        return stats
+
+    def _stop_early(self, stop: GracefulStop) -> None:
+        """Early stopping: save final/ and say why training stopped."""
+        tracker = self.tracker
+        assert tracker is not None
+        stop.action = "finishing the final save"
+        final = self.save(final=True)
+        if self.world.is_rank_zero:
+            keep = self.run.validation is not None and self.run.validation.keep_best
+            if tracker.best is None:
+                best = "; no evaluation gave a finite value"
+            elif keep:
+                best = (
+                    f"; the best, {tracker.best:.6g} at step {tracker.best_step}, is in "
+                    f"{self.output_dir / checkpoint.BEST_DIRNAME}"
+                )
+            else:
+                best = f"; the best was {tracker.best:.6g} at step {tracker.best_step}"
+            print(
+                f"kd: early stopping after step {self.global_step} of {self.total_steps}: "
+                f"{tracker.metric} did not improve ({tracker.mode}) for {tracker.bad_evals} "
+                f"evaluations (early_stopping.patience={tracker.patience}){best}; saved {final}",
+                file=sys.stderr,
+            )
+
     def _log(self, stats: train.StepStats) -> None:
         row: dict[str, Any] = {
             "step": self.global_step,
@@ -465,12 +584,20 @@ class KDRecipe:
             student=self.student,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            progress=Progress(self.global_step, self.epoch, int(self.run.seed or 0)),
+            progress=self._progress(),
             source=self._source(),
             config_yaml=self.run.yaml,
             keep_last_n=self.run.checkpoint.keep_last_n,
             final=final,
             world=self.world,
+        )
+
+    def _progress(self) -> Progress:
+        return Progress(
+            self.global_step,
+            self.epoch,
+            int(self.run.seed or 0),
+            validation=self.tracker.state_dict() if self.tracker is not None else {},
         )
 
     def _source(self) -> StudentSource:

@@ -1,0 +1,278 @@
+"""Held-out evaluation: loss, CE, KD and top-1 agreement, token-weighted over a whole data set.
+
+Every number is an exact sum of per-token quantities over all labelled positions of the set (all
+batches, all ranks), divided once by the number of those positions: never a mean of batch means.
+So the result does not depend on the evaluation batch size or on the number of ranks (up to
+floating-point summation order; the sums are kept in fp64). The definitions are the training
+loss's (:mod:`kd.losses`):
+
+* ``val_ce_loss``: cross-entropy of the student over its full vocabulary;
+* ``val_kd_loss``: ``T^2`` times the divergence (``kd_loss.divergence``, the true divergence as
+  training logs it) between ``softmax(teacher / T)`` and ``softmax(student / T)`` over the shared
+  first ``min(Vs, Vt)`` vocab entries;
+* ``val_loss``: ``(1 - kd_ratio) * val_ce_loss + kd_ratio * val_kd_loss``;
+* ``val_top1_agreement``: the fraction of labelled positions where the student's and the
+  teacher's argmax over the shared vocab agree.
+
+Logits are computed chunk by chunk over the labelled positions only (``loss_chunk_size`` rows at a
+time, as the fused loss does), so no ``[batch, seq, vocab]`` tensor is built. No autograd; the
+student is in eval mode during the evaluation and back in its previous mode after it.
+
+The teacher's outputs on the validation set do not change during training, but they are
+recomputed at every evaluation rather than cached: what the KD term and the agreement need per
+labelled token is the teacher's full distribution over the shared vocab, ``V`` floats per token
+(0.6 MB per token at V = 152k in fp32: 600 GB for a set of a million labelled tokens), which no
+device holds; recomputing costs one teacher forward per validation batch, without autograd.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kd import distributed, losses, models
+from kd.config.run import LossSettings
+from kd.config.schema import VAL_METRICS
+from kd.train import shift_labels
+
+__all__ = ["BestTracker", "ValStats", "evaluate", "token_sums"]
+
+# Entries of the sums tensor (fp64): CE, divergence (without T^2), argmax agreements, positions.
+_CE, _KD, _AGREE, _COUNT = range(4)
+
+
+@dataclass(frozen=True)
+class ValStats:
+    """One evaluation over the whole validation set (all ranks).
+
+    Attributes:
+        loss: ``(1 - kd_ratio) * ce_loss + kd_ratio * kd_loss``.
+        ce_loss: the student's cross-entropy per labelled token.
+        kd_loss: ``T^2`` times the divergence to the teacher per labelled token (0 without one).
+        top1_agreement: fraction of labelled positions where student and teacher argmax agree
+            over the shared vocab; None without a teacher.
+        num_tokens: labelled positions evaluated.
+        seconds: wall time of the evaluation.
+    """
+
+    loss: float
+    ce_loss: float
+    kd_loss: float
+    top1_agreement: float | None
+    num_tokens: int
+    seconds: float
+
+    def metrics(self) -> dict[str, float | int]:
+        """The metric row: ``val_loss``, ``val_ce_loss``, ``val_kd_loss``, ``val_top1_agreement``
+        (with a teacher), ``val_num_tokens``, ``val_seconds``."""
+        row: dict[str, float | int] = {
+            name: value
+            for name in VAL_METRICS
+            if (value := self.value(name)) is not None  # type: ignore[assignment]
+        }
+        row["val_num_tokens"] = self.num_tokens
+        row["val_seconds"] = self.seconds
+        return row
+
+    def value(self, metric: str) -> float | None:
+        """The value of ``metric`` (one of :data:`kd.config.schema.VAL_METRICS`)."""
+        return {
+            "val_loss": self.loss,
+            "val_ce_loss": self.ce_loss,
+            "val_kd_loss": self.kd_loss,
+            "val_top1_agreement": self.top1_agreement,
+        }[metric]
+
+
+def token_sums(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    settings: LossSettings,
+) -> torch.Tensor:
+    """Sums over the labelled positions of one batch: CE, divergence, argmax agreements, count.
+
+    Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`); call it
+    under ``torch.no_grad()``. The divergence sum is without the ``T^2`` factor.
+
+    Args:
+        student: the student decoder.
+        teacher: the teacher decoder, or None (then the divergence and agreement sums are 0).
+        tokens: ``[b, s]`` input ids.
+        labels: ``[b, s]`` shifted labels (:func:`kd.train.shift_labels`).
+        settings: the loss settings (divergence, temperature, chunk size, ignore index).
+
+    Returns:
+        fp64 ``[4]``: (CE sum, divergence sum, agreements, labelled positions).
+    """
+    flat = labels.reshape(-1)
+    idx = (flat != settings.ignore_index).nonzero().squeeze(1)
+    h_s = student(tokens)
+    h_s = h_s.reshape(-1, h_s.size(-1)).index_select(0, idx)  # [n, d_s]
+    h_t = None
+    if teacher is not None:
+        h_t = teacher(tokens)
+        h_t = h_t.reshape(-1, h_t.size(-1)).index_select(0, idx)  # [n, d_t]
+    target = flat.index_select(0, idx)
+    sums = torch.zeros(4, dtype=torch.float64, device=flat.device)
+    sums[_COUNT] = idx.numel()
+    for start in range(0, idx.numel(), settings.chunk_size):
+        end = start + settings.chunk_size
+        s_logits = models.logits_from_hidden(student, h_s[start:end])  # [n, Vs] fp32
+        ce = F.cross_entropy(s_logits, target[start:end], reduction="none")
+        sums[_CE] += ce.double().sum()
+        if h_t is None:
+            continue
+        t_logits = models.logits_from_hidden(teacher, h_t[start:end])  # [n, Vt] fp32
+        s_logp, t_logp = losses.shared_vocab_logprobs(
+            s_logits, t_logits, temperature=settings.temperature
+        )
+        vocab = s_logp.size(-1)
+        agree = s_logits[:, :vocab].argmax(-1) == t_logits[:, :vocab].argmax(-1)
+        sums[_AGREE] += agree.sum()
+        del s_logits, t_logits
+        kd = losses.per_token_divergence(
+            s_logp, t_logp, settings.divergence, settings.beta, settings.skew_alpha
+        )
+        sums[_KD] += kd.double().sum()
+    return sums
+
+
+def evaluate(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    settings: LossSettings,
+    device: torch.device,
+) -> ValStats:
+    """Evaluate the student (against the teacher) on this rank's batches; sums over all ranks.
+
+    Collective when distributed: every rank calls it with its own share of the set
+    (:func:`kd.data.build_eval_loader`), with the same number of batches. Both models must be in
+    hidden-output mode, as :mod:`kd.prepare` leaves them.
+
+    Args:
+        student: the student decoder (put in eval mode for the evaluation, then back).
+        teacher: the frozen teacher, or None (plain fine-tuning: ``kd_loss`` 0, no agreement).
+        batches: ``{"tokens", "labels"}`` batches ``[b, s]`` as collated (labels not shifted).
+        settings: the training loss settings (``val_loss`` uses the same definition).
+        device: where the models run.
+
+    Returns:
+        The token-weighted metrics of the whole set.
+    """
+    t0 = time.perf_counter()
+    was_training = student.training
+    student.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                labels = shift_labels(batch["labels"], settings.ignore_index)
+                sums += token_sums(
+                    student,
+                    teacher,
+                    batch["tokens"].to(device),
+                    labels.to(device),
+                    settings=settings,
+                )
+                # Sharded models keep their root (and, with reshard_after_forward false, every
+                # layer) gathered after a forward that no backward follows: free them.
+                distributed.reshard(student)
+                if teacher is not None:
+                    distributed.reshard(teacher)
+    finally:
+        student.train(was_training)
+    ce, kd, agree, count = distributed.all_reduce_sum(sums).tolist()
+    n = max(count, 1.0)
+    ce, kd = ce / n, kd / n * settings.temperature**2
+    return ValStats(
+        loss=(1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd,
+        ce_loss=ce,
+        kd_loss=kd,
+        top1_agreement=agree / n if teacher is not None else None,
+        num_tokens=int(count),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class BestTracker:
+    """The best value of a validation metric so far, and evaluations since it last improved.
+
+    Drives ``keep_best`` (write ``best/`` when :meth:`update` says the value improved) and
+    ``early_stopping`` (:attr:`should_stop`). Its :meth:`state_dict` goes into step checkpoints,
+    so a resumed run keeps both.
+
+    Attributes:
+        metric: the metric followed (one of :data:`kd.config.schema.VAL_METRICS`).
+        mode: ``min`` or ``max``: which direction is better.
+        patience: evaluations without improvement that stop training; None = never.
+        best: the best value so far (None before the first evaluation).
+        best_step: the step of ``best``.
+        bad_evals: evaluations since ``best`` last improved.
+        last_step: the step of the latest evaluation.
+    """
+
+    metric: str
+    mode: str
+    patience: int | None = None
+    best: float | None = None
+    best_step: int | None = None
+    bad_evals: int = 0
+    last_step: int | None = None
+
+    def update(self, value: float, *, step: int) -> bool:
+        """Record the evaluation of ``step``; True when ``value`` is strictly better than the best
+        so far (a NaN or infinite value never is)."""
+        self.last_step = step
+        better = math.isfinite(value) and (
+            self.best is None or (value < self.best if self.mode == "min" else value > self.best)
+        )
+        if better:
+            self.best, self.best_step, self.bad_evals = value, step, 0
+        else:
+            self.bad_evals += 1
+        return better
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether ``patience`` evaluations in a row brought no improvement."""
+        return self.patience is not None and self.bad_evals >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values for the recipe state (``torch.load(weights_only=True)`` reads them)."""
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "best": self.best,
+            "best_step": self.best_step,
+            "bad_evals": self.bad_evals,
+            "last_step": self.last_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore a saved :meth:`state_dict` when it followed the same metric and mode.
+
+        Returns:
+            False (nothing restored) for an empty state (a checkpoint from before validation, or
+            of a run without it) or one of another metric or mode.
+        """
+        if not state or (state.get("metric"), state.get("mode")) != (self.metric, self.mode):
+            return False
+        best = state.get("best")
+        self.best = None if best is None else float(best)
+        self.best_step = None if state.get("best_step") is None else int(state["best_step"])
+        self.bad_evals = int(state.get("bad_evals", 0))
+        self.last_step = None if state.get("last_step") is None else int(state["last_step"])
+        return True
