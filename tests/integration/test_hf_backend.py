@@ -22,6 +22,7 @@ from kd.recipes.kd import KDRecipe
 from kd.testing import TinyModel, hf_tokenizer_node, write_tiny_model
 
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
+VAL_COMPARED = ("val_loss", "val_ce_loss", "val_kd_loss", "val_top1_agreement", "val_num_tokens")
 TOL = 1e-5
 
 
@@ -68,7 +69,7 @@ def assert_same_metrics(a: Path, b: Path, tol: float = TOL) -> None:
     ra, rb = read_metrics(a), read_metrics(b)
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     for x, y in zip(ra, rb, strict=True):
-        for key in COMPARED:
+        for key in COMPARED if "loss" in x else VAL_COMPARED:
             assert y[key] == pytest.approx(x[key], abs=tol, rel=0), (x["step"], key)
 
 
@@ -100,9 +101,16 @@ def llama_assets(assets, tmp_path_factory) -> dict:
 
 def _torchtune_config(assets: dict, out: Path, **top) -> dict:
     """torchtune builders and checkpointers, with the folder tokenizer (kd.hf.tokenizer works with
-    either backend; torchtune's Qwen2.5 tokenizer would not pass for Llama models)."""
+    either backend; torchtune's Qwen2.5 tokenizer would not pass for Llama models), validated on
+    a held-out slice after every step."""
     cfg = make_config(assets, out, **top)
     cfg["tokenizer"] = hf_tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN)
+    cfg["validation"] = {
+        "dataset": dict(cfg["dataset"]),
+        "every_n_steps": 1,
+        "max_batches": 2,
+        "batch_size": 3,
+    }
     if "student_shape" in assets:  # llama: the builders of those shapes
         cfg["model"] = assets["student_shape"].builder()
         cfg["teacher_model"] = assets["teacher_shape"].builder()
@@ -131,6 +139,7 @@ def test_losses_equal_the_torchtune_backend(
         del cfg["teacher_checkpointer"]
     assert run(cfg, tmp_path / "mixed.yaml") == 0
     assert_same_metrics(ref, tmp_path / "mixed")
+    assert sum("val_loss" in r for r in read_metrics(ref)) == 3  # validation rows were compared
 
 
 def test_activation_checkpointing_changes_no_number(assets, tmp_path):
