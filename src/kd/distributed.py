@@ -370,6 +370,14 @@ def load_optimizer_state_dict(
     if not world.distributed and any(isinstance(p, int) for g in groups for p in g["params"]):
         optimizer.load_state_dict(state_dict)
         return
+    # An optimizer without per-parameter state (SGD without momentum) has only its groups'
+    # settings to restore; torch's set_optimizer_state_dict fails on an empty state.
+    stateless = broadcast_object(not state_dict.get("state"), world=world)
+    if stateless:
+        groups = broadcast_object(groups, world=world)
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(

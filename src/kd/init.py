@@ -8,7 +8,7 @@ component builder where torchtune 0.6.1 expresses the architecture exactly (Qwen
 Llama 3.x and other Llama-shaped models) and with the transformers backend (``kd.hf.causal_lm``)
 otherwise (:func:`choose_model`); detects the data format from the file's first rows
 (:func:`detect_data_format`); checks that teacher and student tokenize alike
-(:func:`compare_tokenizers`); writes a YAML that ``kd run kd --config FILE`` runs unchanged
+(:func:`kd.hf.tokenization.compare_tokenizers`); writes a YAML that ``kd run kd --config FILE`` runs unchanged
 (:func:`render_config`, validated before it is written by :func:`write_config`); and prints the
 memory plan for this device. Only ``config.json`` and the tokenizer files are read, so it works
 before the weights finish downloading (``kd run`` needs them).
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kd.errors import KDUserError, brief, one_line
-from kd.hf.tokenization import compare_tokenizers
 
 Backend = Literal["auto", "torchtune", "transformers"]
 BACKENDS: tuple[str, ...] = ("auto", "torchtune", "transformers")
@@ -988,6 +987,8 @@ def run(args: argparse.Namespace) -> int:
             )
     data = detect_data_format(Path(args.data))
     max_seq_len = _max_seq_len(args.max_seq_len, teacher, student)
+    from kd.hf.tokenization import compare_tokenizers  # imports torch (kd.hf)
+
     check = compare_tokenizers(
         teacher.folder,
         student.folder,

@@ -330,3 +330,22 @@ def test_fresh_run_into_folder_with_checkpoints(assets, reference, tmp_path, cap
     (error,) = _errors(capsys)
     assert error.startswith("kd: error: output_dir:") and "resume_from_checkpoint=true" in error
     assert snapshot(reference) == before
+
+
+def test_sgd_without_state_resumes_bit_identical(assets, tmp_path, monkeypatch):
+    """An optimizer with no per-parameter state (SGD without momentum) resumes too: only its
+    groups' settings are restored."""
+    sgd = {"_component_": "torch.optim.SGD", "lr": 0.05}
+    ref = tmp_path / "ref"
+    assert (
+        run_cli(write_config(tmp_path / "ref.yaml", trajectory_config(assets, ref, optimizer=sgd)))
+        == 0
+    )
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out, optimizer=sgd))
+    with monkeypatch.context() as m:
+        sigterm_at_step(m, 3)
+        assert run_cli(config) == 0
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    assert_bit_identical(ref, out)
+    assert_same_metrics(ref, out)
