@@ -643,6 +643,72 @@ def validation_every_label_masked(assets, tmp, cfg):
     return _validate(), "validation.dataset: every label is masked"
 
 
+# --- the transformers backend (kd.hf), kd init, kd generate -----------------------------------
+def _hf_student(assets: dict, cfg: dict, **node: Any) -> None:
+    """The student as a Hugging Face folder (``kd.hf.causal_lm``), without a checkpointer."""
+    cfg["model"] = {"_component_": "kd.hf.causal_lm", "path": str(assets["student"]), **node}
+    del cfg["checkpointer"]
+
+
+def hf_model_folder_missing(assets, tmp, cfg):
+    """`model: {_component_: kd.hf.causal_lm, path: <a missing folder>}`"""
+    _hf_student(assets, cfg, path=str(tmp / "SmolLM2-360M"))
+    return _run(), "model.path:"
+
+
+def hf_model_with_a_checkpointer(assets, tmp, cfg):
+    """`model: kd.hf.causal_lm` and a `checkpointer` too"""
+    checkpointer = cfg["checkpointer"]
+    _hf_student(assets, cfg)
+    cfg["checkpointer"] = checkpointer
+    return _run(), "checkpointer: model is kd.hf.causal_lm"
+
+
+def hf_model_weights_not_downloaded(assets, tmp, cfg):
+    """`model.path` holds config.json only (`kd validate`)"""
+    folder = tmp / "partial"
+    folder.mkdir()
+    shutil.copyfile(assets["student"] / "config.json", folder / "config.json")
+    _hf_student(assets, cfg, path=str(folder))
+    return _validate(), "holds no *.safetensors weights"
+
+
+def hf_config_contradicts_weights(assets, tmp, cfg):
+    """`model.path`'s config.json says another intermediate_size than its weights"""
+    folder = tmp / "edited"
+    shutil.copytree(assets["student"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    _hf_student(assets, cfg, path=str(folder))
+    return _run(), "says intermediate_size=96 but the weights have 64"
+
+
+def hf_lora_module_not_in_model(assets, tmp, cfg):
+    """`kd.hf.lora_causal_lm` with `lora_attn_modules: [qkv_proj]`"""
+    _hf_student(assets, cfg, lora_attn_modules=["qkv_proj"], lora_rank=4, lora_alpha=8)
+    cfg["model"]["_component_"] = "kd.hf.lora_causal_lm"
+    return _run(), "model.lora_attn_modules: 'qkv_proj'"
+
+
+def hf_tokenizer_folder_missing(assets, tmp, cfg):
+    """`tokenizer: {_component_: kd.hf.tokenizer, path: <a missing folder>}`"""
+    cfg["tokenizer"] = {"_component_": "kd.hf.tokenizer", "path": str(tmp / "tok")}
+    return _run(), "tokenizer.path:"
+
+
+def init_data_of_unknown_format(assets, tmp, cfg):
+    """`kd init --data` rows without messages / instruction / input+output / text"""
+    data = write_json(tmp / "rows.jsonl", '{"question": "1+1", "answer": "2"}\n')
+    argv = ["init", "--teacher", str(assets["teacher"]), "--student", str(assets["student"])]
+    argv += ["--data", data, "--output-dir", str(tmp / "out"), "--config-out", str(tmp / "k.yaml")]
+    return argv, "--data:"
+
+
+def generate_model_folder_missing(assets, tmp, cfg):
+    """`kd generate --model <a missing folder>`"""
+    return ["generate", "--model", str(tmp / "final"), "--prompt", "hi"], "--model: folder"
+
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -743,6 +809,14 @@ CASES: list[Case] = [
     early_stopping_only_at_the_end,
     validation_data_file_missing,
     validation_every_label_masked,
+    hf_model_folder_missing,
+    hf_model_with_a_checkpointer,
+    hf_model_weights_not_downloaded,
+    hf_config_contradicts_weights,
+    hf_lora_module_not_in_model,
+    hf_tokenizer_folder_missing,
+    init_data_of_unknown_format,
+    generate_model_folder_missing,
 ]
 
 
