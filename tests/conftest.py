@@ -133,6 +133,25 @@ def make_config(
     return cfg
 
 
+def tiny_hidden_decoder(vocab: int = 64, dim: int = 32, seed: int = 0) -> torch.nn.Module:
+    """A random 2-layer torchtune Qwen2 decoder in hidden-output mode (for loss and step tests)."""
+    from kd import _torchtune as tt
+    from kd import models
+
+    torch.manual_seed(seed)
+    m = tt.qwen2(
+        vocab_size=vocab,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=dim,
+        intermediate_dim=2 * dim,
+        max_seq_len=64,
+    )
+    models.set_hidden_output(m)
+    return m
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

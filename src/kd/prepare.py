@@ -143,7 +143,6 @@ def materialize(
     load: Callable[[nn.Module], None],
     prepare: Callable[[nn.Module, ShardSpec | None], nn.Module],
     *,
-    key: str,
     device: torch.device,
     shard: ShardSpec | None,
     world: WorldInfo,
@@ -160,7 +159,6 @@ def materialize(
         build: builds the model on the given device (in the run's dtype).
         load: loads the checkpoint's weights into a built model.
         prepare: :func:`prepare_student` or :func:`prepare_teacher` with the caller's flags.
-        key: the model's config key, for errors.
         device: the training device.
         shard: FSDP2 settings when distributed.
         world: this process's place in the job.

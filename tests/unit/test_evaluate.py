@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_hidden_decoder
 
 from kd import _torchtune as tt
 from kd import data, evaluate, losses, models, train
@@ -16,29 +17,14 @@ from kd.config.run import LossSettings
 VOCAB_S, VOCAB_T = 64, 80  # the teacher's padded vocab is larger, as Qwen2.5-14B vs 3B
 
 
-def _tiny(vocab: int, dim: int, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    m = tt.qwen2(
-        vocab_size=vocab,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=dim,
-        intermediate_dim=2 * dim,
-        max_seq_len=64,
-    )
-    models.set_hidden_output(m)
-    return m
-
-
 @pytest.fixture(scope="module")
 def student() -> torch.nn.Module:
-    return _tiny(VOCAB_S, 32, seed=0)
+    return tiny_hidden_decoder(VOCAB_S, 32, seed=0)
 
 
 @pytest.fixture(scope="module")
 def teacher() -> torch.nn.Module:
-    return models.freeze(_tiny(VOCAB_T, 48, seed=5))
+    return models.freeze(tiny_hidden_decoder(VOCAB_T, 48, seed=5))
 
 
 @pytest.fixture(scope="module")

@@ -6,24 +6,9 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_hidden_decoder
 
-from kd import _torchtune as tt
 from kd import models, train
-
-
-def _tiny(vocab: int = 64, dim: int = 32, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    m = tt.qwen2(
-        vocab_size=vocab,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=dim,
-        intermediate_dim=2 * dim,
-        max_seq_len=64,
-    )
-    models.set_hidden_output(m)
-    return m
 
 
 def _batch(b: int = 2, s: int = 10, vocab: int = 60, seed: int = 1):
@@ -46,7 +31,7 @@ def test_count_tokens_over_micro_batches():
 
 
 def test_micro_step_scales_by_global_token_count():
-    student, teacher = _tiny(), _tiny(vocab=80, dim=48, seed=5)
+    student, teacher = tiny_hidden_decoder(), tiny_hidden_decoder(vocab=80, dim=48, seed=5)
     models.freeze(teacher)
     tokens, labels = _batch()
     settings = train.LossSettings(chunk_size=7)
@@ -64,7 +49,7 @@ def test_micro_step_scales_by_global_token_count():
 
 
 def test_teacher_equal_student_gives_zero_kd():
-    student = _tiny()
+    student = tiny_hidden_decoder()
     teacher = models.freeze(copy.deepcopy(student))
     tokens, labels = _batch()
     for fused in (True, False):
@@ -75,7 +60,7 @@ def test_teacher_equal_student_gives_zero_kd():
 
 
 def test_kd_ratio_zero_equals_plain_ce():
-    student, teacher = _tiny(), models.freeze(_tiny(seed=3))
+    student, teacher = tiny_hidden_decoder(), models.freeze(tiny_hidden_decoder(seed=3))
     tokens, labels = _batch()
     loss, ce, _ = train.compute_loss(
         student, teacher, tokens, labels, settings=train.LossSettings(kd_ratio=0.0)
@@ -88,7 +73,10 @@ def test_kd_ratio_zero_equals_plain_ce():
 
 
 def test_fused_and_unfused_paths_agree():
-    student, teacher = _tiny(), models.freeze(_tiny(vocab=80, dim=48, seed=7))
+    student, teacher = (
+        tiny_hidden_decoder(),
+        models.freeze(tiny_hidden_decoder(vocab=80, dim=48, seed=7)),
+    )
     tokens, labels = _batch()
     out = {}
     for fused in (True, False):

@@ -500,13 +500,6 @@ def peft_adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.T
     }
 
 
-def model_state_from_folder_names(
-    model: nn.Module, state: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Weights read back from a folder kd wrote (:func:`hf_state_dict`), named as the model's."""
-    return to_model_names(model, state)
-
-
 def peft_adapter_config(model: nn.Module, *, base: Path) -> dict[str, Any]:
     """The ``adapter_config.json`` of a LoRA student (peft's own fields), its base ``base``."""
     config = model.kd_lora_config

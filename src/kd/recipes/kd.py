@@ -359,9 +359,7 @@ class KDRecipe:
             if self.world.distributed
             else None
         )
-        model = materialize(
-            build, load, prepare, key=key, device=self.device, shard=shard, world=self.world
-        )
+        model = materialize(build, load, prepare, device=self.device, shard=shard, world=self.world)
         if self.run.compile:
             models.compile_layers(model)
         return model
