@@ -729,11 +729,10 @@ class _FusedLinearTopK(torch.autograd.Function):
                 c_ids = ids[start:end]
                 t_top = t_lp[start:end].float()
                 if masked:
-                    # Unlabelled rows hold padding: replace it with valid, finite stand-ins.
-                    k = c_ids.size(1)
-                    arange = torch.arange(k, device=c_ids.device).expand_as(c_ids)
+                    # Unlabelled rows hold padding: valid distinct ids keep the gathers in range;
+                    # whatever their (maybe non-finite) values give is dropped by the wheres below.
+                    arange = torch.arange(c_ids.size(1), device=c_ids.device).expand_as(c_ids)
                     c_ids = torch.where(m[:, None], c_ids, arange)
-                    t_top = torch.where(m[:, None], t_top, -math.log(k))
                 kd_tok, g_u = _topk_value_and_grad(
                     s_logp,
                     c_ids,
