@@ -169,6 +169,7 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
         "every_n_steps": max(steps // 3, 1),
         "batch_size": 8,
     }
+    out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / f"{out.name}.yaml"
     OmegaConf.save(cfg, path)
     return path
@@ -251,15 +252,20 @@ def main() -> None:
         if not DATA.is_file():
             DATA.write_text(derived)
         same = derived == DATA.read_text()
-        print(f"{DATA.name}: derived from pydoc_data.topics of Python {sys.version.split()[0]}: "
-              f"{'identical' if same else 'DIFFERENT'} (sha256 {sha256(DATA)[:16]})")
+        print(
+            f"{DATA.name}: derived from pydoc_data.topics of Python {sys.version.split()[0]}: "
+            f"{'identical' if same else 'DIFFERENT'} (sha256 {sha256(DATA)[:16]})"
+        )
         return
     grid = GRID[:1] + GRID[2:3] if args.quick else GRID
     steps = 2 if args.quick else args.steps
     t0 = time.perf_counter()
     paths = prepare(args.work)
-    texts = {s: [json.loads(x)["text"] for x in paths[s].read_text().splitlines()] for s in paths
-             if s in ("train", "dev", "test")}
+    texts = {
+        s: [json.loads(x)["text"] for x in paths[s].read_text().splitlines()]
+        for s in paths
+        if s in ("train", "dev", "test")
+    }
     results = []
     for setting in grid:
         out = args.work / "runs" / setting.name.replace(" ", "_").replace("=", "")
@@ -268,7 +274,9 @@ def main() -> None:
             import shutil
 
             shutil.rmtree(out, ignore_errors=True)
-            wall, cpu = run(["kd", "run", "kd", "--config", str(cfg)], out.parent / f"{out.name}.log")
+            wall, cpu = run(
+                ["kd", "run", "kd", "--config", str(cfg)], out.parent / f"{out.name}.log"
+            )
             (out / "bench_time.json").write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
         timing = json.loads((out / "bench_time.json").read_text())
         train, val = read_metrics(out)
@@ -284,20 +292,26 @@ def main() -> None:
             **timing,
         }
         results.append(result)
-        print(f"{setting.name:28s} dev {result['dev']:.4f} test {test:.4f} "
-              f"wall {timing['wall_s']:.0f}s tokens {result['tokens']}", flush=True)
+        print(
+            f"{setting.name:28s} dev {result['dev']:.4f} test {test:.4f} "
+            f"wall {timing['wall_s']:.0f}s tokens {result['tokens']}",
+            flush=True,
+        )
     teacher_dev, _ = heldout_loss(paths["teacher"], texts["dev"])
     teacher_test, n_test = heldout_loss(paths["teacher"], texts["test"])
     initial_dev, _ = heldout_loss(paths["student"], texts["dev"])
     initial_test, _ = heldout_loss(paths["student"], texts["test"])
     total = time.perf_counter() - t0
-    print(f"teacher dev {teacher_dev:.4f} test {teacher_test:.4f}; untrained student dev "
-          f"{initial_dev:.4f} test {initial_test:.4f}; {total / 60:.1f} min")
+    print(
+        f"teacher dev {teacher_dev:.4f} test {teacher_test:.4f}; untrained student dev "
+        f"{initial_dev:.4f} test {initial_test:.4f}; {total / 60:.1f} min"
+    )
     if args.quick:
         return
     plot(results, teacher_dev, initial_dev)
-    write_doc(results, steps, teacher_dev, teacher_test, initial_dev, initial_test, n_test, total,
-              texts)
+    write_doc(
+        results, steps, teacher_dev, teacher_test, initial_dev, initial_test, n_test, total, texts
+    )
 
 
 def write_doc(
