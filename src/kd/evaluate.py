@@ -36,13 +36,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from kd import distributed, losses, models
 from kd.config.run import LossSettings
 from kd.config.schema import VAL_METRICS
 from kd.train import shift_labels
 
-__all__ = ["BestTracker", "ValStats", "evaluate", "token_sums"]
+__all__ = ["BestTracker", "ValStats", "batch_sums", "evaluate", "token_sums"]
 
 # Entries of the sums tensor (fp64): CE, divergence (without T^2), argmax agreements, positions.
 _CE, _KD, _AGREE, _COUNT = range(4)
@@ -115,35 +116,126 @@ def token_sums(
         fp64 ``[4]``: (CE sum, divergence sum, agreements, labelled positions).
     """
     flat = labels.reshape(-1)
-    idx = (flat != settings.ignore_index).nonzero().squeeze(1)
+    mask: torch.Tensor | None = flat != settings.ignore_index
+    idx: torch.Tensor | None = None
+    if is_fake(flat):
+        # Fake tensors (memory planner): selecting rows by mask has a data-dependent shape, so
+        # keep every position (the worst case the planner plans for anyway) and weight by mask.
+        rows = flat.numel()
+    else:
+        idx = mask.nonzero().squeeze(1)
+        rows = idx.numel()
+        mask = None
+
+    def labelled(x: torch.Tensor) -> torch.Tensor:
+        return x if idx is None else x.index_select(0, idx)
+
     h_s = student(tokens)
-    h_s = h_s.reshape(-1, h_s.size(-1)).index_select(0, idx)  # [n, d_s]
+    h_s = labelled(h_s.reshape(-1, h_s.size(-1)))  # [n, d_s]
     h_t = None
     if teacher is not None:
         h_t = teacher(tokens)
-        h_t = h_t.reshape(-1, h_t.size(-1)).index_select(0, idx)  # [n, d_t]
-    target = flat.index_select(0, idx)
+        h_t = labelled(h_t.reshape(-1, h_t.size(-1)))  # [n, d_t]
+    target = labelled(flat)
     sums = torch.zeros(4, dtype=torch.float64, device=flat.device)
-    sums[_COUNT] = idx.numel()
-    for start in range(0, idx.numel(), settings.chunk_size):
+    sums[_COUNT] = rows if mask is None else mask.sum()
+    for start in range(0, rows, settings.chunk_size):
         end = start + settings.chunk_size
-        s_logits = models.logits_from_hidden(student, h_s[start:end])  # [n, Vs] fp32
-        ce = F.cross_entropy(s_logits, target[start:end], reduction="none")
-        sums[_CE] += ce.double().sum()
-        if h_t is None:
-            continue
-        t_logits = models.logits_from_hidden(teacher, h_t[start:end])  # [n, Vt] fp32
-        s_logp, t_logp = losses.shared_vocab_logprobs(
-            s_logits, t_logits, temperature=settings.temperature
+        # One chunk per call: its logits and log-probs are freed before the next chunk's exist.
+        sums += _chunk_sums(
+            student,
+            teacher,
+            h_s[start:end],
+            None if h_t is None else h_t[start:end],
+            target[start:end],
+            None if mask is None else mask[start:end],
+            settings=settings,
         )
-        vocab = s_logp.size(-1)
-        agree = s_logits[:, :vocab].argmax(-1) == t_logits[:, :vocab].argmax(-1)
-        sums[_AGREE] += agree.sum()
-        del s_logits, t_logits
-        kd = losses.per_token_divergence(
-            s_logp, t_logp, settings.divergence, settings.beta, settings.skew_alpha
-        )
-        sums[_KD] += kd.double().sum()
+    return sums
+
+
+def _chunk_sums(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    h_s: torch.Tensor,
+    h_t: torch.Tensor | None,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    settings: LossSettings,
+) -> torch.Tensor:
+    """fp64 ``[4]``: the CE, divergence and agreement sums of ``n`` rows (count 0).
+
+    Args:
+        student: the student decoder.
+        teacher: the teacher, or None.
+        h_s: ``[n, d_s]`` the student's hidden states of the rows.
+        h_t: ``[n, d_t]`` the teacher's, or None.
+        target: ``[n]`` the rows' labels.
+        weight: ``[n]`` bool: the labelled rows (None: all of them).
+        settings: the loss settings.
+    """
+    sums = torch.zeros(4, dtype=torch.float64, device=target.device)
+    s_logits = models.logits_from_hidden(student, h_s)  # [n, Vs] fp32
+    ce = F.cross_entropy(s_logits, target, reduction="none")
+    sums[_CE] += _weighted(ce, weight).double().sum()
+    if teacher is None or h_t is None:
+        return sums
+    t_logits = models.logits_from_hidden(teacher, h_t)  # [n, Vt] fp32
+    s_logp, t_logp = losses.shared_vocab_logprobs(
+        s_logits, t_logits, temperature=settings.temperature
+    )
+    vocab = s_logp.size(-1)
+    agree = s_logits[:, :vocab].argmax(-1) == t_logits[:, :vocab].argmax(-1)
+    sums[_AGREE] += _weighted(agree, weight).sum()
+    del s_logits, t_logits
+    kd = losses.per_token_divergence(
+        s_logp, t_logp, settings.divergence, settings.beta, settings.skew_alpha
+    )
+    sums[_KD] += _weighted(kd, weight).double().sum()
+    return sums
+
+
+def _weighted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``values`` at labelled positions, 0 elsewhere (``mask`` None: every row is labelled)."""
+    return values if mask is None else torch.where(mask, values, torch.zeros_like(values))
+
+
+def batch_sums(
+    student: nn.Module,
+    teacher: nn.Module | None,
+    batch: dict[str, torch.Tensor],
+    *,
+    settings: LossSettings,
+    device: torch.device,
+) -> torch.Tensor:
+    """:func:`token_sums` of one collated batch, then the sharded models' gathered parameters
+    freed. Call it under ``torch.no_grad()`` with the student in eval mode (:func:`evaluate`
+    does; the memory planner traces it as the evaluation phase).
+
+    Args:
+        student: the student decoder in hidden-output mode.
+        teacher: the teacher decoder, or None.
+        batch: ``{"tokens", "labels"}`` ``[b, s]`` as collated (labels not shifted).
+        settings: the loss settings.
+        device: where the models run.
+
+    Returns:
+        fp64 ``[4]`` sums (:func:`token_sums`).
+    """
+    labels = shift_labels(batch["labels"], settings.ignore_index)
+    sums = token_sums(
+        student,
+        teacher,
+        batch["tokens"].to(device),
+        labels.to(device),
+        settings=settings,
+    )
+    # Sharded models keep their root (and, with reshard_after_forward false, every layer)
+    # gathered after a forward that no backward follows: free them.
+    distributed.reshard(student)
+    if teacher is not None:
+        distributed.reshard(teacher)
     return sums
 
 
@@ -178,19 +270,7 @@ def evaluate(
     try:
         with torch.no_grad():
             for batch in batches:
-                labels = shift_labels(batch["labels"], settings.ignore_index)
-                sums += token_sums(
-                    student,
-                    teacher,
-                    batch["tokens"].to(device),
-                    labels.to(device),
-                    settings=settings,
-                )
-                # Sharded models keep their root (and, with reshard_after_forward false, every
-                # layer) gathered after a forward that no backward follows: free them.
-                distributed.reshard(student)
-                if teacher is not None:
-                    distributed.reshard(teacher)
+                sums += batch_sums(student, teacher, batch, settings=settings, device=device)
     finally:
         student.train(was_training)
     ce, kd, agree, count = distributed.all_reduce_sum(sums).tolist()

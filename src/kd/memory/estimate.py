@@ -11,6 +11,9 @@ What one optimizer step of ``kd.train`` allocates on one device, phase by phase:
   saved tensors while allocating its parameter gradients (with activation checkpointing, a layer's
   activations are first recomputed).
 * **optimizer step**: weights + gradients + states (+ foreach temporaries).
+* **evaluation** (only with ``validation``): between steps (gradients freed, optimizer states
+  kept), one validation batch through ``kd.evaluate.token_sums``: both models' no-grad forward, the
+  labelled hidden states of both, then one chunk of both models' fp32 logits and log-probs.
 
 Every byte term below is derived from the tensors torchtune's modules and ``kd.losses`` save or
 allocate (transformers' layers, for ``kd.hf`` models: :mod:`kd.memory.hf_terms`) (see ``docs/memory_accuracy.md`` for the derivation and the check against MemTracker
@@ -72,6 +75,7 @@ class TrainKnobs:
         fused_loss: kd's fused linear+loss (no full logits).
         loss_chunk_size: tokens per fused-loss chunk.
         divergence: KD divergence name.
+        temperature: KD softmax temperature (T != 1 adds a tempered copy of the logits).
         world_size: FSDP2 ranks (1 = single device, no sharding).
         fsdp_cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads, states on CPU).
         reshard_after_forward: FSDP2 frees unsharded layers after forward.
@@ -81,6 +85,8 @@ class TrainKnobs:
             fake-tensor trace keeps all rows instead (False reproduces the trace).
         teacher_bytes_per_param: a quantized teacher's bytes per parameter (the fit search's
             suggestions; no config key sets it); None: the dtype's.
+        eval_batch: sequences per validation batch per device (``validation.batch_size``); None:
+            no validation, so no evaluation phase.
     """
 
     batch_size: int
@@ -92,6 +98,7 @@ class TrainKnobs:
     fused_loss: bool = True
     loss_chunk_size: int = 1024
     divergence: str = "forward_kl"
+    temperature: float = 1.0
     world_size: int = 1
     fsdp_cpu_offload: bool = False
     reshard_after_forward: bool = True
@@ -99,13 +106,16 @@ class TrainKnobs:
     reserve_bytes: int | None = None
     select_labelled: bool = True
     teacher_bytes_per_param: float | None = None
+    eval_batch: int | None = None
 
     @property
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
 
 
+# The phases of every training step; the evaluation phase follows them when validation is on.
 PHASES = ("forward", "backward", "optimizer_step")
+EVAL_PHASE = "evaluation"
 
 # Component names, in table order.
 COMPONENTS = (
@@ -145,6 +155,11 @@ class Estimate:
     teacher_params: int
     notes: list[str] = field(default_factory=list)
     subphases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def phase_names(self) -> tuple[str, ...]:
+        """The phases estimated, in order: :data:`PHASES`, then ``evaluation`` with validation."""
+        return tuple(p for p in (*PHASES, EVAL_PHASE) if p in self.phases)
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -309,6 +324,20 @@ def _layer_nograd_peak(shape: ModelShape, batch: int, seq: int, a: int) -> int:
     )
 
 
+def _nograd_forward_bytes(shape: ModelShape, batch: int, seq: int, a: int) -> int:
+    """A whole no-grad forward's peak (the teacher; the student during evaluation): the hidden
+    states between layers plus one layer's transients (transformers: plus the embedding output,
+    positions, masks and RoPE tables held for the whole forward)."""
+    hidden = a * batch * seq * shape.embed_dim
+    if shape.hf:
+        return (
+            hf_terms.forward_fixed_bytes(shape, batch, seq, a, grad=False)
+            + hf_terms.nograd_layer_peak(shape, batch, seq, a)
+            + hidden
+        )
+    return _layer_nograd_peak(shape, batch, seq, a) + hidden
+
+
 # Backward of the final RMSNorm right after the loss: fp32 gradient temporaries of [N, h]
 # (measured 14 h per token with a trainable scale, 18 h with a frozen one).
 _HEAD_BWD_FULL = 14
@@ -395,6 +424,70 @@ def _unfused_loss_bytes(
         _UNFUSED_SAVED * n_tok * vocab,
         (start - _UNFUSED_SAVED) * n_tok * vocab,
     )
+
+
+# kd.evaluate.token_sums, per chunk of n labelled rows: fp32 [n, V] buffers. The student's logits
+# and cross-entropy's log-softmax; with a teacher, both models' logits plus, at the teacher's
+# log-softmax, the student's log-probs, the output and its clamped copy (and the tempered input when
+# T != 1); then, the logits freed, both log-probs and the divergence's temporaries: exp, difference
+# and product (jsd and the skews also keep the mixture's log).
+_EVAL_DIVERGENCE_BUFFERS: dict[str, int] = {"jsd": 4, "skew_forward_kl": 4, "skew_reverse_kl": 4}
+
+
+def _eval_chunk_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnobs) -> int:
+    """Peak of one chunk of ``kd.evaluate.token_sums`` beyond the labelled hidden states."""
+    assert k.eval_batch is not None
+    n = min(k.loss_chunk_size, k.eval_batch * k.seq_len)
+    vs = student.vocab_size
+    ce = 8 * n * vs
+    if teacher is None:
+        return ce
+    vt = teacher.vocab_size
+    vocab = min(vs, vt)
+    upcast = k.dtype_bytes if k.dtype_bytes != 4 else 0  # the dtype's logits before the fp32 copy
+    tempered = 1 if k.temperature != 1.0 else 0
+    steps = (
+        ce,
+        4 * n * vs + (upcast + 4) * n * vt,  # the teacher's logits
+        4 * n * (vs + vt) + 4 * n * vocab * (3 + tempered),  # the teacher's log-softmax
+        4 * n * vocab * (2 + _EVAL_DIVERGENCE_BUFFERS.get(k.divergence, 3)),
+    )
+    return max(steps)
+
+
+def _evaluation(student: ModelShape, teacher: ModelShape | None, k: TrainKnobs) -> dict[str, int]:
+    """The evaluation's transient components (``activations``, ``teacher_forward``,
+    ``logits_loss``, ``buffers``) at its peak: one validation batch through ``token_sums``.
+
+    The student's no-grad forward; the teacher's with the student's labelled hidden states kept;
+    then both labelled hidden states and one chunk of logits. On real tensors the labelled rows are
+    gathered (copies; their int64 index and targets); the fake-tensor trace keeps every row and a
+    boolean mask instead. The batch's int64 tokens and shifted labels are held throughout.
+    """
+    assert k.eval_batch is not None
+    b, s, a = k.eval_batch, k.seq_len, k.dtype_bytes
+    n_tok = b * s
+    hid_s = a * n_tok * student.embed_dim
+    hid_t = a * n_tok * teacher.embed_dim if teacher is not None else 0
+    copy = 2 if k.select_labelled else 1
+    rows = 16 * n_tok + (16 * n_tok if k.select_labelled else n_tok)
+    steps = [
+        {"activations": max(_nograd_forward_bytes(student, b, s, a), copy * hid_s)},
+        {
+            "activations": hid_s,
+            "teacher_forward": hid_t,
+            "logits_loss": _eval_chunk_bytes(student, teacher, k),
+        },
+    ]
+    if teacher is not None:
+        steps.append(
+            {
+                "activations": hid_s,
+                "teacher_forward": max(_nograd_forward_bytes(teacher, b, s, a), copy * hid_t),
+            }
+        )
+    best = max(steps, key=lambda d: sum(d.values()))
+    return dict(best, buffers=rows)
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -561,16 +654,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         s_fwd = (
             acts + hid_s + (6 if full else 8) * n_tok * h * a // 2
         )  # final norm's fp32 temporaries
-    if teacher is None:
-        t_fwd = 0
-    elif teacher.hf:
-        t_fwd = (
-            hf_terms.forward_fixed_bytes(teacher, b, s, a, grad=False)
-            + hf_terms.nograd_layer_peak(teacher, b, s, a)
-            + hid_t
-        )
-    else:
-        t_fwd = _layer_nograd_peak(teacher, b, s, a) + hid_t
+    t_fwd = _nograd_forward_bytes(teacher, b, s, a) if teacher is not None else 0
     l_fwd = hid_t + loss_peak
     subphases = {
         "student_forward": base + s_fwd + in_flight_fwd,
@@ -663,10 +747,16 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     step.update(gradients=grads, optimizer_temp=opt_temp)
 
     phases = {"forward": forward, "backward": backward, "optimizer_step": step}
+    if k.eval_batch is not None:
+        # between steps: the optimizer step set the gradients to None; states stay
+        evaluation = dict(resident, gradients=0, fsdp_in_flight=in_flight_fwd)
+        for comp, val in _evaluation(student, teacher, k).items():
+            evaluation[comp] = val + (buffers if comp == "buffers" else 0)
+        phases[EVAL_PHASE] = evaluation
     for ph in phases.values():
         for c in COMPONENTS:
             ph.setdefault(c, 0)
-    peak_phase = max(PHASES, key=lambda p: sum(phases[p].values()))
+    peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     allocated = sum(phases[peak_phase].values())
     if k.reserve_bytes is not None:
         reserve = int(k.reserve_bytes)
@@ -678,8 +768,10 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         ph["runtime_reserve"] = reserve
     subphases["backward"] = sum(backward.values()) - reserve
     subphases["optimizer_step"] = sum(step.values()) - reserve
+    if EVAL_PHASE in phases:
+        subphases[EVAL_PHASE] = sum(phases[EVAL_PHASE].values()) - reserve
     return Estimate(
-        phases={p: {c: int(phases[p][c]) for c in COMPONENTS} for p in PHASES},
+        phases={p: {c: int(phases[p][c]) for c in COMPONENTS} for p in phases},
         peak_phase=peak_phase,
         student_params=student.total_params(),
         trainable_params=trainable,

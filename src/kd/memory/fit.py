@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kd import families
-from kd.memory.estimate import GIB, OptimizerSpec, TrainKnobs, estimate
+from kd.memory.estimate import EVAL_PHASE, GIB, Estimate, OptimizerSpec, TrainKnobs, estimate
 from kd.memory.shapes import BUILDERS, NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
 
 # Multipliers on the step time (ordering heuristics, not measurements):
@@ -229,6 +229,33 @@ def _settings(
         yield k, over, words, t
 
 
+def _smaller_eval_batch(
+    student: ModelShape,
+    teacher: ModelShape | None,
+    knobs: TrainKnobs,
+    est: Estimate,
+    over: list[str],
+    words: list[str],
+    *,
+    budget_bytes: int,
+) -> tuple[TrainKnobs, Estimate, list[str], list[str]]:
+    """The largest validation batch (halving) whose evaluation fits, with its override; the
+    setting unchanged when none does (the evaluation does not change the training step)."""
+    e = knobs.eval_batch or 1
+    while e > 1:
+        e //= 2
+        k = replace(knobs, eval_batch=e)
+        smaller = estimate(student, teacher, k)
+        if smaller.peak_bytes <= budget_bytes:
+            return (
+                k,
+                smaller,
+                [*over, f"validation.batch_size={e}"],
+                [*words, f"validation batch {e}"],
+            )
+    return knobs, est, over, words
+
+
 def _fitting(
     student: ModelShape,
     teacher: ModelShape | None,
@@ -249,6 +276,10 @@ def _fitting(
         if k.batch_size * k.grad_accum > bound:
             continue
         est = estimate(student, teacher, k)
+        if est.peak_bytes > budget_bytes and est.peak_phase == EVAL_PHASE:
+            k, est, over, words = _smaller_eval_batch(
+                student, teacher, k, est, over, words, budget_bytes=budget_bytes
+            )
         if est.peak_bytes <= budget_bytes:
             found.append(FitOption(over, est.peak_bytes, t, ", ".join(words)))
     found.sort(key=lambda o: (round(o.relative_time, 4), o.peak_bytes))

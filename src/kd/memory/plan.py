@@ -20,7 +20,6 @@ from kd.errors import KDUserError, brief
 from kd.memory.estimate import (
     COMPONENTS,
     GIB,
-    PHASES,
     Estimate,
     OptimizerSpec,
     TrainKnobs,
@@ -29,7 +28,12 @@ from kd.memory.estimate import (
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.shapes import LoraSpec, ModelShape, ShapeError, shape_from_component
 
-PHASE_LABELS = {"forward": "forward", "backward": "backward", "optimizer_step": "optim step"}
+PHASE_LABELS = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer_step": "optim step",
+    "evaluation": "evaluation",
+}
 
 
 @dataclass
@@ -62,7 +66,8 @@ class MemoryPlan:
 
     Attributes:
         peak_bytes: planned peak (allocated + runtime reserve).
-        phase: the phase of the peak (forward, backward or optimizer_step).
+        phase: the phase of the peak (forward, backward, optimizer_step, or evaluation when
+            validation is configured).
         budget_gib: the budget per device (None when unknown).
         fits: ``peak_bytes <= budget``.
         components: component -> bytes at the peak phase (sums to ``peak_bytes``).
@@ -112,9 +117,9 @@ class MemoryPlan:
             "fits": bool(self.fits),
             "phase": self.phase,
             "components": {c: round(b / GIB, 4) for c, b in self.components.items()},
-            "phases": {p: round(e.total(p) / GIB, 4) for p in PHASES},
+            "phases": {p: round(e.total(p) / GIB, 4) for p in e.phase_names},
             "phase_components": {
-                p: {c: round(b / GIB, 4) for c, b in e.phases[p].items()} for p in PHASES
+                p: {c: round(b / GIB, 4) for c, b in e.phases[p].items()} for p in e.phase_names
             },
             "allocated_peak_gib": round(e.allocated_peak_bytes / GIB, 4),
             "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
@@ -131,6 +136,7 @@ class MemoryPlan:
             "batch_size": k.batch_size,
             "seq_len": k.seq_len,
             "gradient_accumulation_steps": k.grad_accum,
+            "eval_batch_size": k.eval_batch,
             "world_size": k.world_size,
             "notes": list(self.inputs.notes) + list(e.notes),
         }
@@ -163,18 +169,23 @@ class MemoryPlan:
             f"{'fused' if k.fused_loss else 'unfused'} loss"
             + (f" (chunk {k.loss_chunk_size})" if k.fused_loss else "")
         )
+        if k.eval_batch is not None:
+            lines.append(
+                f"  evaluation batch {k.eval_batch} x {k.seq_len} tokens (validation.batch_size)"
+            )
         budget = self.budget_gib
-        head = f"  {'component':<18}" + "".join(f"{PHASE_LABELS[p]:>12}" for p in PHASES)
+        phases = e.phase_names
+        head = f"  {'component':<18}" + "".join(f"{PHASE_LABELS[p]:>12}" for p in phases)
         head += f"{'% budget':>10}"
         lines.append(head)
         for c in COMPONENTS:
-            vals = [e.phases[p][c] for p in PHASES]
+            vals = [e.phases[p][c] for p in phases]
             if not any(vals):
                 continue
             share = f"{100 * self.components[c] / (budget * GIB):9.1f}%" if budget else f"{'':>10}"
             row = f"  {c:<18}" + "".join(f"{v / GIB:12.2f}" for v in vals) + share
             lines.append(row)
-        tot = f"  {'total GiB':<18}" + "".join(f"{e.total(p) / GIB:12.2f}" for p in PHASES)
+        tot = f"  {'total GiB':<18}" + "".join(f"{e.total(p) / GIB:12.2f}" for p in phases)
         if budget:
             tot += f"{100 * self.peak_bytes / (budget * GIB):9.1f}%"
         lines.append(tot)
@@ -183,12 +194,12 @@ class MemoryPlan:
                 f"  {'traced (alloc.)':<18}"
                 + "".join(
                     f"{self.traced[p] / GIB:12.2f}" if p in self.traced else f"{'-':>12}"
-                    for p in PHASES
+                    for p in phases
                 )
             )
             lines.append(
                 f"  {'estimate (alloc.)':<18}"
-                + "".join(f"{self._trace_est().allocated(p) / GIB:12.2f}" for p in PHASES)
+                + "".join(f"{self._trace_est().allocated(p) / GIB:12.2f}" for p in phases)
             )
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
@@ -327,11 +338,13 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         fused_loss=run.loss.fused,
         loss_chunk_size=run.loss.chunk_size,
         divergence=run.loss.divergence,
+        temperature=run.loss.temperature,
         world_size=int(world_size),
         fsdp_cpu_offload=run.fsdp.cpu_offload,
         reshard_after_forward=run.fsdp.reshard_after_forward,
         reduce_dtype_bytes=4 if run.fsdp.reduce_dtype == "fp32" else 2,
         reserve_bytes=None if reserve is None else int(reserve * GIB),
+        eval_batch=run.validation.batch_size if run.validation is not None else None,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

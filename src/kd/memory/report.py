@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kd.memory.estimate import COMPONENTS, GIB, PHASES
+from kd.memory.estimate import COMPONENTS, GIB
 
 if TYPE_CHECKING:
     from kd.memory.plan import MemoryPlan
@@ -18,18 +18,19 @@ def plot_plan(plan: MemoryPlan, path: str) -> None:
     import matplotlib.pyplot as plt
 
     e = plan.estimate
+    phases = list(e.phase_names)
     fig, ax = plt.subplots(figsize=(8, 5))
-    bottoms = [0.0] * len(PHASES)
+    bottoms = [0.0] * len(phases)
     cmap = plt.get_cmap("tab20")
     for i, comp in enumerate(COMPONENTS):
-        vals = [e.phases[p][comp] / GIB for p in PHASES]
+        vals = [e.phases[p][comp] / GIB for p in phases]
         if not any(vals):
             continue
-        ax.bar(PHASES, vals, bottom=bottoms, label=comp.replace("_", " "), color=cmap(i % 20))
+        ax.bar(phases, vals, bottom=bottoms, label=comp.replace("_", " "), color=cmap(i % 20))
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     if plan.traced:
-        xs = [i for i, p in enumerate(PHASES) if p in plan.traced]
-        ys = [(plan.traced[PHASES[i]] + plan.reserve_bytes) / GIB for i in xs]
+        xs = [i for i, p in enumerate(phases) if p in plan.traced]
+        ys = [(plan.traced[phases[i]] + plan.reserve_bytes) / GIB for i in xs]
         ax.scatter(xs, ys, marker="D", color="black", zorder=5, label="traced (+ reserve)")
     if plan.budget_gib:
         ax.axhline(

@@ -3,8 +3,8 @@
 Builds the config's real-size student and teacher with the config's torchtune builders on *fake CPU*
 tensors (no storage is allocated), prepares them as the recipe does (:mod:`kd.prepare`: LoRA
 trainable set, activation checkpointing, hidden-state output, frozen teacher), then runs
-``kd.train.micro_step`` (teacher forward, student forward, loss, backward) and the optimizer step,
-while torch's ``MemTracker`` counts every storage by category. Peaks are read per phase. The
+``kd.train.micro_step`` (teacher forward, student forward, loss, backward) and the optimizer step
+(then, with validation, one validation batch through ``kd.evaluate.batch_sums``), while torch's ``MemTracker`` counts every storage by category. Peaks are read per phase. The
 mechanics shared with the FSDP2 trace (:mod:`kd.memory.trace_fsdp`) live in
 :mod:`kd.memory.tracing`.
 
@@ -72,6 +72,7 @@ def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:
         "activation_checkpointing": run.activation_checkpointing,
         "clip_grad_norm": run.optimizer.clip_grad_norm,
         "loss": run.loss,
+        "eval_batch": knobs.eval_batch,
     }
     if world_size == 1:
         return trace_step(optimizer_in_cpu=run.optimizer.in_cpu, **common)
@@ -104,8 +105,10 @@ def trace_step(
     optimizer_in_cpu: bool = False,
     clip_grad_norm: float | None = None,
     loss: LossSettings | None = None,
+    eval_batch: int | None = None,
 ) -> TraceResult:
-    """Trace one micro-batch + optimizer step with the given builder nodes.
+    """Trace one micro-batch + optimizer step (+ one validation batch) with the given builder
+    nodes.
 
     Args:
         model: student ``_component_`` node.
@@ -119,6 +122,8 @@ def trace_step(
         optimizer_in_cpu: states off the device (the step is not traced; states not counted).
         clip_grad_norm: traced like the recipe (norm, optional clip).
         loss: loss settings (default: the schema defaults).
+        eval_batch: sequences per validation batch: also trace the evaluation phase
+            (:func:`kd.memory.tracing.trace_evaluation`); None: no validation.
 
     Returns:
         Per-phase allocated peaks and categories.
@@ -152,6 +157,8 @@ def trace_step(
             mt.track_external(step.teacher)
         if step.optimizer is not None:
             mt.track_external(step.optimizer)
-        result = trace_step_phases(mt, step, settings=settings, clip_grad_norm=clip_grad_norm)
+        result = trace_step_phases(
+            mt, step, settings=settings, clip_grad_norm=clip_grad_norm, eval_batch=eval_batch
+        )
     result.wall_s = time.perf_counter() - t0
     return result

@@ -76,6 +76,7 @@ def trace_fsdp_step(
     reduce_dtype: str = "fp32",
     clip_grad_norm: float | None = None,
     loss: LossSettings | None = None,
+    eval_batch: int | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
 
@@ -83,7 +84,7 @@ def trace_fsdp_step(
     categories are FSDPMemTracker's (``Sharded Param``, ``Unsharded Param``, ``Buffer``,
     ``Sharded Grad``, ``Unsharded Grad``, ``Activation``, ``Temp``, ``All Gather``,
     ``Reduce Scatter``, ``OptState``, ``Inputs``, ``Total``), per phase (``forward``, ``backward``,
-    ``optimizer_step``) and per sub-phase (``student_forward``, ``teacher_forward``,
+    ``optimizer_step``, ``evaluation`` with ``eval_batch``) and per sub-phase (``student_forward``, ``teacher_forward``,
     ``loss_forward``, ``backward``, ``optimizer_step``).
 
     Args:
@@ -100,6 +101,8 @@ def trace_fsdp_step(
         reduce_dtype: ``fsdp.reduce_dtype`` (``fp32`` or ``bf16``).
         clip_grad_norm: traced like the recipe (norm, optional clip).
         loss: loss settings (default: the schema defaults).
+        eval_batch: sequences per validation batch (per rank): also trace the evaluation phase;
+            None: no validation.
 
     Returns:
         Per-phase allocated peaks (bytes, rank 0) and their categories.
@@ -157,7 +160,12 @@ def trace_fsdp_step(
         mt._root_mod = both
         mt.track_inputs((step.tokens, step.labels))
         result = trace_step_phases(
-            mt, step, settings=settings, clip_grad_norm=clip_grad_norm, grad_scale=float(world_size)
+            mt,
+            step,
+            settings=settings,
+            clip_grad_norm=clip_grad_norm,
+            grad_scale=float(world_size),
+            eval_batch=eval_batch,
         )
     result.wall_s = time.perf_counter() - t0
     return result

@@ -33,7 +33,8 @@ class TraceResult:
     """Allocated bytes per phase of one traced training step.
 
     Attributes:
-        phase_peaks: forward / backward / optimizer_step -> peak allocated bytes.
+        phase_peaks: forward / backward / optimizer_step (/ evaluation, when traced) -> peak
+            allocated bytes.
         subphases: finer peaks: student_forward, teacher_forward, loss_forward, backward,
             optimizer_step (forward = the max of the first three).
         currents: allocated bytes at the boundaries (after_student_forward, after_teacher_forward,
@@ -360,6 +361,66 @@ def build_fake_step(
     )
 
 
+class _Evaluation(nn.Module):
+    """:func:`kd.evaluate.batch_sums` as a module call.
+
+    The trackers refuse a second top-level call of a module (they take it for the next training
+    iteration); the evaluation calls the models again after the step, and the output projection
+    once per chunk. Inside this parent those calls are nested ones, which they accept. The models
+    are held in a plain tuple: no parameter of theirs is registered here.
+    """
+
+    def __init__(self, student: nn.Module, teacher: nn.Module | None) -> None:
+        super().__init__()
+        self.models = (student, teacher)
+
+    def forward(self, batch: dict[str, torch.Tensor], settings: Any) -> torch.Tensor:
+        from kd import evaluate
+
+        student, teacher = self.models
+        device = batch["tokens"].device
+        return evaluate.batch_sums(student, teacher, batch, settings=settings, device=device)
+
+
+def trace_evaluation(mt: Any, step: FakeStep, *, settings: Any, eval_batch: int) -> dict[str, int]:
+    """One validation batch as the recipe evaluates it between steps, inside tracker ``mt``.
+
+    The gradients are gone (``kd.train.optimizer_step`` sets them to None; so does this, for a
+    trace without a traced optimizer); the student is in eval mode and both models run under
+    ``no_grad`` through :func:`kd.evaluate.batch_sums`, the function :func:`kd.evaluate.evaluate`
+    calls per batch (fake tensors keep every position: every one labelled, the worst case).
+
+    Args:
+        mt: the tracker, entered, holding the step's models and optimizer.
+        step: the traced step (:func:`build_fake_step`); its optimizer step has run.
+        settings: ``kd.train.LossSettings``.
+        eval_batch: sequences of the validation batch.
+
+    Returns:
+        Tracker category -> bytes at the evaluation's peak.
+    """
+    from kd import models
+
+    for p in step.trainable:
+        p.grad = None
+    shape = (eval_batch, step.tokens.size(-1))
+    vocab = models.vocab_size(step.student)
+    take_phase_peak(mt)
+    was_training = step.student.training
+    step.student.eval()
+    try:
+        with torch.no_grad():
+            batch = {
+                "tokens": torch.randint(0, vocab, shape),  # [b, s]
+                "labels": torch.randint(0, vocab, shape),  # [b, s]
+            }
+            _Evaluation(step.student, step.teacher)(batch, settings)
+            del batch
+    finally:
+        step.student.train(was_training)
+    return take_phase_peak(mt)
+
+
 def trace_step_phases(
     mt: Any,
     step: FakeStep,
@@ -367,12 +428,13 @@ def trace_step_phases(
     settings: Any,
     clip_grad_norm: float | None,
     grad_scale: float = 1.0,
+    eval_batch: int | None = None,
 ) -> TraceResult:
     """Run one micro-step and the optimizer step inside tracker ``mt``; peaks per phase.
 
     Shared by the one-device trace (MemTracker) and the FSDP2 trace (FSDPMemTracker): forward
     (student, teacher, loss sub-phases), backward, optimizer step (gradient norm, optional clip,
-    step).
+    step), then, with ``eval_batch``, one validation batch (:func:`trace_evaluation`).
 
     Args:
         mt: a MemTracker or FSDPMemTracker already tracking ``step``'s models and tensors.
@@ -380,6 +442,8 @@ def trace_step_phases(
         settings: ``kd.train.LossSettings``.
         clip_grad_norm: traced like the recipe (norm, optional clip).
         grad_scale: ``kd.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
+        eval_batch: sequences of the validation batch (``validation.batch_size``); None: no
+            evaluation phase.
 
     Returns:
         Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
@@ -436,12 +500,18 @@ def trace_step_phases(
                     num_tokens_total=step.num_tokens_total,
                     grad_scale=grad_scale,
                 )
+            for h in hooks:  # the sub-phase marks would cut the evaluation's peak
+                h.remove()
             train.grad_norm(step.trainable, max_norm=clip_grad_norm)
             if step.optimizer is not None:
                 step.optimizer.step()
             phases["optimizer_step"] = take_phase_peak(mt)
             if step.optimizer is not None:
                 step.optimizer.zero_grad(set_to_none=True)
+            if eval_batch is not None:
+                phases["evaluation"] = trace_evaluation(
+                    mt, step, settings=settings, eval_batch=eval_batch
+                )
     finally:
         for h in hooks:
             h.remove()
