@@ -95,11 +95,14 @@ def compute_loss(
     labels: torch.Tensor,
     *,
     settings: LossSettings,
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward both models and return ``(loss, ce, kd)``, each a mean over labelled positions.
 
     Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`). The teacher runs
-    without autograd. Without a teacher (plain fine-tuning, ``kd_ratio == 0``) kd is 0.
+    without autograd. Without a teacher (plain fine-tuning, ``kd_ratio == 0``) kd is 0. An offline
+    teacher comes as ``teacher_topk`` instead: its stored top-k ids and log-probs per position,
+    compared by :func:`kd.losses.fused_linear_topk_kd_loss` (``settings.topk_tail``).
 
     Args:
         student: the trainable decoder.
@@ -107,15 +110,54 @@ def compute_loss(
         tokens: input ids ``[b, s]``.
         labels: shifted labels ``[b, s]`` (:func:`shift_labels`).
         settings: loss settings.
+        teacher_topk: ``(ids [b, s, k], logprobs [b, s, k])`` of an offline teacher, aligned with
+            ``labels``; only with ``teacher=None``.
+
+    Raises:
+        ValueError: both ``teacher`` and ``teacher_topk``, or ``teacher_topk`` with a student whose
+            output projection is not a plain linear (the top-k loss needs it).
     """
+    if teacher_topk is not None and teacher is not None:
+        raise ValueError("compute_loss takes a teacher model or teacher_topk, not both")
+    if teacher_topk is not None and not models.has_plain_output(student):
+        raise ValueError(
+            "an offline (top-k) teacher needs a student with a plain output projection "
+            "(not a LoRA output layer)"
+        )
     s_hidden = student(tokens)  # [b, s, d_s]
+    if teacher_topk is not None:
+        ids, logprobs = teacher_topk
+        return losses.fused_linear_topk_kd_loss(
+            s_hidden,
+            models.output_weight(student),
+            ids,
+            logprobs,
+            labels,
+            divergence=settings.divergence,
+            temperature=settings.temperature,
+            kd_ratio=settings.kd_ratio,
+            ignore_index=settings.ignore_index,
+            chunk_size=settings.chunk_size,
+            tail=settings.topk_tail,
+            beta=settings.beta,
+            skew_alpha=settings.skew_alpha,
+        )
     teacher_hidden = None
     if teacher is not None:
         with torch.no_grad():
             teacher_hidden = teacher(tokens)  # [b, s, d_t]
     if teacher is None:
-        logits = models.logits_from_hidden(student, s_hidden)
-        ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
+        if settings.fused and models.has_plain_output(student):
+            ce = losses.fused_linear_ce_loss(
+                s_hidden,
+                models.output_weight(student),
+                labels,
+                ignore_index=settings.ignore_index,
+                chunk_size=settings.chunk_size,
+            )
+        else:
+            logits = models.logits_from_hidden(student, s_hidden)
+            ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
         return ce, ce.detach(), torch.zeros_like(ce).detach()
     if settings.fused and models.has_plain_output(student):
         return losses.fused_linear_kd_loss(
@@ -159,6 +201,7 @@ def micro_step(
     settings: LossSettings,
     num_tokens_total: torch.Tensor | int,
     grad_scale: float = 1.0,
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> MicroStepResult:
     """Forward and backward of one micro-batch, scaled for exact accumulation.
 
@@ -174,11 +217,15 @@ def micro_step(
         num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all ranks).
         grad_scale: extra factor on the backward only (FSDP averages gradients over ranks; the
             distributed recipe passes the world size to turn that average back into a sum).
+        teacher_topk: an offline teacher's ``(ids, logprobs)`` ``[b, s, k]`` instead of
+            ``teacher`` (:func:`compute_loss`).
     """
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
     scale = local.to(torch.float32) / total.to(torch.float32)
-    loss, ce, kd = compute_loss(student, teacher, tokens, labels, settings=settings)
+    loss, ce, kd = compute_loss(
+        student, teacher, tokens, labels, settings=settings, teacher_topk=teacher_topk
+    )
     scaled = loss * scale.to(loss.device)
     (scaled * grad_scale).backward()
     return MicroStepResult(

@@ -49,6 +49,8 @@ class LossSettings:
         chunk_size: tokens per loss chunk (memory is chunk x vocab).
         fused: fused linear+loss over labelled tokens (no full logits) instead of the logits path.
         ignore_index: label value of positions without a target.
+        topk_tail: an offline (top-k) teacher's tail treatment, ``"bucket"`` or ``"renorm"``
+            (:func:`kd.losses.fused_linear_topk_kd_loss`).
     """
 
     kd_ratio: float = 0.5
@@ -59,6 +61,7 @@ class LossSettings:
     chunk_size: int = 1024
     fused: bool = True
     ignore_index: int = -100
+    topk_tail: str = "bucket"
 
 
 @dataclass(frozen=True)
