@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, STUDENT, make_config, write_config
+from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, write_config
 
 from kd import _torchtune as tt
 from kd import cli, stored_logits
@@ -56,9 +56,7 @@ def _dataset(assets):
     tokenizer = instantiate(tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN), key="tokenizer")
     from torchtune.datasets import instruct_dataset
 
-    return instruct_dataset(
-        tokenizer, source="json", data_files=str(assets["data"]), split="train"
-    )
+    return instruct_dataset(tokenizer, source="json", data_files=str(assets["data"]), split="train")
 
 
 def test_store_holds_the_teachers_top_k(assets, store):
@@ -172,3 +170,90 @@ def test_reader_refuses_damaged_shards_and_changed_rows(assets, store, tmp_path)
     config = precompute_config(assets, tmp_path, damaged)
     assert cli.main(["run", "teacher_logits", "--config", str(config)]) == 0
     assert snapshot(damaged) == snapshot(store)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training from the store: `kd run kd --config X teacher_logits.path=DIR`
+# ---------------------------------------------------------------------------------------------
+FULL_K = STUDENT["vocab"]  # every entry of the shared vocabulary: the tail bucket is empty
+
+
+@pytest.fixture(scope="module")
+def full_store(assets, tmp_path_factory) -> Path:
+    """A store of the teacher's full distribution over the shared vocabulary (k = 288)."""
+    tmp = tmp_path_factory.mktemp("full_store")
+    cfg = make_config(
+        assets, tmp / "run", teacher_logits={"path": str(tmp / "logits"), "k": FULL_K}
+    )
+    assert (
+        cli.main(["run", "teacher_logits", "--config", str(write_config(tmp / "c.yaml", cfg))]) == 0
+    )
+    return tmp / "logits"
+
+
+def _train(assets, tmp: Path, name: str, *overrides: str, **top) -> Path:
+    out = tmp / name
+    config = write_config(tmp / f"{name}.yaml", make_config(assets, out, **top))
+    assert cli.main(["run", "kd", "--config", str(config), *overrides]) == 0
+    return out
+
+
+def test_training_from_full_store_matches_the_online_teacher(
+    assets, full_store, tmp_path, monkeypatch
+):
+    import kd.recipes.kd as recipe_module
+
+    online = _train(assets, tmp_path, "online")
+    built = []
+    original = recipe_module.KDRecipe._load_model
+    monkeypatch.setattr(
+        recipe_module.KDRecipe,
+        "_load_model",
+        lambda self, key: (built.append(key), original(self, key))[1],
+    )
+    # The teacher's nodes stay in the config, ignored but for the store's identity check.
+    offline = _train(
+        assets,
+        tmp_path,
+        "offline",
+        f"teacher_logits.path={full_store}",
+        f"teacher_logits.k={FULL_K}",
+    )
+    assert built == ["model"]  # no teacher built or loaded
+    a, b = read_metrics(online), read_metrics(offline)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce_loss", "kd_loss"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-3), (key, ra[key], rb[key])
+        assert rb["num_tokens"] == ra["num_tokens"]
+
+
+def test_training_from_store_without_teacher_nodes_resumes_exactly(
+    assets, store, tmp_path, monkeypatch
+):
+    from test_resume import assert_bit_identical, sigterm_at_step
+
+    top = dict(
+        teacher_logits={"path": str(store), "k": 4, "tail": "renorm"},
+        save_every_n_steps=1,
+        max_steps_per_epoch=4,
+        shuffle=True,
+    )
+
+    def config(name: str) -> Path:
+        cfg = make_config(assets, tmp_path / name, **top)
+        del cfg["teacher_model"], cfg["teacher_checkpointer"]
+        return write_config(tmp_path / f"{name}.yaml", cfg)
+
+    reference = config("reference")
+    assert cli.main(["run", "kd", "--config", str(reference)]) == 0
+    rows = read_metrics(tmp_path / "reference")
+    assert len(rows) == 4 and all(r["kd_loss"] > 0 for r in rows)
+    resumed = config("resumed")
+    with monkeypatch.context() as m:
+        sigterm_at_step(m, 2)
+        assert cli.main(["run", "kd", "--config", str(resumed)]) == 0
+    assert not (tmp_path / "resumed" / "final").exists()
+    assert cli.main(["run", "kd", "--config", str(resumed), "resume_from_checkpoint=true"]) == 0
+    assert_bit_identical(tmp_path / "reference", tmp_path / "resumed")
+    assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == [r["loss"] for r in rows]

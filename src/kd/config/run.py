@@ -373,6 +373,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
             skew_alpha=float(cfg.kd_loss.skew_alpha),
             chunk_size=int(cfg.loss_chunk_size),
             fused=bool(cfg.fused_loss),
+            topk_tail=str(cfg.teacher_logits.tail) if cfg.get("teacher_logits") else "bucket",
         ),
         optimizer=OptimizerSettings(
             component=str(optimizer.get("_component_", "")),

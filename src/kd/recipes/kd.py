@@ -314,6 +314,7 @@ class KDRecipe:
             pad_id=data.pad_id_of(self.tokenizer),
             world_size=self.world.world_size,
             rank=self.world.rank,
+            with_rows=self.store is not None,
         )
         if run.validation is not None:
             self.val_loader = data.build_eval_loader(
@@ -511,6 +512,7 @@ class KDRecipe:
                 settings=self.run.loss,
                 num_tokens_total=total,
                 grad_scale=float(self.world.world_size),
+                teacher_topk=self._stored_topk(batch),
             )
             sums += torch.stack([r.loss, r.ce, r.kd]).float()
             # Free the teacher's gathered root (norm + output) before backward peaks.
@@ -533,6 +535,19 @@ class KDRecipe:
             stepped=stepped,
             seconds=time.perf_counter() - t0,
         )
+
+    def _stored_topk(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's stored teacher top-k ``(ids, logprobs)`` ``[b, s, k]`` on the device, or
+        None with an online teacher."""
+        if self.store is None:
+            return None
+        assert self.run.teacher_logits is not None
+        ids, logprobs = self.store.batch(
+            batch["rows"].tolist(), batch["tokens"], batch["labels"], k=self.run.teacher_logits.k
+        )
+        return ids.to(self.device), logprobs.to(self.device)
 
     def validate(self) -> evaluate.ValStats:
         """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the
