@@ -36,6 +36,34 @@ class SkipSampler(Sampler[int]):
         return max(0, len(self.base) - self.skip)
 
 
+class WithRows(Dataset):
+    """A dataset whose examples also carry their index (``"row"``), for stored teacher logits."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], "row": index}
+
+
+def collate_with_rows(
+    examples: list[dict[str, Any]], *, padding_idx: int, ignore_idx: int
+) -> dict[str, Any]:
+    """torchtune's padded collate, plus ``"rows"``: the examples' dataset indices ``[b]``."""
+    import torch
+
+    rows = torch.tensor([int(ex["row"]) for ex in examples], dtype=torch.int64)
+    batch = tt.padded_collate_sft(
+        [{k: v for k, v in ex.items() if k != "row"} for ex in examples],
+        padding_idx=padding_idx,
+        ignore_idx=ignore_idx,
+    )
+    return {**batch, "rows": rows}
+
+
 def build_dataloader(
     dataset: Dataset,
     *,
@@ -46,8 +74,14 @@ def build_dataloader(
     ignore_index: int = -100,
     world_size: int = 1,
     rank: int = 0,
+    with_rows: bool = False,
 ) -> tuple[DataLoader, SkipSampler]:
-    """A dataloader of padded ``{"tokens", "labels"}`` batches ``[b, s]`` (last partial batch dropped)."""
+    """A dataloader of padded ``{"tokens", "labels"}`` batches ``[b, s]`` (last partial batch dropped).
+
+    With ``with_rows`` each batch also holds ``"rows"`` ``[b]``, the dataset index of each
+    example (to fetch its stored teacher logits); the sampler, and so the order and an exact
+    resume, are the same.
+    """
     if len(dataset) == 0:
         raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
     if len(dataset) < batch_size * world_size:
@@ -59,14 +93,13 @@ def build_dataloader(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
     )
     sampler = SkipSampler(base)
+    collate = collate_with_rows if with_rows else tt.padded_collate_sft
     loader = DataLoader(
-        dataset,
+        WithRows(dataset) if with_rows else dataset,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
-        collate_fn=functools.partial(
-            tt.padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index
-        ),
+        collate_fn=functools.partial(collate, padding_idx=pad_id, ignore_idx=ignore_index),
     )
     return loader, sampler
 

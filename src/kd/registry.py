@@ -54,10 +54,13 @@ class Recipe:
 # (name, module, config file suffix, supports_distributed)
 # `kd` is the one recipe (1..N ranks) and runs every config, so none is attached to it by name;
 # the other two are torchtune's names for it and list the configs of their scale.
+# `teacher_logits` runs the teacher of any KD config once and stores its top-k log-probs under
+# `teacher_logits.path` (kd.stored_logits), for `kd run kd` to train from without the teacher.
 _RECIPES: tuple[tuple[str, str, str | None, bool], ...] = (
     ("kd", "kd.recipes.kd", None, True),
     ("kd_single_device", "kd.recipes.kd_single_device", "_single_device", False),
     ("kd_distributed", "kd.recipes.kd_distributed", "_distributed", True),
+    ("teacher_logits", "kd.recipes.teacher_logits", None, True),
 )
 
 

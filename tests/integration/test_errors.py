@@ -709,6 +709,125 @@ def generate_model_folder_missing(assets, tmp, cfg):
     return ["generate", "--model", str(tmp / "final"), "--prompt", "hi"], "--model: folder"
 
 
+# --- stored teacher logits (kd run teacher_logits, teacher_logits.path) -----------------------
+_STORES: dict[str, Path] = {}
+
+
+def _teacher_logits(assets: dict, tmp: Path, cfg: dict, **settings: Any) -> Path:
+    """A copy in ``tmp/logits`` of a complete store made for ``make_config`` (k=8, made once per
+    assets folder), set as ``cfg``'s ``teacher_logits``."""
+    root = Path(assets["data"]).parent
+    if str(root) not in _STORES:
+        made = root.parent / f"{root.name}_teacher_logits"
+        if not (made / "logits" / "manifest.json").is_file():
+            made.mkdir(exist_ok=True)
+            store = {"path": str(made / "logits"), "k": 8, "rows_per_shard": 16}
+            config = write_config(
+                made / "cfg.yaml", make_config(assets, made / "run", teacher_logits=store)
+            )
+            assert cli.main(["run", "teacher_logits", "--config", str(config)]) == 0
+        _STORES[str(root)] = made / "logits"
+    shutil.copytree(_STORES[str(root)], tmp / "logits")
+    cfg["teacher_logits"] = {"path": str(tmp / "logits"), "k": 8, **settings}
+    return tmp / "logits"
+
+
+def teacher_logits_store_missing(assets, tmp, cfg):
+    """`teacher_logits.path` names a folder that does not exist (`kd validate`)"""
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return _validate(), "teacher_logits.path: <tmp>/logits does not exist".replace(
+        "<tmp>", str(tmp)
+    )
+
+
+def teacher_logits_store_incomplete(assets, tmp, cfg):
+    """the store's precompute did not finish (manifest `complete: false`)"""
+    store = _teacher_logits(assets, tmp, cfg)
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    return _validate(), "is incomplete (its precompute did not finish)"
+
+
+def teacher_logits_shard_missing(assets, tmp, cfg):
+    """a shard of the store deleted"""
+    store = _teacher_logits(assets, tmp, cfg)
+    (store / "rank00000-00002.parquet").unlink()
+    return _validate(), "rank00000-00002.parquet is missing"
+
+
+def teacher_logits_shard_truncated(assets, tmp, cfg):
+    """a shard cut to 100 bytes"""
+    store = _teacher_logits(assets, tmp, cfg)
+    shard = store / "rank00000-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:100])
+    return _validate(), "rank00000-00001.parquet has 100 bytes, the manifest says"
+
+
+def teacher_logits_of_another_teacher(assets, tmp, cfg):
+    """the store was made by the teacher; the config's teacher is now the student's model"""
+    _teacher_logits(assets, tmp, cfg)
+    cfg["teacher_model"] = builder(STUDENT)
+    cfg["teacher_checkpointer"] = dict(cfg["checkpointer"])
+    return _validate(), "holds the logits of another teacher"
+
+
+def teacher_logits_k_larger_than_stored(assets, tmp, cfg):
+    """`teacher_logits.k: 16`, the store holds k=8"""
+    _teacher_logits(assets, tmp, cfg, k=16)
+    return _validate(), "teacher_logits.k: 16 is more than the 8 stored"
+
+
+def teacher_logits_other_tokenizer(assets, tmp, cfg):
+    """the tokenizer's vocab.json changed since the precompute (a space added)"""
+    _teacher_logits(assets, tmp, cfg)
+    folder = tmp / "tokenizer"
+    shutil.copytree(assets["tokenizer"], folder)
+    (folder / "vocab.json").write_text((folder / "vocab.json").read_text() + " ")
+    cfg["tokenizer"]["path"] = str(folder / "vocab.json")
+    return _validate(), "was made with other tokenizer files than this run's"
+
+
+def teacher_logits_other_max_seq_len(assets, tmp, cfg):
+    """`tokenizer.max_seq_len: 48`, the store was made with 64"""
+    _teacher_logits(assets, tmp, cfg)
+    cfg["tokenizer"]["max_seq_len"] = 48
+    return _validate(), "another tokenizer.max_seq_len than this run's (64 there, 48 here)"
+
+
+def teacher_logits_other_dataset(assets, tmp, cfg):
+    """`dataset.data_files` holds other rows than the precompute's"""
+    _teacher_logits(assets, tmp, cfg)
+    rows = [{"input": f"{a}+1", "output": str(a + 1)} for a in range(64)]
+    cfg["dataset"]["data_files"] = write_json(tmp / "other.json", rows)
+    return _validate(), "was made with other rows (the tokenized dataset)"
+
+
+def teacher_logits_with_validation(assets, tmp, cfg):
+    """`validation: {...}` and `teacher_logits: {path: ...}`"""
+    cfg["validation"] = _validation(cfg)
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return _run(), "validation: needs the online teacher"
+
+
+def teacher_logits_precompute_into_another_store(assets, tmp, cfg):
+    """`kd run teacher_logits` with `temperature: 2` into a store made with 1"""
+    _teacher_logits(assets, tmp, cfg, rows_per_shard=16)
+    cfg["temperature"] = 2.0
+    return [
+        "run",
+        "teacher_logits",
+        "--config",
+        "{cfg}",
+    ], "already holds the teacher logits of another config"
+
+
+def teacher_logits_precompute_without_teacher(assets, tmp, cfg):
+    """`kd run teacher_logits` with `teacher_model: null`"""
+    cfg.update(teacher_model=None, teacher_checkpointer=None)
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return ["run", "teacher_logits", "--config", "{cfg}"], "teacher_model: null, but kd run"
+
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -817,6 +936,18 @@ CASES: list[Case] = [
     hf_tokenizer_folder_missing,
     init_data_of_unknown_format,
     generate_model_folder_missing,
+    teacher_logits_store_missing,
+    teacher_logits_store_incomplete,
+    teacher_logits_shard_missing,
+    teacher_logits_shard_truncated,
+    teacher_logits_of_another_teacher,
+    teacher_logits_k_larger_than_stored,
+    teacher_logits_other_tokenizer,
+    teacher_logits_other_max_seq_len,
+    teacher_logits_other_dataset,
+    teacher_logits_with_validation,
+    teacher_logits_precompute_into_another_store,
+    teacher_logits_precompute_without_teacher,
 ]
 
 

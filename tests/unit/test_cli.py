@@ -78,7 +78,8 @@ def test_ls(fake_configs, capsys):
     assert out[1].split()[0] == "kd" and "any config" in out[1]
     assert out[2].split() == ["kd_single_device", "fam/A_to_B_full_single_device"]
     assert out[3].split() == ["kd_distributed", "fam/A_to_B_full_distributed"]
-    assert out[4].split() == ["-", "misc/other"]
+    assert out[4].split()[0] == "teacher_logits" and "any config" in out[4]
+    assert out[5].split() == ["-", "misc/other"]
 
 
 def test_ls_real_configs(capsys):

@@ -188,6 +188,25 @@ class ValidationSettings:
 
 
 @dataclass(frozen=True)
+class TeacherLogitsSettings:
+    """Stored teacher top-k log-probs (``teacher_logits:``; :mod:`kd.stored_logits`).
+
+    Attributes:
+        path: the store's folder (``kd run teacher_logits`` writes it, ``kd run kd`` reads it).
+        k: top-k entries per labelled position (stored by the precompute; used by training, at
+            most the stored k).
+        tail: ``bucket`` (the teacher mass outside the top-k as one extra entry) or ``renorm``
+            (the top-k renormalised).
+        rows_per_shard: dataset rows per shard file the precompute writes.
+    """
+
+    path: Path
+    k: int
+    tail: str
+    rows_per_shard: int
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Every setting of a run, typed and read once (see :func:`run_config`).
 
@@ -203,6 +222,7 @@ class RunConfig:
         lora: the student's LoRA settings (None for a full fine-tune).
         validation: held-out evaluation, best checkpoint and early stopping (None: no
             ``validation:``).
+        teacher_logits: the stored teacher logits (None: ``teacher_logits: null``).
         seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
         shuffle: reshuffle the dataset every epoch.
         batch_size: micro-batch per rank.
@@ -229,6 +249,7 @@ class RunConfig:
     components: dict[str, DictConfig | ListConfig | None]
     lora: LoraSettings | None
     validation: ValidationSettings | None
+    teacher_logits: TeacherLogitsSettings | None
     seed: int | None
     shuffle: bool
     batch_size: int
@@ -247,7 +268,9 @@ class RunConfig:
 
     @property
     def has_teacher(self) -> bool:
-        return self.components["teacher_model"] is not None
+        """Whether a teacher model runs during training (not with stored teacher logits: a
+        ``teacher_model`` node then only identifies the teacher they came from)."""
+        return self.components["teacher_model"] is not None and self.teacher_logits is None
 
     def with_seed(self, seed: int) -> RunConfig:
         """The same run with ``seed`` set (the snapshot records the seed actually used)."""
@@ -307,6 +330,18 @@ def _validation(cfg: DictConfig) -> ValidationSettings | None:
     )
 
 
+def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
+    node = cfg.get("teacher_logits")
+    if node is None:
+        return None
+    return TeacherLogitsSettings(
+        path=Path(str(node.path)).expanduser(),
+        k=int(node.k),
+        tail=str(node.tail),
+        rows_per_shard=int(node.rows_per_shard),
+    )
+
+
 def run_config(cfg: DictConfig) -> RunConfig:
     """Build the :class:`RunConfig` of a loaded, validated config (defaults already merged).
 
@@ -338,6 +373,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
             skew_alpha=float(cfg.kd_loss.skew_alpha),
             chunk_size=int(cfg.loss_chunk_size),
             fused=bool(cfg.fused_loss),
+            topk_tail=str(cfg.teacher_logits.tail) if cfg.get("teacher_logits") else "bucket",
         ),
         optimizer=OptimizerSettings(
             component=str(optimizer.get("_component_", "")),
@@ -370,6 +406,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
         components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
         lora=_lora(cfg.get("model") or {}),
         validation=_validation(cfg),
+        teacher_logits=_teacher_logits(cfg),
         seed=None if cfg.seed is None else int(cfg.seed),
         shuffle=bool(cfg.shuffle),
         batch_size=int(cfg.batch_size),

@@ -268,6 +268,15 @@ TOP_LEVEL: dict[str, Key] = {
         help="held-out evaluation: {dataset, every_n_steps, max_batches, batch_size}; null = none",
         resume=MAY_CHANGE,
     ),
+    "teacher_logits": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="stored teacher top-k log-probs: {path, k, tail, rows_per_shard}; `kd run "
+        "teacher_logits` writes them, `kd run kd` then trains from them without the teacher; "
+        "null = the teacher runs online",
+        resume=MUST_MATCH,
+    ),
     "keep_best": Key(
         None,
         node=True,
@@ -416,6 +425,38 @@ EARLY_STOPPING: dict[str, Key] = {
     ),
 }
 
+# Keys of the `teacher_logits:` section (kd.stored_logits).
+TEACHER_LOGITS: dict[str, Key] = {
+    "path": Key(
+        MISSING,
+        _STR,
+        "folder of the store (manifest.json + Parquet shards) kd run teacher_logits writes",
+        resume=MUST_MATCH,
+    ),
+    "k": Key(
+        64,
+        _INT,
+        "top-k teacher log-probs stored (precompute) or used (training, <= the stored k)",
+        min=1,
+        max=4096,
+        resume=MUST_MATCH,
+    ),
+    "tail": Key(
+        "bucket",
+        _STR,
+        "the teacher mass outside the top-k: one tail bucket, or renormalise the top-k",
+        choices=("bucket", "renorm"),
+        resume=MUST_MATCH,
+    ),
+    "rows_per_shard": Key(
+        1024,
+        _INT,
+        "dataset rows per Parquet shard the precompute writes (training reads any)",
+        min=1,
+        resume=MAY_CHANGE,
+    ),
+}
+
 SECTIONS: dict[str, dict[str, Key]] = {
     "memory": MEMORY,
     "fsdp": FSDP,
@@ -423,6 +464,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "validation": VALIDATION,
     "keep_best": KEEP_BEST,
     "early_stopping": EARLY_STOPPING,
+    "teacher_logits": TEACHER_LOGITS,
 }
 
 # Arguments of component nodes that kd reads itself (the plan, the LoRA adapter config), checked

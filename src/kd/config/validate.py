@@ -92,7 +92,11 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         Every problem found, each naming the key and the fix.
     """
     problems: list[Problem] = []
-    _check_keys(data, schema.TOP_LEVEL, "", problems, optional=_hf_checkpointers(data, problems))
+    optional = _hf_checkpointers(data, problems)
+    if isinstance(data.get("teacher_logits"), dict):
+        # Training from stored teacher logits needs no teacher (the precompute does: it says so).
+        optional |= {"teacher_model", "teacher_checkpointer"}
+    _check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     _check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
         node = data.get(name)
@@ -412,6 +416,8 @@ def _hf_checkpointers(data: dict[str, Any], problems: list[Problem]) -> frozense
 
 def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
     """``teacher_model: null`` is plain fine-tuning: only with ``kd_ratio: 0``."""
+    if isinstance(data.get("teacher_logits"), dict):
+        return  # the stored logits teach; a teacher node, if any, only identifies them
     if "teacher_model" in data and data["teacher_model"] is None:
         ratio = data.get("kd_ratio")
         if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio != 0:
@@ -458,6 +464,15 @@ def _check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
                 "validation.every_n_steps is null, so validation runs only at the end of "
                 "training and cannot stop it early; set validation.every_n_steps, or remove "
                 "early_stopping",
+            )
+        )
+    if isinstance(validation, dict) and isinstance(data.get("teacher_logits"), dict):
+        problems.append(
+            Problem(
+                "validation",
+                "needs the online teacher (val_kd_loss and val_top1_agreement compare the "
+                "student with the teacher's full distribution on held-out rows, which "
+                "teacher_logits does not hold); remove validation, or set teacher_logits to null",
             )
         )
     best = data.get("keep_best")

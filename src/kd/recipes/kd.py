@@ -68,7 +68,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, evaluate, models, outputs, train
+from kd import checkpoint, data, distributed, evaluate, models, outputs, stored_logits, train
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
@@ -156,7 +156,9 @@ class KDRecipe:
         )
         with torch.device("meta"):
             student = self._build("model", fix="fix the builder's arguments")
-            teacher = self._build("teacher_model", fix="fix the builder's arguments")
+            config_teacher = self._build("teacher_model", fix="fix the builder's arguments")
+        # With stored teacher logits no teacher runs; its node (if any) only identifies them.
+        teacher = config_teacher if run.has_teacher else None
         built = {"model": student, "teacher_model": teacher}
         models.check_decoders({k: (self._node(k).get("_component_"), m) for k, m in built.items()})
         self.lora = models.is_lora(student)
@@ -186,7 +188,17 @@ class KDRecipe:
                 teacher_vocab=models.vocab_size(teacher),
                 student_vocab=models.vocab_size(student),
             )
-        del student, teacher, built
+        self.student_vocab = models.vocab_size(student)
+        self.teacher_identity = (
+            stored_logits.teacher_identity(
+                str(self._node("teacher_model").get("_component_")),
+                (src := self._weights_source("teacher_model", config_teacher)).folder,
+                src.files,
+            )
+            if config_teacher is not None and run.teacher_logits is not None
+            else None
+        )
+        del student, teacher, config_teacher, built
         outputs.check_not_in_use(self.output_dir)
         ckpt = run.checkpoint
         found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
@@ -199,6 +211,7 @@ class KDRecipe:
                 found.config_yaml, run.yaml, checkpoint=found.checkpoint
             )
         self.dataset = self._dataset(run.components["dataset"], key="dataset")
+        self.store = self._open_store() if run.teacher_logits is not None else None
         if run.validation is not None:
             self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
         self.steps_per_epoch = data.steps_per_epoch(
@@ -226,6 +239,30 @@ class KDRecipe:
                 checked,
             )
         return dataset
+
+    def _open_store(self) -> stored_logits.TeacherLogitsReader:
+        """The stored teacher logits, checked against this run: the teacher (when the config
+        names one), tokenizer files, max_seq_len, every row of the data, temperature, k."""
+        settings = self.run.teacher_logits
+        assert settings is not None
+        store = stored_logits.TeacherLogitsReader(settings.path)
+        rows = (self.dataset[i] for i in range(len(self.dataset)))
+        stored_logits.check_store_matches(
+            store.manifest,
+            settings.path,
+            tokenizer_sha256=stored_logits.files_sha256(
+                models.tokenizer_files(self._node("tokenizer"))
+            ),
+            max_seq_len=self.run.max_seq_len,
+            dataset_fingerprint=stored_logits.dataset_fingerprint(
+                stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
+            ),
+            temperature=self.run.loss.temperature,
+            k=settings.k,
+            student_vocab=self.student_vocab,
+            teacher=self.teacher_identity,
+        )
+        return store
 
     def _weights_source(self, key: str, model: torch.nn.Module) -> models.WeightsSource:
         ckpt_key = CHECKPOINTER_OF[key]
@@ -277,6 +314,7 @@ class KDRecipe:
             pad_id=data.pad_id_of(self.tokenizer),
             world_size=self.world.world_size,
             rank=self.world.rank,
+            with_rows=self.store is not None,
         )
         if run.validation is not None:
             self.val_loader = data.build_eval_loader(
@@ -474,6 +512,7 @@ class KDRecipe:
                 settings=self.run.loss,
                 num_tokens_total=total,
                 grad_scale=float(self.world.world_size),
+                teacher_topk=self._stored_topk(batch),
             )
             sums += torch.stack([r.loss, r.ce, r.kd]).float()
             # Free the teacher's gathered root (norm + output) before backward peaks.
@@ -496,6 +535,19 @@ class KDRecipe:
             stepped=stepped,
             seconds=time.perf_counter() - t0,
         )
+
+    def _stored_topk(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's stored teacher top-k ``(ids, logprobs)`` ``[b, s, k]`` on the device, or
+        None with an online teacher."""
+        if self.store is None:
+            return None
+        assert self.run.teacher_logits is not None
+        ids, logprobs = self.store.batch(
+            batch["rows"].tolist(), batch["tokens"], batch["labels"], k=self.run.teacher_logits.k
+        )
+        return ids.to(self.device), logprobs.to(self.device)
 
     def validate(self) -> evaluate.ValStats:
         """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the

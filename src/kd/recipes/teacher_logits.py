@@ -1,0 +1,406 @@
+"""Precompute the teacher's top-k log-probs once, for training without the teacher in memory.
+
+Run it (the same config as the KD run; the store goes under ``teacher_logits.path``):
+
+    kd run teacher_logits --config my.yaml teacher_logits.path=/data/logits_k64
+    kd run --nproc_per_node 4 teacher_logits --config my.yaml teacher_logits.path=/data/logits_k64
+    kd run kd --config my.yaml teacher_logits.path=/data/logits_k64     # then train from it
+
+Features (each knob is a config key; defaults live in kd/config/schema.py):
+    - The rows are the training ``dataset`` exactly as ``kd run kd`` tokenizes them (the same
+      builder, the same ``tokenizer.max_seq_len`` truncation), run through the teacher in padded
+      batches of ``batch_size``; the log-softmax and top-k cover the labelled positions only.
+    - ``teacher_logits.k`` (1..4096, default 64): entries per labelled position; disk grows with
+      k (ids int32 + log-probs float16: 6 bytes each). Training may use any k up to the stored.
+    - ``temperature``: the stored values are ``log_softmax(z_t / T)``; training with another T is
+      refused (recompute).
+    - ``teacher_logits.rows_per_shard``: rows per Parquet shard (the unit of resume).
+    - The student's weights are never read (its config gives the vocabulary ``min(Vs, Vt)``).
+    - Under torchrun rank r takes rows r, r + W, ... and writes its own shards; the teacher is
+      sharded with FSDP2 as in ``kd run kd``.
+    - Atomic and resumable (:mod:`kd.stored_logits`): a killed run rerun with the same config
+      skips complete shards and writes byte-identical files; a folder holding the store of
+      another config is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from kd import _torchtune as tt
+from kd import checkpoint, data, distributed, models, stored_logits
+from kd.config.instantiate import build_component
+from kd.config.run import RunConfig, run_config
+from kd.device import check_device
+from kd.distributed import WorldInfo
+from kd.errors import KDUserError
+from kd.prepare import materialize, prepare_teacher, shard_spec
+
+log = logging.getLogger("kd")
+
+KEY = "teacher_logits.path"
+# Leaves of a checkpointer node that name where to write, not what the teacher computes.
+_OUTPUT_LEAVES = ("output_dir", "recipe_checkpoint", "resume_from_checkpoint")
+
+
+def output_sections(run: RunConfig) -> dict[str, Any]:
+    """The config sections that change the teacher's outputs (hashed into the manifest)."""
+
+    def plain(key: str) -> Any:
+        node = run.components[key]
+        return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+    ckpt = plain("teacher_checkpointer")
+    if isinstance(ckpt, dict):
+        ckpt = {k: v for k, v in ckpt.items() if k not in _OUTPUT_LEAVES}
+    return {
+        "teacher_model": plain("teacher_model"),
+        "teacher_checkpointer": ckpt,
+        "tokenizer": plain("tokenizer"),
+        "dataset": plain("dataset"),
+        "dtype": run.dtype,
+        "temperature": run.loss.temperature,
+    }
+
+
+class TeacherLogitsRecipe:
+    """Run the teacher over the training data once and store its top-k log-probs.
+
+    Phases: :meth:`preload` (checks, no weight, nothing written), :meth:`load` (the teacher),
+    :meth:`compute` (the shards this rank still lacks, then rank 0's manifest).
+    """
+
+    def __init__(self, run: RunConfig, *, world: WorldInfo):
+        self.run = run
+        self.world = world
+        self.device = torch.device(run.device)
+        if world.distributed and self.device.type == "cuda":
+            self.device = torch.device("cuda", world.local_rank)
+        self.dtype = models.DTYPES[run.dtype]
+        settings = run.teacher_logits
+        if settings is None:
+            raise KDUserError(
+                "teacher_logits: null; set teacher_logits.path=DIR, the folder the teacher's "
+                "top-k log-probs are written to"
+            )
+        if run.components["teacher_model"] is None:
+            raise KDUserError(
+                "teacher_model: null, but kd run teacher_logits runs the teacher; set "
+                "teacher_model (and its checkpointer) to the teacher of the KD run"
+            )
+        self.settings = settings
+        self.folder = settings.path
+
+    def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
+        return build_component(
+            key,
+            self.run.components[key],
+            *args,
+            trust=self.run.trust_remote_components,
+            fix=fix,
+            **kwargs,
+        )
+
+    def _node(self, key: str) -> dict[str, Any]:
+        node = self.run.components[key]
+        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+    # ------------------------------------------------------------ 1. before any weight
+    def preload(self) -> None:
+        """Every check that needs no weight: device, tokenizer, both models' shapes (meta), the
+        teacher's files, k against the vocabulary, the data (every row is read and hashed), and
+        the folder (empty, or a store of this very config to resume)."""
+        run = self.run
+        check_device(run.device)
+        tok_files = models.tokenizer_files(self._node("tokenizer"))
+        self.tokenizer = models.checked_tokenizer(
+            lambda: self._build("tokenizer", fix="check the tokenizer files and arguments"),
+            tok_files,
+        )
+        with torch.device("meta"):
+            student = self._build("model", fix="fix the builder's arguments")
+            teacher = self._build("teacher_model", fix="fix the builder's arguments")
+        models.check_decoders(
+            {
+                "model": (self._node("model").get("_component_"), student),
+                "teacher_model": (self._node("teacher_model").get("_component_"), teacher),
+            }
+        )
+        student_vocab, teacher_vocab = models.vocab_size(student), models.vocab_size(teacher)
+        problems = models.check_vocab(
+            tokenizer_max=models.tokenizer_max_id(self.tokenizer),
+            student_vocab=student_vocab,
+            teacher_vocab=teacher_vocab,
+        )
+        problems += models.max_seq_len_problems(
+            {"teacher_model": teacher}, max_seq_len=run.max_seq_len
+        )
+        self.source = models.weights_source(
+            teacher,
+            model_key="teacher_model",
+            model_node=self._node("teacher_model"),
+            ckpt_key="teacher_checkpointer",
+            ckpt_node=self._node("teacher_checkpointer"),
+        )
+        problems += checkpoint.checkpoint_config_problems(
+            str(self.source.folder),
+            self.source.files,
+            key=self.source.key,
+            heads=models.attention_shape(teacher),
+            folder_arg=self.source.field,
+        )
+        if problems:
+            raise KDUserError("\n".join(problems))
+        models.check_teacher_tokenizer(
+            self.source,
+            self._node("tokenizer"),
+            teacher_vocab=teacher_vocab,
+            student_vocab=student_vocab,
+        )
+        vocab = min(student_vocab, teacher_vocab)
+        if self.settings.k > vocab:
+            raise KDUserError(
+                f"teacher_logits.k: {self.settings.k} is more than the {vocab} shared "
+                f"vocabulary entries; set teacher_logits.k to {vocab} or less"
+            )
+        del student, teacher
+        self.dataset = data.build_dataset(
+            run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
+        )
+        data.check_dataset(self.dataset, max_seq_len=run.max_seq_len)
+        self.hashes = [
+            stored_logits.row_hash(ex["tokens"], ex["labels"])
+            for ex in (self.dataset[i] for i in range(len(self.dataset)))
+        ]
+        self.spec = stored_logits.StoreSpec(
+            teacher=stored_logits.teacher_identity(
+                str(self._node("teacher_model").get("_component_")),
+                self.source.folder,
+                self.source.files,
+            ),
+            config_sha256=_sections_sha256(run),
+            tokenizer_sha256=stored_logits.files_sha256(tok_files),
+            temperature=float(run.loss.temperature),
+            k=self.settings.k,
+            vocab=vocab,
+            teacher_vocab=teacher_vocab,
+            max_seq_len=run.max_seq_len,
+            dataset_fingerprint=stored_logits.dataset_fingerprint(self.hashes),
+            num_rows=len(self.dataset),
+            world_size=self.world.world_size,
+            rows_per_shard=self.settings.rows_per_shard,
+        )
+        self.manifest = self._check_folder()
+        self.todo, self.done = self._todo()
+
+    def _check_folder(self) -> dict[str, Any] | None:
+        """The store already in the folder (to resume), or None; refuses anything else."""
+        folder = self.folder
+        if folder.exists() and not folder.is_dir():
+            raise KDUserError(f"{KEY}: {folder} is a file; set {KEY} to a folder")
+        manifest = stored_logits.read_manifest(folder)
+        if manifest is None:
+            others = (
+                [p.name for p in folder.iterdir() if not p.name.startswith(".tmp_")]
+                if folder.is_dir()
+                else []
+            )
+            if others:
+                raise KDUserError(
+                    f"{KEY}: {folder} holds other files ({', '.join(sorted(others)[:3])}) and "
+                    f"no teacher-logits manifest; set {KEY} to a new or empty folder"
+                )
+            return None
+        differ = stored_logits.spec_differences(manifest, self.spec)
+        if differ:
+            what = "the teacher logits" if manifest.get("complete") else "an unfinished precompute"
+            raise KDUserError(
+                f"{KEY}: {folder} already holds {what} of another config (its "
+                f"{', '.join(differ)} differ); set {KEY} to a new folder, or delete {folder} "
+                "to replace it"
+            )
+        return manifest
+
+    # ------------------------------------------------------------ 2. the teacher
+    def load(self) -> None:
+        """The folder, started; the teacher, loaded and prepared (sharded under torchrun),
+        unless every rank's shards are complete."""
+        distributed.barrier()
+        if self.world.is_rank_zero:
+            self._start_folder()
+        bs = self.run.batch_size
+        self.batches = [
+            (name, rows[i : i + bs]) for name, rows in self.todo for i in range(0, len(rows), bs)
+        ]
+        counts = torch.zeros(self.world.world_size, dtype=torch.int64, device=self.device)
+        counts[self.world.rank] = len(self.batches)
+        # Every rank runs as many teacher forwards as the busiest one (FSDP2 collectives).
+        self.steps = int(distributed.all_reduce_sum(counts).max())
+        self.teacher = None
+        if self.steps == 0:
+            return
+
+        def build(device: torch.device) -> torch.nn.Module:
+            with models.default_dtype(self.dtype), device:
+                return self._build("teacher_model", fix="fix the builder's arguments")
+
+        def load(model: torch.nn.Module) -> None:
+            models.load_model_weights(
+                model,
+                self.source,
+                lambda: self._build(
+                    "teacher_checkpointer",
+                    fix="check the checkpoint files",
+                    should_load_recipe_state=False,
+                ),
+            )
+
+        shard = (
+            shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
+            if self.world.distributed
+            else None
+        )
+        self.teacher = materialize(
+            build,
+            load,
+            lambda m, s: prepare_teacher(m, shard=s),
+            device=self.device,
+            shard=shard,
+            world=self.world,
+        )
+
+    def _start_folder(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KDUserError(
+                f"{KEY}: cannot create {self.folder} ({e.strerror or e}); set {KEY} to a folder "
+                "you can write to"
+            ) from e
+        for stale in self.folder.glob(".tmp_*"):  # a killed writer's half file
+            stale.unlink()
+        if self.manifest is None:
+            stored_logits.write_manifest(self.folder, self.spec, None)
+
+    # ------------------------------------------------------------ 3. the shards
+    def _todo(self) -> tuple[list[tuple[str, list[int]]], int]:
+        """This rank's shards that are not in place and whole yet, and how many are."""
+        entries = {e["name"]: e for e in (self.manifest or {}).get("shards", [])}
+        layout = stored_logits.rank_shards(
+            len(self.dataset),
+            world_size=self.world.world_size,
+            rank=self.world.rank,
+            rows_per_shard=self.settings.rows_per_shard,
+        )
+        todo = [
+            (name, rows)
+            for name, rows in layout
+            if not stored_logits.shard_done(self.folder / name, rows, entries.get(name))
+        ]
+        return todo, len(layout) - len(todo)
+
+    def compute(self) -> None:
+        """Write this rank's missing shards, then (rank 0) the complete manifest.
+
+        Under FSDP2 every rank runs the same number of teacher forwards: a rank with fewer
+        batches left runs fillers (its first row) and writes nothing for them.
+        """
+        batches, steps = self.batches, self.steps
+        if self.done and self.world.is_rank_zero:
+            log.info("teacher_logits: %d shard(s) already complete in %s", self.done, self.folder)
+        pending: dict[str, list[tuple[Any, ...]]] = {}
+        shard_rows = dict(self.todo)
+        collate = functools.partial(
+            tt.padded_collate_sft, padding_idx=data.pad_id_of(self.tokenizer), ignore_idx=-100
+        )
+        filler = [self.world.rank]
+        for i in tqdm(range(steps), disable=not self.world.is_rank_zero, desc="teacher_logits"):
+            name, rows = batches[i] if i < len(batches) else (None, filler)
+            results = self._forward(rows, collate)
+            if name is None:
+                continue
+            pending.setdefault(name, []).extend(results)
+            if len(pending[name]) == len(shard_rows[name]):
+                self._write(name, shard_rows[name], pending.pop(name))
+        distributed.barrier()
+        if self.world.is_rank_zero:
+            stored_logits.complete_manifest(self.folder, self.spec)
+            log.info(
+                "teacher_logits: %d rows, top-%d log-probs (T=%g) in %s",
+                self.spec.num_rows,
+                self.spec.k,
+                self.spec.temperature,
+                self.folder,
+            )
+
+    @torch.no_grad()
+    def _forward(self, rows: list[int], collate: Any) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """The teacher's top-k at the labelled positions of ``rows``: per row ``(num_tokens, ids
+        [n_labelled * k] int32, logprobs [n_labelled * k] float16)``."""
+        examples = [self.dataset[r] for r in rows]
+        batch = collate(examples)
+        tokens = batch["tokens"].to(self.device)  # [b, s]
+        hidden = self.teacher(tokens)  # [b, s, d]
+        spec, chunk = self.spec, self.run.loss.chunk_size
+        out = []
+        for b, ex in enumerate(examples):
+            n = len(ex["tokens"])
+            positions = stored_logits.labelled_positions(batch["labels"][b, :n]).to(self.device)
+            h = hidden[b, positions]  # [n_labelled, d]
+            ids, lps = [], []
+            for start in range(0, h.size(0), chunk):
+                logits = models.logits_from_hidden(self.teacher, h[start : start + chunk])
+                i, lp = stored_logits.topk_logprobs(
+                    logits, vocab=spec.vocab, temperature=spec.temperature, k=spec.k
+                )
+                ids.append(i.cpu())
+                lps.append(lp.cpu())
+            flat_ids = torch.cat(ids).flatten() if ids else torch.zeros(0, dtype=torch.int32)
+            flat_lps = torch.cat(lps).flatten() if lps else torch.zeros(0, dtype=torch.float16)
+            out.append((n, flat_ids.numpy(), flat_lps.numpy()))
+        distributed.reshard(self.teacher)
+        return out
+
+    def _write(self, name: str, rows: list[int], results: list[tuple[Any, ...]]) -> None:
+        stored_logits.write_shard(
+            self.folder / name,
+            rows=rows,
+            hashes=[self.hashes[r] for r in rows],
+            num_tokens=[r[0] for r in results],
+            ids=[r[1] for r in results],
+            logprobs=[r[2] for r in results],
+        )
+
+
+def _sections_sha256(run: RunConfig) -> str:
+    text = json.dumps(output_sections(run), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point of ``kd run teacher_logits`` (and of torchrun): preload, load, compute."""
+    run = run_config(cfg)
+    world = distributed.init_distributed(torch.device(run.device).type)
+    try:
+        recipe = TeacherLogitsRecipe(run, world=world)
+        recipe.preload()
+        recipe.load()
+        recipe.compute()
+    finally:
+        distributed.destroy()
+
+
+if __name__ == "__main__":
+    from kd.launch import run_recipe
+
+    sys.exit(run_recipe(recipe_main))

@@ -1,0 +1,645 @@
+"""Stored teacher logits: the teacher's top-k log-probs per labelled position, on disk.
+
+``kd run teacher_logits`` runs the teacher once over the training data and writes them here;
+``kd run kd`` with ``teacher_logits.path`` then trains without the teacher's weights or forward.
+
+Format: a folder of Parquet files (pyarrow) and a JSON manifest::
+
+    DIR/manifest.json                  written last (atomically); "complete": true when done
+    DIR/rank{r:05d}-{n:05d}.parquet    the n-th shard of rank r: rows r, r + W, r + 2W, ...
+                                       (W = world size of the precompute), rows_per_shard each
+
+One Parquet row per dataset row; columns:
+
+* ``row`` (int64): the dataset index.
+* ``row_hash`` (string): sha256 hex of the row's token ids then labels, int32 little-endian
+  (:func:`row_hash`); training checks it against each batch, so a row is never matched to the
+  logits of another text.
+* ``num_tokens`` (int32): the row's length (tokens after truncation to ``max_seq_len``).
+* ``ids`` (list<int32>): ``n_labelled * k`` token ids, the teacher's top-k by value, descending,
+  at each labelled position in order (position ``j`` is labelled when the shifted label
+  ``labels[j + 1]`` is not ``ignore_index``; :func:`kd.train.shift_labels`).
+* ``logprobs`` (list<halffloat>): the matching ``log_softmax(z_t / T)`` over the teacher's first
+  ``vocab = min(Vs, Vt)`` entries (the :mod:`kd.losses` convention), T the run's temperature.
+
+Why Parquet: rows have a variable number of labelled positions (list columns need no padding);
+columns are compressed (zstd); row groups of :data:`ROWS_PER_GROUP` rows let a reader fetch one
+batch's rows without decoding a whole shard; page checksums make a flipped byte an error instead
+of a wrong number; and pandas, duckdb, polars and Hugging Face ``datasets`` read the files as
+they are, as do the top-k logit datasets of axolotl and DistillKit (Parquet/Arrow too).
+safetensors holds fixed-shape tensors only, so variable-length rows would need an offsets index
+of our own and could not be read by those tools.
+
+Atomicity: each shard is written to a temporary file, fsynced and renamed into place (a shard
+under its final name is whole); the manifest is written the same way, first incomplete (the
+identity of the precompute, so a rerun knows what it resumes) and last complete (with every
+shard's size and sha256). One writer per rank; a killed precompute rerun skips the shards already
+in place and, being deterministic, writes byte-identical files.
+
+This module takes plain typed arguments (no config objects).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kd.errors import KDUserError, brief
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "ROWS_PER_GROUP",
+    "StoreSpec",
+    "TeacherLogitsReader",
+    "check_store_matches",
+    "complete_manifest",
+    "dataset_fingerprint",
+    "files_sha256",
+    "labelled_positions",
+    "rank_shards",
+    "read_manifest",
+    "row_hash",
+    "shard_done",
+    "shard_name",
+    "spec_differences",
+    "teacher_identity",
+    "topk_logprobs",
+    "write_manifest",
+    "write_shard",
+]
+
+FORMAT = "kd.teacher_logits"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+# Rows per Parquet row group: a reader decodes one group to read one row.
+ROWS_PER_GROUP = 8
+_COMPRESSION = "zstd"
+KEY = "teacher_logits.path"
+
+
+# ------------------------------------------------------------------------------- hashes
+def row_hash(tokens: Sequence[int] | torch.Tensor, labels: Sequence[int] | torch.Tensor) -> str:
+    """sha256 hex of a row's token ids then its labels, each as int32 little-endian.
+
+    Args:
+        tokens: the row's ``n`` token ids (unpadded).
+        labels: its ``n`` labels (unshifted, as the dataset returns them).
+    """
+    h = hashlib.sha256()
+    for x in (tokens, labels):
+        values = x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+        h.update(np.ascontiguousarray(values, dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+def dataset_fingerprint(row_hashes: Iterable[str]) -> str:
+    """sha256 hex over the row hashes of a dataset, in order."""
+    h = hashlib.sha256()
+    for value in row_hashes:
+        h.update(value.encode("ascii"))
+    return h.hexdigest()
+
+
+def files_sha256(files: Mapping[str, Path]) -> str:
+    """sha256 hex over files (a tokenizer's), in name order: each name, then its bytes."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode())
+        h.update(Path(files[name]).read_bytes())
+    return h.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------- what a store is
+@dataclass(frozen=True)
+class StoreSpec:
+    """What a store holds: every manifest field but the shard list.
+
+    Attributes:
+        teacher: the teacher's identity: ``component``, ``folder``, ``files`` (``[name, size]``
+            pairs of its weight files) and ``config_sha256`` (of its config.json, or None).
+        config_sha256: hash of the config sections that change the teacher's outputs.
+        tokenizer_sha256: :func:`files_sha256` of the tokenizer's files.
+        temperature: T of ``log_softmax(z_t / T)``.
+        k: top-k entries stored per labelled position.
+        vocab: ``min(Vs, Vt)``: the entries the log-softmax runs over.
+        teacher_vocab: Vt.
+        max_seq_len: ``tokenizer.max_seq_len`` of the precompute (None: untruncated).
+        dataset_fingerprint: :func:`dataset_fingerprint` of the rows.
+        num_rows: rows of the dataset.
+        world_size: ranks of the precompute (rank r wrote rows r, r + W, ...).
+        rows_per_shard: rows per shard file.
+    """
+
+    teacher: dict[str, Any]
+    config_sha256: str
+    tokenizer_sha256: str
+    temperature: float
+    k: int
+    vocab: int
+    teacher_vocab: int
+    max_seq_len: int | None
+    dataset_fingerprint: str
+    num_rows: int
+    world_size: int
+    rows_per_shard: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(StoreSpec))
+
+
+def spec_differences(stored: Mapping[str, Any], spec: StoreSpec) -> list[str]:
+    """The :class:`StoreSpec` fields in which a manifest differs from ``spec``."""
+    ours = spec.to_json()
+    return [name for name in _SPEC_FIELDS if stored.get(name) != ours[name]]
+
+
+def teacher_identity(component: str, folder: Path, files: Any) -> dict[str, Any]:
+    """A teacher's identity in a manifest: its builder, folder, weight files with their sizes,
+    and the sha256 of its config.json (None without one). Stores are matched on all but the
+    folder (a moved teacher is the same teacher); two checkpoints of one architecture whose
+    files have the same names and sizes are not told apart.
+
+    Args:
+        component: the ``teacher_model`` node's ``_component_``.
+        folder: the folder of its weights (checkpointer ``checkpoint_dir`` or model ``path``).
+        files: its weight files: a list of names or torchtune's ``{filename_format,
+            max_filename}`` (:attr:`kd.models.WeightsSource.files`).
+    """
+    from kd.config.validate import checkpoint_file_names
+
+    files = checkpoint_file_names(files) or []
+    config = folder / "config.json"
+    return {
+        "component": component,
+        "folder": str(folder.resolve()),
+        "files": [[name, (folder / name).stat().st_size] for name in sorted(files)],
+        "config_sha256": _file_sha256(config) if config.is_file() else None,
+    }
+
+
+def shard_name(rank: int, index: int) -> str:
+    """File name of rank ``rank``'s shard number ``index``."""
+    return f"rank{rank:05d}-{index:05d}.parquet"
+
+
+def rank_shards(
+    num_rows: int, *, world_size: int, rank: int, rows_per_shard: int
+) -> list[tuple[str, list[int]]]:
+    """The shards rank ``rank`` writes: ``(file name, dataset rows)``; rows r, r + W, ... in order."""
+    rows = list(range(rank, num_rows, world_size))
+    return [
+        (shard_name(rank, n), rows[start : start + rows_per_shard])
+        for n, start in enumerate(range(0, len(rows), rows_per_shard))
+    ]
+
+
+def _locate(row: int, *, world_size: int, rows_per_shard: int) -> tuple[str, int]:
+    """The shard holding dataset row ``row`` and the row's position in it."""
+    rank, j = row % world_size, row // world_size
+    return shard_name(rank, j // rows_per_shard), j % rows_per_shard
+
+
+# ------------------------------------------------------------------------------- the teacher side
+def labelled_positions(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Positions ``j`` of one row whose shifted label ``labels[j + 1]`` is not ``ignore_index``.
+
+    Args:
+        labels: ``[n]`` the row's unshifted labels.
+
+    Returns:
+        ``[n_labelled]`` int64 positions, ascending.
+    """
+    return torch.nonzero(labels[1:] != ignore_index).flatten()
+
+
+def topk_logprobs(
+    logits: torch.Tensor, *, vocab: int, temperature: float, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k of ``log_softmax(logits[..., :vocab] / T)`` in fp32, by value, descending.
+
+    Args:
+        logits: ``[n, Vt]`` teacher logits of the labelled positions.
+        vocab: ``min(Vs, Vt)``.
+        temperature: T.
+        k: entries kept (<= vocab).
+
+    Returns:
+        ``(ids, logprobs)``: ``[n, k]`` int32 and ``[n, k]`` float16.
+    """
+    logprobs = torch.log_softmax(logits[..., :vocab].float() / temperature, dim=-1)
+    values, ids = torch.topk(logprobs, k, dim=-1, largest=True, sorted=True)
+    return ids.to(torch.int32), values.to(torch.float16)
+
+
+# ------------------------------------------------------------------------------- writing
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".tmp_{path.name}_{os.getpid()}")
+
+
+def _replace_synced(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_shard(
+    path: Path,
+    *,
+    rows: Sequence[int],
+    hashes: Sequence[str],
+    num_tokens: Sequence[int],
+    ids: Sequence[np.ndarray],
+    logprobs: Sequence[np.ndarray],
+) -> None:
+    """Write one shard atomically (temporary file, fsync, rename): whole or absent.
+
+    Args:
+        path: the shard's final path.
+        rows: dataset index of each row.
+        hashes: :func:`row_hash` of each row.
+        num_tokens: length of each row.
+        ids: per row, ``[n_labelled * k]`` int32 top-k token ids.
+        logprobs: per row, ``[n_labelled * k]`` float16 log-probs.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "row": pa.array(rows, pa.int64()),
+            "row_hash": pa.array(hashes, pa.string()),
+            "num_tokens": pa.array(num_tokens, pa.int32()),
+            "ids": pa.array(list(ids), pa.list_(pa.int32())),
+            "logprobs": pa.array(list(logprobs), pa.list_(pa.float16())),
+        }
+    )
+    tmp = _tmp_path(path)
+    pq.write_table(
+        table,
+        tmp,
+        row_group_size=ROWS_PER_GROUP,
+        compression=_COMPRESSION,
+        write_statistics=False,
+        write_page_checksum=True,
+    )
+    _replace_synced(tmp, path)
+
+
+def write_manifest(folder: Path, spec: StoreSpec, shards: list[dict[str, Any]] | None) -> None:
+    """Write ``folder/manifest.json`` atomically.
+
+    Args:
+        folder: the store.
+        spec: what it holds.
+        shards: every shard's entry (:func:`complete_manifest`) once the store is complete;
+            None while the precompute runs.
+    """
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "complete": shards is not None,
+        **spec.to_json(),
+        "rows_per_group": ROWS_PER_GROUP,
+        "shards": shards or [],
+    }
+    path = folder / MANIFEST_FILE
+    tmp = _tmp_path(path)
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _replace_synced(tmp, path)
+
+
+def complete_manifest(folder: Path, spec: StoreSpec) -> None:
+    """Describe every shard (rows, size, sha256) and write the complete manifest (rank 0, after
+    every rank wrote its shards)."""
+    shards = []
+    for rank in range(spec.world_size):
+        layout = rank_shards(
+            spec.num_rows,
+            world_size=spec.world_size,
+            rank=rank,
+            rows_per_shard=spec.rows_per_shard,
+        )
+        for name, rows in layout:
+            path = folder / name
+            shards.append(
+                {
+                    "name": name,
+                    "num_rows": len(rows),
+                    "size": path.stat().st_size,
+                    "sha256": _file_sha256(path),
+                }
+            )
+    write_manifest(folder, spec, shards)
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest of the store in ``folder``, or None when there is none.
+
+    Raises:
+        KDUserError: the manifest exists but is not a kd teacher-logits manifest of this version.
+    """
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KDUserError(
+            f"{KEY}: {path} is unreadable ({brief(e)}); delete {folder} and rerun "
+            "kd run teacher_logits"
+        ) from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise KDUserError(
+            f"{KEY}: {path} is not a kd teacher-logits manifest; point {KEY} at a folder "
+            "written by kd run teacher_logits"
+        )
+    if manifest.get("version") != FORMAT_VERSION:
+        raise KDUserError(
+            f"{KEY}: {folder} has format version {manifest.get('version')}, this kd reads "
+            f"{FORMAT_VERSION}; rerun kd run teacher_logits into a new folder"
+        )
+    return manifest
+
+
+def shard_done(path: Path, rows: Sequence[int], entry: Mapping[str, Any] | None) -> bool:
+    """Whether the shard at ``path`` is in place and whole: readable, holding ``rows``, and (when
+    the manifest describes it, ``entry``) of the recorded size and sha256."""
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        return False
+    if entry is not None and (
+        path.stat().st_size != entry.get("size") or _file_sha256(path) != entry.get("sha256")
+    ):
+        return False
+    try:
+        stored = pq.read_table(path, columns=["row"]).column("row").to_pylist()
+    except Exception:  # noqa: BLE001 - any damage makes the shard one to rewrite
+        return False
+    return stored == list(rows)
+
+
+# ------------------------------------------------------------------------------- reading
+def check_store_matches(
+    manifest: Mapping[str, Any],
+    folder: Path,
+    *,
+    tokenizer_sha256: str,
+    max_seq_len: int | None,
+    dataset_fingerprint: str,
+    temperature: float,
+    k: int,
+    student_vocab: int,
+    teacher: Mapping[str, Any] | None,
+) -> None:
+    """Refuse a store that was not made for this run, one line naming the difference and the fix.
+
+    Args:
+        manifest: the complete store's manifest (:func:`read_manifest`).
+        folder: the store.
+        tokenizer_sha256: :func:`files_sha256` of this run's tokenizer files.
+        max_seq_len: this run's ``tokenizer.max_seq_len``.
+        dataset_fingerprint: this run's :func:`dataset_fingerprint`.
+        temperature: this run's temperature.
+        k: ``teacher_logits.k`` of this run (at most the stored k).
+        student_vocab: Vs; ``min(Vs, Vt)`` must be the stored ``vocab``.
+        teacher: this run's teacher identity when the config names a teacher (else None: not
+            compared).
+
+    Raises:
+        KDUserError: the first difference.
+    """
+    redo = (
+        f"rerun kd run teacher_logits with this config into a new {KEY}, or point {KEY} at "
+        "the store made for it"
+    )
+    if teacher is not None and _teacher_key(manifest.get("teacher")) != _teacher_key(teacher):
+        stored = manifest.get("teacher") or {}
+        raise KDUserError(
+            f"{KEY}: {folder} holds the logits of another teacher ({_describe(stored)}) than "
+            f"teacher_model ({_describe(teacher)}); {redo}"
+        )
+    checks = (
+        ("other tokenizer files", manifest.get("tokenizer_sha256"), tokenizer_sha256, False),
+        ("another tokenizer.max_seq_len", manifest.get("max_seq_len"), max_seq_len, True),
+        (
+            "other rows (the tokenized dataset)",
+            manifest.get("dataset_fingerprint"),
+            dataset_fingerprint,
+            False,
+        ),
+        ("another temperature", manifest.get("temperature"), float(temperature), True),
+    )
+    for what, stored_value, ours, show in checks:
+        if stored_value != ours:
+            shown = f" ({stored_value} there, {ours} here)" if show else ""
+            raise KDUserError(
+                f"{KEY}: {folder} was made with {what} than this run's{shown}; {redo}"
+            )
+    stored_k = int(manifest.get("k", 0))
+    if k > stored_k:
+        raise KDUserError(
+            f"teacher_logits.k: {k} is more than the {stored_k} stored in {folder} ({KEY}); set "
+            f"teacher_logits.k to {stored_k} or less, or rerun kd run teacher_logits with "
+            f"teacher_logits.k={k} into a new {KEY}"
+        )
+    vocab = min(student_vocab, int(manifest.get("teacher_vocab", 0)))
+    if vocab != manifest.get("vocab"):
+        raise KDUserError(
+            f"{KEY}: {folder} holds log-probs over {manifest.get('vocab')} vocabulary entries, "
+            f"but this student's vocabulary gives {vocab}; {redo}"
+        )
+
+
+def _teacher_key(teacher: Any) -> Any:
+    """What identifies a teacher (its folder may move): component, weight files and sizes,
+    config.json hash."""
+    if not isinstance(teacher, Mapping):
+        return None
+    files = [list(f) for f in teacher.get("files") or []]
+    return (teacher.get("component"), files, teacher.get("config_sha256"))
+
+
+def _describe(teacher: Mapping[str, Any]) -> str:
+    folder = teacher.get("folder")
+    return f"{teacher.get('component')} from {folder}" if folder else str(teacher.get("component"))
+
+
+@dataclass
+class _Record:
+    row_hash: str
+    num_tokens: int
+    ids: np.ndarray  # [n_labelled, K] int32
+    logprobs: np.ndarray  # [n_labelled, K] float16
+
+
+class TeacherLogitsReader:
+    """A complete store, opened and checked; :meth:`batch` returns a batch's aligned top-k.
+
+    Opening reads the manifest and checks that every shard is in place with its recorded size
+    (a missing or truncated shard is refused here); each row group is decoded when first needed
+    with Parquet's page checksums verified (a damaged byte is refused then), and each row's hash is
+    checked against the batch it is used for.
+
+    Args:
+        folder: the store (``teacher_logits.path``).
+
+    Raises:
+        KDUserError: no store, an incomplete one, a missing or truncated shard.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        manifest = read_manifest(self.folder)
+        redo = (
+            "rerun kd run teacher_logits --config <this config> (it rewrites only what is missing)"
+        )
+        if manifest is None:
+            what = "does not exist" if not self.folder.exists() else "holds no manifest.json"
+            raise KDUserError(
+                f"{KEY}: {self.folder} {what}; run kd run teacher_logits --config <this config> "
+                f"first, or point {KEY} at a complete store"
+            )
+        if not manifest.get("complete"):
+            raise KDUserError(
+                f"{KEY}: {self.folder} is incomplete (its precompute did not finish); {redo}"
+            )
+        self.manifest = manifest
+        self.k = int(manifest["k"])
+        self.world_size = int(manifest["world_size"])
+        self.rows_per_shard = int(manifest["rows_per_shard"])
+        self.rows_per_group = int(manifest["rows_per_group"])
+        self.num_rows = int(manifest["num_rows"])
+        for entry in manifest["shards"]:
+            path = self.folder / entry["name"]
+            if not path.is_file():
+                raise KDUserError(f"{KEY}: shard {path} is missing; {redo}")
+            size = path.stat().st_size
+            if size != entry["size"]:
+                raise KDUserError(
+                    f"{KEY}: shard {path} has {size} bytes, the manifest says {entry['size']} "
+                    f"(truncated or overwritten); {redo}"
+                )
+        self._files: dict[str, Any] = {}
+        self._group: tuple[str, int, list[_Record]] | None = None
+
+    def _records(self, name: str, group: int) -> list[_Record]:
+        import pyarrow.parquet as pq
+
+        if self._group is not None and self._group[:2] == (name, group):
+            return self._group[2]
+        path = self.folder / name
+        try:
+            if name not in self._files:
+                self._files[name] = pq.ParquetFile(path, page_checksum_verification=True)
+            table = self._files[name].read_row_group(group)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ...
+            raise KDUserError(
+                f"{KEY}: shard {path} is damaged ({brief(e)}); delete it and rerun kd run "
+                "teacher_logits --config <this config> (it rewrites only what is missing)"
+            ) from e
+        k = self.k
+        records = [
+            _Record(
+                h,
+                int(n),
+                np.asarray(i, dtype=np.int32).reshape(-1, k),
+                np.asarray(lp, dtype=np.float16).reshape(-1, k),
+            )
+            for h, n, i, lp in zip(
+                table.column("row_hash").to_pylist(),
+                table.column("num_tokens").to_pylist(),
+                table.column("ids").to_numpy(zero_copy_only=False),
+                table.column("logprobs").to_numpy(zero_copy_only=False),
+                strict=True,
+            )
+        ]
+        self._group = (name, group, records)
+        return records
+
+    def record(self, row: int) -> _Record:
+        """The stored entry of dataset row ``row``."""
+        if not 0 <= row < self.num_rows:
+            raise KDUserError(
+                f"{KEY}: dataset row {row} is beyond the {self.num_rows} rows of {self.folder}; "
+                "rerun kd run teacher_logits with this config"
+            )
+        name, pos = _locate(row, world_size=self.world_size, rows_per_shard=self.rows_per_shard)
+        group, offset = divmod(pos, self.rows_per_group)
+        return self._records(name, group)[offset]
+
+    def batch(
+        self,
+        rows: Sequence[int],
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        k: int,
+        ignore_index: int = -100,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored top-k of a batch, aligned with its shifted labels.
+
+        Args:
+            rows: the dataset index of each example of the batch.
+            tokens: ``[b, s]`` the batch's (right-padded) token ids.
+            labels: ``[b, s]`` its unshifted labels.
+            k: entries to return per position (the first ``k`` of the stored, <= stored k).
+            ignore_index: label of unlabelled positions.
+
+        Returns:
+            ``(ids, logprobs)``: ``[b, s, k]`` int64 and float16; row ``b``, position ``j`` holds
+            the teacher's top-k at the position whose shifted label is ``shifted[b, j]``;
+            positions without a label hold zeros.
+
+        Raises:
+            KDUserError: a row whose tokens or labels differ from the stored row's hash.
+        """
+        b, s = tokens.shape
+        ids = torch.zeros(b, s, k, dtype=torch.int64)  # [b, s, k]
+        logprobs = torch.zeros(b, s, k, dtype=torch.float16)  # [b, s, k]
+        tokens, labels = tokens.cpu(), labels.cpu()
+        for i, row in enumerate(rows):
+            rec = self.record(int(row))
+            n = rec.num_tokens
+            if n > s or row_hash(tokens[i, :n], labels[i, :n]) != rec.row_hash:
+                raise KDUserError(
+                    f"{KEY}: dataset row {int(row)} differs from the row the teacher's logits in "
+                    f"{self.folder} were computed on (its hash); the data or tokenizer changed, "
+                    "so rerun kd run teacher_logits with this config into a new folder"
+                )
+            positions = labelled_positions(labels[i, :n], ignore_index)
+            assert positions.numel() == rec.ids.shape[0], (row, positions.numel(), rec.ids.shape)
+            ids[i, positions] = torch.from_numpy(rec.ids[:, :k].astype(np.int64))
+            logprobs[i, positions] = torch.from_numpy(rec.logprobs[:, :k].copy())
+        return ids, logprobs
