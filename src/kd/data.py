@@ -137,6 +137,45 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool, key: str = "dataset
         raise KDUserError(f"{key}: {e}; set packed alike in every entry") from e
 
 
+class PretokenizedDataset(Dataset):
+    """Rows of ``{"tokens", "labels"}`` already tokenized (:func:`pretokenized_dataset`)."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index]
+
+
+def pretokenized_dataset(
+    tokenizer: Any, *, data_files: str, split: str = "train"
+) -> PretokenizedDataset:
+    """A dataset of a file's own token ids: ``input_ids`` and, when present, ``labels``
+    (``-100`` = unlabelled; every position is labelled without them), truncated to
+    ``tokenizer.max_seq_len``. The training data of an axolotl or DistillKit teacher file
+    (``teacher_logits.format``, :mod:`kd.foreign_logits`), or of any pre-tokenized rows.
+
+    Args:
+        tokenizer: the run's tokenizer (only its ``max_seq_len`` is read).
+        data_files: a ``.parquet``, ``.arrow`` (``datasets.save_to_disk``) or ``.jsonl`` file,
+            or a folder of them (read in name order).
+        split: accepted for torchtune's dataset signature; a file holds one split.
+
+    Raises:
+        KDUserError: a missing file or ``input_ids`` column, labels of another length.
+    """
+    from kd.foreign_logits import pretokenized_rows
+
+    del split
+    max_seq_len = getattr(tokenizer, "max_seq_len", None)
+    return PretokenizedDataset(
+        pretokenized_rows(data_files, max_seq_len=max_seq_len, key="dataset.data_files")
+    )
+
+
 def pad_id_of(tokenizer: Any) -> int:
     """The tokenizer's padding id (0 when it has none)."""
     pad = getattr(tokenizer, "pad_id", None)

@@ -58,10 +58,12 @@ from kd.errors import KDUserError, brief
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "LOCK_FILE",
     "MANIFEST_FILE",
     "ROWS_PER_GROUP",
     "StoreSpec",
     "TeacherLogitsReader",
+    "acquire_lock",
     "check_store_matches",
     "complete_manifest",
     "dataset_fingerprint",
@@ -69,6 +71,7 @@ __all__ = [
     "labelled_positions",
     "rank_shards",
     "read_manifest",
+    "release_lock",
     "row_hash",
     "shard_done",
     "shard_name",
@@ -82,6 +85,8 @@ __all__ = [
 FORMAT = "kd.teacher_logits"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
+# One precompute per folder: created with O_EXCL by rank 0, removed when it ends.
+LOCK_FILE = ".lock"
 # Rows per Parquet row group: a reader decodes one group to read one row.
 ROWS_PER_GROUP = 8
 _COMPRESSION = "zstd"
@@ -314,6 +319,65 @@ def write_shard(
         write_page_checksum=True,
     )
     _replace_synced(tmp, path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def acquire_lock(folder: Path) -> Path:
+    """Take ``folder/.lock`` (``O_CREAT | O_EXCL``; it records this pid and host) so that two
+    precomputes never write into one folder at once.
+
+    A lock left by a killed precompute on this host (its pid gone) is taken over; one from a
+    live process, or from another host, is refused.
+
+    Returns:
+        The lock file (:func:`release_lock` removes it).
+
+    Raises:
+        KDUserError: another precompute holds the folder.
+    """
+    import socket
+
+    path = folder / LOCK_FILE
+    host = socket.gethostname()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text())
+                pid, owner_host = int(owner["pid"]), str(owner["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, owner_host = None, None
+            if owner_host == host and pid is not None and not _pid_alive(pid):
+                path.unlink(missing_ok=True)  # stale: its precompute was killed
+                continue
+            who = f"process {pid} on {owner_host}" if pid is not None else "an unknown process"
+            raise KDUserError(
+                f"{KEY}: {folder} is being written by another kd run teacher_logits ({who}, "
+                f"{path}); wait for it to finish, or delete {path} if no such run is alive"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"pid": os.getpid(), "host": host}) + "\n")
+        return path
+    raise KDUserError(f"{KEY}: cannot take {path}; delete it and rerun")
+
+
+def release_lock(path: Path) -> None:
+    """Remove a lock taken by :func:`acquire_lock` (if it is still ours)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def write_manifest(folder: Path, spec: StoreSpec, shards: list[dict[str, Any]] | None) -> None:

@@ -139,6 +139,7 @@ def compute_loss(
             ignore_index=settings.ignore_index,
             chunk_size=settings.chunk_size,
             tail=settings.topk_tail,
+            vocab=settings.topk_vocab,
             beta=settings.beta,
             skew_alpha=settings.skew_alpha,
         )

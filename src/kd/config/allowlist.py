@@ -158,7 +158,8 @@ DATASETS = Allowed(
             "SFTDataset",
             "TextCompletionDataset",
         ),
-    ),
+    )
+    | frozenset({"kd.data.pretokenized_dataset"}),
 )
 
 MESSAGE_TRANSFORMS = Allowed(

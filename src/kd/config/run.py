@@ -51,6 +51,9 @@ class LossSettings:
         ignore_index: label value of positions without a target.
         topk_tail: an offline (top-k) teacher's tail treatment, ``"bucket"`` or ``"renorm"``
             (:func:`kd.losses.fused_linear_topk_kd_loss`).
+        topk_vocab: an offline teacher's shared vocabulary ``min(Vs, Vt)``: the student's KD
+            softmax runs over its first ``topk_vocab`` entries, as with the online teacher (None:
+            all Vs). The recipe sets it from the store's manifest.
     """
 
     kd_ratio: float = 0.5
@@ -62,6 +65,7 @@ class LossSettings:
     fused: bool = True
     ignore_index: int = -100
     topk_tail: str = "bucket"
+    topk_vocab: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,12 +202,18 @@ class TeacherLogitsSettings:
         tail: ``bucket`` (the teacher mass outside the top-k as one extra entry) or ``renorm``
             (the top-k renormalised).
         rows_per_shard: dataset rows per shard file the precompute writes.
+        format: ``kd`` (a store of ``kd run teacher_logits``), ``axolotl`` or ``distillkit``
+            (another tool's top-k file, :mod:`kd.foreign_logits`).
+        source_temperature: the temperature a foreign file's log-probs were taken at (None: the
+            run's temperature).
     """
 
     path: Path
     k: int
     tail: str
     rows_per_shard: int
+    format: str = "kd"
+    source_temperature: float | None = None
 
 
 @dataclass(frozen=True)
@@ -339,6 +349,10 @@ def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
         k=int(node.k),
         tail=str(node.tail),
         rows_per_shard=int(node.rows_per_shard),
+        format=str(node.format),
+        source_temperature=None
+        if node.source_temperature is None
+        else float(node.source_temperature),
     )
 
 

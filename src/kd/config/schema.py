@@ -272,7 +272,8 @@ TOP_LEVEL: dict[str, Key] = {
         None,
         node=True,
         nullable=True,
-        help="stored teacher top-k log-probs: {path, k, tail, rows_per_shard}; `kd run "
+        help="stored teacher top-k log-probs: {path, k, tail, format, source_temperature, "
+        "rows_per_shard}; `kd run "
         "teacher_logits` writes them, `kd run kd` then trains from them without the teacher; "
         "null = the teacher runs online",
         resume=MUST_MATCH,
@@ -446,6 +447,24 @@ TEACHER_LOGITS: dict[str, Key] = {
         _STR,
         "the teacher mass outside the top-k: one tail bucket, or renormalise the top-k",
         choices=("bucket", "renorm"),
+        resume=MUST_MATCH,
+    ),
+    "format": Key(
+        "kd",
+        _STR,
+        "what path holds: kd's store (kd run teacher_logits), axolotl's top-k KD dataset "
+        "(target_token_ids / target_logprobs) or DistillKit's raw rows (token_ids / top_values); "
+        "the foreign files train with dataset kd.data.pretokenized_dataset of the same file",
+        choices=("kd", "axolotl", "distillkit"),
+        resume=MUST_MATCH,
+    ),
+    "source_temperature": Key(
+        None,
+        _NUM,
+        "axolotl / distillkit: the temperature the file's log-probs were taken at, re-tempered "
+        "to temperature over the top-k (needs tail renorm); null = the run's temperature",
+        nullable=True,
+        min_exclusive=0,
         resume=MUST_MATCH,
     ),
     "rows_per_shard": Key(

@@ -113,6 +113,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     _check_loss(data.get("loss"), problems)
     _check_teacher(data, problems)
     _check_validation(data, problems)
+    _check_teacher_logits(data, problems)
     _check_output_dir(data, problems)
     device = data.get("device")
     if isinstance(device, str) and not _DEVICE_RE.match(device):
@@ -438,6 +439,39 @@ def _check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
                 "teacher_checkpointer",
                 "null, but teacher_model is set; set teacher_checkpointer to the teacher's "
                 "checkpointer (or teacher_model to null with kd_ratio=0)",
+            )
+        )
+
+
+def _check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
+    """A source temperature belongs to another tool's file, and re-tempering it leaves the
+    mass outside the top-k unknown, so only ``tail: renorm`` is exact then."""
+    node = data.get("teacher_logits")
+    if not isinstance(node, dict) or node.get("source_temperature") is None:
+        return
+    source = node["source_temperature"]
+    if node.get("format", "kd") == "kd":
+        problems.append(
+            Problem(
+                "teacher_logits.source_temperature",
+                "is for another tool's file (format axolotl or distillkit); kd's store records "
+                "its temperature itself: remove source_temperature",
+            )
+        )
+        return
+    temperature = data.get("temperature", 1.0)
+    if (
+        node.get("tail", "bucket") == "bucket"
+        and isinstance(source, (int, float))
+        and isinstance(temperature, (int, float))
+        and float(source) != float(temperature)
+    ):
+        problems.append(
+            Problem(
+                "teacher_logits.tail",
+                f"bucket needs the teacher mass outside the top-k, which re-tempering from "
+                f"source_temperature {_fmt(source)} to temperature {_fmt(temperature)} leaves "
+                "unknown; set teacher_logits.tail=renorm",
             )
         )
 

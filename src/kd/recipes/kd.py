@@ -57,6 +57,7 @@ Cookbook (held-out data, the best student, early stopping)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -68,7 +69,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, evaluate, models, outputs, stored_logits, train
+from kd import (
+    checkpoint,
+    data,
+    distributed,
+    evaluate,
+    foreign_logits,
+    models,
+    outputs,
+    stored_logits,
+    train,
+)
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
@@ -240,13 +251,35 @@ class KDRecipe:
             )
         return dataset
 
-    def _open_store(self) -> stored_logits.TeacherLogitsReader:
+    def _open_store(self) -> stored_logits.TeacherLogitsReader | foreign_logits.ForeignLogitsReader:
         """The stored teacher logits, checked against this run: the teacher (when the config
-        names one), tokenizer files, max_seq_len, every row of the data, temperature, k."""
+        names one), tokenizer files, max_seq_len, every row of the data, temperature, k. For
+        another tool's file (``teacher_logits.format``), its rows against the data."""
         settings = self.run.teacher_logits
         assert settings is not None
-        store = stored_logits.TeacherLogitsReader(settings.path)
         rows = (self.dataset[i] for i in range(len(self.dataset)))
+        fingerprint = stored_logits.dataset_fingerprint(
+            stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
+        )
+        if settings.format != "kd":
+            source_t = settings.source_temperature
+            temperature = self.run.loss.temperature
+            reader = foreign_logits.ForeignLogitsReader(
+                settings.path,
+                format=settings.format,
+                k=settings.k,
+                alpha=1.0 if source_t is None else source_t / temperature,
+                max_seq_len=self.run.max_seq_len,
+                student_vocab=self.student_vocab,
+            )
+            if reader.fingerprint != fingerprint:
+                raise KDUserError(
+                    f"dataset: its {len(self.dataset)} rows are not the {reader.num_rows} rows "
+                    f"of {settings.path} (teacher_logits.path, by hash); set dataset to "
+                    f"{{_component_: kd.data.pretokenized_dataset, data_files: {settings.path}}}"
+                )
+            return reader
+        store = stored_logits.TeacherLogitsReader(settings.path)
         stored_logits.check_store_matches(
             store.manifest,
             settings.path,
@@ -254,14 +287,15 @@ class KDRecipe:
                 models.tokenizer_files(self._node("tokenizer"))
             ),
             max_seq_len=self.run.max_seq_len,
-            dataset_fingerprint=stored_logits.dataset_fingerprint(
-                stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
-            ),
+            dataset_fingerprint=fingerprint,
             temperature=self.run.loss.temperature,
             k=settings.k,
             student_vocab=self.student_vocab,
             teacher=self.teacher_identity,
         )
+        # The student's KD softmax runs over the shared vocabulary, as with the online teacher.
+        loss = dataclasses.replace(self.run.loss, topk_vocab=int(store.manifest["vocab"]))
+        self.run = dataclasses.replace(self.run, loss=loss)
         return store
 
     def _weights_source(self, key: str, model: torch.nn.Module) -> models.WeightsSource:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,8 +99,15 @@ class TeacherLogitsRecipe:
                 "teacher_model: null, but kd run teacher_logits runs the teacher; set "
                 "teacher_model (and its checkpointer) to the teacher of the KD run"
             )
+        if settings.format != "kd":
+            raise KDUserError(
+                f"teacher_logits.format: {settings.format} names another tool's file, which kd "
+                "run teacher_logits does not write; set teacher_logits.format=kd (kd run kd "
+                "reads the axolotl or distillkit file as it is)"
+            )
         self.settings = settings
         self.folder = settings.path
+        self.lock: Path | None = None
 
     def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         return build_component(
@@ -211,7 +219,11 @@ class TeacherLogitsRecipe:
         manifest = stored_logits.read_manifest(folder)
         if manifest is None:
             others = (
-                [p.name for p in folder.iterdir() if not p.name.startswith(".tmp_")]
+                [
+                    p.name
+                    for p in folder.iterdir()
+                    if not p.name.startswith(".tmp_") and p.name != stored_logits.LOCK_FILE
+                ]
                 if folder.is_dir()
                 else []
             )
@@ -287,6 +299,8 @@ class TeacherLogitsRecipe:
                 f"{KEY}: cannot create {self.folder} ({e.strerror or e}); set {KEY} to a folder "
                 "you can write to"
             ) from e
+        # One precompute per folder (before a stale temporary file of a live writer is removed).
+        self.lock = stored_logits.acquire_lock(self.folder)
         for stale in self.folder.glob(".tmp_*"):  # a killed writer's half file
             stale.unlink()
         if self.manifest is None:
@@ -391,12 +405,15 @@ def recipe_main(cfg: DictConfig) -> None:
     """Entry point of ``kd run teacher_logits`` (and of torchrun): preload, load, compute."""
     run = run_config(cfg)
     world = distributed.init_distributed(torch.device(run.device).type)
+    recipe: TeacherLogitsRecipe | None = None
     try:
         recipe = TeacherLogitsRecipe(run, world=world)
         recipe.preload()
         recipe.load()
         recipe.compute()
     finally:
+        if recipe is not None and recipe.lock is not None:
+            stored_logits.release_lock(recipe.lock)
         distributed.destroy()
 
 

@@ -1,0 +1,351 @@
+"""Other tools' top-k teacher files: axolotl's KD dataset fields and DistillKit's raw rows.
+
+``teacher_logits: {path: FILE_OR_DIR, format: axolotl | distillkit}`` trains from such a file
+without converting it: the file's own token ids are the training data
+(``dataset: {_component_: kd.data.pretokenized_dataset, data_files: FILE_OR_DIR}``, which reads
+the same rows through :func:`read_rows`) and :class:`ForeignLogitsReader` returns each batch's
+top-k with the interface of :class:`kd.stored_logits.TeacherLogitsReader`, rows matched by
+:func:`kd.stored_logits.row_hash` as there.
+
+Files: Parquet (``*.parquet``), Arrow IPC as Hugging Face ``datasets.save_to_disk`` writes it
+(``*.arrow``), or JSON lines (``*.jsonl`` / ``*.json``, one object per line); a folder is every
+such file in it, in name order. Columns (one row per sequence, per-position lists):
+
+* both: ``input_ids`` (list<int>, required), ``labels`` (list<int>, optional: every position
+  labelled when absent; ``-100`` = unlabelled).
+* ``axolotl`` (``axolotl.integrations.kd.chat_template`` after tokenization, i.e. a prepared
+  dataset): ``target_token_ids`` (list<list<int>>) and ``target_logprobs`` (or, in the raw v2
+  rows, ``logprobs``) (list<list<float>>). With ``m`` target positions for ``n`` tokens the
+  targets cover the last ``m`` positions (axolotl pads them at the front); entry ``j`` is the
+  teacher's distribution at position ``j``, the prediction of token ``j + 1``, as axolotl's
+  trainer consumes it (it shifts only the labels). ``target_mask`` is not read (axolotl sets it
+  from the unshifted label, one position after kd's labelled positions; kd masks by the shifted
+  labels as everywhere).
+* ``distillkit`` (raw rows of ``distillkit.compression.LogprobCompressor.decompress_to_sparse``):
+  ``token_ids`` and ``top_values`` (list<list<...>>), covering the first ``m`` positions
+  (``m = n - 1`` from vLLM's prompt log-probs, whose first position is empty, or ``n``).
+
+Values: per position the entries are sorted by value and the first ``k`` kept; they are taken as
+log-probs at ``source_temperature`` (None: the run's temperature). Under ``tail: renorm`` logits
+and log-probs give the same distribution (the renormalisation removes the per-position constant),
+and a generation temperature ``T_gen`` is re-tempered exactly: ``alpha = T_gen / T``,
+``log p' = alpha log p - logsumexp_k(alpha log p)``. ``tail: bucket`` needs the mass outside the
+top-k, known only for log-probs at the run's temperature; with re-tempering it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kd.errors import KDUserError, brief
+from kd.stored_logits import dataset_fingerprint, labelled_positions, row_hash
+
+__all__ = ["FORMATS", "ForeignLogitsReader", "pretokenized_rows", "read_rows"]
+
+FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # format: (ids column, value columns in order of preference)
+    "axolotl": ("target_token_ids", ("target_logprobs", "logprobs")),
+    "distillkit": ("token_ids", ("top_values",)),
+}
+# Compressed rows kd does not decode, and what they are.
+_UNSUPPORTED = {
+    "compressed_logprobs": "DistillKit's compressed rows (compressed_logprobs / bytepacked_indices)",
+    "packed_indices": "DistillKit's legacy compressed rows (packed_indices / exact_values / coeffs)",
+}
+_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
+KEY = "teacher_logits.path"
+
+
+def _files(path: Path, key: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES and p.is_file())
+        if files:
+            return files
+        raise KDUserError(
+            f"{key}: {path} holds no .parquet, .arrow or .jsonl file; point {key} at the "
+            "file (or folder of files) holding the rows"
+        )
+    raise KDUserError(f"{key}: {path} does not exist; point {key} at the file of rows")
+
+
+def _read_file(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".parquet":
+        return pq.read_table(path)
+    if path.suffix == ".arrow":
+        source = pa.memory_map(str(path))
+        try:
+            return pa.ipc.open_stream(source).read_all()  # datasets.save_to_disk
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(source).read_all()
+    with open(path) as f:  # json accepts -Infinity (axolotl pads with -inf)
+        rows = [json.loads(line) for line in f if line.strip()]
+    return pa.Table.from_pylist(rows)
+
+
+def read_rows(path: Path | str, *, columns: Sequence[str], key: str) -> dict[str, list[Any]]:
+    """The named columns of every row of a file or folder of files, as Python lists.
+
+    Args:
+        path: a ``.parquet``, ``.arrow`` or ``.jsonl`` file, or a folder of them.
+        columns: the columns to return (a missing one is an error; see :func:`_column`).
+        key: the config key naming ``path``, for errors.
+
+    Raises:
+        KDUserError: no such file, an unreadable file, a missing column.
+    """
+    path = Path(path).expanduser()
+    out: dict[str, list[Any]] = {c: [] for c in columns}
+    for file in _files(path, key):
+        try:
+            table = _read_file(file)
+        except Exception as e:  # noqa: BLE001 - pyarrow and json raise many kinds
+            raise KDUserError(
+                f"{key}: {file} cannot be read ({brief(e)}); it must be Parquet, Arrow IPC "
+                "or JSON lines"
+            ) from e
+        for c in columns:
+            if c not in table.column_names:
+                raise KDUserError(
+                    f"{key}: {file} has no column {c!r} (it has {', '.join(table.column_names)})"
+                    f"; {_fix(c, table.column_names)}"
+                )
+            out[c].extend(table.column(c).to_pylist())
+    return out
+
+
+def _fix(column: str, present: Sequence[str]) -> str:
+    for marker, what in _UNSUPPORTED.items():
+        if marker in present:
+            return (
+                f"kd reads raw top-k rows, not {what}; decompress them with DistillKit's "
+                "LogprobCompressor.decompress_to_sparse and write token_ids / top_values"
+            )
+    if column == "input_ids":
+        return (
+            "kd trains on the file's own token ids: tokenize the rows first (axolotl "
+            "preprocess writes input_ids and labels)"
+        )
+    return "set teacher_logits.format to the tool that wrote the file"
+
+
+def _column_names(path: Path, key: str) -> list[str]:
+    files = _files(path, key)
+    try:
+        return list(_read_file(files[0]).column_names)
+    except Exception as e:  # noqa: BLE001
+        raise KDUserError(f"{key}: {files[0]} cannot be read ({brief(e)})") from e
+
+
+def pretokenized_rows(
+    path: Path | str, *, max_seq_len: int | None, key: str = "dataset"
+) -> list[dict[str, list[int]]]:
+    """``{"tokens", "labels"}`` of every row of a pre-tokenized file (``input_ids``, optional
+    ``labels``; every position labelled without it), truncated to ``max_seq_len``.
+
+    Raises:
+        KDUserError: a missing ``input_ids``, labels of another length than the tokens.
+    """
+    path = Path(path).expanduser()
+    has_labels = "labels" in _column_names(path, key)
+    cols = read_rows(
+        path, columns=("input_ids", "labels") if has_labels else ("input_ids",), key=key
+    )
+    rows = []
+    for i, tokens in enumerate(cols["input_ids"]):
+        labels = cols["labels"][i] if has_labels else list(tokens)
+        if tokens is None or labels is None or len(labels) != len(tokens):
+            raise KDUserError(
+                f"{key}: row {i} of {path} has {len(tokens or [])} input_ids and "
+                f"{len(labels or [])} labels; each row needs one label per token"
+            )
+        n = len(tokens) if max_seq_len is None else min(len(tokens), int(max_seq_len))
+        rows.append(
+            {"tokens": [int(t) for t in tokens[:n]], "labels": [int(x) for x in labels[:n]]}
+        )
+    return rows
+
+
+@dataclass
+class _Row:
+    row_hash: str
+    num_tokens: int
+    positions: torch.Tensor  # [n_labelled] int64
+    ids: torch.Tensor  # [n_labelled, k] int64
+    logprobs: torch.Tensor  # [n_labelled, k] float16
+
+
+class ForeignLogitsReader:
+    """An axolotl or DistillKit top-k file, read, checked and converted once.
+
+    Every row is read when it opens (the converted top-k of the labelled positions stay in
+    memory: ``10 k`` bytes per labelled token), so every bad input is refused before training.
+
+    Args:
+        path: the file or folder (``teacher_logits.path``).
+        format: ``"axolotl"`` or ``"distillkit"``.
+        k: entries used per labelled position (``teacher_logits.k``).
+        alpha: ``source_temperature / temperature`` (1: the values are used as stored).
+        max_seq_len: ``tokenizer.max_seq_len`` (rows are truncated as the dataset truncates them).
+        student_vocab: Vs; every teacher id used must be below it.
+        ignore_index: label of unlabelled positions.
+
+    Attributes:
+        num_rows: rows of the file.
+        fingerprint: :func:`kd.stored_logits.dataset_fingerprint` of its rows.
+
+    Raises:
+        KDUserError: missing file or column, lengths that do not match, a labelled position
+            without an entry or with fewer than ``k``, non-finite values, repeated or
+            out-of-vocabulary ids.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        format: str,
+        k: int,
+        alpha: float,
+        max_seq_len: int | None,
+        student_vocab: int,
+        ignore_index: int = -100,
+    ):
+        self.path = Path(path).expanduser()
+        self.k = k
+        ids_col, value_cols = FORMATS[format]
+        present = _column_names(self.path, KEY)
+        values_col = next((c for c in value_cols if c in present), value_cols[0])
+        columns = ["input_ids", ids_col, values_col] + (["labels"] if "labels" in present else [])
+        cols = read_rows(self.path, columns=columns, key=KEY)
+        self.rows: list[_Row] = []
+        for i, tokens in enumerate(cols["input_ids"]):
+            labels = cols["labels"][i] if "labels" in cols else list(tokens)
+            where = f"{KEY}: row {i} of {self.path}"
+            ids, values = cols[ids_col][i] or [], cols[values_col][i] or []
+            if len(ids) != len(values):
+                raise KDUserError(
+                    f"{where} has {len(ids)} positions of {ids_col} and {len(values)} of "
+                    f"{values_col}; the two must have one entry list per position"
+                )
+            n_all = len(tokens)
+            if len(ids) > n_all:
+                raise KDUserError(
+                    f"{where} has {len(ids)} positions of {ids_col} for {n_all} input_ids; "
+                    "there is at most one per token"
+                )
+            # axolotl pads its targets at the front, DistillKit's cover the first positions.
+            offset = n_all - len(ids) if format == "axolotl" else 0
+            n = n_all if max_seq_len is None else min(n_all, int(max_seq_len))
+            lab = torch.tensor([int(x) for x in labels[:n]], dtype=torch.int64)
+            positions = labelled_positions(lab, ignore_index)
+            sel = positions - offset
+            if positions.numel() and (int(sel.min()) < 0 or int(sel.max()) >= len(ids)):
+                j = int(positions[(sel < 0) | (sel >= len(ids))][0])
+                raise KDUserError(
+                    f"{where}: labelled position {j} has no entry in {ids_col} ({len(ids)} "
+                    f"positions for {n_all} tokens); the file's rows and targets do not line up"
+                )
+            top_ids, top_lp = self._topk(ids, values, sel.tolist(), where, ids_col)
+            if top_ids.numel() and int(top_ids.max()) >= student_vocab:
+                raise KDUserError(
+                    f"{where}: teacher id {int(top_ids.max())} is outside the student's "
+                    f"{student_vocab}-entry vocabulary; the teacher and student must share a "
+                    "tokenizer"
+                )
+            self.rows.append(
+                _Row(
+                    row_hash(lab.new_tensor([int(t) for t in tokens[:n]]), lab),
+                    n,
+                    positions,
+                    top_ids,
+                    _retemper(top_lp, alpha).to(torch.float16),
+                )
+            )
+        self.num_rows = len(self.rows)
+        self.fingerprint = dataset_fingerprint(r.row_hash for r in self.rows)
+
+    def _topk(
+        self, ids: list[Any], values: list[Any], sel: list[int], where: str, ids_col: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k (by value, descending) of the selected positions: ``[n, k]`` int64, fp32."""
+        k = self.k
+        out_ids = torch.zeros(len(sel), k, dtype=torch.int64)
+        out_lp = torch.zeros(len(sel), k, dtype=torch.float32)
+        for row, j in enumerate(sel):
+            pid, pval = ids[j] or [], values[j] or []
+            if len(pid) != len(pval):
+                raise KDUserError(
+                    f"{where}: position {j} has {len(pid)} ids and {len(pval)} values; each "
+                    "id needs its value"
+                )
+            if len(pid) < k:
+                raise KDUserError(
+                    f"teacher_logits.k: {k} is more than the {len(pid)} entries stored at "
+                    f"position {j} of row {where.split(': row ')[-1]}; set teacher_logits.k to "
+                    f"{len(pid)} or less"
+                )
+            v = torch.tensor(pval, dtype=torch.float32)
+            if torch.isnan(v).any() or (v == float("inf")).any() or not torch.isfinite(v).any():
+                raise KDUserError(
+                    f"{where}: position {j} holds non-finite values ({v.tolist()[:4]}...); "
+                    "the teacher file is damaged"
+                )
+            top, order = torch.topk(v, k)
+            chosen = torch.tensor(pid, dtype=torch.int64)[order]
+            if chosen.unique().numel() != k or int(chosen.min()) < 0:
+                raise KDUserError(
+                    f"{where}: position {j} of {ids_col} repeats an id or holds a negative one "
+                    "among its top-k; each position needs k distinct token ids"
+                )
+            out_ids[row], out_lp[row] = chosen, top
+        return out_ids, out_lp
+
+    def batch(
+        self,
+        rows: Sequence[int],
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        k: int,
+        ignore_index: int = -100,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of a batch aligned with its shifted labels, as
+        :meth:`kd.stored_logits.TeacherLogitsReader.batch` returns it.
+
+        Raises:
+            KDUserError: a row whose tokens or labels differ from the file's row.
+        """
+        b, s = tokens.shape
+        ids = torch.zeros(b, s, k, dtype=torch.int64)  # [b, s, k]
+        logprobs = torch.zeros(b, s, k, dtype=torch.float16)  # [b, s, k]
+        tokens, labels = tokens.cpu(), labels.cpu()
+        for i, row in enumerate(rows):
+            rec = self.rows[int(row)]
+            n = rec.num_tokens
+            if n > s or row_hash(tokens[i, :n], labels[i, :n]) != rec.row_hash:
+                raise KDUserError(
+                    f"{KEY}: dataset row {int(row)} differs from row {int(row)} of {self.path} "
+                    "(its hash); set dataset to kd.data.pretokenized_dataset of the same file"
+                )
+            ids[i, rec.positions] = rec.ids[:, :k]
+            logprobs[i, rec.positions] = rec.logprobs[:, :k]
+        return ids, logprobs
+
+
+def _retemper(logprobs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha log p - logsumexp_k(alpha log p)`` per position (fp32); unchanged for alpha = 1."""
+    if alpha == 1.0:
+        return logprobs
+    scaled = logprobs * alpha
+    return scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
