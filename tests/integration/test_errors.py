@@ -821,6 +821,80 @@ def teacher_logits_precompute_into_another_store(assets, tmp, cfg):
     ], "already holds the teacher logits of another config"
 
 
+def _foreign(tmp: Path, cfg: dict, fmt: str = "axolotl", *, k: int = 2, **edit: Any) -> Path:
+    """A tiny axolotl (or DistillKit) top-k file of 8 rows set as ``cfg``'s teacher and data;
+    ``edit`` replaces columns of every row."""
+    ids_col, values_col = (
+        ("target_token_ids", "logprobs")
+        if fmt == "axolotl"
+        else (
+            "token_ids",
+            "top_values",
+        )
+    )
+    rows = []
+    for r in range(8):
+        tokens = [1 + (r + j) % 200 for j in range(12)]
+        row = {
+            "input_ids": tokens,
+            "labels": [-100] * 4 + tokens[4:],
+            ids_col: [[t, t + 1] for t in tokens],
+            values_col: [[-0.5, -1.5] for _ in tokens],
+        }
+        rows.append({**row, **edit})
+    path = tmp / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg.pop("teacher_model"), cfg.pop("teacher_checkpointer")
+    cfg["dataset"] = {"_component_": "kd.data.pretokenized_dataset", "data_files": str(path)}
+    cfg["teacher_logits"] = {"path": str(path), "format": fmt, "k": k, "tail": "renorm"}
+    return path
+
+
+def teacher_logits_foreign_missing_field(assets, tmp, cfg):
+    """`teacher_logits.format: distillkit`, the rows have no `top_values`"""
+    _foreign(tmp, cfg, "distillkit")
+    path = tmp / "distillkit.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if k != "top_values"} for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return _validate(), "has no column 'top_values'"
+
+
+def teacher_logits_foreign_k_larger_than_stored(assets, tmp, cfg):
+    """`teacher_logits.k: 4`, the axolotl file holds 2 entries per position"""
+    _foreign(tmp, cfg, k=4)
+    return _validate(), "teacher_logits.k: 4 is more than the 2 entries stored at position 3"
+
+
+def teacher_logits_foreign_mismatched_lengths(assets, tmp, cfg):
+    """an axolotl row with 13 target positions for 12 input_ids"""
+    _foreign(tmp, cfg, target_token_ids=[[5, 6]] * 13, logprobs=[[-0.5, -1.5]] * 13)
+    return _validate(), "has 13 positions of target_token_ids for 12 input_ids"
+
+
+def teacher_logits_foreign_bucket_retempered(assets, tmp, cfg):
+    """`source_temperature: 2` (re-tempered to 1) with `tail: bucket`"""
+    _foreign(tmp, cfg)
+    cfg["teacher_logits"].update(source_temperature=2.0, tail="bucket")
+    return _validate(), "teacher_logits.tail: bucket needs the teacher mass outside the top-k"
+
+
+def teacher_logits_foreign_other_dataset(assets, tmp, cfg):
+    """an axolotl file with `dataset` left at the instruct rows, not the file's own"""
+    dataset = dict(cfg["dataset"])
+    _foreign(tmp, cfg)
+    cfg["dataset"] = dataset
+    return _validate(), "dataset: its 64 rows are not the 8 rows of"
+
+
+def teacher_logits_precompute_locked(assets, tmp, cfg):
+    """another `kd run teacher_logits` (pid 1 on another host) holds the store's `.lock`"""
+    _teacher_logits(assets, tmp, cfg, rows_per_shard=16)
+    lock = tmp / "logits" / ".lock"
+    lock.write_text(json.dumps({"pid": 1, "host": "another-host.example"}))
+    return ["run", "teacher_logits", "--config", "{cfg}"], "is being written by another kd run"
+
+
 def teacher_logits_precompute_without_teacher(assets, tmp, cfg):
     """`kd run teacher_logits` with `teacher_model: null`"""
     cfg.update(teacher_model=None, teacher_checkpointer=None)
@@ -948,6 +1022,12 @@ CASES: list[Case] = [
     teacher_logits_with_validation,
     teacher_logits_precompute_into_another_store,
     teacher_logits_precompute_without_teacher,
+    teacher_logits_foreign_missing_field,
+    teacher_logits_foreign_k_larger_than_stored,
+    teacher_logits_foreign_mismatched_lengths,
+    teacher_logits_foreign_bucket_retempered,
+    teacher_logits_foreign_other_dataset,
+    teacher_logits_precompute_locked,
 ]
 
 
