@@ -170,9 +170,14 @@ def pretokenized_rows(
                 f"{len(labels or [])} labels; each row needs one label per token"
             )
         n = len(tokens) if max_seq_len is None else min(len(tokens), int(max_seq_len))
-        rows.append(
-            {"tokens": [int(t) for t in tokens[:n]], "labels": [int(x) for x in labels[:n]]}
-        )
+        try:
+            row = {"tokens": [int(t) for t in tokens[:n]], "labels": [int(x) for x in labels[:n]]}
+        except (TypeError, ValueError) as e:
+            raise KDUserError(
+                f"{key}: row {i} of {path} holds input_ids or labels that are not integers "
+                f"({brief(e)}); they must be lists of token ids"
+            ) from e
+        rows.append(row)
     return rows
 
 
@@ -230,50 +235,89 @@ class ForeignLogitsReader:
         cols = read_rows(self.path, columns=columns, key=KEY)
         self.rows: list[_Row] = []
         for i, tokens in enumerate(cols["input_ids"]):
-            labels = cols["labels"][i] if "labels" in cols else list(tokens)
-            where = f"{KEY}: row {i} of {self.path}"
-            ids, values = cols[ids_col][i] or [], cols[values_col][i] or []
-            if len(ids) != len(values):
+            try:
+                self.rows.append(
+                    self._row(
+                        i,
+                        tokens,
+                        cols,
+                        format,
+                        ids_col,
+                        values_col,
+                        alpha,
+                        max_seq_len,
+                        student_vocab,
+                        ignore_index,
+                    )
+                )
+            except (TypeError, ValueError) as e:  # a value of another shape or type
                 raise KDUserError(
-                    f"{where} has {len(ids)} positions of {ids_col} and {len(values)} of "
-                    f"{values_col}; the two must have one entry list per position"
-                )
-            n_all = len(tokens)
-            if len(ids) > n_all:
-                raise KDUserError(
-                    f"{where} has {len(ids)} positions of {ids_col} for {n_all} input_ids; "
-                    "there is at most one per token"
-                )
-            # axolotl pads its targets at the front, DistillKit's cover the first positions.
-            offset = n_all - len(ids) if format == "axolotl" else 0
-            n = n_all if max_seq_len is None else min(n_all, int(max_seq_len))
-            lab = torch.tensor([int(x) for x in labels[:n]], dtype=torch.int64)
-            positions = labelled_positions(lab, ignore_index)
-            sel = positions - offset
-            if positions.numel() and (int(sel.min()) < 0 or int(sel.max()) >= len(ids)):
-                j = int(positions[(sel < 0) | (sel >= len(ids))][0])
-                raise KDUserError(
-                    f"{where}: labelled position {j} has no entry in {ids_col} ({len(ids)} "
-                    f"positions for {n_all} tokens); the file's rows and targets do not line up"
-                )
-            top_ids, top_lp = self._topk(ids, values, sel.tolist(), where, ids_col)
-            if top_ids.numel() and int(top_ids.max()) >= student_vocab:
-                raise KDUserError(
-                    f"{where}: teacher id {int(top_ids.max())} is outside the student's "
-                    f"{student_vocab}-entry vocabulary; the teacher and student must share a "
-                    "tokenizer"
-                )
-            self.rows.append(
-                _Row(
-                    row_hash(lab.new_tensor([int(t) for t in tokens[:n]]), lab),
-                    n,
-                    positions,
-                    top_ids,
-                    _retemper(top_lp, alpha).to(torch.float16),
-                )
-            )
+                    f"{KEY}: row {i} of {self.path} cannot be read as {format} top-k rows "
+                    f"({brief(e)}); {ids_col} and {values_col} must be lists (one per position) "
+                    "of numbers"
+                ) from e
         self.num_rows = len(self.rows)
         self.fingerprint = dataset_fingerprint(r.row_hash for r in self.rows)
+
+    def _row(
+        self,
+        i: int,
+        tokens: list[Any],
+        cols: dict[str, list[Any]],
+        format: str,
+        ids_col: str,
+        values_col: str,
+        alpha: float,
+        max_seq_len: int | None,
+        student_vocab: int,
+        ignore_index: int,
+    ) -> _Row:
+        """Row ``i`` checked and converted."""
+        labels = cols["labels"][i] if "labels" in cols else list(tokens)
+        where = f"{KEY}: row {i} of {self.path}"
+        ids, values = cols[ids_col][i] or [], cols[values_col][i] or []
+        if len(ids) != len(values):
+            raise KDUserError(
+                f"{where} has {len(ids)} positions of {ids_col} and {len(values)} of "
+                f"{values_col}; the two must have one entry list per position"
+            )
+        n_all = len(tokens)
+        if len(labels) != n_all:
+            raise KDUserError(
+                f"{where} has {n_all} input_ids and {len(labels)} labels; each row needs one "
+                "label per token"
+            )
+        if len(ids) > n_all:
+            raise KDUserError(
+                f"{where} has {len(ids)} positions of {ids_col} for {n_all} input_ids; "
+                "there is at most one per token"
+            )
+        # axolotl pads its targets at the front, DistillKit's cover the first positions.
+        offset = n_all - len(ids) if format == "axolotl" else 0
+        n = n_all if max_seq_len is None else min(n_all, int(max_seq_len))
+        lab = torch.tensor([int(x) for x in labels[:n]], dtype=torch.int64)
+        positions = labelled_positions(lab, ignore_index)
+        sel = positions - offset
+        if positions.numel() and (int(sel.min()) < 0 or int(sel.max()) >= len(ids)):
+            j = int(positions[(sel < 0) | (sel >= len(ids))][0])
+            raise KDUserError(
+                f"{where}: labelled position {j} has no entry in {ids_col} ({len(ids)} "
+                f"positions for {n_all} tokens); the file's rows and targets do not line up"
+            )
+        top_ids, top_lp = self._topk(ids, values, sel.tolist(), where, ids_col)
+        if top_ids.numel() and int(top_ids.max()) >= student_vocab:
+            raise KDUserError(
+                f"{where}: teacher id {int(top_ids.max())} is outside the student's "
+                f"{student_vocab}-entry vocabulary; the teacher and student must share a "
+                "tokenizer"
+            )
+        return _Row(
+            row_hash(lab.new_tensor([int(t) for t in tokens[:n]]), lab),
+            n,
+            positions,
+            top_ids,
+            _retemper(top_lp, alpha).to(torch.float16),
+        )
 
     def _topk(
         self, ids: list[Any], values: list[Any], sel: list[int], where: str, ids_col: str
