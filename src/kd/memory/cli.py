@@ -32,9 +32,8 @@ settings that fit, fastest first, as overrides; a LoRA student and a quantized t
 suggested, with the settings that make them fit.
 --trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
 (FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters).
---compare-stored-logits [K] plans the run with its online teacher and trained from stored teacher
-logits (kd run teacher_logits, then teacher_logits.path; top-K, default teacher_logits.k or 64)
-side by side, and says for each budget (--budget-gib, default 40 and 24 GiB) which mode fits, as
+--compare-stored-logits K plans the run with its online teacher and trained from stored top-K
+teacher logits (kd run teacher_logits, then teacher_logits.path; e.g. 64) side by side, and says for each budget (--budget-gib, default 40 and 24 GiB) which mode fits, as
 configured or with the fastest --fit setting; exit status 0 (a comparison, not a check)."""
 
 
@@ -63,8 +62,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-stored-logits",
         metavar="K",
-        nargs="?",
-        const=0,
         default=None,
         type=_topk_flag,
         help="plan the online teacher and stored top-K teacher logits side by side, with the "
@@ -202,9 +199,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    """``kd plan --compare-stored-logits [K]``: the online-teacher and stored-logits plans side by
+    """``kd plan --compare-stored-logits K``: the online-teacher and stored-logits plans side by
     side and the budgets each fits (:mod:`kd.memory.compare`); exit status 0."""
-    from kd.config.schema import TEACHER_LOGITS
     from kd.memory.compare import DEFAULT_BUDGETS_GIB, compare
     from kd.memory.plan import dataset_size, inputs_from_run
 
@@ -223,9 +219,7 @@ def _run_compare(args: argparse.Namespace) -> int:
             "--compare-stored-logits: the config has no teacher_model; set teacher_model (the "
             "teacher the logits come from) to compare with the online teacher"
         )
-    k = args.compare_stored_logits or (
-        run.teacher_logits.k if run.teacher_logits is not None else int(TEACHER_LOGITS["k"].default)
-    )
+    k = int(args.compare_stored_logits)
     if target.world_size > 1:
         raise KDUserError(
             "--compare-stored-logits: compares one device; drop --world-size (or plan each mode "
@@ -233,9 +227,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         )
     inputs = inputs_from_run(online, world_size=1, config_name=args.config)
     budgets = (float(args.budget_gib),) if args.budget_gib is not None else DEFAULT_BUDGETS_GIB
-    result = compare(
-        inputs, k, budgets, device=run.device, dataset_size=dataset_size(run)
-    )
+    result = compare(inputs, k, budgets, device=run.device, dataset_size=dataset_size(run))
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

@@ -148,7 +148,7 @@ class Comparison:
         inp, kn = self.online.inputs, self.online.inputs.knobs
         label = stored_label(self.k)
         lines = [
-            f"memory plan, online teacher vs stored teacher logits (one device)"
+            "memory plan, online teacher vs stored teacher logits (one device)"
             + (f": {inp.config_name}" if inp.config_name else ""),
             f"  student {inp.student.name}: {on.student_params:,} params, "
             f"{on.trainable_params:,} trainable",
