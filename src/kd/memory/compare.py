@@ -76,6 +76,8 @@ class BudgetVerdict:
         o = self.option
         if o.suggestion:
             words = o.description.split(" (", 1)[0].removeprefix("suggestion: ")
+            if o.extra.get("teacher_quantization"):
+                words += " (not a kd config key yet)"
             over = f": {' '.join(o.overrides)}" if o.overrides else ""
             return (
                 head + f"does not fit ({peak:.2f} GiB); only with {words}, "
