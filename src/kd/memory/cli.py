@@ -4,6 +4,7 @@
     kd plan --config my.yaml batch_size=8 --budget-gib 24 --fit
     kd plan --config my.yaml --json --trace        # also run the real step under FakeTensorMode
     kd plan --config my.yaml --plot plan.png
+    kd plan --config qwen2_5/14B_to_3B_full_single_device --compare-stored-logits 64
 
 Exit status: 0 when the plan fits the budget (or no budget is known), 1 when it does not, 2 for a
 config mistake.
@@ -30,7 +31,10 @@ accepts (optimizer_in_cpu on one CUDA device, fsdp.cpu_offload over several rank
 settings that fit, fastest first, as overrides; a LoRA student and a quantized teacher are only
 suggested, with the settings that make them fit.
 --trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
-(FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters)."""
+(FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters).
+--compare-stored-logits K plans the run with its online teacher and trained from stored top-K
+teacher logits (kd run teacher_logits, then teacher_logits.path; e.g. 64) side by side, and says for each budget (--budget-gib, default 40 and 24 GiB) which mode fits, as
+configured or with the fastest --fit setting; exit status 0 (a comparison, not a check)."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,7 +59,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--plot", metavar="PNG", default=None, help="write a stacked bar chart of the components"
     )
+    p.add_argument(
+        "--compare-stored-logits",
+        metavar="K",
+        default=None,
+        type=_topk_flag,
+        help="plan the online teacher and stored top-K teacher logits side by side, with the "
+        "settings that fit 40 and 24 GiB (or --budget-gib)",
+    )
     return p
+
+
+def _topk_flag(value: str) -> int:
+    """``--compare-stored-logits K``: a whole number in ``teacher_logits.k``'s range."""
+    from kd.config.schema import TEACHER_LOGITS
+
+    key = TEACHER_LOGITS["k"]
+    try:
+        k = int(value)
+    except ValueError:
+        k = -1
+    if not (key.min or 1) <= k <= (key.max or k):
+        raise argparse.ArgumentTypeError(
+            f"K must be a whole number from {key.min} to {key.max} (teacher_logits.k), got {value!r}"
+        )
+    return k
 
 
 # What matplotlib writes, by file suffix (a name without one gets a PNG).
@@ -114,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
 
     t0 = time.perf_counter()
+    if getattr(args, "compare_stored_logits", None) is not None:
+        return _run_compare(args)
     if args.plot is not None:
         check_plot_path(args.plot)
     target = resolve_target(args, for_plan=True)
@@ -166,3 +196,41 @@ def run(args: argparse.Namespace) -> int:
             print(f"plot written to {args.plot}")
     sys.stdout.flush()
     return 0 if plan.fits else 1
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    """``kd plan --compare-stored-logits K``: the online-teacher and stored-logits plans side by
+    side and the budgets each fits (:mod:`kd.memory.compare`); exit status 0."""
+    from kd.memory.compare import DEFAULT_BUDGETS_GIB, compare
+    from kd.memory.plan import dataset_size, inputs_from_run
+
+    for flag, used in (("--trace", args.trace), ("--fit", args.fit), ("--plot", args.plot)):
+        if used:
+            raise KDUserError(
+                f"{flag}: not with --compare-stored-logits (it searches the settings that fit "
+                f"itself); run kd plan {flag} without it"
+            )
+    target = resolve_target(args, for_plan=True)
+    run = target.run
+    # the online plan needs the teacher model, whether or not the config trains from a store
+    online = dataclasses.replace(run, teacher_logits=None)
+    if not online.has_teacher:
+        raise KDUserError(
+            "--compare-stored-logits: the config has no teacher_model; set teacher_model (the "
+            "teacher the logits come from) to compare with the online teacher"
+        )
+    k = int(args.compare_stored_logits)
+    if target.world_size > 1:
+        raise KDUserError(
+            "--compare-stored-logits: compares one device; drop --world-size (or plan each mode "
+            "per rank with kd plan --world-size N, with and without teacher_logits.path)"
+        )
+    inputs = inputs_from_run(online, world_size=1, config_name=args.config)
+    budgets = (float(args.budget_gib),) if args.budget_gib is not None else DEFAULT_BUDGETS_GIB
+    result = compare(inputs, k, budgets, device=run.device, dataset_size=dataset_size(run))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(result.table())
+    sys.stdout.flush()
+    return 0

@@ -6,7 +6,10 @@ What one optimizer step of ``kd.train`` allocates on one device, phase by phase:
   (its per-layer temporaries), then the loss forward. The fused loss computes, chunk by chunk, both
   models' logits, CE + divergence and the gradient, so it holds ``grad_hidden [N, Ds]`` and an fp32
   ``grad_weight [Vs, Ds]`` plus one chunk's ``[C, V]`` fp32 temporaries; the unfused path holds full
-  fp32 logits of both models and the losses' saved log-probs.
+  fp32 logits of both models and the losses' saved log-probs. Without a teacher model the same
+  chunked head computes CE alone (``fused_linear_ce_loss``) or CE + KD against stored teacher
+  top-k log-probs (``fused_linear_topk_kd_loss``, :attr:`TrainKnobs.stored_topk`; the batch's
+  ``[B, S, k]`` ids and log-probs are resident instead of the teacher's weights and forward).
 * **backward**: starts with every saved activation and walks the layers backwards, freeing a layer's
   saved tensors while allocating its parameter gradients (with activation checkpointing, a layer's
   activations are first recomputed).
@@ -87,6 +90,8 @@ class TrainKnobs:
             suggestions; no config key sets it); None: the dtype's.
         eval_batch: sequences per validation batch per device (``validation.batch_size``); None:
             no validation, so no evaluation phase.
+        stored_topk: k of stored teacher logits (``teacher_logits.k``): the run trains from them,
+            with no teacher model (``estimate``'s teacher is None); None: an online teacher or none.
     """
 
     batch_size: int
@@ -107,6 +112,7 @@ class TrainKnobs:
     select_labelled: bool = True
     teacher_bytes_per_param: float | None = None
     eval_batch: int | None = None
+    stored_topk: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -128,6 +134,7 @@ COMPONENTS = (
     "optimizer_temp",
     "activations",
     "teacher_forward",
+    "stored_logits",
     "logits_loss",
     "backward_temp",
     "fsdp_in_flight",
@@ -389,6 +396,52 @@ def _fused_loss_bytes(student: ModelShape, teacher: ModelShape, k: TrainKnobs) -
     return peak, grad_h + grad_w
 
 
+# kd.losses' chunked head without a teacher model (_FusedLinearTopK), per chunk of n rows, fp32
+# [n, V] buffers. CE alone (fused_linear_ce_loss): the logits and logsumexp's shifted copy (8 V; the
+# bf16 logits and their fp32 upcast are 6 V before that). With stored top-k
+# (fused_linear_topk_kd_loss), in the top-k gradient: the logits turned softmax gradient, the
+# student log-probs turned tail-only and their exp q (12 V); per top-k entry the fp32 teacher
+# log-probs and their clamp, the student's gathered log-probs, the categories the divergence
+# compares and their gradients (_TOPK_K_BYTES). Measured with MemTracker.
+_CE_CHUNK_V = 8
+_TOPK_CHUNK_V = 12
+_TOPK_K_BYTES = 40
+# The stored top-k a micro-batch carries on the device, per token per entry: int64 ids and float16
+# log-probs (TeacherLogitsReader.batch, moved to the device by the recipe).
+STORED_TOPK_BYTES = 8 + 2
+
+
+def _chunked_loss_bytes(student: ModelShape, k: TrainKnobs) -> tuple[int, int]:
+    """(forward peak, saved for backward) of the chunked head without a teacher model
+    (``kd.losses.fused_linear_ce_loss``, or ``fused_linear_topk_kd_loss`` with stored top-k)
+    beyond its inputs.
+
+    Holds ``grad_hidden`` and the fp32 ``grad_weight`` like :func:`_fused_loss_bytes`, plus one
+    chunk's temporaries. On real tensors the labelled rows of the hidden states (and of the stored
+    ids and log-probs) are gathered first (copies).
+    """
+    n_tok = k.tokens
+    a = k.dtype_bytes
+    ds, vs = student.embed_dim, student.vocab_size
+    w_trains = student.lora is None
+    grad_h = a * n_tok * ds
+    grad_w32 = 4 * vs * ds if w_trains else 0
+    grad_w = a * vs * ds if w_trains else 0
+    n = min(k.loss_chunk_size, n_tok)
+    topk = k.stored_topk
+    if topk is None:
+        chunk = _CE_CHUNK_V * n * vs
+    else:
+        chunk = _TOPK_CHUNK_V * n * vs + _TOPK_K_BYTES * n * topk
+    chunk += _FUSED_ROW_BYTES * n + _FUSED_FIXED_BYTES
+    copies = 0
+    if k.select_labelled:
+        copies = a * n_tok * ds + (STORED_TOPK_BYTES * topk * n_tok if topk else 0)
+    cast = grad_w32 + grad_w if a != 4 else grad_w32
+    peak = copies + grad_h + max(grad_w32 + chunk, cast)
+    return peak, grad_h + grad_w
+
+
 # The logits path (kd.losses.ce_loss + kd_loss on fp32 logits of both models), bytes per token per
 # vocab entry, by divergence: (forward peak, kept for backward + the backward start's gradient
 # temporaries). forward_kl: both fp32 logits (8), CE log-probs (4), kd_loss's log-probs, clamp
@@ -606,13 +659,23 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     small = 8 * n_tok * 2  # int64 tokens + labels
 
     # ---- loss ----
-    use_fused = (
-        k.fused_loss
-        and teacher is not None
-        and not (student.lora is not None and student.lora.output)
-    )
+    stored = k.stored_topk is not None
+    if stored and teacher is not None:
+        raise ValueError("estimate: stored teacher logits (knobs.stored_topk) take no teacher")
+    lora_output = student.lora is not None and student.lora.output
+    # kd.train.compute_loss: the chunked head for a plain output projection when the loss is
+    # fused, and always with stored top-k (which refuses a LoRA output projection)
+    use_fused = (k.fused_loss or stored) and not lora_output
+    if stored and lora_output:
+        notes.append(
+            "stored teacher logits need a plain output projection: set "
+            "model.apply_lora_to_output=false"
+        )
     if use_fused:
-        loss_peak, loss_saved = _fused_loss_bytes(student, teacher, k)
+        if teacher is not None:
+            loss_peak, loss_saved = _fused_loss_bytes(student, teacher, k)
+        else:
+            loss_peak, loss_saved = _chunked_loss_bytes(student, k)
         if student.hf:
             bwd_start = hf_terms.head_backward_bytes(student, n_tok, a)
         else:
@@ -620,7 +683,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         out_g_held = out_g  # d(weight) from the loss is held until the layers are done
     else:
         loss_peak, loss_saved, bwd_start = _unfused_loss_bytes(student, teacher, k)
-        if k.fused_loss and teacher is not None:
+        if k.fused_loss and not stored:
             notes.append("LoRA on the output projection: the unfused logits path is used")
         if full or student.lora.output:
             loss_saved += hid_s  # the output projection keeps its input for its weight gradient
@@ -632,6 +695,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         "student_weights": student_w,
         "lora_adapters": lora_w,
         "buffers": buffers + small,
+        "stored_logits": STORED_TOPK_BYTES * k.stored_topk * n_tok if stored else 0,
         "optimizer_states": states,
         "gradients": grads_resident,
     }
@@ -749,7 +813,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     phases = {"forward": forward, "backward": backward, "optimizer_step": step}
     if k.eval_batch is not None:
         # between steps: the optimizer step set the gradients to None; states stay
-        evaluation = dict(resident, gradients=0, fsdp_in_flight=in_flight_fwd)
+        evaluation = dict(resident, gradients=0, stored_logits=0, fsdp_in_flight=in_flight_fwd)
         for comp, val in _evaluation(student, teacher, k).items():
             evaluation[comp] = val + (buffers if comp == "buffers" else 0)
         phases[EVAL_PHASE] = evaluation

@@ -134,7 +134,7 @@ def _batches(knobs: TrainKnobs, bound: int) -> list[tuple[int, int]]:
 
 
 def _chunks(knobs: TrainKnobs) -> list[int]:
-    if not knobs.fused_loss:
+    if not knobs.fused_loss and knobs.stored_topk is None:  # stored top-k: always chunked
         return [knobs.loss_chunk_size]
     out = [knobs.loss_chunk_size]
     c = knobs.loss_chunk_size

@@ -137,6 +137,7 @@ class MemoryPlan:
             "seq_len": k.seq_len,
             "gradient_accumulation_steps": k.grad_accum,
             "eval_batch_size": k.eval_batch,
+            "stored_topk": k.stored_topk,
             "world_size": k.world_size,
             "notes": list(self.inputs.notes) + list(e.notes),
         }
@@ -162,6 +163,11 @@ class MemoryPlan:
         )
         if inp.teacher is not None:
             lines.append(f"  teacher {inp.teacher.name}: {e.teacher_params:,} params (frozen)")
+        if k.stored_topk is not None:
+            lines.append(
+                f"  teacher: stored top-{k.stored_topk} log-probs (teacher_logits), no teacher "
+                "weights or forward"
+            )
         lines.append(
             f"  micro-batch {k.batch_size} x {k.seq_len} tokens ({inp.seq_len_source}), "
             f"accumulation {k.grad_accum}, {'bf16' if k.dtype_bytes == 2 else 'fp32'}, "
@@ -345,6 +351,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         reduce_dtype_bytes=4 if run.fsdp.reduce_dtype == "fp32" else 2,
         reserve_bytes=None if reserve is None else int(reserve * GIB),
         eval_batch=run.validation.batch_size if run.validation is not None else None,
+        stored_topk=run.teacher_logits.k if run.teacher_logits is not None else None,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

@@ -63,7 +63,8 @@ def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:
     knobs = inputs_from_run(run).knobs
     common: dict[str, Any] = {
         "model": run.components["model"],
-        "teacher_model": run.components["teacher_model"],
+        # with stored teacher logits a teacher_model node only names their teacher: none is built
+        "teacher_model": run.components["teacher_model"] if run.has_teacher else None,
         "optimizer": run.optimizer.node,
         "batch_size": knobs.batch_size,
         "seq_len": knobs.seq_len,
@@ -73,6 +74,7 @@ def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:
         "clip_grad_norm": run.optimizer.clip_grad_norm,
         "loss": run.loss,
         "eval_batch": knobs.eval_batch,
+        "stored_topk": knobs.stored_topk,
     }
     if world_size == 1:
         return trace_step(optimizer_in_cpu=run.optimizer.in_cpu, **common)
@@ -106,6 +108,7 @@ def trace_step(
     clip_grad_norm: float | None = None,
     loss: LossSettings | None = None,
     eval_batch: int | None = None,
+    stored_topk: int | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step (+ one validation batch) with the given builder
     nodes.
@@ -124,6 +127,8 @@ def trace_step(
         loss: loss settings (default: the schema defaults).
         eval_batch: sequences per validation batch: also trace the evaluation phase
             (:func:`kd.memory.tracing.trace_evaluation`); None: no validation.
+        stored_topk: train from stored teacher logits with this k (``teacher_model`` None): the
+            micro-step gets a fake ``[b, s, k]`` top-k batch (:func:`build_fake_step`).
 
     Returns:
         Per-phase allocated peaks and categories.
@@ -150,9 +155,10 @@ def trace_step(
             seq_len=seq_len,
             grad_accum=grad_accum,
             optimizer_in_cpu=optimizer_in_cpu,
+            stored_topk=stored_topk,
         )
         mt = FrozenSafeMemTracker()
-        mt.track_external(step.student, step.tokens, step.labels, step.num_tokens_total)
+        mt.track_external(step.student, *step.inputs(), step.num_tokens_total)
         if step.teacher is not None:
             mt.track_external(step.teacher)
         if step.optimizer is not None:

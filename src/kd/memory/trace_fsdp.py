@@ -77,6 +77,7 @@ def trace_fsdp_step(
     clip_grad_norm: float | None = None,
     loss: LossSettings | None = None,
     eval_batch: int | None = None,
+    stored_topk: int | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
 
@@ -103,6 +104,7 @@ def trace_fsdp_step(
         loss: loss settings (default: the schema defaults).
         eval_batch: sequences per validation batch (per rank): also trace the evaluation phase;
             None: no validation.
+        stored_topk: train from stored teacher logits with this k (``teacher_model`` None).
 
     Returns:
         Per-phase allocated peaks (bytes, rank 0) and their categories.
@@ -149,6 +151,7 @@ def trace_fsdp_step(
             ),
             num_ranks=world_size,
             foreach=False,
+            stored_topk=stored_topk,
         )
         mt = FSDPMemTracker(step.student, step.optimizer)
         # FSDPMemTracker instruments the FSDP modules under one root; give it both models (it only
@@ -158,7 +161,7 @@ def trace_fsdp_step(
         if step.teacher is not None:
             both.teacher = step.teacher
         mt._root_mod = both
-        mt.track_inputs((step.tokens, step.labels))
+        mt.track_inputs(step.inputs())
         result = trace_step_phases(
             mt,
             step,

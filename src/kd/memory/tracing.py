@@ -282,6 +282,9 @@ class FakeStep:
         labels: ``[b, s]`` targets, every position labelled (the worst case).
         num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all
             ranks).
+        teacher_topk: stored teacher logits ``(ids [b, s, k] int64, logprobs [b, s, k] float16)``
+            as the recipe passes them to ``kd.train.micro_step``; None with an online teacher or
+            none.
     """
 
     student: nn.Module
@@ -291,6 +294,11 @@ class FakeStep:
     tokens: torch.Tensor
     labels: torch.Tensor
     num_tokens_total: torch.Tensor
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The micro-batch's input tensors: tokens, labels and the stored top-k when present."""
+        return (self.tokens, self.labels, *(self.teacher_topk or ()))
 
 
 def build_fake_step(
@@ -307,6 +315,7 @@ def build_fake_step(
     num_ranks: int = 1,
     foreach: bool = True,
     optimizer_in_cpu: bool = False,
+    stored_topk: int | None = None,
 ) -> FakeStep:
     """Build, prepare and (when ``shard``) shard the models, the optimizer and one micro-batch.
 
@@ -327,6 +336,9 @@ def build_fake_step(
         num_ranks: ranks whose tokens the loss normalises by.
         foreach: see :func:`build_optimizer`.
         optimizer_in_cpu: states off the device: no optimizer is built, gradients stay resident.
+        stored_topk: k of stored teacher logits: the step gets a fake ``[b, s, k]`` int64 ids and
+            float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch`` returns
+            it; None: no stored logits.
     """
     from kd import models
     from kd.config import instantiate
@@ -350,6 +362,13 @@ def build_fake_step(
     opt = None if optimizer_in_cpu else build_optimizer(optimizer, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=grad_accum > 1 or optimizer_in_cpu)
     vocab = models.vocab_size(student)
+    topk = None
+    if stored_topk is not None:
+        shape = (batch_size, seq_len, stored_topk)
+        topk = (
+            torch.randint(0, vocab, shape),  # [b, s, k] int64 ids
+            torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
+        )
     return FakeStep(
         student=student,
         teacher=teacher,
@@ -358,6 +377,7 @@ def build_fake_step(
         tokens=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
         labels=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
         num_tokens_total=torch.tensor(batch_size * seq_len * grad_accum * num_ranks),
+        teacher_topk=topk,
     )
 
 
@@ -499,6 +519,7 @@ def trace_step_phases(
                     settings=settings,
                     num_tokens_total=step.num_tokens_total,
                     grad_scale=grad_scale,
+                    teacher_topk=step.teacher_topk,
                 )
             for h in hooks:  # the sub-phase marks would cut the evaluation's peak
                 h.remove()
