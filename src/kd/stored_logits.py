@@ -45,6 +45,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,11 @@ MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".lock"
 # Rows per Parquet row group: a reader decodes one group to read one row.
 ROWS_PER_GROUP = 8
+# Decoded rows the reader keeps (least recently used row groups go first). A store whose shards
+# fit (their file size x _DECODED_PER_FILE_BYTE) is read a whole shard at a time on first use, so
+# later epochs read no file; a larger one is read a row group at a time as the batches need it.
+CACHE_BYTES = 2 << 30
+_DECODED_PER_FILE_BYTE = 4
 _COMPRESSION = "zstd"
 KEY = "teacher_logits.path"
 
@@ -572,18 +578,22 @@ class TeacherLogitsReader:
     """A complete store, opened and checked; :meth:`batch` returns a batch's aligned top-k.
 
     Opening reads the manifest and checks that every shard is in place with its recorded size
-    (a missing or truncated shard is refused here); each row group is decoded when first needed
-    with Parquet's page checksums verified (a damaged byte is refused then), and each row's hash is
-    checked against the batch it is used for.
+    (a missing or truncated shard is refused here); rows are decoded when first needed with
+    Parquet's page checksums verified (a damaged byte is refused then), and each row's hash is
+    checked against the batch it is used for. Decoded rows stay in a least-recently-used cache of
+    ``cache_bytes``: when the whole store fits, a shard is decoded at once on first use (one read
+    instead of one per row group; shuffled batches touch every group), else one row group at a
+    time.
 
     Args:
         folder: the store (``teacher_logits.path``).
+        cache_bytes: memory for decoded rows.
 
     Raises:
         KDUserError: no store, an incomplete one, a missing or truncated shard.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, cache_bytes: int = CACHE_BYTES):
         self.folder = Path(folder)
         manifest = read_manifest(self.folder)
         redo = (
@@ -616,18 +626,27 @@ class TeacherLogitsReader:
                     f"(truncated or overwritten); {redo}"
                 )
         self._files: dict[str, Any] = {}
-        self._group: tuple[str, int, list[_Record]] | None = None
+        self._cache: OrderedDict[tuple[str, int], list[_Record]] = OrderedDict()
+        self._cached_bytes = 0
+        self._cache_limit = cache_bytes
+        file_bytes = sum(int(entry["size"]) for entry in manifest["shards"])
+        self._whole_shards = file_bytes * _DECODED_PER_FILE_BYTE <= cache_bytes
 
     def _records(self, name: str, group: int) -> list[_Record]:
         import pyarrow.parquet as pq
 
-        if self._group is not None and self._group[:2] == (name, group):
-            return self._group[2]
+        key = (name, group)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
         path = self.folder / name
         try:
             if name not in self._files:
                 self._files[name] = pq.ParquetFile(path, page_checksum_verification=True)
-            table = self._files[name].read_row_group(group)
+            shard = self._files[name]
+            first = 0 if self._whole_shards else group
+            groups = list(range(shard.num_row_groups)) if self._whole_shards else [group]
+            table = shard.read_row_groups(groups)
         except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ...
             raise KDUserError(
                 f"{KEY}: shard {path} is damaged ({brief(e)}); delete it and rerun kd run "
@@ -649,8 +668,15 @@ class TeacherLogitsReader:
                 strict=True,
             )
         ]
-        self._group = (name, group, records)
-        return records
+        per = self.rows_per_group
+        for g in groups:
+            part = records[(g - first) * per : (g - first + 1) * per]
+            self._cache[(name, g)] = part
+            self._cached_bytes += sum(r.ids.nbytes + r.logprobs.nbytes for r in part)
+        while self._cached_bytes > self._cache_limit and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= sum(r.ids.nbytes + r.logprobs.nbytes for r in dropped)
+        return self._cache[key]
 
     def record(self, row: int) -> _Record:
         """The stored entry of dataset row ``row``."""
