@@ -75,8 +75,8 @@ def speed(work: Path, demo: Path) -> dict:
     from kd.demo.configs import dataset_node, run_config, write_config
     from kd.testing import TinyModel, write_tiny_model
 
-    student = TinyModel(288, 2, 4, 2, 128, 384, max_seq_len=64)
-    teacher = TinyModel(320, 4, 4, 2, 192, 576, max_seq_len=64)
+    student = TinyModel(288, 2, 4, 2, 256, 768, max_seq_len=64)
+    teacher = TinyModel(320, 4, 4, 2, 384, 1152, max_seq_len=64)
     root = work / "speed"
     shutil.rmtree(root, ignore_errors=True)
     tok = demo / "tokenizer"

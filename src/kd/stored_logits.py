@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from kd.errors import KDUserError, brief
+from kd.fileio import fsync_path, sha256_file
 
 __all__ = [
     "FORMAT",
@@ -131,14 +132,6 @@ def files_sha256(files: Mapping[str, Path]) -> str:
     return h.hexdigest()
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ------------------------------------------------------------------------------- what a store is
 @dataclass(frozen=True)
 class StoreSpec:
@@ -206,7 +199,7 @@ def teacher_identity(component: str, folder: Path, files: Any) -> dict[str, Any]
         "component": component,
         "folder": str(folder.resolve()),
         "files": [[name, (folder / name).stat().st_size] for name in sorted(files)],
-        "config_sha256": _file_sha256(config) if config.is_file() else None,
+        "config_sha256": sha256_file(config) if config.is_file() else None,
     }
 
 
@@ -265,14 +258,6 @@ def topk_logprobs(
 
 
 # ------------------------------------------------------------------------------- writing
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _tmp_path(path: Path) -> Path:
     return path.with_name(f".tmp_{path.name}_{os.getpid()}")
 
@@ -281,7 +266,7 @@ def _replace_synced(tmp: Path, path: Path) -> None:
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_shard(
@@ -427,7 +412,7 @@ def complete_manifest(folder: Path, spec: StoreSpec) -> None:
                     "name": name,
                     "num_rows": len(rows),
                     "size": path.stat().st_size,
-                    "sha256": _file_sha256(path),
+                    "sha256": sha256_file(path),
                 }
             )
     write_manifest(folder, spec, shards)
@@ -470,7 +455,7 @@ def shard_done(path: Path, rows: Sequence[int], entry: Mapping[str, Any] | None)
     if not path.is_file():
         return False
     if entry is not None and (
-        path.stat().st_size != entry.get("size") or _file_sha256(path) != entry.get("sha256")
+        path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256")
     ):
         return False
     try:

@@ -9,7 +9,6 @@ never a half-written folder that looks complete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from kd.checkpoint.layout import (
 from kd.checkpoint.recipe_state import check_weights_only, encode_tensor_subclasses
 from kd.checkpoint.resume import config_hash
 from kd.errors import KDUserError
+from kd.fileio import fsync_path, sha256_file
 
 logger = logging.getLogger("kd")
 
@@ -54,22 +54,6 @@ _IO_ERROR_HINTS = (
 )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text_synced(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -86,7 +70,7 @@ def _describe_files(folder: Path) -> dict[str, dict[str, Any]]:
         name = p.relative_to(folder).as_posix()
         entry: dict[str, Any] = {"size": p.stat().st_size}
         if name == RECIPE_STATE_FILE or entry["size"] <= _HASH_LIMIT_BYTES:
-            entry["sha256"] = _sha256(p)
+            entry["sha256"] = sha256_file(p)
         files[name] = entry
     return files
 
@@ -257,7 +241,7 @@ def save_checkpoint(
         _write_text_synced(tmp / CONFIG_SNAPSHOT_FILE, config_yaml)
         for p in tmp.rglob("*"):
             # write_model's files (safetensors, copies) are not fsynced by their writers.
-            _fsync_path(p)
+            fsync_path(p)
         marker = {
             "step": int(step),
             "epoch": int(epoch),
@@ -269,7 +253,7 @@ def save_checkpoint(
         # The marker goes last: a folder is complete iff it has one, and everything it lists is
         # already on disk.
         _write_text_synced(tmp / MARKER_FILE, json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        _fsync_path(tmp)
+        fsync_path(tmp)
         if final.exists():
             # Same step saved again (or a second final/): move the old one aside, then replace.
             old = output_dir / f"{_TMP_PREFIX}old_{name}_{os.getpid()}"
@@ -278,7 +262,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_path(output_dir)
+        fsync_path(output_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and not isinstance(e, KDUserError) and _is_io_error(e):
@@ -347,7 +331,7 @@ def _problem_with(ckpt: Path) -> str | None:
             return f"{name} has {actual} bytes, {size} expected (truncated or overwritten)"
     for name, entry in files.items():
         expected = entry.get("sha256")
-        if expected is not None and _sha256(ckpt / name) != expected:
+        if expected is not None and sha256_file(ckpt / name) != expected:
             return f"{name} does not match its sha256 (corrupt)"
     return None
 

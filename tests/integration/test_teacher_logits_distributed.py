@@ -1,0 +1,100 @@
+"""Stored teacher logits on 2 CPU ranks (gloo, FSDP2), through the commands a user types:
+`kd run --nproc_per_node 2 teacher_logits` (one writer per rank, only rank 0 reads weights) stores
+what one process stores, and training from a store on 2 ranks equals one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_config, read_metrics, write_config
+from test_distributed import _RANK0_ONLY_GUARD, COMPARED, TOL, _assert_same_files
+
+from kd import cli, stored_logits
+
+K = 8
+
+
+def _launch(recipe: str, cfg_path: Path) -> None:
+    guard = cfg_path.parent / f"{cfg_path.stem}_guard"
+    guard.mkdir(exist_ok=True)
+    (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD)
+    path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", recipe]
+    proc = subprocess.run(
+        [*cmd, "--config", str(cfg_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def _store_config(assets, root: Path, name: str) -> Path:
+    cfg = make_config(
+        assets,
+        root / f"{name}_run",
+        batch_size=4,
+        teacher_logits={"path": str(root / name), "k": K, "rows_per_shard": 8},
+    )
+    return write_config(root / f"{name}.yaml", cfg)
+
+
+@pytest.fixture(scope="module")
+def stores(assets, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("stores")
+    one = _store_config(assets, root, "one")
+    assert cli.main(["run", "teacher_logits", "--config", str(one)]) == 0
+    _launch("teacher_logits", _store_config(assets, root, "two"))
+    return root / "one", root / "two"
+
+
+@pytest.mark.slow
+def test_two_ranks_store_what_one_process_stores(stores):
+    one, two = stores
+    m1 = json.loads((one / "manifest.json").read_text())
+    m2 = json.loads((two / "manifest.json").read_text())
+    assert m1["complete"] and m2["complete"]
+    assert (m1["world_size"], m2["world_size"]) == (1, 2)
+    assert {s["name"][:9] for s in m2["shards"]} == {"rank00000", "rank00001"}  # a writer per rank
+    for key in ("dataset_fingerprint", "tokenizer_sha256", "num_rows", "k", "vocab", "teacher"):
+        assert m1[key] == m2[key], key
+    r1, r2 = stored_logits.TeacherLogitsReader(one), stored_logits.TeacherLogitsReader(two)
+    for row in range(r1.num_rows):
+        a, b = r1.record(row), r2.record(row)
+        assert a.row_hash == b.row_hash and a.num_tokens == b.num_tokens
+        assert (a.ids == b.ids).all(), row
+        torch.testing.assert_close(
+            torch.from_numpy(b.logprobs).float(),
+            torch.from_numpy(a.logprobs).float(),
+            atol=2e-3,
+            rtol=0,
+        )
+
+
+@pytest.mark.slow
+def test_training_from_a_store_on_two_ranks_equals_one_device(assets, stores, tmp_path):
+    """8 x 1 on one device vs 4 x 2 ranks, from the store the 2 ranks wrote, no teacher nodes."""
+
+    def config(name: str, batch: int) -> Path:
+        cfg = make_config(
+            assets,
+            tmp_path / name,
+            batch_size=batch,
+            teacher_logits={"path": str(stores[1]), "k": K, "tail": "bucket"},
+        )
+        del cfg["teacher_model"], cfg["teacher_checkpointer"]
+        return write_config(tmp_path / f"{name}.yaml", cfg)
+
+    assert cli.main(["run", "kd", "--config", str(config("single", 8))]) == 0
+    _launch("kd", config("pair", 4))
+    a, b = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "pair")
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    for x, y in zip(a, b, strict=True):
+        assert x["kd_loss"] > 0
+        for key in COMPARED:
+            assert y[key] == pytest.approx(x[key], abs=TOL, rel=0), (x["step"], key)
+    _assert_same_files(tmp_path / "single" / "final", tmp_path / "pair" / "final")
