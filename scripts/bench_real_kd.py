@@ -397,8 +397,12 @@ def write_doc(
         "# KD on a real pretrained teacher (CPU, offline)",
         "",
         "Written by `python scripts/bench_real_kd.py --work /tmp/realkd` "
-        f"({time.strftime('%Y-%m-%d')}, {total / 60:.0f} min wall on this repository's 2-core CPU "
-        "machine). Every number below comes from that run; rerunning it rewrites this file.",
+        f"({time.strftime('%Y-%m-%d')}, on this repository's 2-core CPU machine, otherwise idle). "
+        f"The {len(results)} training runs took {sum(r['wall_s'] for r in results) / 60:.0f} min "
+        f"wall ({sum(r['cpu_s'] for r in results) / 60:.0f} CPU min); the script reuses finished "
+        f"runs, and its last invocation (held-out evaluation of every model, this file, the plot) "
+        f"took {total / 60:.0f} min. Every number below comes from these runs; rerunning the "
+        "script rewrites this file.",
         "",
         "## Setup",
         "",
@@ -450,6 +454,35 @@ def write_doc(
         "",
         "The goal was 25% (`(CE - KD) / (CE - teacher)` on test).",
         "",
+    ]
+    if any(closed < 0.25 for *_, closed in best.values()):
+        lines += [
+            "**Not reached, and why.** KD is ahead of CE-only at every evaluation, by a lead "
+            "that does not grow while both curves fall (dev loss, best KD minus best CE):",
+            "",
+        ]
+        for student, (best_ce, best_kd, _, _) in best.items():
+            leads = ", ".join(
+                f"step {k['step']}: {k['val_ce_loss'] - c['val_ce_loss']:+.3f}"
+                for k, c in zip(best_kd["val"], best_ce["val"], strict=True)
+            )
+            lines.append(f"- {student}: {leads} nats")
+        lines += [
+            "",
+            f"With {steps} steps of 4 rows (about 11k tokens) both students are still 2.5-3.5 "
+            "nats above the teacher: most of that gap is the damage of removing a third of the "
+            "layers, which takes far more updates to repair than this CPU budget gives "
+            "(Minitron retrains pruned models on billions of tokens). The teacher's full "
+            "distribution per token is worth a fixed lead here (0.1-0.3 nats), which is a small "
+            "share of so large a gap. Higher learning rates hurt both (round 2), reverse KL and "
+            "JSD start slower than forward KL from a broken student, and KD alone (kd_ratio 1) "
+            "is no better than the 0.5 mix at this length. What this run does show is the real "
+            "path end to end: a real teacher and text, kd's in-training validation, "
+            "HF-loadable outputs evaluated by transformers alone, and KD ahead of CE for every "
+            "forward-KL setting at the learning rate that is best for CE.",
+            "",
+        ]
+    lines += [
         "## Every setting tried",
         "",
         "Round 1 was fixed before the first run; round 2 was chosen after round 1's dev numbers "

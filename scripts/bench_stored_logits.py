@@ -238,9 +238,8 @@ def write_doc(report: dict) -> None:
         "",
         f"Written by `python scripts/bench_stored_logits.py --work /tmp/kd_stored` "
         f"({time.strftime('%Y-%m-%d')}, {report['minutes']:.0f} min on this repository's 2-core "
-        "CPU machine, which was running other jobs at the same time: the ratios come from "
-        "interleaved runs of one script and are the numbers to read). Rerunning it rewrites "
-        "this file.",
+        "CPU machine, reusing a finished `kd demo` folder; the throughput ratio comes from "
+        "alternating runs of one script). Rerunning it rewrites this file.",
         "",
         "## Throughput: stored top-k vs the online teacher",
         "",

@@ -68,8 +68,8 @@ def test_two_ranks_store_what_one_process_stores(stores):
         assert a.row_hash == b.row_hash and a.num_tokens == b.num_tokens
         assert (a.ids == b.ids).all(), row
         torch.testing.assert_close(
-            torch.from_numpy(b.logprobs).float(),
-            torch.from_numpy(a.logprobs).float(),
+            torch.tensor(b.logprobs.astype("float32")),
+            torch.tensor(a.logprobs.astype("float32")),
             atol=2e-3,
             rtol=0,
         )
