@@ -334,7 +334,57 @@ def _divergence_value_and_grad(
     return value, h.sub_(q * h_sum)
 
 
-class _FusedLinearKD(torch.autograd.Function):
+class _FusedHead(torch.autograd.Function):
+    """The fused losses' common ends: forward already folded every chunk's d(logits) into
+    d(hidden) and d(weight), so :meth:`finish` saves them and backward only rescales them."""
+
+    @staticmethod
+    def finish(
+        ctx: torch.autograd.function.FunctionCtx,
+        *,
+        ce_sum: Tensor,
+        kd_sum: Tensor,
+        inv_n: Tensor,
+        t2: float,
+        kd_ratio: float,
+        grad_h: Tensor | None,
+        grad_w: Tensor | None,
+        weight_dtype: torch.dtype,
+        num_other_inputs: int,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(loss, ce, kd)`` from the chunk sums; saves the gradients for :meth:`backward`."""
+        ce = ce_sum * inv_n
+        kd = kd_sum * inv_n * t2
+        loss = (1.0 - kd_ratio) * ce + kd_ratio * kd
+        if grad_w is not None and weight_dtype != torch.float32:
+            grad_w = grad_w.to(weight_dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.num_other_inputs = num_other_inputs  # type: ignore[attr-defined]
+        ctx.mark_non_differentiable(ce, kd)
+        return loss, ce, kd
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_loss: Tensor,
+        _grad_ce: Tensor,
+        _grad_kd: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        if getattr(ctx, "kd_used", False):
+            raise RuntimeError(
+                "the fused KD / CE loss supports one backward per forward (no retain_graph)"
+            )
+        ctx.kd_used = True  # type: ignore[attr-defined]
+        grad_h, grad_w = ctx.saved_tensors  # type: ignore[attr-defined]
+        # In place: the saved gradients are used exactly once (no double backward / retain_graph).
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
+        return (grad_h, grad_w) + (None,) * ctx.num_other_inputs  # type: ignore[attr-defined]
+
+
+class _FusedLinearKD(_FusedHead):
     """Chunked linear + CE + KD with the gradient computed in forward (the Liger approach).
 
     Inputs are already restricted to the positions to train on (rows of ``h_s`` / ``h_t``); ``mask``
@@ -426,34 +476,18 @@ class _FusedLinearKD(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hs.float())
             del g
 
-        ce = ce_sum * inv_n
-        kd = kd_sum * inv_n * t2
-        loss = (1.0 - kd_ratio) * ce + kd_ratio * kd
-        if need_w and w_s.dtype != torch.float32:
-            grad_w = grad_w.to(w_s.dtype)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.mark_non_differentiable(ce, kd)
-        return loss, ce, kd
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_loss: Tensor,
-        _grad_ce: Tensor,
-        _grad_kd: Tensor,
-    ) -> tuple[Tensor | None, ...]:
-        if getattr(ctx, "kd_used", False):
-            raise RuntimeError(
-                "fused_linear_kd_loss supports one backward per forward (no retain_graph)"
-            )
-        ctx.kd_used = True
-        grad_h, grad_w = ctx.saved_tensors
-        # In place: the saved gradients are used exactly once (no double backward / retain_graph).
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
-        return (grad_h, grad_w) + (None,) * 12
+        return _FusedHead.finish(
+            ctx,
+            ce_sum=ce_sum,
+            kd_sum=kd_sum,
+            inv_n=inv_n,
+            t2=t2,
+            kd_ratio=kd_ratio,
+            grad_h=grad_h,
+            grad_w=grad_w,
+            weight_dtype=w_s.dtype,
+            num_other_inputs=12,
+        )
 
 
 def fused_linear_kd_loss(
@@ -659,7 +693,7 @@ def _topk_value_and_grad(
     return value.detach(), h.addcmul_(q, h_sum, value=-1.0)
 
 
-class _FusedLinearTopK(torch.autograd.Function):
+class _FusedLinearTopK(_FusedHead):
     """Chunked linear + CE + top-k KD (offline teacher), gradient computed in forward.
 
     Like :class:`_FusedLinearKD`, with the teacher given as stored top-k ids and log-probs instead
@@ -758,33 +792,18 @@ class _FusedLinearTopK(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hs.float())
             del g
 
-        ce = ce_sum * inv_n
-        kd = kd_sum * inv_n * (temperature * temperature)
-        loss = (1.0 - kd_ratio) * ce + kd_ratio * kd
-        if need_w and w_s.dtype != torch.float32:
-            grad_w = grad_w.to(w_s.dtype)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.mark_non_differentiable(ce, kd)
-        return loss, ce, kd
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_loss: Tensor,
-        _grad_ce: Tensor,
-        _grad_kd: Tensor,
-    ) -> tuple[Tensor | None, ...]:
-        if getattr(ctx, "kd_used", False):
-            raise RuntimeError(
-                "the fused top-k / CE loss supports one backward per forward (no retain_graph)"
-            )
-        ctx.kd_used = True
-        grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_loss.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_loss.to(grad_w.dtype))
-        return (grad_h, grad_w) + (None,) * 14
+        return _FusedHead.finish(
+            ctx,
+            ce_sum=ce_sum,
+            kd_sum=kd_sum,
+            inv_n=inv_n,
+            t2=temperature * temperature,
+            kd_ratio=kd_ratio,
+            grad_h=grad_h,
+            grad_w=grad_w,
+            weight_dtype=w_s.dtype,
+            num_other_inputs=14,
+        )
 
 
 def _labelled_rows(
