@@ -125,6 +125,16 @@ def compute_loss(
             "(not a LoRA output layer)"
         )
     s_hidden = student(tokens)  # [b, s, d_s]
+    # The knobs both fused KD losses take.
+    fused_kd = dict(
+        divergence=settings.divergence,
+        temperature=settings.temperature,
+        kd_ratio=settings.kd_ratio,
+        ignore_index=settings.ignore_index,
+        chunk_size=settings.chunk_size,
+        beta=settings.beta,
+        skew_alpha=settings.skew_alpha,
+    )
     if teacher_topk is not None:
         ids, logprobs = teacher_topk
         return losses.fused_linear_topk_kd_loss(
@@ -133,15 +143,9 @@ def compute_loss(
             ids,
             logprobs,
             labels,
-            divergence=settings.divergence,
-            temperature=settings.temperature,
-            kd_ratio=settings.kd_ratio,
-            ignore_index=settings.ignore_index,
-            chunk_size=settings.chunk_size,
             tail=settings.topk_tail,
             vocab=settings.topk_vocab,
-            beta=settings.beta,
-            skew_alpha=settings.skew_alpha,
+            **fused_kd,
         )
     teacher_hidden = None
     if teacher is not None:
@@ -167,13 +171,7 @@ def compute_loss(
             teacher_hidden,
             models.output_weight(teacher),
             labels,
-            divergence=settings.divergence,
-            temperature=settings.temperature,
-            kd_ratio=settings.kd_ratio,
-            ignore_index=settings.ignore_index,
-            chunk_size=settings.chunk_size,
-            beta=settings.beta,
-            skew_alpha=settings.skew_alpha,
+            **fused_kd,
         )
     s_logits = models.logits_from_hidden(student, s_hidden)  # [b, s, v_s] fp32
     with torch.no_grad():
