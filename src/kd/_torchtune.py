@@ -19,6 +19,11 @@ with warnings.catch_warnings():
     from torchtune import training as tt_training
     from torchtune.data import Message, padded_collate_sft
     from torchtune.datasets import ConcatDataset
+    from torchtune.generation import generate as generate_tokens
+    from torchtune.generation import (
+        get_causal_mask_from_padding_mask,
+        get_position_ids_from_padding_mask,
+    )
     from torchtune.models.convert_weights import _FROM_HF as HF_TO_TUNE_KEYS
     from torchtune.models.convert_weights import (
         get_mapped_key,
@@ -33,6 +38,7 @@ with warnings.catch_warnings():
     from torchtune.models.qwen2._tokenizer import bytes_to_unicode
     from torchtune.models.qwen2_5._tokenizer import QWEN2_5_SPECIAL_TOKENS
     from torchtune.modules import TransformerDecoder, TransformerSelfAttentionLayer
+    from torchtune.modules.common_utils import local_kv_cache
     from torchtune.modules.loss import (
         CEWithChunkedOutputLoss,
         ForwardKLLoss,
@@ -87,7 +93,10 @@ __all__ = [
     "bytes_to_unicode",
     "get_adapter_params",
     "get_adapter_state_dict",
+    "generate_tokens",
+    "get_causal_mask_from_padding_mask",
     "get_cosine_schedule_with_warmup",
+    "get_position_ids_from_padding_mask",
     "get_lora_module_names",
     "get_mapped_key",
     "get_merged_lora_ckpt",
@@ -100,6 +109,7 @@ __all__ = [
     "QWEN2_HF_TO_TUNE_KEYS",
     "hf_to_tune",
     "llama3",
+    "local_kv_cache",
     "lora_llama3",
     "lora_qwen2",
     "qwen2",

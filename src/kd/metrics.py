@@ -14,6 +14,8 @@ import logging
 import os
 import resource
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +276,30 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
         }
     # ru_maxrss is in KiB on Linux.
     return {"peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of a step (``generate``, ``teacher``...), summed over calls.
+
+    On CUDA each phase synchronises the device at its start and end, so the seconds are the
+    phase's own kernels and not the queue ahead of it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.seconds: dict[str, float] = {}
+        self._cuda = device.type == "cuda"
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the time spent inside the block to ``seconds[name]``."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start

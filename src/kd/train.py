@@ -9,10 +9,11 @@ shared research kd_anchors.md, style_anchors.md section 1).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from kd import losses, models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
+from kd.metrics import PhaseTimer
 
 __all__ = [
     "LossSettings",
@@ -53,6 +55,10 @@ class StepStats:
         num_tokens: labelled tokens of the step (all ranks).
         stepped: False when the gradients were non-finite and the optimizer did not step.
         seconds: wall time of the step.
+        phases: seconds of the step's parts (``generate``: sampling completions, on-policy;
+            ``teacher``: the teacher's forward passes); the rest is the student's.
+        sampled: (micro-batches, completion tokens) this rank sampled, per sampling model
+            (``student``, ``teacher``); empty off-policy.
     """
 
     loss: float
@@ -62,6 +68,8 @@ class StepStats:
     num_tokens: int
     stepped: bool
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    sampled: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +104,7 @@ def compute_loss(
     *,
     settings: LossSettings,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    timer: PhaseTimer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward both models and return ``(loss, ce, kd)``, each a mean over labelled positions.
 
@@ -112,6 +121,7 @@ def compute_loss(
         settings: loss settings.
         teacher_topk: ``(ids [b, s, k], logprobs [b, s, k])`` of an offline teacher, aligned with
             ``labels``; only with ``teacher=None``.
+        timer: adds the teacher's forward time to its ``teacher`` phase.
 
     Raises:
         ValueError: both ``teacher`` and ``teacher_topk``, or ``teacher_topk`` with a student whose
@@ -149,7 +159,8 @@ def compute_loss(
         )
     teacher_hidden = None
     if teacher is not None:
-        with torch.no_grad():
+        timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
+        with torch.no_grad(), timing:
             teacher_hidden = teacher(tokens)  # [b, s, d_t]
     if teacher is None:
         if settings.fused and models.has_plain_output(student):
@@ -201,6 +212,7 @@ def micro_step(
     num_tokens_total: torch.Tensor | int,
     grad_scale: float = 1.0,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    timer: PhaseTimer | None = None,
 ) -> MicroStepResult:
     """Forward and backward of one micro-batch, scaled for exact accumulation.
 
@@ -218,12 +230,19 @@ def micro_step(
             distributed recipe passes the world size to turn that average back into a sum).
         teacher_topk: an offline teacher's ``(ids, logprobs)`` ``[b, s, k]`` instead of
             ``teacher`` (:func:`compute_loss`).
+        timer: times the teacher's forward (:func:`compute_loss`).
     """
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
     scale = local.to(torch.float32) / total.to(torch.float32)
     loss, ce, kd = compute_loss(
-        student, teacher, tokens, labels, settings=settings, teacher_topk=teacher_topk
+        student,
+        teacher,
+        tokens,
+        labels,
+        settings=settings,
+        teacher_topk=teacher_topk,
+        timer=timer,
     )
     scaled = loss * scale.to(loss.device)
     (scaled * grad_scale).backward()

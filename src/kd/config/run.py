@@ -217,6 +217,27 @@ class TeacherLogitsSettings:
 
 
 @dataclass(frozen=True)
+class OnPolicySettings:
+    """On-policy distillation (``on_policy:``; :mod:`kd.on_policy`), GKD's knobs as TRL names them.
+
+    Attributes:
+        lmbda: probability that a micro-batch trains on the student's own completions of its
+            prompts (drawn once per micro-batch, the same on every rank).
+        max_new_tokens: tokens sampled per prompt at most (fewer at a stop token).
+        temperature: sampling temperature (0 = greedy); the loss uses ``LossSettings.temperature``.
+        top_p: nucleus sampling mass (1 = the whole distribution).
+        seq_kd: the other micro-batches train on the teacher's completions instead of the
+            dataset's.
+    """
+
+    lmbda: float = 0.5
+    max_new_tokens: int = 128
+    temperature: float = 0.9
+    top_p: float = 1.0
+    seq_kd: bool = False
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Every setting of a run, typed and read once (see :func:`run_config`).
 
@@ -233,6 +254,7 @@ class RunConfig:
         validation: held-out evaluation, best checkpoint and early stopping (None: no
             ``validation:``).
         teacher_logits: the stored teacher logits (None: ``teacher_logits: null``).
+        on_policy: on-policy distillation (None: ``on_policy: null``, the dataset's completions).
         seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
         shuffle: reshuffle the dataset every epoch.
         batch_size: micro-batch per rank.
@@ -260,6 +282,7 @@ class RunConfig:
     lora: LoraSettings | None
     validation: ValidationSettings | None
     teacher_logits: TeacherLogitsSettings | None
+    on_policy: OnPolicySettings | None
     seed: int | None
     shuffle: bool
     batch_size: int
@@ -356,6 +379,19 @@ def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
     )
 
 
+def _on_policy(cfg: DictConfig) -> OnPolicySettings | None:
+    node = cfg.get("on_policy")
+    if node is None:
+        return None
+    return OnPolicySettings(
+        lmbda=float(node.lmbda),
+        max_new_tokens=int(node.max_new_tokens),
+        temperature=float(node.temperature),
+        top_p=float(node.top_p),
+        seq_kd=bool(node.seq_kd),
+    )
+
+
 def run_config(cfg: DictConfig) -> RunConfig:
     """Build the :class:`RunConfig` of a loaded, validated config (defaults already merged).
 
@@ -421,6 +457,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
         lora=_lora(cfg.get("model") or {}),
         validation=_validation(cfg),
         teacher_logits=_teacher_logits(cfg),
+        on_policy=_on_policy(cfg),
         seed=None if cfg.seed is None else int(cfg.seed),
         shuffle=bool(cfg.shuffle),
         batch_size=int(cfg.batch_size),

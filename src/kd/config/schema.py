@@ -278,6 +278,15 @@ TOP_LEVEL: dict[str, Key] = {
         "null = the teacher runs online",
         resume=MUST_MATCH,
     ),
+    "on_policy": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="on-policy distillation (GKD): {lmbda, max_new_tokens, temperature, top_p, seq_kd}; "
+        "with probability lmbda a micro-batch trains on the student's own completions of its "
+        "prompts, scored by the teacher; null = the dataset's completions only",
+        resume=MUST_MATCH,
+    ),
     "keep_best": Key(
         None,
         node=True,
@@ -476,6 +485,50 @@ TEACHER_LOGITS: dict[str, Key] = {
     ),
 }
 
+# Keys of the `on_policy:` section (kd.on_policy; TRL GKDConfig's names and defaults).
+ON_POLICY: dict[str, Key] = {
+    "lmbda": Key(
+        0.5,
+        _NUM,
+        "probability that a micro-batch trains on the student's own completions (0 = never, "
+        "1 = always)",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    ),
+    "max_new_tokens": Key(
+        128,
+        _INT,
+        "tokens sampled per prompt at most (sampling stops earlier at the tokenizer's stop "
+        "tokens); prompt + max_new_tokens fit tokenizer.max_seq_len (longer prompts keep their "
+        "last tokens)",
+        min=1,
+        resume=MUST_MATCH,
+    ),
+    "temperature": Key(
+        0.9,
+        _NUM,
+        "sampling temperature of the completions (0 = greedy); the loss uses temperature",
+        min=0.0,
+        resume=MUST_MATCH,
+    ),
+    "top_p": Key(
+        1.0,
+        _NUM,
+        "nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+        min_exclusive=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    ),
+    "seq_kd": Key(
+        False,
+        _BOOL,
+        "the other micro-batches (probability 1 - lmbda) train on the teacher's completions "
+        "instead of the dataset's (sequence-level KD)",
+        resume=MUST_MATCH,
+    ),
+}
+
 SECTIONS: dict[str, dict[str, Key]] = {
     "memory": MEMORY,
     "fsdp": FSDP,
@@ -484,6 +537,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "keep_best": KEEP_BEST,
     "early_stopping": EARLY_STOPPING,
     "teacher_logits": TEACHER_LOGITS,
+    "on_policy": ON_POLICY,
 }
 
 # Arguments of component nodes that kd reads itself (the plan, the LoRA adapter config), checked

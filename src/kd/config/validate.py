@@ -114,6 +114,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     _check_teacher(data, problems)
     _check_validation(data, problems)
     _check_teacher_logits(data, problems)
+    _check_on_policy(data, problems)
     _check_output_dir(data, problems)
     device = data.get("device")
     if isinstance(device, str) and not _DEVICE_RE.match(device):
@@ -472,6 +473,48 @@ def _check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None
                 f"bucket needs the teacher mass outside the top-k, which re-tempering from "
                 f"source_temperature {_fmt(source)} to temperature {_fmt(temperature)} leaves "
                 "unknown; set teacher_logits.tail=renorm",
+            )
+        )
+
+
+def _check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
+    """On-policy distillation needs a teacher that runs (it scores sequences that exist only
+    during training) and room in ``tokenizer.max_seq_len`` for the completions."""
+    node = data.get("on_policy")
+    if not isinstance(node, dict):
+        return
+    if isinstance(data.get("teacher_logits"), dict):
+        problems.append(
+            Problem(
+                "on_policy",
+                "needs the online teacher (it scores the student's own completions, which no "
+                "stored logits hold); remove on_policy, or set teacher_logits to null",
+            )
+        )
+    elif "teacher_model" in data and data["teacher_model"] is None:
+        problems.append(
+            Problem(
+                "on_policy",
+                "needs a teacher to score the completions, but teacher_model is null; set "
+                "teacher_model, or remove on_policy",
+            )
+        )
+    new = node.get("max_new_tokens")
+    tokenizer = data.get("tokenizer")
+    limit = tokenizer.get("max_seq_len") if isinstance(tokenizer, dict) else None
+    if (
+        isinstance(new, int)
+        and isinstance(limit, int)
+        and not isinstance(new, bool)
+        and not isinstance(limit, bool)
+        and new >= limit
+    ):
+        problems.append(
+            Problem(
+                "on_policy.max_new_tokens",
+                f"{new} leaves no room for a prompt in tokenizer.max_seq_len {limit} (prompt and "
+                f"completion are one sequence); set on_policy.max_new_tokens below {limit}, or "
+                "raise tokenizer.max_seq_len",
             )
         )
 

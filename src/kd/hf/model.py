@@ -327,10 +327,12 @@ def has_plain_output(model: nn.Module) -> bool:
     return type(output_module(model)) is nn.Linear
 
 
-def _hidden_forward(self: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _hidden_forward(self: nn.Module, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     # The decoder without the output projection: final-norm hidden states [b, s, d]. Called
-    # through the CausalLM's own __call__, so FSDP's hooks on the root still run.
-    return self.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
+    # through the CausalLM's own __call__, so FSDP's hooks on the root still run. Generation
+    # (kd.on_policy) passes attention_mask, position_ids and a cache that the decoder fills.
+    kwargs.setdefault("use_cache", False)
+    return self.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
 
 
 def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:

@@ -76,6 +76,7 @@ from kd import (
     evaluate,
     foreign_logits,
     models,
+    on_policy,
     outputs,
     stored_logits,
     train,
@@ -93,7 +94,7 @@ from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan, check_memory
-from kd.metrics import GuardedLogger, peak_memory_gib
+from kd.metrics import GuardedLogger, PhaseTimer, peak_memory_gib
 from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher, shard_spec
 from kd.signals import GracefulStop, launch_command, resume_hint
 
@@ -200,6 +201,12 @@ class KDRecipe:
                 student_vocab=models.vocab_size(student),
             )
         self.student_vocab = models.vocab_size(student)
+        # On-policy sampling draws only ids every model and the tokenizer know.
+        self.sample_vocab = min(
+            models.tokenizer_max_id(self.tokenizer) + 1,
+            self.student_vocab,
+            *([models.vocab_size(teacher)] if teacher is not None else []),
+        )
         self.teacher_identity = (
             stored_logits.teacher_identity(
                 str(self._node("teacher_model").get("_component_")),
@@ -222,6 +229,8 @@ class KDRecipe:
                 found.config_yaml, run.yaml, checkpoint=found.checkpoint
             )
         self.dataset = self._dataset(run.components["dataset"], key="dataset")
+        if run.on_policy is not None:
+            on_policy.check_prompts(self.dataset, key="dataset")
         self.store = self._open_store() if run.teacher_logits is not None else None
         if run.validation is not None:
             self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
@@ -340,6 +349,8 @@ class KDRecipe:
             world=self.world,
         )
         self.run = run = run.with_seed(distributed.seed_all_ranks(run.seed, world=self.world))
+        self.pad_id = data.pad_id_of(self.tokenizer)
+        self.stop_ids = on_policy.stop_token_ids(self.tokenizer)
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=run.batch_size,
@@ -348,7 +359,7 @@ class KDRecipe:
             pad_id=data.pad_id_of(self.tokenizer),
             world_size=self.world.world_size,
             rank=self.world.rank,
-            with_rows=self.store is not None,
+            with_rows=self.store is not None or run.on_policy is not None,
         )
         if run.validation is not None:
             self.val_loader = data.build_eval_loader(
@@ -534,19 +545,25 @@ class KDRecipe:
         contributes ``mean_loss * local / total`` and accumulation is exact.
         """
         t0 = time.perf_counter()
-        labels = [train.shift_labels(b["labels"]) for b in batches]
+        timer = PhaseTimer(self.device)
+        sampled: dict[str, tuple[int, int]] = {}
+        inputs = [
+            self._inputs(b, index=i, timer=timer, sampled=sampled) for i, b in enumerate(batches)
+        ]
+        labels = [train.shift_labels(lab) for _, lab in inputs]
         total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
         sums = torch.zeros(3, device=self.device)
-        for batch, lab in zip(batches, labels, strict=True):
+        for batch, (tokens, _), lab in zip(batches, inputs, labels, strict=True):
             r = train.micro_step(
                 self.student,
                 self.teacher,
-                batch["tokens"].to(self.device),
+                tokens.to(self.device),
                 lab.to(self.device),
                 settings=self.run.loss,
                 num_tokens_total=total,
                 grad_scale=float(self.world.world_size),
                 teacher_topk=self._stored_topk(batch),
+                timer=timer,
             )
             sums += torch.stack([r.loss, r.ce, r.kd]).float()
             # Free the teacher's gathered root (norm + output) before backward peaks.
@@ -568,7 +585,69 @@ class KDRecipe:
             num_tokens=int(total),
             stepped=stepped,
             seconds=time.perf_counter() - t0,
+            phases=dict(timer.seconds),
+            sampled=sampled,
         )
+
+    def _inputs(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        index: int,
+        timer: PhaseTimer,
+        sampled: dict[str, tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``index``'s ``(tokens, labels)`` (labels not shifted): the dataset's, or
+        on-policy (``on_policy:``) a model's completions of its prompts. The coin is the same on
+        every rank, so under FSDP2 all ranks sample or none do."""
+        op = self.run.on_policy
+        if op is None:
+            return batch["tokens"], batch["labels"]
+        seed, step = int(self.run.seed or 0), self.global_step + 1
+        if on_policy.coin(seed, step, index, op.lmbda):
+            source, model = "student", self.student
+        elif op.seq_kd:
+            source, model = "teacher", self.teacher
+        else:
+            return batch["tokens"], batch["labels"]
+        assert model is not None
+        rows = batch["rows"].tolist()
+        limit = self.run.max_seq_len
+        prompts = on_policy.prompts_of(
+            batch["tokens"].to(self.device),
+            batch["labels"].to(self.device),
+            pad_id=self.pad_id,
+            max_len=None if limit is None else limit - op.max_new_tokens,
+            rows=rows,
+        )
+        generators = (
+            on_policy.row_generators(seed, self.epoch, rows, device=self.device)
+            if op.temperature > 0
+            else None
+        )
+        world = self.world
+        with timer.phase("generate"):
+            done = on_policy.rollout(
+                model,
+                prompts,
+                max_new_tokens=op.max_new_tokens,
+                temperature=op.temperature,
+                top_p=op.top_p,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                vocab_limit=self.sample_vocab,
+                generators=generators,
+                all_done=(
+                    (lambda here: not distributed.any_rank(not here, device=self.device))
+                    if world.distributed
+                    else None
+                ),
+            )
+        if source == "teacher":
+            distributed.reshard(self.teacher)
+        count, tokens = sampled.get(source, (0, 0))
+        sampled[source] = (count + 1, tokens + int(done.lengths.sum()))
+        return on_policy.training_batch(prompts, done, pad_id=self.pad_id)
 
     def _stored_topk(
         self, batch: dict[str, torch.Tensor]
@@ -649,6 +728,22 @@ class KDRecipe:
             "num_tokens": stats.num_tokens,
             "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
         }
+        # The step's time by part: sampling (on-policy), the teacher's forward, the student's
+        # forward + backward + optimizer step (the rest).
+        generate_s = stats.phases.get("generate", 0.0)
+        teacher_s = stats.phases.get("teacher", 0.0)
+        if self.run.on_policy is not None:
+            row["time_generate_s"] = generate_s
+        row["time_teacher_s"] = teacher_s
+        row["time_student_s"] = max(stats.seconds - generate_s - teacher_s, 0.0)
+        if self.run.on_policy is not None:
+            for source in ("student", "teacher"):
+                count, tokens = stats.sampled.get(source, (0, 0))
+                row[f"sampled_batches_{source}"] = count
+                row[f"sampled_tokens_{source}"] = tokens
+            if generate_s > 0:
+                total = sum(tokens for _, tokens in stats.sampled.values())
+                row["generate_tokens_per_second"] = total / generate_s
         if self.run.log_peak_memory_stats:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:

@@ -1,0 +1,421 @@
+"""On-policy distillation (GKD): the student learns on its own completions, scored by the teacher.
+
+Generalised Knowledge Distillation (Agarwal et al. 2024), with TRL ``GKDTrainer``'s knobs
+(``on_policy:``, :class:`kd.config.run.OnPolicySettings`): for each micro-batch a coin with
+probability ``lmbda`` decides whether the student samples completions of the batch's prompts; the
+teacher then scores those sequences in the ordinary training step and the loss covers the sampled
+tokens only. With ``seq_kd`` the other micro-batches train on the teacher's completions instead of
+the dataset's. This module owns the mechanics, the recipe the order:
+
+1. :func:`prompts_of`: the prompt part of each row of a collated batch (the tokens before the
+   row's last labelled span: the whole conversation before the last answer, as TRL takes
+   ``messages[:-1]``), left-padded.
+2. :func:`rollout`: batched sampling with a KV cache, torchtune's (``local_kv_cache`` and its
+   padding masks) for torchtune models, transformers' cache for the transformers backend, through
+   the model's own ``__call__`` (FSDP2's hooks gather sharded weights). One sampler serves both:
+   temperature, top-p, the shared vocabulary, one ``torch.Generator`` per dataset row.
+3. :func:`training_batch`: prompt + completion (up to and including the first stop token) as a
+   right-padded ``(tokens, labels)`` batch with labels on the completion only.
+
+Determinism: the coin of micro-batch ``i`` of step ``s`` is drawn from ``(seed, s, i)`` (the same
+on every rank, so all ranks generate or none), and row ``r``'s tokens in epoch ``e`` from
+``(seed, e, r)``: a resumed run, or the same rows on another number of ranks, sample the same
+tokens. Under FSDP2 every rank keeps stepping until the last rank's rows are done (each step runs
+collectives).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kd import models
+from kd.errors import KDUserError
+from kd.hf import model as hf
+
+__all__ = [
+    "Completions",
+    "Prompts",
+    "check_prompts",
+    "coin",
+    "derive_seed",
+    "prompt_starts",
+    "prompts_of",
+    "rollout",
+    "row_generators",
+    "sample_next",
+    "stop_token_ids",
+    "training_batch",
+]
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """A batch of prompts, left-padded.
+
+    Attributes:
+        tokens: ``[b, P]`` ids, padding on the left.
+        mask: ``[b, P]`` True on real tokens.
+        lengths: ``[b]`` real tokens per prompt.
+        truncated: prompts that lost their first tokens to fit ``max_len``.
+    """
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    truncated: int = 0
+
+
+@dataclass(frozen=True)
+class Completions:
+    """Sampled continuations of :class:`Prompts`.
+
+    Attributes:
+        tokens: ``[b, N]`` sampled ids; positions after a row's end hold the pad id.
+        lengths: ``[b]`` tokens of each completion, its stop token included.
+        steps: decoding steps run (the longest completion over all ranks).
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    steps: int
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (a hash: nearby inputs give unrelated seeds)."""
+    digest = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def coin(seed: int, step: int, micro: int, p: float) -> bool:
+    """Whether micro-batch ``micro`` of optimizer step ``step`` comes out true with probability
+    ``p``: the same answer on every rank, in a resumed run, and for any world size."""
+    if p <= 0.0:
+        return False
+    if p >= 1.0:
+        return True
+    gen = torch.Generator().manual_seed(derive_seed(seed, step, micro, 0x6B64))
+    return bool(torch.rand((), generator=gen) < p)
+
+
+def row_generators(
+    seed: int, epoch: int, rows: Sequence[int], *, device: torch.device
+) -> list[torch.Generator]:
+    """One generator per dataset row: a row samples the same tokens whatever batch, rank or
+    resumed run it lands in."""
+    return [
+        torch.Generator(device=device).manual_seed(derive_seed(seed, epoch, int(r))) for r in rows
+    ]
+
+
+def stop_token_ids(tokenizer: object) -> list[int]:
+    """Ids that end a completion: the tokenizer's stop tokens (torchtune's end-of-turn and
+    end-of-text ids), else its eos id."""
+    stops = getattr(tokenizer, "stop_tokens", None)
+    ids = [int(t) for t in stops] if stops else []
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and int(eos) not in ids:
+        ids.append(int(eos))
+    return ids
+
+
+def prompt_starts(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Where each row's last labelled span starts: its prompt length. ``[b, s] -> [b]``.
+
+    ``labels`` are the dataset's (not shifted): label ``j`` is token ``j``. A row without a label
+    gives its full length; a row labelled from its first token gives 0 (no prompt).
+    """
+    labelled = labels != ignore_index
+    b, s = labels.shape
+    before = torch.cat([torch.zeros_like(labelled[:, :1]), labelled[:, :-1]], dim=1)
+    starts = labelled & ~before
+    index = torch.arange(s, device=labels.device).expand(b, s)
+    last = torch.where(starts, index, torch.full_like(index, -1)).amax(dim=1)
+    return torch.where(last < 0, torch.full_like(last, s), last)
+
+
+def check_prompts(dataset: Sequence[dict], *, key: str = "dataset", sample: int = 32) -> None:
+    """Refuse, before any weight loads, a dataset whose rows have no prompt to complete (every
+    token labelled: ``train_on_input``); ``sample`` rows spread over it are checked.
+
+    Raises:
+        KDUserError: a checked row is labelled from its first token.
+    """
+    n = len(dataset)
+    k = min(n, sample)
+    for i in sorted({round(j * (n - 1) / max(k - 1, 1)) for j in range(k)}):
+        labels = torch.as_tensor(list(dataset[i]["labels"]))[None]
+        if int(prompt_starts(labels)[0]) == 0:
+            raise KDUserError(
+                f"{key}: row {i} has no prompt (every token is labelled), and on_policy samples "
+                f"completions of each row's prompt; mask the prompt ({key}.train_on_input: "
+                "false), or remove on_policy"
+            )
+
+
+def prompts_of(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    pad_id: int,
+    max_len: int | None,
+    rows: Sequence[int],
+    key: str = "dataset",
+    ignore_index: int = IGNORE_INDEX,
+) -> Prompts:
+    """The prompts of a collated (right-padded) batch, left-padded for generation.
+
+    Args:
+        tokens: ``[b, s]`` ids of the batch.
+        labels: ``[b, s]`` its labels (not shifted).
+        pad_id: the tokenizer's padding id.
+        max_len: the most tokens a prompt keeps (its last ones), so that prompt + completion fit
+            ``tokenizer.max_seq_len``; None = no limit.
+        rows: the dataset index of each row (named in errors).
+        key: the dataset's config key (named in errors).
+        ignore_index: label value of unlabelled positions.
+
+    Raises:
+        KDUserError: a row with no prompt (labelled from its first token).
+    """
+    starts = prompt_starts(labels, ignore_index).tolist()
+    kept: list[torch.Tensor] = []
+    truncated = 0
+    for i, start in enumerate(starts):
+        if start == 0:
+            raise KDUserError(
+                f"{key}: row {int(rows[i])} has no prompt (every token is labelled), and "
+                "on_policy samples completions of each row's prompt; mask the prompt "
+                f"({key}.train_on_input: false), or remove on_policy"
+            )
+        prompt = tokens[i, :start]
+        if max_len is not None and start > max_len:
+            prompt, truncated = prompt[start - max_len :], truncated + 1
+        kept.append(prompt)
+    width = max(int(p.numel()) for p in kept)
+    out = torch.full((len(kept), width), pad_id, dtype=tokens.dtype, device=tokens.device)
+    mask = torch.zeros((len(kept), width), dtype=torch.bool, device=tokens.device)
+    for i, prompt in enumerate(kept):
+        out[i, width - prompt.numel() :] = prompt
+        mask[i, width - prompt.numel() :] = True
+    lengths = torch.tensor([p.numel() for p in kept], device=tokens.device)
+    return Prompts(tokens=out, mask=mask, lengths=lengths, truncated=truncated)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    vocab_limit: int | None,
+    generators: Sequence[torch.Generator] | None,
+) -> torch.Tensor:
+    """One token per row from next-token logits ``[b, V]`` -> ``[b]`` (int64).
+
+    Ids from ``vocab_limit`` on are never drawn (the vocabulary both models and the tokenizer
+    share). ``temperature`` 0 is greedy. ``top_p`` < 1 keeps the smallest set of most likely
+    tokens whose probability reaches ``top_p`` (at least one). Row ``i`` draws from
+    ``generators[i]`` alone.
+    """
+    logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, vocab_limit:] = float("-inf")
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the tokens more likely than it already reach top_p.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    assert generators is not None and len(generators) == probs.shape[0]
+    picks = [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)]
+    return torch.cat(picks)
+
+
+def _cache_dtype(model: nn.Module) -> torch.dtype:
+    return next(p for p in model.parameters() if p.is_floating_point()).dtype
+
+
+@torch.no_grad()
+def rollout(
+    model: nn.Module,
+    prompts: Prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    vocab_limit: int | None,
+    generators: Sequence[torch.Generator] | None,
+    all_done: Callable[[bool], bool] | None = None,
+    stop_early: bool = True,
+) -> Completions:
+    """Sample up to ``max_new_tokens`` tokens after each prompt, with a KV cache.
+
+    ``model`` is a prepared kd model in hidden-output mode (:func:`kd.models.set_hidden_output`),
+    of either backend, possibly FSDP2-sharded; the logits of the last position come from
+    :func:`kd.models.logits_from_hidden`. The prompt runs once (prefill), then one token per step.
+
+    Args:
+        model: the model that samples (the student, or the teacher for ``seq_kd``).
+        prompts: left-padded prompts (:func:`prompts_of`).
+        max_new_tokens: tokens sampled per row at most.
+        temperature: sampling temperature (0 = greedy).
+        top_p: nucleus mass.
+        stop_ids: ids that end a row's completion (included in it).
+        pad_id: id written after a row's end.
+        vocab_limit: ids from here on are never sampled.
+        generators: one per row (:func:`row_generators`); None only when greedy.
+        all_done: ``all_done(done_here)`` -> whether every rank's rows are done (a collective);
+            None on one rank.
+        stop_early: stop when every row has ended (False runs all ``max_new_tokens`` steps: the
+            memory tracer, whose fake tensors have no values).
+    """
+    b, width = prompts.tokens.shape
+    device = prompts.tokens.device
+    total = width + max_new_tokens
+    mask = torch.cat(
+        [prompts.mask, torch.ones(b, max_new_tokens, dtype=torch.bool, device=device)], dim=1
+    )
+    out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+    step_fn = _hf_steps if hf.is_hf_model(model) else _torchtune_steps
+    steps = 0
+    with step_fn(model, mask, width=width, total=total) as forward:
+        hidden = forward(prompts.tokens, 0)
+        for t in range(max_new_tokens):
+            logits = models.logits_from_hidden(model, hidden[:, -1])
+            token = sample_next(
+                logits,
+                temperature=temperature,
+                top_p=top_p,
+                vocab_limit=vocab_limit,
+                generators=generators,
+            )
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            out[:, t] = token
+            lengths += (~done).long()
+            if stops.numel():
+                done |= torch.isin(token, stops)
+            steps = t + 1
+            if stop_early:
+                finished = bool(done.all())
+                if all_done is not None:
+                    finished = all_done(finished)
+                if finished:
+                    break
+            if t + 1 < max_new_tokens:
+                hidden = forward(token[:, None], width + t)
+    return Completions(tokens=out, lengths=lengths, steps=steps)
+
+
+class _torchtune_steps:
+    """torchtune's KV cache (``local_kv_cache``) and padding masks: ``forward(x, start)`` runs
+    positions ``start .. start + len(x)`` of the ``[b, total]`` sequence."""
+
+    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
+        from kd._torchtune import (
+            get_causal_mask_from_padding_mask,
+            get_position_ids_from_padding_mask,
+            local_kv_cache,
+        )
+
+        self.model, self.mask, self.total = model, mask, total
+        self.positions = get_position_ids_from_padding_mask(mask)
+        self.prefill_mask = get_causal_mask_from_padding_mask(mask[:, :width], target_seq_len=total)
+        self.cache = local_kv_cache(
+            model,
+            batch_size=mask.shape[0],
+            device=mask.device,
+            dtype=_cache_dtype(model),
+            decoder_max_seq_len=total,
+        )
+        self.keys = torch.arange(total, device=mask.device)
+
+    def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        self.cache.__enter__()
+        return self.forward
+
+    def __exit__(self, *exc: object) -> None:
+        self.cache.__exit__(*exc)
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        n = x.shape[1]
+        if start == 0:
+            attn = self.prefill_mask
+        else:  # [b, 1, total]: the real tokens up to this position
+            attn = (self.mask & (self.keys <= start))[:, None, :]
+        return self.model(x, input_pos=self.positions[:, start : start + n], mask=attn)
+
+
+class _hf_steps:
+    """transformers' cache (``DynamicCache``, filled by the decoder) with the 2-D padding mask
+    and position ids of left-padded prompts."""
+
+    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
+        from transformers import DynamicCache
+
+        self.model, self.mask = model, mask.long()
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        config = getattr(model, "config", None)
+        self.cache = DynamicCache(config=config)
+
+    def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        return self.forward
+
+    def __exit__(self, *exc: object) -> None:
+        del self.cache
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        end = start + x.shape[1]
+        return self.model(
+            x,
+            attention_mask=self.mask[:, :end],
+            position_ids=self.positions[:, start:end],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+
+
+def training_batch(
+    prompts: Prompts,
+    completions: Completions,
+    *,
+    pad_id: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + completion of each row as a right-padded training batch.
+
+    Returns:
+        ``(tokens, labels)`` ``[b, L]``, ``L`` the longest prompt + completion; labels (not
+        shifted) hold the completion's tokens (its stop token included) and ``ignore_index`` on
+        the prompt and the padding.
+    """
+    b = prompts.tokens.shape[0]
+    width = prompts.tokens.shape[1]
+    p_len = prompts.lengths.tolist()
+    c_len = completions.lengths.tolist()
+    length = max(p + c for p, c in zip(p_len, c_len, strict=True))
+    device = prompts.tokens.device
+    tokens = torch.full((b, length), pad_id, dtype=torch.long, device=device)
+    labels = torch.full((b, length), ignore_index, dtype=torch.long, device=device)
+    for i in range(b):
+        p, c = p_len[i], c_len[i]
+        tokens[i, :p] = prompts.tokens[i, width - p :]
+        tokens[i, p : p + c] = completions.tokens[i, :c]
+        labels[i, p : p + c] = completions.tokens[i, :c]
+    return tokens, labels
