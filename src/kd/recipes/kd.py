@@ -37,6 +37,10 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
       metric rows. ``keep_best`` keeps ``output_dir/best/`` (HF folder, like ``final/``) at the best
       step; ``early_stopping`` stops after ``patience`` evaluations without improvement, saves
       ``final/`` and says why. Resume keeps the best value and the patience count.
+    - On-policy distillation (``on_policy``, GKD): with probability ``lmbda`` a micro-batch trains
+      on the student's own completions of its prompts (``max_new_tokens``, ``temperature``,
+      ``top_p``; KV cache), scored by the teacher; ``seq_kd`` trains the other micro-batches on the
+      teacher's completions. Metrics split each step into generate / teacher / student seconds.
 
 Cookbook (held-out data, the best student, early stopping)::
 
