@@ -502,6 +502,14 @@ def _check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
     new = node.get("max_new_tokens")
     tokenizer = data.get("tokenizer")
     limit = tokenizer.get("max_seq_len") if isinstance(tokenizer, dict) else None
+    if isinstance(tokenizer, dict) and limit is None:
+        problems.append(
+            Problem(
+                "tokenizer.max_seq_len",
+                "is null, but on_policy needs it: prompt + completion must fit the sequence "
+                "length the memory plan covers; set tokenizer.max_seq_len (e.g. 2048)",
+            )
+        )
     if (
         isinstance(new, int)
         and isinstance(limit, int)
