@@ -271,7 +271,9 @@ def test_prompts_of_left_pads_the_last_answers_prompt():
 
 
 def test_prompts_of_truncation_keeps_the_last_tokens_and_counts():
-    tokens = torch.tensor([[11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 25, 26], [31, 32, 33, 0, 0, 0]])
+    tokens = torch.tensor(
+        [[11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 25, 26], [31, 32, 33, 0, 0, 0]]
+    )
     labels = torch.tensor(
         [
             [IGN, IGN, IGN, IGN, 15, IGN],
@@ -379,7 +381,11 @@ def test_temperature_shapes_the_sampled_distribution(temperature):
     n = 6000
     base = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
     got = on_policy.sample_next(
-        base.expand(n, -1), temperature=temperature, top_p=1.0, vocab_limit=None, generators=_gens(n)
+        base.expand(n, -1),
+        temperature=temperature,
+        top_p=1.0,
+        vocab_limit=None,
+        generators=_gens(n),
     )
     freq = torch.bincount(got, minlength=5).float() / n
     want = (base / temperature).softmax(-1)
@@ -453,10 +459,17 @@ def test_torchtune_greedy_rollout_is_torchtune_generate():
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
     shape = TinyModel(
-        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32,
-        intermediate_dim=64, max_seq_len=64,
-    )  # fmt: skip
-    return write_tiny_model(tmp_path_factory.mktemp("hf") / "m", shape, seed=0, writer="transformers")
+        vocab_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=32,
+        intermediate_dim=64,
+        max_seq_len=64,
+    )
+    return write_tiny_model(
+        tmp_path_factory.mktemp("hf") / "m", shape, seed=0, writer="transformers"
+    )
 
 
 def _hf_reference(model, prompts: Prompts, *, new: int, stops=None) -> torch.Tensor:
@@ -518,9 +531,13 @@ def test_rollout_samples_from_the_models_policy_without_dropout(hf_folder):
     from kd.hf.model import lora_causal_lm
 
     model = lora_causal_lm(
-        str(hf_folder), lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8,
-        apply_lora_to_mlp=True, lora_dropout=0.5,
-    )  # fmt: skip
+        str(hf_folder),
+        lora_attn_modules=["q_proj", "v_proj"],
+        lora_rank=4,
+        lora_alpha=8,
+        apply_lora_to_mlp=True,
+        lora_dropout=0.5,
+    )
     model = randomised(model, seed=6).eval()
     model.generation_config.eos_token_id = None
     prompts = random_prompts([3, 6], VOCAB, seed=5)
