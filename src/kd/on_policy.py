@@ -267,6 +267,8 @@ def rollout(
     ``model`` is a prepared kd model in hidden-output mode (:func:`kd.models.set_hidden_output`),
     of either backend, possibly FSDP2-sharded; the logits of the last position come from
     :func:`kd.models.logits_from_hidden`. The prompt runs once (prefill), then one token per step.
+    The model samples in eval mode (then goes back): the completions are its policy's, without
+    dropout (TRL's GKD disables dropout), and draw nothing from the global RNG.
 
     Args:
         model: the model that samples (the student, or the teacher for ``seq_kd``).
@@ -295,31 +297,36 @@ def rollout(
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     step_fn = _hf_steps if hf.is_hf_model(model) else _torchtune_steps
     steps = 0
-    with step_fn(model, mask, width=width, total=total) as forward:
-        hidden = forward(prompts.tokens, 0)
-        for t in range(max_new_tokens):
-            logits = models.logits_from_hidden(model, hidden[:, -1])
-            token = sample_next(
-                logits,
-                temperature=temperature,
-                top_p=top_p,
-                vocab_limit=vocab_limit,
-                generators=generators,
-            )
-            token = torch.where(done, torch.full_like(token, pad_id), token)
-            out[:, t] = token
-            lengths += (~done).long()
-            if stops.numel():
-                done |= torch.isin(token, stops)
-            steps = t + 1
-            if stop_early:
-                finished = bool(done.all())
-                if all_done is not None:
-                    finished = all_done(finished)
-                if finished:
-                    break
-            if t + 1 < max_new_tokens:
-                hidden = forward(token[:, None], width + t)
+    was_training = model.training
+    model.eval()
+    try:
+        with step_fn(model, mask, width=width, total=total) as forward:
+            hidden = forward(prompts.tokens, 0)
+            for t in range(max_new_tokens):
+                logits = models.logits_from_hidden(model, hidden[:, -1])
+                token = sample_next(
+                    logits,
+                    temperature=temperature,
+                    top_p=top_p,
+                    vocab_limit=vocab_limit,
+                    generators=generators,
+                )
+                token = torch.where(done, torch.full_like(token, pad_id), token)
+                out[:, t] = token
+                lengths += (~done).long()
+                if stops.numel():
+                    done |= torch.isin(token, stops)
+                steps = t + 1
+                if stop_early:
+                    finished = bool(done.all())
+                    if all_done is not None:
+                        finished = all_done(finished)
+                    if finished:
+                        break
+                if t + 1 < max_new_tokens:
+                    hidden = forward(token[:, None], width + t)
+    finally:
+        model.train(was_training)
     return Completions(tokens=out, lengths=lengths, steps=steps)
 
 
