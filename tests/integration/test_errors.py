@@ -809,6 +809,38 @@ def teacher_logits_with_validation(assets, tmp, cfg):
     return _run(), "validation: needs the online teacher"
 
 
+# --- on-policy distillation (on_policy:) ----------------------------------------------------
+def _on_policy(**settings: Any) -> dict:
+    return {"lmbda": 0.5, "max_new_tokens": 8, "temperature": 1.0, **settings}
+
+
+def on_policy_with_stored_logits(assets, tmp, cfg):
+    """`on_policy: {...}` and `teacher_logits: {path: ...}`"""
+    cfg["on_policy"] = _on_policy()
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return _validate(), "on_policy: needs the online teacher"
+
+
+def on_policy_without_teacher(assets, tmp, cfg):
+    """`on_policy: {...}` with `teacher_model: null` (`kd_ratio: 0`)"""
+    cfg["on_policy"] = _on_policy()
+    cfg.update(teacher_model=None, teacher_checkpointer=None, kd_ratio=0.0)
+    return _validate(), "on_policy: needs a teacher to score the completions"
+
+
+def on_policy_no_room_for_a_prompt(assets, tmp, cfg):
+    """`on_policy.max_new_tokens: 64` with `tokenizer.max_seq_len: 64`"""
+    cfg["on_policy"] = _on_policy(max_new_tokens=64)
+    return _validate(), "on_policy.max_new_tokens: 64 leaves no room for a prompt"
+
+
+def on_policy_rows_without_prompt(assets, tmp, cfg):
+    """`on_policy: {...}` on rows labelled from their first token (`train_on_input: true`)"""
+    cfg["on_policy"] = _on_policy()
+    cfg["dataset"]["train_on_input"] = True
+    return _run(), "dataset: row 0 has no prompt (every token is labelled)"
+
+
 def teacher_logits_precompute_into_another_store(assets, tmp, cfg):
     """`kd run teacher_logits` with `temperature: 2` into a store made with 1"""
     _teacher_logits(assets, tmp, cfg, rows_per_shard=16)
@@ -1020,6 +1052,10 @@ CASES: list[Case] = [
     teacher_logits_other_max_seq_len,
     teacher_logits_other_dataset,
     teacher_logits_with_validation,
+    on_policy_with_stored_logits,
+    on_policy_without_teacher,
+    on_policy_no_room_for_a_prompt,
+    on_policy_rows_without_prompt,
     teacher_logits_precompute_into_another_store,
     teacher_logits_precompute_without_teacher,
     teacher_logits_foreign_missing_field,
