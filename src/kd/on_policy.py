@@ -194,6 +194,11 @@ def prompts_of(
                 "on_policy samples completions of each row's prompt; mask the prompt "
                 f"({key}.train_on_input: false), or remove on_policy"
             )
+        if start == tokens.shape[1]:
+            # No label at all (truncation ate the answer): the row's tokens without the batch's
+            # right padding.
+            real = (tokens[i] != pad_id).nonzero()
+            start = int(real[-1]) + 1 if real.numel() else 1
         prompt = tokens[i, :start]
         if max_len is not None and start > max_len:
             prompt, truncated = prompt[start - max_len :], truncated + 1

@@ -294,6 +294,17 @@ def test_prompts_of_refuses_a_row_without_prompt_naming_it():
         on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[7, 42])
 
 
+def test_prompts_of_a_row_without_labels_drops_the_batch_padding():
+    """A row whose answer truncation removed is all prompt: its own tokens, not the padding the
+    batch's longer rows added on its right."""
+    tokens = torch.tensor([[11, 12, 13, PAD, PAD], [21, 22, 23, 24, 25]])
+    labels = torch.tensor([[IGN] * 5, [IGN, IGN, 23, 24, IGN]])
+    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
+    assert p.lengths.tolist() == [3, 2]
+    assert p.tokens[0].tolist() == [11, 12, 13]
+    assert p.tokens[1, 1:].tolist() == [21, 22]
+
+
 def test_check_prompts_checks_a_spread_sample_including_the_last_row():
     good = {"tokens": [1, 2, 3], "labels": [IGN, 2, 3]}
     bad = {"tokens": [1, 2, 3], "labels": [1, 2, 3]}
