@@ -649,8 +649,10 @@ class KDRecipe:
             )
         if source == "teacher":
             distributed.reshard(self.teacher)
+        # The completion tokens of all ranks: the logged count is the same on any world size.
         count, tokens = sampled.get(source, (0, 0))
-        sampled[source] = (count + 1, tokens + int(done.lengths.sum()))
+        new = int(distributed.all_reduce_sum(done.lengths.sum()))
+        sampled[source] = (count + 1, tokens + new)
         return on_policy.training_batch(prompts, done, pad_id=self.pad_id)
 
     def _stored_topk(
