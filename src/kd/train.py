@@ -57,7 +57,7 @@ class StepStats:
         seconds: wall time of the step.
         phases: seconds of the step's parts (``generate``: sampling completions, on-policy;
             ``teacher``: the teacher's forward passes); the rest is the student's.
-        sampled: (micro-batches, completion tokens) this rank sampled, per sampling model
+        sampled: (micro-batches, completion tokens of all ranks) sampled, per sampling model
             (``student``, ``teacher``); empty off-policy.
     """
 
