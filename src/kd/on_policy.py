@@ -40,6 +40,7 @@ from kd.hf import model as hf
 __all__ = [
     "Completions",
     "Prompts",
+    "assistant_header",
     "check_prompts",
     "coin",
     "derive_seed",
@@ -125,6 +126,35 @@ def stop_token_ids(tokenizer: object) -> list[int]:
     return ids
 
 
+def assistant_header(tokenizer: object) -> list[int]:
+    """The tokens every assistant turn starts with when they are labelled (torchtune's chat
+    formats label ``<|im_start|>assistant\\n``): they belong to the prompt, as a chat template's
+    generation prompt does, so the student does not sample its own turn header.
+
+    Found by tokenizing one conversation with two different answers: the common start of the two
+    labelled spans. Empty when the tokenizer labels the answer alone, or cannot say.
+    """
+    from kd._torchtune import Message
+
+    spans = []
+    for answer in ("a", "b"):
+        messages = [
+            Message(role="user", content="q", masked=True),
+            Message(role="assistant", content=answer),
+        ]
+        try:
+            tokens, mask = tokenizer.tokenize_messages(messages)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - no chat format to ask: no header
+            return []
+        spans.append([int(t) for t, masked in zip(tokens, mask, strict=True) if not masked])
+    header: list[int] = []
+    for x, y in zip(*spans, strict=False):
+        if x != y:
+            break
+        header.append(x)
+    return header
+
+
 def prompt_starts(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Where each row's last labelled span starts: its prompt length. ``[b, s] -> [b]``.
 
@@ -166,10 +196,14 @@ def prompts_of(
     pad_id: int,
     max_len: int | None,
     rows: Sequence[int],
+    header: Sequence[int] = (),
     key: str = "dataset",
     ignore_index: int = IGNORE_INDEX,
 ) -> Prompts:
     """The prompts of a collated (right-padded) batch, left-padded for generation.
+
+    A row's prompt is its tokens before its last labelled span, plus ``header`` when that span
+    starts with it (:func:`assistant_header`).
 
     Args:
         tokens: ``[b, s]`` ids of the batch.
@@ -178,6 +212,7 @@ def prompts_of(
         max_len: the most tokens a prompt keeps (its last ones), so that prompt + completion fit
             ``tokenizer.max_seq_len``; None = no limit.
         rows: the dataset index of each row (named in errors).
+        header: the assistant turn's header tokens, part of the prompt when labelled.
         key: the dataset's config key (named in errors).
         ignore_index: label value of unlabelled positions.
 
@@ -199,6 +234,8 @@ def prompts_of(
             # right padding.
             real = (tokens[i] != pad_id).nonzero()
             start = int(real[-1]) + 1 if real.numel() else 1
+        elif header and tokens[i, start : start + len(header)].tolist() == list(header):
+            start += len(header)
         prompt = tokens[i, :start]
         if max_len is not None and start > max_len:
             prompt, truncated = prompt[start - max_len :], truncated + 1

@@ -305,6 +305,36 @@ def test_prompts_of_a_row_without_labels_drops_the_batch_padding():
     assert p.tokens[1, 1:].tolist() == [21, 22]
 
 
+def test_a_labelled_assistant_header_belongs_to_the_prompt(assets, tmp_path):
+    """torchtune's chat format labels ``<|im_start|>assistant\\n``: the prompt takes it (as a chat
+    template's generation prompt), so the student samples the answer, not its turn header. A
+    tokenizer that labels the answer alone has no header."""
+    from conftest import tokenizer_node
+    from omegaconf import OmegaConf
+
+    from kd import testing
+    from kd.config.instantiate import instantiate
+    from kd.hf.tokenization import tokenizer as hf_tokenizer
+
+    node = OmegaConf.create(tokenizer_node(assets["tokenizer"], 64))
+    tok = instantiate(node, key="tokenizer")
+    header = on_policy.assistant_header(tok)
+    assert tok.decode(header) == "<|im_start|>assistant\n"
+    hf_tok = hf_tokenizer(str(testing.write_hf_tokenizer(tmp_path / "hf")), max_seq_len=64)
+    assert on_policy.assistant_header(hf_tok) == []
+
+    h = len(header)
+    answer = [97, 98]
+    row = [1, 2, 3, *header, *answer, 5]
+    tokens = torch.tensor([row, [1, 2, 3, 4, *answer, 5, *([PAD] * (h - 1))]])
+    labels = torch.tensor([[IGN] * 3 + row[3:], [IGN] * 4 + answer + [5] + [IGN] * (h - 1)])
+    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1], header=header)
+    assert p.lengths.tolist() == [3 + h, 4]
+    assert p.tokens[0].tolist() == [1, 2, 3, *header]
+    without = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
+    assert without.lengths.tolist() == [3, 4]
+
+
 def test_check_prompts_checks_a_spread_sample_including_the_last_row():
     good = {"tokens": [1, 2, 3], "labels": [IGN, 2, 3]}
     bad = {"tokens": [1, 2, 3], "labels": [1, 2, 3]}

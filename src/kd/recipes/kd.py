@@ -355,6 +355,7 @@ class KDRecipe:
         self.run = run = run.with_seed(distributed.seed_all_ranks(run.seed, world=self.world))
         self.pad_id = data.pad_id_of(self.tokenizer)
         self.stop_ids = on_policy.stop_token_ids(self.tokenizer)
+        self.header = on_policy.assistant_header(self.tokenizer) if run.on_policy else []
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=run.batch_size,
@@ -623,6 +624,7 @@ class KDRecipe:
             pad_id=self.pad_id,
             max_len=None if limit is None else limit - op.max_new_tokens,
             rows=rows,
+            header=self.header,
         )
         generators = (
             on_policy.row_generators(seed, self.epoch, rows, device=self.device)
