@@ -741,15 +741,15 @@ def write_doc(report: dict, doc: Path) -> None:
         "",
         "What the runs show about the mechanics, whichever way the numbers go:",
         "",
-        "- kd's on-policy prompt is the tokens before a row's last labelled span "
-        "(`kd.on_policy.prompts_of`). torchtune's Qwen2.5 chat format labels the assistant "
-        f"header, {demo['header_tokens']} tokens with the demo's byte-level tokenizer, so the "
-        "student samples the header as well as the answer; TRL's `GKDTrainer` puts the "
-        "generation prompt in the prompt instead. A student that never gets the header right "
-        "trains on contexts the held-out prompts never show it (the *header right* column).",
+        "- kd's on-policy prompt is the tokens before a row's last labelled span, plus the "
+        "assistant header when the chat format labels it (`kd.on_policy.assistant_header`; "
+        f"torchtune's Qwen2.5 format labels it: {demo['header_tokens']} tokens here), as TRL's "
+        "`GKDTrainer` puts the generation prompt in the prompt. On a sampled micro-batch the "
+        "header is then never a target, so an lmbda-1 student never learns to write it (the "
+        "*header right* and *end to end* columns); *exact match* gives it the header.",
         "- The demo's data leaves the closing `<|im_end|>` unlabelled (torchtune's Qwen2.5 "
         "tokenizer masks the eos it appends when `max_seq_len` is set), so neither teacher nor student learns to stop: a completion ends at "
-        "`max_new_tokens`, set to the labelled length (header + 8 letters), unless it samples "
+        "`max_new_tokens`, set to the labelled length (header + 8 letters; the header is now in the prompt, so the completion runs past the 8 letters), unless it samples "
         "a stop token by chance.",
         "- kd's loss is (1 - kd_ratio) x CE on the batch's labels + kd_ratio x divergence; on a "
         "sampled micro-batch the labels are the samples, so the kd_ratio 0.9 rows also train "
