@@ -682,16 +682,21 @@ def _generation(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
     sampler = _sampler_bytes(vocab, b, a, g)
     if shape.hf:
         candidates = hf_terms.generation_steps(
-            shape, b, prompt, new, a, logits=logits, upcast=_upcast_bytes(vocab, b, a), sampler=sampler
+            shape,
+            b,
+            prompt,
+            new,
+            a,
+            logits=logits,
+            upcast=_upcast_bytes(vocab, b, a),
+            sampler=sampler,
         )
         best = max(candidates, key=lambda d: sum(d.values()))
         return dict(best, buffers=best.get("buffers", 0) + own)
     own += 4 * b * total + b * prompt * total + 8 * total
     cache = kv_cache_bytes(shape, b, total, a)
     hidden = a * b * prompt * h
-    decode = (
-        logits + b * total + 8 * b + a * b * h + cached_layer_peak(shape, b, 1, total, a)
-    )
+    decode = logits + b * total + 8 * b + a * b * h + cached_layer_peak(shape, b, 1, total, a)
     steps = [
         {"activations": hidden + cached_layer_peak(shape, b, prompt, total, a)},
         {"activations": hidden, "sampling": sampler},
