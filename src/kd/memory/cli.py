@@ -29,9 +29,11 @@ The plan assumes every sequence is tokenizer.max_seq_len tokens long (memory.seq
 never beyond what the dataset holds), loss chunk size, 8-bit AdamW and the CPU offload the recipe
 accepts (optimizer_in_cpu on one CUDA device, fsdp.cpu_offload over several ranks), and prints the
 settings that fit, fastest first, as overrides; a LoRA student and a quantized teacher are only
-suggested, with the settings that make them fit.
+suggested, with the settings that make them fit. With on_policy the generation phase (the KV-cache
+rollout at the start of each step) is planned too, prompt + completion filling max_seq_len.
 --trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
-(FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters).
+(FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters), and with
+on_policy each sampling model's rollout (every one of max_new_tokens steps).
 --compare-stored-logits K plans the run with its online teacher and trained from stored top-K
 teacher logits (kd run teacher_logits, then teacher_logits.path; e.g. 64) side by side, and says for each budget (--budget-gib, default 40 and 24 GiB) which mode fits, as
 configured or with the fastest --fit setting; exit status 0 (a comparison, not a check)."""

@@ -7,6 +7,12 @@ recipe accepts it (``optimizer_in_cpu`` on one CUDA device, ``fsdp.cpu_offload``
 ranks). A LoRA student and a quantized teacher change what is trained, so they are only suggested,
 each with the fastest knob setting that makes it fit, never switched.
 
+With on-policy distillation (``on_policy``) the generation phase is planned with every setting:
+its KV cache and prefill scale with the micro-batch, so a smaller micro-batch is the knob that
+shrinks it (``on_policy.max_new_tokens`` does not: prompt and completion always fill
+``tokenizer.max_seq_len`` in the plan). When the teacher's sampling (``seq_kd``) is what does not
+fit, sampling with the student alone is suggested (it changes the training).
+
 Every option is planned again with its own knobs and shapes and kept only when it fits the budget
 and the data: a micro-batch times accumulation never needs more examples per rank than the dataset
 has (:mod:`kd.memory.data_size`), or, when its length is not known before it is built, than
@@ -23,7 +29,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kd import families
-from kd.memory.estimate import EVAL_PHASE, GIB, Estimate, OptimizerSpec, TrainKnobs, estimate
+from kd.memory.estimate import (
+    EVAL_PHASE,
+    GEN_PHASE,
+    GIB,
+    Estimate,
+    OptimizerSpec,
+    TrainKnobs,
+    estimate,
+)
 from kd.memory.shapes import BUILDERS, NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
 
 # Multipliers on the step time (ordering heuristics, not measurements):
@@ -383,8 +397,9 @@ def suggestions(
     data_known: bool = False,
     student_component: str = "",
 ) -> list[FitOption]:
-    """A LoRA student and a quantized teacher, each with the fastest knob setting that makes it
-    fit (they change the training); only those that fit and save memory are returned."""
+    """A LoRA student, a quantized teacher and (on-policy, when the teacher's sampling is the
+    peak) a student that samples alone, each with the fastest knob setting that makes it fit
+    (they change the training); only those that fit and save memory are returned."""
     common: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "device": device,
@@ -408,6 +423,9 @@ def suggestions(
                     suggestion=True,
                 )
             )
+    alone = _student_samples_alone(student, teacher, knobs, **common)
+    if alone is not None:
+        out.append(alone)
     if teacher is not None:
         for name, per_param in (
             ("int8 weight-only", INT8_BYTES_PER_PARAM),
@@ -431,6 +449,39 @@ def suggestions(
                 )
             )
     return out
+
+
+def _student_samples_alone(
+    student: ModelShape,
+    teacher: ModelShape | None,
+    knobs: TrainKnobs,
+    **common: Any,
+) -> FitOption | None:
+    """``on_policy.seq_kd=false`` with the fastest knob setting that fits, when the teacher's
+    sampling is the plan's peak (dropping it lowers the peak); else None."""
+    g = knobs.generation
+    if g is None or "teacher" not in g.models:
+        return None
+    plain = estimate(student, teacher, knobs)
+    if plain.peak_phase != GEN_PHASE:
+        return None
+    models = tuple(m for m in g.models if m != "teacher")
+    alone = replace(knobs, generation=replace(g, models=models) if models else None)
+    if estimate(student, teacher, alone).peak_bytes >= plain.peak_bytes:
+        return None
+    found = _fitting(student, teacher, alone, **common)
+    if not found:
+        return None
+    best = found[0]
+    return FitOption(
+        ["on_policy.seq_kd=false", *best.overrides],
+        best.peak_bytes,
+        best.relative_time,
+        "suggestion: only the student samples (the other micro-batches train on the dataset's "
+        "completions instead of the teacher's; changes the training)"
+        + (f", with {best.description}" if best.description else ""),
+        suggestion=True,
+    )
 
 
 def _quantized_teacher_setting(

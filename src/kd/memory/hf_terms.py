@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kd.memory.shapes import RMS_1P, ModelShape, trainable_parts
+from kd.memory.shapes import RMS_1P, SLIDING, ModelShape, trainable_parts
 
 
 @dataclass(frozen=True)
@@ -332,4 +332,165 @@ def layer_backward_steps(
             )
         )
     steps.append((held("norm1"), g + norm(h), tuple(shape.linear_dims())))
+    return steps
+
+
+# --------------------------------------------------------------------------- generation
+def _gen_norm(shape: ModelShape, width: int, rows: int) -> int:
+    """Per token: an RMSNorm's peak without autograd beyond its input (fp32 copy and product,
+    the mean and ``rsqrt`` per row)."""
+    return 8 * width + 8 * rows
+
+
+def prefill_layer_peak(shape: ModelShape, index: int, batch: int, prompt: int, a: int) -> int:
+    """Decoder layer ``index``'s peak during the rollout's prefill beyond its input, its own cache
+    entry included.
+
+    As :func:`nograd_layer_peak`, with the generation's differences: the attention always gets
+    an explicit ``[b, 1, P, P]`` mask (left padding), so grouped-query attention repeats k and v to
+    every head and SDPA holds the mask in the dtype; the cache update copies k and v (a
+    concatenation) before the roped k and v are dropped.
+    """
+    h, f, q, kv, nh, nkv = (
+        shape.embed_dim,
+        shape.intermediate_dim,
+        shape.q_dim,
+        shape.kv_dim,
+        shape.num_heads,
+        shape.num_kv_heads,
+    )
+    own = 2 * a * kv  # the layer's keys and values in the cache
+    repeated = 2 * a * q if 1 < nkv < nh else 0
+    norm = _gen_norm(shape, h, 1)
+    steps = [norm]
+    if shape.qk_norm and shape.sandwich_norms:
+        steps += [
+            a * (h + q + 2 * kv) + _gen_norm(shape, q, nh),
+            a * (h + q + 2 * kv) + _gen_norm(shape, kv, nkv),
+        ]
+    elif shape.qk_norm:
+        steps += [
+            a * (h + q) + _gen_norm(shape, q, nh),
+            a * (h + q + kv) + _gen_norm(shape, kv, nkv),
+        ]
+    steps += [
+        a * (h + q + 2 * kv),
+        a * (h + 4 * q + 2 * kv),  # RoPE on q
+        a * (h + 2 * q + 5 * kv),  # RoPE on k
+        a * (h + q + 2 * kv) + own,  # the cache update's copies
+        a * (h + 2 * q + prompt) + own + repeated + 4 * nh,  # SDPA
+        a * (2 * h + 2 * q) + own,  # the output projection
+    ]
+    if shape.sandwich_norms:
+        steps.append(a * h + own + norm)
+    steps += [a * h + own + norm, a * (2 * h + 3 * f) + own, a * 3 * h + own]
+    if shape.sandwich_norms:
+        steps.append(2 * a * h + own + norm)
+    return batch * prompt * max(steps)
+
+
+def _stored(shape: ModelShape, index: int, length: int, prompt: int) -> int:
+    """Positions layer ``index``'s cache storage holds once ``length`` positions were seen
+    (transformers' ``DynamicCache``: a full layer keeps all; a sliding one keeps a view of its
+    last concatenation: the prompt after the prefill, then at most its window)."""
+    window = shape.sliding_window
+    if shape.layer_kind(index) != SLIDING or window is None or length == prompt:
+        return length
+    return min(length, window)
+
+
+def generation_steps(
+    shape: ModelShape,
+    batch: int,
+    prompt: int,
+    new: int,
+    a: int,
+    *,
+    logits: int,
+    upcast: int,
+    sampler: int,
+) -> list[dict[str, int]]:
+    """The candidate peaks of :func:`kd.on_policy.rollout` on a transformers model, as
+    components (``kv_cache``, ``activations``, ``sampling``, ``buffers``) beyond the rollout's
+    own tensors.
+
+    transformers' ``DynamicCache`` grows by concatenation: a layer's keys and values are copied
+    into a tensor one position longer at every step (old and new alive together while the
+    layer runs), up to ``P + N - 1`` positions (the last token is not run); each forward also
+    holds its embedding output, one boolean mask per layer kind and the RoPE tables of its
+    positions. The candidates: the prefill at each layer (the earlier layers' caches at ``P``
+    positions), the first token's sampling (with the prefill's output), the first decoding step
+    (the first logits referenced), the last decoding step (the caches at their longest), and
+    the last token's sampling.
+
+    Args:
+        shape: a transformers decoder.
+        batch: prompts b.
+        prompt: prompt width P.
+        new: tokens sampled N.
+        a: dtype bytes.
+        logits: the fp32 next-token logits ``[b, V]``.
+        upcast: the logits in the dtype and in fp32 (their computation).
+        sampler: the sampling's peak (logits and sampler buffers).
+    """
+    h, q, kv, hd = shape.embed_dim, shape.q_dim, shape.kv_dim, shape.head_dim
+    layers = shape.num_layers
+    unit = a * batch * kv  # one position of one layer's keys (or values)
+    n = batch * prompt
+    kinds = {shape.layer_kind(i) for i in range(layers)}
+    total = prompt + new
+    buffers = 16 * batch * total  # the int64 padding mask and positions
+    hidden = a * n * h
+    fixed = hidden + len(kinds) * n * prompt + shape.rope_types * 2 * a * n * hd
+    steps = []
+    for j in range(layers):
+        cache = 2 * unit * prompt * j
+        act = fixed + (hidden if j else 0) + prefill_layer_peak(shape, j, batch, prompt, a)
+        steps.append({"kv_cache": cache, "activations": act, "buffers": buffers})
+
+    def cached(length: int) -> int:
+        return sum(2 * unit * _stored(shape, i, length, prompt) for i in range(layers))
+
+    steps.append(
+        {"kv_cache": cached(prompt), "activations": hidden, "sampling": sampler, "buffers": buffers}
+    )
+
+    def decoding(length: int) -> int:
+        """The caches' peak while a decoding step brings them from ``length - 1`` to ``length``
+        positions (the values' concatenation of the layer where it is largest)."""
+        worst = 0
+        for j in range(layers):
+            old = [_stored(shape, i, length - 1, prompt) for i in range(layers)]
+            now = [_stored(shape, i, length, prompt) for i in range(layers)]
+            held = sum(now[:j]) * 2 + now[j] * 2 + old[j] + sum(old[j + 1 :]) * 2
+            worst = max(worst, unit * held)
+        return worst
+
+    step = a * batch * (2 * h + q + 2 * kv) + shape.rope_types * 2 * a * batch * hd
+    if new > 1:
+        steps.append(
+            {
+                "kv_cache": decoding(prompt + 1),
+                "activations": hidden + step + len(kinds) * batch * (prompt + 1),
+                "sampling": logits,
+                "buffers": buffers,
+            }
+        )
+        steps.append(
+            {
+                "kv_cache": decoding(total - 1),
+                "activations": a * batch * h + step + len(kinds) * batch * (total - 1),
+                "sampling": logits,
+                "buffers": buffers,
+            }
+        )
+    last = cached(total - 1)
+    steps.append(
+        {
+            "kv_cache": last,
+            "activations": a * batch * h,
+            "sampling": max(sampler, logits + upcast) if new > 1 else sampler,
+            "buffers": buffers,
+        }
+    )
     return steps

@@ -15,12 +15,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kd.config.run import RunConfig, run_config
+from kd.config.run import OnPolicySettings, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.estimate import (
     COMPONENTS,
     GIB,
     Estimate,
+    GenerationKnobs,
     OptimizerSpec,
     TrainKnobs,
     estimate,
@@ -29,6 +30,7 @@ from kd.memory.hf_config import shape_of_folder
 from kd.memory.shapes import LoraSpec, ModelShape, ShapeError, shape_from_component
 
 PHASE_LABELS = {
+    "generation": "generation",
     "forward": "forward",
     "backward": "backward",
     "optimizer_step": "optim step",
@@ -66,8 +68,8 @@ class MemoryPlan:
 
     Attributes:
         peak_bytes: planned peak (allocated + runtime reserve).
-        phase: the phase of the peak (forward, backward, optimizer_step, or evaluation when
-            validation is configured).
+        phase: the phase of the peak (forward, backward, optimizer_step, generation with
+            ``on_policy``, or evaluation when validation is configured).
         budget_gib: the budget per device (None when unknown).
         fits: ``peak_bytes <= budget``.
         components: component -> bytes at the peak phase (sums to ``peak_bytes``).
@@ -138,6 +140,15 @@ class MemoryPlan:
             "gradient_accumulation_steps": k.grad_accum,
             "eval_batch_size": k.eval_batch,
             "stored_topk": k.stored_topk,
+            "generation": (
+                {
+                    "models": list(k.generation.models),
+                    "max_new_tokens": k.generation.new_tokens,
+                    "prompt_len": max(1, k.seq_len - k.generation.new_tokens),
+                }
+                if k.generation is not None
+                else None
+            ),
             "world_size": k.world_size,
             "notes": list(self.inputs.notes) + list(e.notes),
         }
@@ -175,6 +186,14 @@ class MemoryPlan:
             f"{'fused' if k.fused_loss else 'unfused'} loss"
             + (f" (chunk {k.loss_chunk_size})" if k.fused_loss else "")
         )
+        if k.generation is not None:
+            g = k.generation
+            lines.append(
+                f"  generation: {' and '.join(g.models)} sample{'s' if len(g.models) == 1 else ''}"
+                f" up to {g.new_tokens} tokens after {k.batch_size} prompts of "
+                f"{max(1, k.seq_len - g.new_tokens)} tokens (on_policy"
+                + (", the larger planned)" if len(g.models) > 1 else ")")
+            )
         if k.eval_batch is not None:
             lines.append(
                 f"  evaluation batch {k.eval_batch} x {k.seq_len} tokens (validation.batch_size)"
@@ -315,6 +334,32 @@ def optimizer_spec(run: RunConfig) -> OptimizerSpec:
     )
 
 
+def generation_knobs(settings: OnPolicySettings | None, *, teacher: bool) -> GenerationKnobs | None:
+    """What samples at the start of a step (``on_policy:``): the student when ``lmbda`` > 0, the
+    teacher when ``seq_kd`` (and ``lmbda`` < 1: the coin then sometimes comes out false); None
+    when nothing samples.
+
+    Args:
+        settings: the run's ``on_policy`` settings (None: no on-policy distillation).
+        teacher: the run has a teacher model.
+    """
+    if settings is None:
+        return None
+    models = []
+    if settings.lmbda > 0:
+        models.append("student")
+    if settings.seq_kd and settings.lmbda < 1 and teacher:
+        models.append("teacher")
+    if not models:
+        return None
+    return GenerationKnobs(
+        new_tokens=settings.max_new_tokens,
+        models=tuple(models),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+    )
+
+
 def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "") -> PlanInputs:
     """Typed planner inputs of a run.
 
@@ -352,6 +397,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         reserve_bytes=None if reserve is None else int(reserve * GIB),
         eval_batch=run.validation.batch_size if run.validation is not None else None,
         stored_topk=run.teacher_logits.k if run.teacher_logits is not None else None,
+        generation=generation_knobs(run.on_policy, teacher=teacher is not None),
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

@@ -4,7 +4,8 @@ Builds the config's real-size student and teacher with the config's torchtune bu
 tensors (no storage is allocated), prepares them as the recipe does (:mod:`kd.prepare`: LoRA
 trainable set, activation checkpointing, hidden-state output, frozen teacher), then runs
 ``kd.train.micro_step`` (teacher forward, student forward, loss, backward) and the optimizer step
-(then, with validation, one validation batch through ``kd.evaluate.batch_sums``), while torch's ``MemTracker`` counts every storage by category. Peaks are read per phase. The
+(then, with ``on_policy``, each sampling model's ``kd.on_policy.rollout``, and with validation,
+one validation batch through ``kd.evaluate.batch_sums``), while torch's ``MemTracker`` counts every storage by category. Peaks are read per phase. The
 mechanics shared with the FSDP2 trace (:mod:`kd.memory.trace_fsdp`) live in
 :mod:`kd.memory.tracing`.
 
@@ -31,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kd.config.run import LossSettings, RunConfig
 from kd.errors import KDUserError
+from kd.memory.estimate import GenerationKnobs
 from kd.memory.tracing import (
     FrozenSafeMemTracker,
     TraceResult,
@@ -75,6 +77,7 @@ def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:
         "loss": run.loss,
         "eval_batch": knobs.eval_batch,
         "stored_topk": knobs.stored_topk,
+        "generation": knobs.generation,
     }
     if world_size == 1:
         return trace_step(optimizer_in_cpu=run.optimizer.in_cpu, **common)
@@ -109,9 +112,10 @@ def trace_step(
     loss: LossSettings | None = None,
     eval_batch: int | None = None,
     stored_topk: int | None = None,
+    generation: GenerationKnobs | None = None,
 ) -> TraceResult:
-    """Trace one micro-batch + optimizer step (+ one validation batch) with the given builder
-    nodes.
+    """Trace one micro-batch + optimizer step (+ on-policy sampling, + one validation batch) with
+    the given builder nodes.
 
     Args:
         model: student ``_component_`` node.
@@ -164,7 +168,12 @@ def trace_step(
         if step.optimizer is not None:
             mt.track_external(step.optimizer)
         result = trace_step_phases(
-            mt, step, settings=settings, clip_grad_norm=clip_grad_norm, eval_batch=eval_batch
+            mt,
+            step,
+            settings=settings,
+            clip_grad_norm=clip_grad_norm,
+            eval_batch=eval_batch,
+            generation=generation,
         )
     result.wall_s = time.perf_counter() - t0
     return result

@@ -32,6 +32,7 @@ from torch import nn
 
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
+from kd.memory.estimate import GenerationKnobs
 from kd.memory.tracing import (
     TraceResult,
     build_fake_step,
@@ -78,6 +79,7 @@ def trace_fsdp_step(
     loss: LossSettings | None = None,
     eval_batch: int | None = None,
     stored_topk: int | None = None,
+    generation: GenerationKnobs | None = None,
 ) -> TraceResult:
     """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
 
@@ -105,6 +107,8 @@ def trace_fsdp_step(
         eval_batch: sequences per validation batch (per rank): also trace the evaluation phase;
             None: no validation.
         stored_topk: train from stored teacher logits with this k (``teacher_model`` None).
+        generation: on-policy sampling (per rank): also trace the generation phase; None: no
+            ``on_policy``.
 
     Returns:
         Per-phase allocated peaks (bytes, rank 0) and their categories.
@@ -169,6 +173,7 @@ def trace_fsdp_step(
             clip_grad_norm=clip_grad_norm,
             grad_scale=float(world_size),
             eval_batch=eval_batch,
+            generation=generation,
         )
     result.wall_s = time.perf_counter() - t0
     return result

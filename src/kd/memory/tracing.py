@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from kd.errors import KDUserError
+from kd.memory.estimate import GenerationKnobs
 
 if TYPE_CHECKING:
     from kd.prepare import ShardSpec
@@ -33,10 +34,11 @@ class TraceResult:
     """Allocated bytes per phase of one traced training step.
 
     Attributes:
-        phase_peaks: forward / backward / optimizer_step (/ evaluation, when traced) -> peak
-            allocated bytes.
+        phase_peaks: generation (when traced) / forward / backward / optimizer_step
+            (/ evaluation, when traced) -> peak allocated bytes.
         subphases: finer peaks: student_forward, teacher_forward, loss_forward, backward,
-            optimizer_step (forward = the max of the first three).
+            optimizer_step (forward = the max of the first three); student_generation and
+            teacher_generation (generation = the larger).
         currents: allocated bytes at the boundaries (after_student_forward, after_teacher_forward,
             before_backward, after_backward).
         subphase_categories: sub-phase -> tracker category -> bytes at that sub-phase's peak.
@@ -441,6 +443,115 @@ def trace_evaluation(mt: Any, step: FakeStep, *, settings: Any, eval_batch: int)
     return take_phase_peak(mt)
 
 
+@contextlib.contextmanager
+def fake_friendly_kv_cache() -> Iterator[None]:
+    """Let torchtune's KV cache take new keys and values on fake tensors.
+
+    ``KVCache.update`` asserts that the new positions fit the cache by reading the position
+    buffer's value, which FakeTensorMode cannot; the sizes are checked when the cache is set up
+    (``rollout`` sizes it for prompt + completion). The update is otherwise the same: the keys and
+    values are written in place at the cache's positions, which then advance.
+    """
+    from torchtune.modules.kv_cache import KVCache
+
+    original = KVCache.update
+
+    def update(
+        self: KVCache, k_val: torch.Tensor, v_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_len = k_val.shape[2]
+        self.k_cache[:, :, self.cache_pos[:seq_len]] = k_val
+        self.v_cache[:, :, self.cache_pos[:seq_len]] = v_val
+        self.cache_pos.add_(seq_len)
+        return self.k_cache, self.v_cache
+
+    KVCache.update = update  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        KVCache.update = original  # type: ignore[method-assign]
+
+
+class _Rollout(nn.Module):
+    """:func:`kd.on_policy.rollout` as a module call (the trackers accept the model's many calls
+    nested in it; see :class:`_Evaluation`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.models = (model,)
+
+    def forward(self, prompts: Any, **kwargs: Any) -> Any:
+        from kd import on_policy
+
+        return on_policy.rollout(self.models[0], prompts, **kwargs)
+
+
+def trace_generation(
+    mt: Any, step: FakeStep, *, generation: GenerationKnobs
+) -> dict[str, dict[str, int]]:
+    """On-policy sampling as the recipe runs it at the start of a step, inside tracker ``mt``.
+
+    Each model of ``generation.models`` samples ``generation.new_tokens`` tokens after a fake
+    batch of left-padded prompts ``[b, s - new_tokens]`` (``b, s`` of the step's micro-batch:
+    prompt and completion fill ``tokenizer.max_seq_len``) through :func:`kd.on_policy.rollout`
+    (prefill with the KV cache, then one token per step; every step runs, since fake tensors
+    cannot tell where a completion stops). The gradients are gone (the previous step's
+    ``optimizer_step`` set them to None). Sampling uses one CPU generator per row with the
+    config's temperature and top-p; the vocabulary is limited below the output size, as the
+    tokenizer's usually is, so the sampler's masked copy of the logits is traced too.
+
+    Args:
+        mt: the tracker, entered, holding the step's models and optimizer.
+        step: the traced step (:func:`build_fake_step`).
+        generation: what samples, how many rows and tokens.
+
+    Returns:
+        ``{model}_generation`` -> tracker category -> bytes at that model's sampling peak.
+    """
+    from kd import models, on_policy
+
+    for p in step.trainable:
+        p.grad = None
+    g = generation
+    batch, seq_len = step.tokens.shape
+    prompt_len = seq_len - g.new_tokens
+    out: dict[str, dict[str, int]] = {}
+    with torch.no_grad(), fake_friendly_kv_cache():
+        for name in g.models:
+            model = step.student if name == "student" else step.teacher
+            if model is None:
+                raise ValueError(f"trace_generation: no {name} model to sample with")
+            vocab = models.vocab_size(model)
+            take_phase_peak(mt)
+            prompts = on_policy.Prompts(
+                tokens=torch.randint(0, vocab, (batch, prompt_len)),  # [b, P]
+                mask=torch.ones(batch, prompt_len, dtype=torch.bool),  # [b, P]
+                lengths=torch.full((batch,), prompt_len),  # [b]
+            )
+            done = _Rollout(model)(
+                prompts,
+                max_new_tokens=g.new_tokens,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                stop_ids=[0, 1],
+                pad_id=0,
+                vocab_limit=vocab - 1,
+                generators=(
+                    [torch.Generator().manual_seed(i) for i in range(batch)]
+                    if g.temperature > 0
+                    else None
+                ),
+                stop_early=False,
+            )
+            del prompts, done
+            if name == "teacher":
+                from kd import distributed
+
+                distributed.reshard(model)  # the recipe frees the teacher's gathered root
+            out[f"{name}_generation"] = take_phase_peak(mt)
+    return out
+
+
 def trace_step_phases(
     mt: Any,
     step: FakeStep,
@@ -449,12 +560,15 @@ def trace_step_phases(
     clip_grad_norm: float | None,
     grad_scale: float = 1.0,
     eval_batch: int | None = None,
+    generation: GenerationKnobs | None = None,
 ) -> TraceResult:
     """Run one micro-step and the optimizer step inside tracker ``mt``; peaks per phase.
 
     Shared by the one-device trace (MemTracker) and the FSDP2 trace (FSDPMemTracker): forward
     (student, teacher, loss sub-phases), backward, optimizer step (gradient norm, optional clip,
-    step), then, with ``eval_batch``, one validation batch (:func:`trace_evaluation`).
+    step), then, with ``generation``, on-policy sampling as at the start of the next step
+    (:func:`trace_generation`), then, with ``eval_batch``, one validation batch
+    (:func:`trace_evaluation`).
 
     Args:
         mt: a MemTracker or FSDPMemTracker already tracking ``step``'s models and tensors.
@@ -464,6 +578,7 @@ def trace_step_phases(
         grad_scale: ``kd.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
         eval_batch: sequences of the validation batch (``validation.batch_size``); None: no
             evaluation phase.
+        generation: on-policy sampling (``on_policy:``); None: no generation phase.
 
     Returns:
         Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
@@ -529,6 +644,10 @@ def trace_step_phases(
             phases["optimizer_step"] = take_phase_peak(mt)
             if step.optimizer is not None:
                 step.optimizer.zero_grad(set_to_none=True)
+            if generation is not None:
+                sampled = trace_generation(mt, step, generation=generation)
+                subphases.update(sampled)
+                phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
             if eval_batch is not None:
                 phases["evaluation"] = trace_evaluation(
                     mt, step, settings=settings, eval_batch=eval_batch
