@@ -26,7 +26,17 @@ from kd.recipes.kd_single_device import KDRecipe
 
 RECIPE = ["run", "kd_single_device"]
 # Fields that depend on wall time or memory, not on the trajectory.
-_UNTIMED = {"tokens_per_second", "peak_memory_gib", "peak_memory_reserved_gib", "planned_peak_gib"}
+# Wall-clock and memory readings differ between runs; everything else in a row must not.
+_UNTIMED = {
+    "tokens_per_second",
+    "peak_memory_gib",
+    "peak_memory_reserved_gib",
+    "planned_peak_gib",
+    "time_generate_s",
+    "time_teacher_s",
+    "time_student_s",
+    "generate_tokens_per_second",
+}
 
 
 def trajectory_config(assets: dict, out: Path, **top) -> dict:
