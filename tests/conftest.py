@@ -160,3 +160,33 @@ def write_config(path: Path, cfg: dict) -> Path:
 def read_metrics(output_dir: Path) -> list[dict]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+# Metric-row fields that depend on wall time or memory, not on the training trajectory.
+UNTIMED = {
+    "tokens_per_second",
+    "generate_tokens_per_second",
+    "time_generate_s",
+    "time_teacher_s",
+    "time_student_s",
+    "peak_memory_gib",
+    "peak_memory_reserved_gib",
+    "planned_peak_gib",
+}
+
+
+def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Send this process a real SIGTERM right after ``step`` is logged (the recipe saves and
+    stops)."""
+    import signal
+
+    from kd.recipes.kd import KDRecipe
+
+    original = KDRecipe._log
+
+    def log_then_signal(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.global_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)

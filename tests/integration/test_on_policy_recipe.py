@@ -7,31 +7,17 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
+from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 import kd.on_policy
 from kd import checkpoint, cli, models
-from kd.recipes.kd import KDRecipe
 
 RECIPE = ["run", "kd"]
-# Fields that depend on wall time or memory, not on the trajectory.
-UNTIMED = {
-    "tokens_per_second",
-    "generate_tokens_per_second",
-    "time_generate_s",
-    "time_teacher_s",
-    "time_student_s",
-    "peak_memory_gib",
-    "peak_memory_reserved_gib",
-    "planned_peak_gib",
-}
 ON_POLICY_ONLY = {
     "time_generate_s",
     "generate_tokens_per_second",
@@ -170,19 +156,6 @@ def resume_config(**top) -> dict:
     )
     base.update(top)
     return base
-
-
-def sigterm_at_step(monkeypatch, step: int) -> None:
-    """A real SIGTERM to this process right after ``step`` is logged (the recipe saves and
-    stops)."""
-    original = KDRecipe._log
-
-    def log_then_signal(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.global_step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)
 
 
 def test_interrupted_run_resumes_bit_identically(assets, tmp_path, monkeypatch):

@@ -18,25 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_config, read_metrics, write_config
+from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
-from kd.recipes.kd_single_device import KDRecipe
 
 RECIPE = ["run", "kd_single_device"]
 # Fields that depend on wall time or memory, not on the trajectory.
-# Wall-clock and memory readings differ between runs; everything else in a row must not.
-_UNTIMED = {
-    "tokens_per_second",
-    "peak_memory_gib",
-    "peak_memory_reserved_gib",
-    "planned_peak_gib",
-    "time_generate_s",
-    "time_teacher_s",
-    "time_student_s",
-    "generate_tokens_per_second",
-}
 
 
 def trajectory_config(assets: dict, out: Path, **top) -> dict:
@@ -76,7 +64,7 @@ def assert_bit_identical(a: Path, b: Path) -> None:
 
 
 def metric_rows(out: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in _UNTIMED} for r in read_metrics(out)]
+    return [{k: v for k, v in r.items() if k not in UNTIMED} for r in read_metrics(out)]
 
 
 def assert_same_metrics(a: Path, b: Path) -> None:
@@ -124,18 +112,6 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the event"
         assert time.monotonic() < deadline, "timed out waiting for the run"
         time.sleep(0.01)
-
-
-def sigterm_at_step(monkeypatch, step: int) -> None:
-    """Send this process a real SIGTERM right after the given step is logged."""
-    original = KDRecipe._log
-
-    def log_then_signal(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.global_step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)
 
 
 @pytest.fixture(scope="module")

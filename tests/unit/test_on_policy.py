@@ -437,17 +437,21 @@ def test_temperature_shapes_the_sampled_distribution(temperature):
 
 
 # ------------------------------------------------------------------------------------- rollout
+# One tiny decoder shape for both backends (torchtune builder and HF folder).
+SHAPE = TinyModel(
+    vocab_size=VOCAB,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    embed_dim=32,
+    intermediate_dim=64,
+    max_seq_len=64,
+)
+
+
 def _tt_model(seed: int = 0, lora: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=32,
-        intermediate_dim=64,
-        max_seq_len=64,
-    )
+    kwargs = {k: v for k, v in SHAPE.builder().items() if k != "_component_"}
     if lora:
         model = tt.lora_qwen2(
             lora_attn_modules=["q_proj", "v_proj"],
@@ -499,17 +503,8 @@ def test_torchtune_greedy_rollout_is_torchtune_generate():
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> Path:
-    shape = TinyModel(
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=32,
-        intermediate_dim=64,
-        max_seq_len=64,
-    )
     return write_tiny_model(
-        tmp_path_factory.mktemp("hf") / "m", shape, seed=0, writer="transformers"
+        tmp_path_factory.mktemp("hf") / "m", SHAPE, seed=0, writer="transformers"
     )
 
 
