@@ -39,11 +39,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from kd import distributed, losses, models
-from kd.config.run import LossSettings
+from kd.config.run import LossSettings, ValidationSettings
 from kd.config.schema import VAL_METRICS
+from kd.teachers import Teacher, TeacherInput, TeacherSignal, as_teacher
 from kd.train import shift_labels
 
-__all__ = ["BestTracker", "ValStats", "batch_sums", "evaluate", "token_sums"]
+__all__ = ["BestTracker", "ValStats", "Validator", "batch_sums", "evaluate", "token_sums"]
 
 # Entries of the sums tensor (fp64): CE, divergence (without T^2), argmax agreements, positions.
 _CE, _KD, _AGREE, _COUNT = range(4)
@@ -94,7 +95,7 @@ class ValStats:
 
 def token_sums(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: Teacher | nn.Module | None,
     tokens: torch.Tensor,
     labels: torch.Tensor,
     *,
@@ -107,7 +108,8 @@ def token_sums(
 
     Args:
         student: the student decoder.
-        teacher: the teacher decoder, or None (then the divergence and agreement sums are 0).
+        teacher: the teacher (a :class:`kd.teachers.Teacher` or a bare decoder), or None (then
+            the divergence and agreement sums are 0).
         tokens: ``[b, s]`` input ids.
         labels: ``[b, s]`` shifted labels (:func:`kd.train.shift_labels`).
         settings: the loss settings (divergence, temperature, chunk size, ignore index).
@@ -132,10 +134,11 @@ def token_sums(
 
     h_s = student(tokens)
     h_s = labelled(h_s.reshape(-1, h_s.size(-1)))  # [n, d_s]
-    h_t = None
+    signal, h_t = None, None
+    teacher = as_teacher(teacher)
     if teacher is not None:
-        h_t = teacher(tokens)
-        h_t = labelled(h_t.reshape(-1, h_t.size(-1)))  # [n, d_t]
+        signal = teacher.signal(TeacherInput(tokens))
+        h_t = signal.labelled_hidden(idx)  # [n, d_t]
     target = labelled(flat)
     sums = torch.zeros(4, dtype=torch.float64, device=flat.device)
     sums[_COUNT] = rows if mask is None else mask.sum()
@@ -144,7 +147,7 @@ def token_sums(
         # One chunk per call: its logits and log-probs are freed before the next chunk's exist.
         sums += _chunk_sums(
             student,
-            teacher,
+            signal,
             h_s[start:end],
             None if h_t is None else h_t[start:end],
             target[start:end],
@@ -156,7 +159,7 @@ def token_sums(
 
 def _chunk_sums(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: TeacherSignal | None,
     h_s: torch.Tensor,
     h_t: torch.Tensor | None,
     target: torch.Tensor,
@@ -168,7 +171,7 @@ def _chunk_sums(
 
     Args:
         student: the student decoder.
-        teacher: the teacher, or None.
+        teacher: the teacher's signal for the batch, or None.
         h_s: ``[n, d_s]`` the student's hidden states of the rows.
         h_t: ``[n, d_t]`` the teacher's, or None.
         target: ``[n]`` the rows' labels.
@@ -181,7 +184,7 @@ def _chunk_sums(
     sums[_CE] += _weighted(ce, weight).double().sum()
     if teacher is None or h_t is None:
         return sums
-    t_logits = models.logits_from_hidden(teacher, h_t)  # [n, Vt] fp32
+    t_logits = teacher.logits(h_t)  # [n, Vt] fp32
     s_logp, t_logp = losses.shared_vocab_logprobs(
         s_logits, t_logits, temperature=settings.temperature
     )
@@ -203,7 +206,7 @@ def _weighted(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 def batch_sums(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: Teacher | nn.Module | None,
     batch: dict[str, torch.Tensor],
     *,
     settings: LossSettings,
@@ -215,7 +218,7 @@ def batch_sums(
 
     Args:
         student: the student decoder in hidden-output mode.
-        teacher: the teacher decoder, or None.
+        teacher: the teacher (or a bare teacher decoder), or None.
         batch: ``{"tokens", "labels"}`` ``[b, s]`` as collated (labels not shifted).
         settings: the loss settings.
         device: where the models run.
@@ -234,14 +237,15 @@ def batch_sums(
     # Sharded models keep their root (and, with reshard_after_forward false, every layer)
     # gathered after a forward that no backward follows: free them.
     distributed.reshard(student)
+    teacher = as_teacher(teacher)
     if teacher is not None:
-        distributed.reshard(teacher)
+        teacher.release()
     return sums
 
 
 def evaluate(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: Teacher | nn.Module | None,
     batches: Iterable[dict[str, torch.Tensor]],
     *,
     settings: LossSettings,
@@ -356,3 +360,45 @@ class BestTracker:
         self.bad_evals = int(state.get("bad_evals", 0))
         self.last_step = None if state.get("last_step") is None else int(state["last_step"])
         return True
+
+
+class Validator:
+    """The validation component of a run: evaluates on the held-out set and follows the best
+    value (``keep_best``, ``early_stopping``). The recipe creates it once and calls
+    :meth:`evaluate` where it evaluates.
+
+    Args:
+        settings: ``validation:`` (with ``keep_best`` and ``early_stopping``).
+        loss: the training loss settings (``val_loss`` uses the same definition).
+        batches: this rank's share of the validation set (:func:`kd.data.build_eval_loader`).
+        device: where the models run.
+    """
+
+    def __init__(
+        self,
+        settings: ValidationSettings,
+        *,
+        loss: LossSettings,
+        batches: Iterable[dict[str, torch.Tensor]],
+        device: torch.device,
+    ):
+        self.settings = settings
+        self.loss = loss
+        self.batches = batches
+        self.device = device
+        self.tracker = BestTracker(settings.metric, settings.mode, patience=settings.patience)
+
+    def due(self, step: int) -> bool:
+        """Whether ``validation.every_n_steps`` evaluates after optimizer step ``step``."""
+        every = self.settings.every_n_steps
+        return every is not None and step % every == 0
+
+    def evaluate(
+        self, student: nn.Module, teacher: Teacher | None, *, step: int
+    ) -> tuple[ValStats, bool]:
+        """``(stats, best_due)``: the metrics of the whole set, and whether ``best/`` is due (the
+        followed metric improved at ``step`` and ``keep_best`` is on). Collective."""
+        stats = evaluate(student, teacher, self.batches, settings=self.loss, device=self.device)
+        value = stats.value(self.tracker.metric)
+        improved = self.tracker.update(float("nan") if value is None else value, step=step)
+        return stats, improved and self.settings.keep_best and self.tracker.best is not None

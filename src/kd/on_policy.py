@@ -33,12 +33,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kd import models
+from kd import distributed, models
+from kd.config.run import OnPolicySettings
+from kd.distributed import WorldInfo
 from kd.errors import KDUserError
 from kd.hf import model as hf
+from kd.metrics import PhaseTimer
+from kd.teachers import Teacher
 
 __all__ = [
     "Completions",
+    "OnPolicyBatches",
     "Prompts",
     "assistant_header",
     "check_prompts",
@@ -468,3 +473,114 @@ def training_batch(
         tokens[i, p : p + c] = completions.tokens[i, :c]
         labels[i, p : p + c] = completions.tokens[i, :c]
     return tokens, labels
+
+
+class OnPolicyBatches:
+    """The on-policy component of a run: per micro-batch, the dataset's ``(tokens, labels)`` or a
+    model's completions of its prompts (the recipe calls :meth:`inputs` once per micro-batch).
+
+    Args:
+        settings: ``on_policy:``.
+        tokenizer: the run's tokenizer (pad, stop ids, the assistant header of its chat template).
+        seed: the run's seed (the coin and the per-row generators derive from it).
+        max_seq_len: ``tokenizer.max_seq_len`` (prompts are cut to leave room to sample).
+        vocab_limit: ids from here on are never sampled (the vocabulary every model and the
+            tokenizer share).
+        world: this process's place in the job (every rank samples, or none).
+        device: where the models run.
+    """
+
+    def __init__(
+        self,
+        settings: OnPolicySettings,
+        *,
+        tokenizer: object,
+        seed: int,
+        max_seq_len: int | None,
+        vocab_limit: int,
+        world: WorldInfo,
+        device: torch.device,
+    ):
+        from kd.data import pad_id_of
+
+        self.settings = settings
+        self.seed = seed
+        self.max_seq_len = max_seq_len
+        self.vocab_limit = vocab_limit
+        self.world = world
+        self.device = device
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.header = assistant_header(tokenizer)
+
+    def inputs(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        step: int,
+        epoch: int,
+        index: int,
+        student: nn.Module,
+        teacher: Teacher | None,
+        timer: PhaseTimer,
+        sampled: dict[str, tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Micro-batch ``index`` of optimizer step ``step``: ``(tokens, labels)`` (labels not
+        shifted) of the student's (probability ``lmbda``) or, with ``seq_kd``, the teacher's
+        completions of its prompts; None when it trains on the dataset's own tokens.
+
+        Adds the sampled micro-batches and completion tokens (all ranks) to ``sampled[source]``
+        and the sampling time to the ``generate`` phase of ``timer``. Collective when
+        distributed (the coin is the same on every rank).
+        """
+        op = self.settings
+        if coin(self.seed, step, index, op.lmbda):
+            source, model = "student", student
+        elif op.seq_kd:
+            if teacher is None or teacher.generator is None:
+                raise KDUserError(
+                    "on_policy.seq_kd: true samples the teacher's completions, but this teacher "
+                    "is not a model that can sample; set on_policy.seq_kd=false"
+                )
+            source, model = "teacher", teacher.generator
+        else:
+            return None
+        rows = batch["rows"].tolist()
+        limit = self.max_seq_len
+        prompts = prompts_of(
+            batch["tokens"].to(self.device),
+            batch["labels"].to(self.device),
+            pad_id=self.pad_id,
+            max_len=None if limit is None else limit - op.max_new_tokens,
+            rows=rows,
+            header=self.header,
+        )
+        generators = (
+            row_generators(self.seed, epoch, rows, device=self.device)
+            if op.temperature > 0
+            else None
+        )
+        with timer.phase("generate"):
+            done = rollout(
+                model,
+                prompts,
+                max_new_tokens=op.max_new_tokens,
+                temperature=op.temperature,
+                top_p=op.top_p,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                vocab_limit=self.vocab_limit,
+                generators=generators,
+                all_done=(
+                    (lambda here: not distributed.any_rank(not here, device=self.device))
+                    if self.world.distributed
+                    else None
+                ),
+            )
+        if source == "teacher" and teacher is not None:
+            teacher.release()
+        # The completion tokens of all ranks: the logged count is the same on any world size.
+        count, tokens = sampled.get(source, (0, 0))
+        new = int(distributed.all_reduce_sum(done.lengths.sum()))
+        sampled[source] = (count + 1, tokens + new)
+        return training_batch(prompts, done, pad_id=self.pad_id)

@@ -25,6 +25,7 @@ from kd import losses, models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
+from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
 
 __all__ = [
     "LossSettings",
@@ -38,6 +39,7 @@ __all__ = [
     "optimizer_step",
     "shift_labels",
     "skip_or_stop",
+    "step_metrics",
 ]
 
 log = logging.getLogger("kd")
@@ -72,6 +74,35 @@ class StepStats:
     sampled: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
+    """One step's metrics: losses, gradient norm, tokens and their rate, and the step's time by
+    part (sampling on-policy, the teacher, and the rest: the student's forward + backward +
+    optimizer step); on-policy also the sampled micro-batches and tokens per sampling model."""
+    generate_s = stats.phases.get("generate", 0.0)
+    teacher_s = stats.phases.get("teacher", 0.0)
+    row: dict[str, Any] = {
+        "loss": stats.loss,
+        "ce_loss": stats.ce_loss,
+        "kd_loss": stats.kd_loss,
+        "grad_norm": stats.grad_norm,
+        "num_tokens": stats.num_tokens,
+        "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
+    }
+    if on_policy:
+        row["time_generate_s"] = generate_s
+    row["time_teacher_s"] = teacher_s
+    row["time_student_s"] = max(stats.seconds - generate_s - teacher_s, 0.0)
+    if on_policy:
+        for source in ("student", "teacher"):
+            count, tokens = stats.sampled.get(source, (0, 0))
+            row[f"sampled_batches_{source}"] = count
+            row[f"sampled_tokens_{source}"] = tokens
+        if generate_s > 0:
+            total = sum(tokens for _, tokens in stats.sampled.values())
+            row["generate_tokens_per_second"] = total / generate_s
+    return row
+
+
 @dataclass
 class MicroStepResult:
     """Detached contributions of one micro-batch, already scaled by ``local / total`` tokens."""
@@ -98,70 +129,47 @@ def count_tokens(labels: Iterable[torch.Tensor], ignore_index: int = -100) -> to
 
 def compute_loss(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: Teacher | nn.Module | None,
     tokens: torch.Tensor,
     labels: torch.Tensor,
     *,
     settings: LossSettings,
+    teacher_input: TeacherInput | None = None,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     timer: PhaseTimer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward both models and return ``(loss, ce, kd)``, each a mean over labelled positions.
+    """Forward the student, ask the teacher, and return ``(loss, ce, kd)``, each a mean over
+    labelled positions.
 
-    Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`). The teacher runs
-    without autograd. Without a teacher (plain fine-tuning, ``kd_ratio == 0``) kd is 0. An offline
-    teacher comes as ``teacher_topk`` instead: its stored top-k ids and log-probs per position,
-    compared by :func:`kd.losses.fused_linear_topk_kd_loss` (``settings.topk_tail``).
+    The student runs first (its activations are what backward keeps), then the teacher answers
+    the batch without autograd (:meth:`kd.teachers.Teacher.signal`) and its signal computes the
+    loss (:meth:`kd.teachers.TeacherSignal.loss`): whatever the kind of teacher, this function
+    never asks. Without a teacher (plain fine-tuning) kd is 0. Models are in hidden-output mode
+    (:func:`kd.models.set_hidden_output`).
 
     Args:
         student: the trainable decoder.
-        teacher: the frozen decoder, or None.
+        teacher: a :class:`kd.teachers.Teacher`, a bare teacher decoder (taken as a
+            :class:`kd.teachers.ModelTeacher`), or None.
         tokens: input ids ``[b, s]``.
         labels: shifted labels ``[b, s]`` (:func:`shift_labels`).
         settings: loss settings.
-        teacher_topk: ``(ids [b, s, k], logprobs [b, s, k])`` of an offline teacher, aligned with
-            ``labels``; only with ``teacher=None``.
-        timer: adds the teacher's forward time to its ``teacher`` phase.
+        teacher_input: the batch as the teacher sees it (dataset rows and unshifted labels, which
+            files of top-k log-probs need); None: ``tokens`` alone.
+        teacher_topk: fixed top-k ``(ids [b, s, k], logprobs [b, s, k])`` aligned with ``labels``
+            instead of ``teacher`` (a :class:`kd.teachers.FixedTopKTeacher`).
+        timer: adds the teacher's time to its ``teacher`` phase.
 
     Raises:
-        ValueError: both ``teacher`` and ``teacher_topk``, or ``teacher_topk`` with a student whose
+        ValueError: both ``teacher`` and ``teacher_topk``, or a top-k teacher with a student whose
             output projection is not a plain linear (the top-k loss needs it).
     """
-    if teacher_topk is not None and teacher is not None:
-        raise ValueError("compute_loss takes a teacher model or teacher_topk, not both")
-    if teacher_topk is not None and not models.has_plain_output(student):
-        raise ValueError(
-            "an offline (top-k) teacher needs a student with a plain output projection "
-            "(not a LoRA output layer)"
-        )
-    s_hidden = student(tokens)  # [b, s, d_s]
-    # The knobs both fused KD losses take.
-    fused_kd = dict(
-        divergence=settings.divergence,
-        temperature=settings.temperature,
-        kd_ratio=settings.kd_ratio,
-        ignore_index=settings.ignore_index,
-        chunk_size=settings.chunk_size,
-        beta=settings.beta,
-        skew_alpha=settings.skew_alpha,
-    )
     if teacher_topk is not None:
-        ids, logprobs = teacher_topk
-        return losses.fused_linear_topk_kd_loss(
-            s_hidden,
-            models.output_weight(student),
-            ids,
-            logprobs,
-            labels,
-            tail=settings.topk_tail,
-            vocab=settings.topk_vocab,
-            **fused_kd,
-        )
-    teacher_hidden = None
-    if teacher is not None:
-        timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
-        with torch.no_grad(), timing:
-            teacher_hidden = teacher(tokens)  # [b, s, d_t]
+        if teacher is not None:
+            raise ValueError("compute_loss takes a teacher model or teacher_topk, not both")
+        teacher = FixedTopKTeacher(*teacher_topk)
+    teacher = as_teacher(teacher)
+    s_hidden = student(tokens)  # [b, s, d_s]
     if teacher is None:
         if settings.fused and models.has_plain_output(student):
             ce = losses.fused_linear_ce_loss(
@@ -175,42 +183,22 @@ def compute_loss(
             logits = models.logits_from_hidden(student, s_hidden)
             ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
         return ce, ce.detach(), torch.zeros_like(ce).detach()
-    if settings.fused and models.has_plain_output(student):
-        return losses.fused_linear_kd_loss(
-            s_hidden,
-            models.output_weight(student),
-            teacher_hidden,
-            models.output_weight(teacher),
-            labels,
-            **fused_kd,
-        )
-    s_logits = models.logits_from_hidden(student, s_hidden)  # [b, s, v_s] fp32
-    with torch.no_grad():
-        t_logits = models.logits_from_hidden(teacher, teacher_hidden)  # [b, s, v_t] fp32
-    ce = losses.ce_loss(s_logits, labels, ignore_index=settings.ignore_index)
-    kd = losses.kd_loss(
-        s_logits,
-        t_logits,
-        labels,
-        divergence=settings.divergence,
-        temperature=settings.temperature,
-        ignore_index=settings.ignore_index,
-        beta=settings.beta,
-        skew_alpha=settings.skew_alpha,
-    )
-    loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
-    return loss, ce, kd
+    timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
+    with timing:
+        signal = teacher.signal(teacher_input if teacher_input is not None else TeacherInput(tokens))
+    return signal.loss(student, s_hidden, labels, settings=settings)
 
 
 def micro_step(
     student: nn.Module,
-    teacher: nn.Module | None,
+    teacher: Teacher | nn.Module | None,
     tokens: torch.Tensor,
     labels: torch.Tensor,
     *,
     settings: LossSettings,
     num_tokens_total: torch.Tensor | int,
     grad_scale: float = 1.0,
+    teacher_input: TeacherInput | None = None,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     timer: PhaseTimer | None = None,
 ) -> MicroStepResult:
@@ -221,16 +209,16 @@ def micro_step(
 
     Args:
         student: trainable decoder in hidden-output mode.
-        teacher: frozen decoder in hidden-output mode, or None.
+        teacher: the teacher (:func:`compute_loss`), or None.
         tokens: ``[b, s]`` input ids.
         labels: ``[b, s]`` shifted labels.
         settings: loss settings.
         num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all ranks).
         grad_scale: extra factor on the backward only (FSDP averages gradients over ranks; the
             distributed recipe passes the world size to turn that average back into a sum).
-        teacher_topk: an offline teacher's ``(ids, logprobs)`` ``[b, s, k]`` instead of
-            ``teacher`` (:func:`compute_loss`).
-        timer: times the teacher's forward (:func:`compute_loss`).
+        teacher_input: the batch as the teacher sees it (:func:`compute_loss`).
+        teacher_topk: fixed top-k tensors instead of ``teacher`` (:func:`compute_loss`).
+        timer: times the teacher (:func:`compute_loss`).
     """
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
@@ -241,6 +229,7 @@ def micro_step(
         tokens,
         labels,
         settings=settings,
+        teacher_input=teacher_input,
         teacher_topk=teacher_topk,
         timer=timer,
     )

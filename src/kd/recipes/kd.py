@@ -61,7 +61,6 @@ Cookbook (held-out data, the best student, early stopping)::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import sys
@@ -73,79 +72,51 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kd import (
-    checkpoint,
-    data,
-    distributed,
-    evaluate,
-    foreign_logits,
-    models,
-    on_policy,
-    outputs,
-    stored_logits,
-    train,
-)
-from kd.checkpoint.training import (
-    Progress,
-    StudentSource,
-    restore_training_checkpoint,
-    save_best_checkpoint,
-    save_training_checkpoint,
-)
-from kd.config.instantiate import build_component
+from kd import checkpoint, data, distributed, evaluate, models, on_policy, outputs, train
+from kd.checkpoint.run_checkpointer import RunCheckpointer
+from kd.checkpoint.training import Progress, StudentSource
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
-from kd.device import check_device, resolve_budget
+from kd.device import resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan, check_memory
 from kd.metrics import GuardedLogger, PhaseTimer, peak_memory_gib
-from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher, shard_spec
+from kd.prepare import prepare_student
+from kd.run_context import RunContext
 from kd.signals import GracefulStop, launch_command, resume_hint
+from kd.teachers import Teacher, TeacherInput
+from kd.teachers.build import teacher_source
 
 log = logging.getLogger("kd")
 
-# The checkpointer of each model key (torchtune builders only: a Hugging Face model's folder is
-# its checkpoint).
-CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
-
 
 class KDRecipe:
-    """Distil ``teacher_model`` into ``model`` (the student). See the module docstring for knobs.
+    """Distil the teacher into ``model`` (the student). See the module docstring for knobs.
 
     Phases: :meth:`preload` (checks, no weight, nothing written), :meth:`load` (weights, optimizer,
     resume state, outputs), :meth:`train` (the loop; one optimizer step is :meth:`train_step`).
+    It holds a teacher (:mod:`kd.teachers`: a model, a file of top-k log-probs...), a student, a
+    validator (:class:`kd.evaluate.Validator`), an on-policy sampler
+    (:class:`kd.on_policy.OnPolicyBatches`) and a checkpointer
+    (:class:`kd.checkpoint.run_checkpointer.RunCheckpointer`), and never asks which kind of
+    teacher it holds.
     """
 
     def __init__(self, run: RunConfig, *, world: WorldInfo, config_name: str = ""):
         self.run = run
         self.world = world
         self.config_name = config_name
-        self.device = torch.device(run.device)
-        if world.distributed and self.device.type == "cuda":
-            self.device = torch.device("cuda", world.local_rank)
-        self.dtype = models.DTYPES[run.dtype]
+        self.ctx = RunContext(run, world)
+        self.device = self.ctx.device
         self.output_dir = run.checkpoint.output_dir
         self.global_step = 0
         self.epoch = 0
         self.plan: MemoryPlan | None = None
         self.lock: outputs.OutputDirLock | None = None
-        val = run.validation
-        self.tracker = (
-            evaluate.BestTracker(val.metric, val.mode, patience=val.patience)
-            if val is not None
-            else None
-        )
-
-    def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
-        node = self.run.components[key]
-        return build_component(
-            key, node, *args, trust=self.run.trust_remote_components, fix=fix, **kwargs
-        )
-
-    def _node(self, key: str) -> dict[str, Any]:
-        """Component ``key``'s plain values, for kd's functions (empty when it is absent)."""
-        node = self.run.components[key]
-        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        self.teacher_source = teacher_source(run)
+        self.teacher: Teacher | None = None
+        self.validator: evaluate.Validator | None = None
+        self.on_policy: on_policy.OnPolicyBatches | None = None
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -155,87 +126,27 @@ class KDRecipe:
         encoding, its ids against both models' vocabularies from meta-device shapes), each
         checkpoint's config.json against its safetensors headers, the memory plan against the
         budget, output_dir (in use by another run, or holding another run's outputs without resume
-        or overwrite), the resume state, and the data (readable, non-empty, labelled, long enough
-        for one optimizer step per rank; the validation data readable, non-empty and labelled).
+        or overwrite), the resume state, the data (readable, non-empty, labelled, long enough
+        for one optimizer step per rank; the validation data readable, non-empty and labelled),
+        and the teacher's own checks (a store of top-k log-probs against the data).
         """
-        run = self.run
-        check_device(run.device)
+        run, ctx = self.run, self.ctx
+        ctx.check_device()
         if run.optimizer.in_cpu and (self.device.type != "cuda" or self.world.distributed):
             raise KDUserError(
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
         self._check_memory()  # arithmetic on shapes: before anything is built
-        self.tokenizer = models.checked_tokenizer(
-            lambda: self._build("tokenizer", fix="check the tokenizer files and arguments"),
-            models.tokenizer_files(self._node("tokenizer")),
-        )
-        with torch.device("meta"):
-            student = self._build("model", fix="fix the builder's arguments")
-            config_teacher = self._build("teacher_model", fix="fix the builder's arguments")
-        # With stored teacher logits no teacher runs; its node (if any) only identifies them.
-        teacher = config_teacher if run.has_teacher else None
-        built = {"model": student, "teacher_model": teacher}
-        models.check_decoders({k: (self._node(k).get("_component_"), m) for k, m in built.items()})
-        self.lora = models.is_lora(student)
-        problems = models.check_vocab(
-            tokenizer_max=models.tokenizer_max_id(self.tokenizer),
-            student_vocab=models.vocab_size(student),
-            teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
-        )
-        problems += models.max_seq_len_problems(built, max_seq_len=run.max_seq_len)
-        self.sources: dict[str, models.WeightsSource] = {}
-        for key, model in built.items():
-            if model is not None:
-                src = self.sources[key] = self._weights_source(key, model)
-                problems += checkpoint.checkpoint_config_problems(
-                    str(src.folder),
-                    src.files,
-                    key=src.key,
-                    heads=models.attention_shape(model),
-                    folder_arg=src.field,
-                )
-        if problems:
-            raise KDUserError("\n".join(problems))
-        if teacher is not None:
-            models.check_teacher_tokenizer(
-                self.sources.get("teacher_model"),
-                self._node("tokenizer"),
-                teacher_vocab=models.vocab_size(teacher),
-                student_vocab=models.vocab_size(student),
-            )
-        self.student_vocab = models.vocab_size(student)
-        # On-policy sampling draws only ids every model and the tokenizer know.
-        self.sample_vocab = min(
-            models.tokenizer_max_id(self.tokenizer) + 1,
-            self.student_vocab,
-            *([models.vocab_size(teacher)] if teacher is not None else []),
-        )
-        self.teacher_identity = (
-            stored_logits.teacher_identity(
-                str(self._node("teacher_model").get("_component_")),
-                (src := self._weights_source("teacher_model", config_teacher)).folder,
-                src.files,
-            )
-            if config_teacher is not None and run.teacher_logits is not None
-            else None
-        )
-        del student, teacher, config_teacher, built
-        outputs.check_not_in_use(self.output_dir)
-        ckpt = run.checkpoint
-        found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
-        self.resume_from = found.checkpoint if found is not None else None
-        if found is not None:
-            if run.seed is None and found.seed is not None:
-                # seed: null draws a fresh seed per process; the run being resumed drew its own.
-                self.run = run = run.with_seed(found.seed)
-            checkpoint.check_resume_compatible(
-                found.config_yaml, run.yaml, checkpoint=found.checkpoint
-            )
+        self.tokenizer = ctx.tokenizer()
+        teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
+        self.facts = ctx.inspect_models(self.tokenizer, read=("model", *teacher_reads))
+        self._check_resume()
         self.dataset = self._dataset(run.components["dataset"], key="dataset")
         if run.on_policy is not None:
             on_policy.check_prompts(self.dataset, key="dataset")
-        self.store = self._open_store() if run.teacher_logits is not None else None
+        if self.teacher_source is not None:
+            self.teacher_source.check(ctx, self.facts, self.dataset)
         if run.validation is not None:
             self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
         self.steps_per_epoch = data.steps_per_epoch(
@@ -248,6 +159,20 @@ class KDRecipe:
         self.total_steps = self.steps_per_epoch * run.epochs
         if self.resume_from is not None:
             checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
+
+    def _check_resume(self) -> None:
+        """output_dir free of other runs, and the checkpoint to resume from (None: fresh)."""
+        outputs.check_not_in_use(self.output_dir)
+        ckpt = self.run.checkpoint
+        found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
+        self.resume_from = found.checkpoint if found is not None else None
+        if found is not None:
+            if self.run.seed is None and found.seed is not None:
+                # seed: null draws a fresh seed per process; the run being resumed drew its own.
+                self.run = self.run.with_seed(found.seed)
+            checkpoint.check_resume_compatible(
+                found.config_yaml, self.run.yaml, checkpoint=found.checkpoint
+            )
 
     def _dataset(self, node: Any, *, key: str) -> Any:
         """The dataset of config key ``key``, checked (readable, non-empty, labelled)."""
@@ -263,63 +188,6 @@ class KDRecipe:
                 checked,
             )
         return dataset
-
-    def _open_store(self) -> stored_logits.TeacherLogitsReader | foreign_logits.ForeignLogitsReader:
-        """The stored teacher logits, checked against this run: the teacher (when the config
-        names one), tokenizer files, max_seq_len, every row of the data, temperature, k. For
-        another tool's file (``teacher_logits.format``), its rows against the data."""
-        settings = self.run.teacher_logits
-        assert settings is not None
-        rows = (self.dataset[i] for i in range(len(self.dataset)))
-        fingerprint = stored_logits.dataset_fingerprint(
-            stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
-        )
-        if settings.format != "kd":
-            source_t = settings.source_temperature
-            temperature = self.run.loss.temperature
-            reader = foreign_logits.ForeignLogitsReader(
-                settings.path,
-                format=settings.format,
-                k=settings.k,
-                alpha=1.0 if source_t is None else source_t / temperature,
-                max_seq_len=self.run.max_seq_len,
-                student_vocab=self.student_vocab,
-            )
-            if reader.fingerprint != fingerprint:
-                raise KDUserError(
-                    f"dataset: its {len(self.dataset)} rows are not the {reader.num_rows} rows "
-                    f"of {settings.path} (teacher_logits.path, by hash); set dataset to "
-                    f"{{_component_: kd.data.pretokenized_dataset, data_files: {settings.path}}}"
-                )
-            return reader
-        store = stored_logits.TeacherLogitsReader(settings.path)
-        stored_logits.check_store_matches(
-            store.manifest,
-            settings.path,
-            tokenizer_sha256=stored_logits.files_sha256(
-                models.tokenizer_files(self._node("tokenizer"))
-            ),
-            max_seq_len=self.run.max_seq_len,
-            dataset_fingerprint=fingerprint,
-            temperature=self.run.loss.temperature,
-            k=settings.k,
-            student_vocab=self.student_vocab,
-            teacher=self.teacher_identity,
-        )
-        # The student's KD softmax runs over the shared vocabulary, as with the online teacher.
-        loss = dataclasses.replace(self.run.loss, topk_vocab=int(store.manifest["vocab"]))
-        self.run = dataclasses.replace(self.run, loss=loss)
-        return store
-
-    def _weights_source(self, key: str, model: torch.nn.Module) -> models.WeightsSource:
-        ckpt_key = CHECKPOINTER_OF[key]
-        return models.weights_source(
-            model,
-            model_key=key,
-            model_node=self._node(key),
-            ckpt_key=ckpt_key,
-            ckpt_node=self._node(ckpt_key),
-        )
 
     def _check_memory(self) -> None:
         budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
@@ -341,8 +209,8 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
-        """output_dir (rank 0 takes it), seed, data order, teacher (frozen) then student,
-        optimizer, schedule, resume, outputs."""
+        """output_dir (rank 0 takes it), seed, data order, teacher then student, optimizer,
+        schedule, resume, the components, outputs."""
         run, ckpt = self.run, self.run.checkpoint
         # Every rank has finished its checks of output_dir before rank 0 takes it.
         distributed.barrier()
@@ -353,30 +221,74 @@ class KDRecipe:
             world=self.world,
         )
         self.run = run = run.with_seed(distributed.seed_all_ranks(run.seed, world=self.world))
-        self.pad_id = data.pad_id_of(self.tokenizer)
-        self.stop_ids = on_policy.stop_token_ids(self.tokenizer)
-        self.header = on_policy.assistant_header(self.tokenizer) if run.on_policy else []
+        pad_id = data.pad_id_of(self.tokenizer)
+        needs_rows = self.teacher_source is not None and self.teacher_source.needs_rows
         self.loader, self.sampler = data.build_dataloader(
             self.dataset,
             batch_size=run.batch_size,
             shuffle=run.shuffle,
             seed=run.seed,
-            pad_id=data.pad_id_of(self.tokenizer),
+            pad_id=pad_id,
             world_size=self.world.world_size,
             rank=self.world.rank,
-            with_rows=self.store is not None or run.on_policy is not None,
+            with_rows=needs_rows or run.on_policy is not None,
+        )
+        if self.teacher_source is not None:
+            self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
+        self.student = self._load_model("model")
+        self._build_optimizer()
+        self.checkpointer = RunCheckpointer(
+            self.output_dir,
+            source=self._student_source(),
+            config_yaml=run.yaml,
+            keep_last_n=run.checkpoint.keep_last_n,
+            world=self.world,
         )
         if run.validation is not None:
-            self.val_loader = data.build_eval_loader(
-                self.val_dataset,
-                batch_size=run.validation.batch_size,
-                max_batches=run.validation.max_batches,
-                pad_id=data.pad_id_of(self.tokenizer),
-                world_size=self.world.world_size,
-                rank=self.world.rank,
+            self.validator = evaluate.Validator(
+                run.validation,
+                loss=run.loss,
+                batches=data.build_eval_loader(
+                    self.val_dataset,
+                    batch_size=run.validation.batch_size,
+                    max_batches=run.validation.max_batches,
+                    pad_id=pad_id,
+                    world_size=self.world.world_size,
+                    rank=self.world.rank,
+                ),
+                device=self.device,
             )
-        self.teacher = self._load_model("teacher_model") if run.has_teacher else None
-        self.student = self._load_model("model")
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        if run.on_policy is not None:
+            facts = self.facts
+            self.on_policy = on_policy.OnPolicyBatches(
+                run.on_policy,
+                tokenizer=self.tokenizer,
+                seed=int(self.run.seed or 0),
+                max_seq_len=run.max_seq_len,
+                # On-policy sampling draws only ids every model and the tokenizer know.
+                vocab_limit=min(facts.tokenizer_max + 1, facts.shared_vocab),
+                world=self.world,
+                device=self.device,
+            )
+        if self.world.is_rank_zero:
+            self._open_outputs()
+
+    def _load_model(self, key: str) -> torch.nn.Module:
+        """The student with its weights, prepared (LoRA, activation checkpointing, FSDP2)."""
+        ac, lora = self.run.activation_checkpointing, self.facts.lora
+        return self.ctx.load_model(
+            key,
+            self.facts.sources[key],
+            lambda m, shard: prepare_student(
+                m, lora=lora, activation_checkpointing=ac, shard=shard
+            ),
+            run_dir=self.output_dir,
+        )
+
+    def _build_optimizer(self) -> None:
+        run = self.run
         trainable = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = (
             train.cpu_offload_optimizer(
@@ -386,77 +298,39 @@ class KDRecipe:
                 trust=run.trust_remote_components,
             )
             if run.optimizer.in_cpu
-            else self._build("optimizer", trainable, fix="fix the optimizer's arguments")
+            else self.ctx.build("optimizer", trainable, fix="fix the optimizer's arguments")
         )
-        self.lr_scheduler = self._build(
+        self.lr_scheduler = self.ctx.build(
             "lr_scheduler",
             self.optimizer,
             fix="fix the scheduler's arguments",
             num_training_steps=self.total_steps,
         )
-        if self.resume_from is not None:
-            progress = restore_training_checkpoint(
-                self.resume_from,
-                student=self.student,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                source=self._source(),
-                world=self.world,
-            )
-            self.global_step, self.epoch = progress.global_step, progress.epoch
-            self.run = self.run.with_seed(progress.seed)
-            tracker = self.tracker
-            if tracker is not None and not tracker.load_state_dict(progress.validation):
-                if self.world.is_rank_zero:
-                    log.info(
-                        "%s holds no best %s: it starts over", self.resume_from, tracker.metric
-                    )
-        if self.world.is_rank_zero:
-            self._open_outputs()
 
-    def _load_model(self, key: str) -> torch.nn.Module:
-        """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
-        (and sharded when distributed: rank 0 alone reads the files,
-        :func:`kd.prepare.materialize`)."""
-        ckpt_key = CHECKPOINTER_OF[key]
+    def _restore(self, ckpt: Path) -> None:
+        progress = self.checkpointer.restore(ckpt, self.student, self.optimizer, self.lr_scheduler)
+        self.global_step, self.epoch = progress.global_step, progress.epoch
+        self.run = self.run.with_seed(progress.seed)
+        validator = self.validator
+        if validator is not None and not validator.tracker.load_state_dict(progress.validation):
+            if self.world.is_rank_zero:
+                log.info("%s holds no best %s: it starts over", ckpt, validator.tracker.metric)
 
-        def build(device: torch.device) -> torch.nn.Module:
-            with models.default_dtype(self.dtype), device:
-                return self._build(key, fix="fix the builder's arguments")
-
-        def load(model: torch.nn.Module) -> None:
-            outputs.make_checkpointer_output_dir(
-                self._node(ckpt_key).get("output_dir"), key=ckpt_key, run_dir=self.output_dir
-            )
-            models.load_model_weights(
-                model,
-                self.sources[key],
-                lambda: self._build(
-                    ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
-                ),
-            )
-
-        def prepare(model: torch.nn.Module, shard: ShardSpec | None) -> torch.nn.Module:
-            if key == "teacher_model":
-                return prepare_teacher(model, shard=shard)
-            ac = self.run.activation_checkpointing
-            return prepare_student(model, lora=self.lora, activation_checkpointing=ac, shard=shard)
-
-        shard = (
-            shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
-            if self.world.distributed
-            else None
+    def _student_source(self) -> StudentSource:
+        src = self.facts.sources["model"]
+        return StudentSource(
+            model_type=src.model_type,
+            source_dir=src.folder,
+            lora=self.run.lora,
+            backend=src.backend,
+            tokenizer_files=models.tokenizer_files_to_copy(self.ctx.node("tokenizer")),
         )
-        model = materialize(build, load, prepare, device=self.device, shard=shard, world=self.world)
-        if self.run.compile:
-            models.compile_layers(model)
-        return model
 
     def _open_outputs(self) -> None:
         # The logger first: a logger that cannot start leaves output_dir as it was.
         self.metric_logger = GuardedLogger(
-            self._build("metric_logger", fix="fix the logger's arguments"),
-            target=self._node("metric_logger").get("_component_"),
+            self.ctx.build("metric_logger", fix="fix the logger's arguments"),
+            target=self.ctx.node("metric_logger").get("_component_"),
         )
         self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
         self.metrics = outputs.open_metrics(
@@ -475,8 +349,6 @@ class KDRecipe:
         bad_steps = 0
         saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         every = self.run.checkpoint.save_every_n_steps
-        val = self.run.validation
-        val_every = val.every_n_steps if val is not None else None
         bar = tqdm(
             total=self.total_steps,
             initial=self.global_step,
@@ -508,32 +380,29 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
-                    if (
-                        self.world.is_rank_zero
-                        and self.global_step % self.run.log_every_n_steps == 0
-                    ):
+                    if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         self._log(stats)
                     # Before the step save: its resume state holds this evaluation.
-                    evaluated = val_every is not None and self.global_step % val_every == 0
+                    evaluated = self.validator is not None and self.validator.due(step)
                     if evaluated:
                         self.validate()
-                    if every is not None and self.global_step % every == 0:
-                        saved = (self.global_step, self.save(final=False))
-                    last = self.global_step == self.total_steps  # then final/ is the save
-                    tracker = self.tracker
-                    if evaluated and not last and tracker is not None and tracker.should_stop:
+                    if every is not None and step % every == 0:
+                        saved = (step, self.save(final=False))
+                    last = step == self.total_steps  # then final/ is the save
+                    if evaluated and not last and self._should_stop_early():
                         bar.close()
                         self._stop_early(stop)
                         return
                     if distributed.any_rank(stop.requested, device=self.device) and not last:
                         bar.close()
-                        just_saved = saved[1] if saved and saved[0] == self.global_step else None
-                        self._stop(stop.signal_name, just_saved)
+                        self._stop(
+                            stop.signal_name, saved[1] if saved and saved[0] == step else None
+                        )
                         return
             bar.close()
             # Inside GracefulStop: a signal now waits for final/ to be complete.
             stop.action = "finishing the final save"
-            if self.tracker is not None and self.tracker.last_step != self.global_step:
+            if self.validator is not None and self.validator.tracker.last_step != self.global_step:
                 self.validate()  # the end of training (unless this step was just evaluated)
             final = self.save(final=True)
             if stop.requested and self.world.is_rank_zero:
@@ -552,27 +421,25 @@ class KDRecipe:
         t0 = time.perf_counter()
         timer = PhaseTimer(self.device)
         sampled: dict[str, tuple[int, int]] = {}
-        inputs = [
-            self._inputs(b, index=i, timer=timer, sampled=sampled) for i, b in enumerate(batches)
-        ]
-        labels = [train.shift_labels(lab) for _, lab in inputs]
+        inputs = [self._inputs(b, i, timer, sampled) for i, b in enumerate(batches)]
+        labels = [train.shift_labels(inp.labels) for inp in inputs]
         total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
         sums = torch.zeros(3, device=self.device)
-        for batch, (tokens, _), lab in zip(batches, inputs, labels, strict=True):
+        for inp, lab in zip(inputs, labels, strict=True):
             r = train.micro_step(
                 self.student,
                 self.teacher,
-                tokens.to(self.device),
+                inp.tokens.to(self.device),
                 lab.to(self.device),
                 settings=self.run.loss,
                 num_tokens_total=total,
                 grad_scale=float(self.world.world_size),
-                teacher_topk=self._stored_topk(batch),
+                teacher_input=inp,
                 timer=timer,
             )
             sums += torch.stack([r.loss, r.ce, r.kd]).float()
-            # Free the teacher's gathered root (norm + output) before backward peaks.
-            distributed.reshard(self.teacher)
+            if self.teacher is not None:
+                self.teacher.release()  # before the backward of the next micro-batch peaks
         sums = distributed.all_reduce_sum(sums)
         # optimizer_step never applies NaN/inf gradients: the weights stay those of the last good
         # step whatever the loop decides.
@@ -597,120 +464,65 @@ class KDRecipe:
     def _inputs(
         self,
         batch: dict[str, torch.Tensor],
-        *,
         index: int,
         timer: PhaseTimer,
         sampled: dict[str, tuple[int, int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``index``'s ``(tokens, labels)`` (labels not shifted): the dataset's, or
-        on-policy (``on_policy:``) a model's completions of its prompts. The coin is the same on
-        every rank, so under FSDP2 all ranks sample or none do."""
-        op = self.run.on_policy
-        if op is None:
-            return batch["tokens"], batch["labels"]
-        seed, step = int(self.run.seed or 0), self.global_step + 1
-        if on_policy.coin(seed, step, index, op.lmbda):
-            source, model = "student", self.student
-        elif op.seq_kd:
-            source, model = "teacher", self.teacher
-        else:
-            return batch["tokens"], batch["labels"]
-        assert model is not None
-        rows = batch["rows"].tolist()
-        limit = self.run.max_seq_len
-        prompts = on_policy.prompts_of(
-            batch["tokens"].to(self.device),
-            batch["labels"].to(self.device),
-            pad_id=self.pad_id,
-            max_len=None if limit is None else limit - op.max_new_tokens,
-            rows=rows,
-            header=self.header,
-        )
-        generators = (
-            on_policy.row_generators(seed, self.epoch, rows, device=self.device)
-            if op.temperature > 0
-            else None
-        )
-        world = self.world
-        with timer.phase("generate"):
-            done = on_policy.rollout(
-                model,
-                prompts,
-                max_new_tokens=op.max_new_tokens,
-                temperature=op.temperature,
-                top_p=op.top_p,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                vocab_limit=self.sample_vocab,
-                generators=generators,
-                all_done=(
-                    (lambda here: not distributed.any_rank(not here, device=self.device))
-                    if world.distributed
-                    else None
-                ),
+    ) -> TeacherInput:
+        """Micro-batch ``index`` as the step trains on it: the dataset's rows, or (on-policy)
+        completions sampled by :class:`kd.on_policy.OnPolicyBatches`."""
+        if self.on_policy is not None:
+            made = self.on_policy.inputs(
+                batch,
+                step=self.global_step + 1,
+                epoch=self.epoch,
+                index=index,
+                student=self.student,
+                teacher=self.teacher,
+                timer=timer,
+                sampled=sampled,
             )
-        if source == "teacher":
-            distributed.reshard(self.teacher)
-        # The completion tokens of all ranks: the logged count is the same on any world size.
-        count, tokens = sampled.get(source, (0, 0))
-        new = int(distributed.all_reduce_sum(done.lengths.sum()))
-        sampled[source] = (count + 1, tokens + new)
-        return on_policy.training_batch(prompts, done, pad_id=self.pad_id)
-
-    def _stored_topk(
-        self, batch: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The batch's stored teacher top-k ``(ids, logprobs)`` ``[b, s, k]`` on the device, or
-        None with an online teacher."""
-        if self.store is None:
-            return None
-        assert self.run.teacher_logits is not None
-        ids, logprobs = self.store.batch(
-            batch["rows"].tolist(), batch["tokens"], batch["labels"], k=self.run.teacher_logits.k
+            if made is not None:
+                return TeacherInput(tokens=made[0], labels=made[1])
+        rows = batch.get("rows")
+        return TeacherInput(
+            tokens=batch["tokens"],
+            labels=batch["labels"],
+            rows=rows.tolist() if rows is not None else None,
         )
-        return ids.to(self.device), logprobs.to(self.device)
 
     def validate(self) -> evaluate.ValStats:
         """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the
         followed metric improved. Collective when distributed."""
-        val, tracker = self.run.validation, self.tracker
-        assert val is not None and tracker is not None
-        stats = evaluate.evaluate(
-            self.student, self.teacher, self.val_loader, settings=self.run.loss, device=self.device
-        )
-        value = stats.value(tracker.metric)
-        improved = tracker.update(float("nan") if value is None else value, step=self.global_step)
+        validator = self.validator
+        assert validator is not None
+        stats, best_due = validator.evaluate(self.student, self.teacher, step=self.global_step)
         if self.world.is_rank_zero:
             row = {"step": self.global_step, "epoch": self.epoch, **stats.metrics()}
-            outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
-            self.metric_logger.log_dict(
-                {k: v for k, v in row.items() if k != "step"}, step=self.global_step
-            )
-        if improved and val.keep_best and tracker.best is not None:
-            save_best_checkpoint(
-                self.output_dir,
-                student=self.student,
-                progress=self._progress(),
-                source=self._source(),
-                config_yaml=self.run.yaml,
+            self._write_row(row)
+        tracker = validator.tracker
+        if best_due and tracker.best is not None:
+            self.checkpointer.save_best(
+                self.student,
+                self._progress(),
                 metric=tracker.metric,
                 value=tracker.best,
                 mode=tracker.mode,
-                world=self.world,
             )
         return stats
 
+    def _should_stop_early(self) -> bool:
+        return self.validator is not None and self.validator.tracker.should_stop
+
     def _stop_early(self, stop: GracefulStop) -> None:
         """Early stopping: save final/ and say why training stopped."""
-        tracker = self.tracker
-        assert tracker is not None
+        assert self.validator is not None
+        tracker = self.validator.tracker
         stop.action = "finishing the final save"
         final = self.save(final=True)
         if self.world.is_rank_zero:
-            keep = self.run.validation is not None and self.run.validation.keep_best
             if tracker.best is None:
                 best = "; no evaluation gave a finite value"
-            elif keep:
+            elif self.validator.settings.keep_best:
                 best = (
                     f"; the best, {tracker.best:.6g} at step {tracker.best_step}, is in "
                     f"{self.output_dir / checkpoint.BEST_DIRNAME}"
@@ -728,37 +540,20 @@ class KDRecipe:
         row: dict[str, Any] = {
             "step": self.global_step,
             "epoch": self.epoch,
-            "loss": stats.loss,
-            "ce_loss": stats.ce_loss,
-            "kd_loss": stats.kd_loss,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "grad_norm": stats.grad_norm,
-            "num_tokens": stats.num_tokens,
-            "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
+            **train.step_metrics(stats, on_policy=self.on_policy is not None),
         }
-        # The step's time by part: sampling (on-policy), the teacher's forward, the student's
-        # forward + backward + optimizer step (the rest).
-        generate_s = stats.phases.get("generate", 0.0)
-        teacher_s = stats.phases.get("teacher", 0.0)
-        if self.run.on_policy is not None:
-            row["time_generate_s"] = generate_s
-        row["time_teacher_s"] = teacher_s
-        row["time_student_s"] = max(stats.seconds - generate_s - teacher_s, 0.0)
-        if self.run.on_policy is not None:
-            for source in ("student", "teacher"):
-                count, tokens = stats.sampled.get(source, (0, 0))
-                row[f"sampled_batches_{source}"] = count
-                row[f"sampled_tokens_{source}"] = tokens
-            if generate_s > 0:
-                total = sum(tokens for _, tokens in stats.sampled.values())
-                row["generate_tokens_per_second"] = total / generate_s
         if self.run.log_peak_memory_stats:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:
                 row["planned_peak_gib"] = self.plan.peak_gib
+        self._write_row(row)
+
+    def _write_row(self, row: dict[str, Any]) -> None:
         outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
-        payload = {k: v for k, v in row.items() if k != "step"}
-        self.metric_logger.log_dict(payload, step=self.global_step)
+        self.metric_logger.log_dict(
+            {k: v for k, v in row.items() if k != "step"}, step=self.global_step
+        )
 
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
@@ -766,35 +561,17 @@ class KDRecipe:
 
         Collective when distributed: every rank calls it; rank 0 writes.
         """
-        return save_training_checkpoint(
-            self.output_dir,
-            student=self.student,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            progress=self._progress(),
-            source=self._source(),
-            config_yaml=self.run.yaml,
-            keep_last_n=self.run.checkpoint.keep_last_n,
-            final=final,
-            world=self.world,
+        return self.checkpointer.save(
+            self.student, self.optimizer, self.lr_scheduler, self._progress(), final=final
         )
 
     def _progress(self) -> Progress:
+        tracker = self.validator.tracker if self.validator is not None else None
         return Progress(
             self.global_step,
             self.epoch,
             int(self.run.seed or 0),
-            validation=self.tracker.state_dict() if self.tracker is not None else {},
-        )
-
-    def _source(self) -> StudentSource:
-        src = self.sources["model"]
-        return StudentSource(
-            model_type=src.model_type,
-            source_dir=src.folder,
-            lora=self.run.lora,
-            backend=src.backend,
-            tokenizer_files=models.tokenizer_files_to_copy(self._node("tokenizer")),
+            validation=tracker.state_dict() if tracker is not None else {},
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:

@@ -1,0 +1,230 @@
+"""What every recipe does the same way: device, components, tokenizer, model checks and loading.
+
+``kd run kd`` and ``kd run teacher_logits`` (and ``kd validate``, which runs the first one's
+checks) share one :class:`RunContext`: the device of this rank, the one way a config key becomes a
+component, the checked tokenizer, the weight-free checks of the models (:meth:`inspect_models`),
+and the one way a model is built, loaded and prepared (:meth:`load_model`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from kd import checkpoint, models, outputs, stored_logits
+from kd.config.instantiate import build_component
+from kd.config.run import RunConfig
+from kd.device import check_device
+from kd.distributed import WorldInfo
+from kd.errors import KDUserError
+from kd.prepare import ShardSpec, materialize, shard_spec
+
+__all__ = ["CHECKPOINTER_OF", "ModelFacts", "RunContext"]
+
+# The checkpointer of each model key (torchtune builders only: a Hugging Face model's folder is
+# its checkpoint).
+CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the weight-free checks learnt of the models (meta-device builds).
+
+    Attributes:
+        student_vocab: the student's output rows (Vs).
+        teacher_vocab: the teacher's (Vt), when ``teacher_model`` is set.
+        tokenizer_max: the largest id the tokenizer emits.
+        sources: where each model whose weights the run reads comes from, by model key.
+        lora: whether the student is a LoRA model.
+        teacher_source: where ``teacher_model``'s weights are (also when only identifying stored
+            logits), or None without ``teacher_model``.
+    """
+
+    student_vocab: int
+    teacher_vocab: int | None
+    tokenizer_max: int
+    sources: dict[str, models.WeightsSource]
+    lora: bool
+    teacher_source: models.WeightsSource | None
+
+    @property
+    def shared_vocab(self) -> int:
+        """``min(Vs, Vt)`` (Vs without a teacher)."""
+        return min(self.student_vocab, self.teacher_vocab or self.student_vocab)
+
+
+class RunContext:
+    """One rank's view of a run: its device and dtype, and the components of its config.
+
+    Args:
+        run: the typed config.
+        world: this process's place in the job.
+    """
+
+    def __init__(self, run: RunConfig, world: WorldInfo):
+        self.run = run
+        self.world = world
+        self.device = torch.device(run.device)
+        if world.distributed and self.device.type == "cuda":
+            self.device = torch.device("cuda", world.local_rank)
+        self.dtype = models.DTYPES[run.dtype]
+
+    def build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
+        """The component of config key ``key`` (allow-listed ``_component_``), called with
+        ``args`` and ``kwargs`` on top of the node's own arguments."""
+        node = self.run.components[key]
+        return build_component(
+            key, node, *args, trust=self.run.trust_remote_components, fix=fix, **kwargs
+        )
+
+    def node(self, key: str) -> dict[str, Any]:
+        """Component ``key``'s plain values, for kd's functions (empty when it is absent)."""
+        node = self.run.components[key]
+        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
+
+    # ------------------------------------------------------------ checks (no weight read)
+    def check_device(self) -> None:
+        check_device(self.run.device)
+
+    def tokenizer(self) -> Any:
+        """The run's tokenizer, its files checked and a test text encoded."""
+        return models.checked_tokenizer(
+            lambda: self.build("tokenizer", fix="check the tokenizer files and arguments"),
+            models.tokenizer_files(self.node("tokenizer")),
+        )
+
+    def inspect_models(self, tokenizer: Any, *, read: Sequence[str]) -> ModelFacts:
+        """Build the models on the meta device and check what needs no weight.
+
+        Checked: each builder built a decoder; the tokenizer's ids against both vocabularies;
+        for the models in ``read`` (whose weights the run reads), ``tokenizer.max_seq_len``
+        against the model and its config.json against its safetensors headers; a Hugging Face
+        teacher's own tokenizer against the run's.
+
+        Args:
+            tokenizer: the run's tokenizer (:meth:`tokenizer`).
+            read: the model keys (``model``, ``teacher_model``) whose weights the run reads.
+
+        Raises:
+            KDUserError: every problem found, one line each.
+        """
+        with torch.device("meta"):
+            student = self.build("model", fix="fix the builder's arguments")
+            teacher = self.build("teacher_model", fix="fix the builder's arguments")
+        built = {"model": student, "teacher_model": teacher}
+        checked = {k: m if k in read else None for k, m in built.items()}
+        checked["model"] = student  # the student's builder is always checked
+        models.check_decoders({k: (self.node(k).get("_component_"), m) for k, m in checked.items()})
+        tokenizer_max = models.tokenizer_max_id(tokenizer)
+        teacher_read = "teacher_model" in read
+        problems = models.check_vocab(
+            tokenizer_max=tokenizer_max,
+            student_vocab=models.vocab_size(student),
+            teacher_vocab=models.vocab_size(teacher) if teacher_read else None,
+        )
+        problems += models.max_seq_len_problems(
+            {k: m for k, m in built.items() if k in read}, max_seq_len=self.run.max_seq_len
+        )
+        sources = {}
+        for key in read:
+            src = sources[key] = self.weights_source(key, built[key])
+            problems += checkpoint.checkpoint_config_problems(
+                str(src.folder),
+                src.files,
+                key=src.key,
+                heads=models.attention_shape(built[key]),
+                folder_arg=src.field,
+            )
+        if problems:
+            raise KDUserError("\n".join(problems))
+        if teacher_read:
+            models.check_teacher_tokenizer(
+                sources["teacher_model"],
+                self.node("tokenizer"),
+                teacher_vocab=models.vocab_size(teacher),
+                student_vocab=models.vocab_size(student),
+            )
+        teacher_source = sources.get("teacher_model")
+        if teacher is not None and teacher_source is None:
+            teacher_source = self.weights_source("teacher_model", teacher)
+        return ModelFacts(
+            student_vocab=models.vocab_size(student),
+            teacher_vocab=models.vocab_size(teacher) if teacher is not None else None,
+            tokenizer_max=tokenizer_max,
+            sources=sources,
+            lora=models.is_lora(student),
+            teacher_source=teacher_source,
+        )
+
+    def weights_source(self, key: str, model: nn.Module) -> models.WeightsSource:
+        ckpt_key = CHECKPOINTER_OF[key]
+        return models.weights_source(
+            model,
+            model_key=key,
+            model_node=self.node(key),
+            ckpt_key=ckpt_key,
+            ckpt_node=self.node(ckpt_key),
+        )
+
+    def teacher_identity(self, source: models.WeightsSource) -> dict[str, Any]:
+        """The fingerprint of ``teacher_model`` that stored teacher logits record."""
+        return stored_logits.teacher_identity(
+            str(self.node("teacher_model").get("_component_")), source.folder, source.files
+        )
+
+    # ------------------------------------------------------------ loading
+    def load_model(
+        self,
+        key: str,
+        source: models.WeightsSource,
+        prepare: Callable[[nn.Module, ShardSpec | None], nn.Module],
+        *,
+        run_dir: Any = None,
+        compile: bool | None = None,
+    ) -> nn.Module:
+        """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
+        by ``prepare`` (and sharded when distributed: rank 0 alone reads the files,
+        :func:`kd.prepare.materialize`), compiled when ``compile`` is set.
+
+        Args:
+            key: ``model`` or ``teacher_model``.
+            source: its weights (:meth:`inspect_models`).
+            prepare: :func:`kd.prepare.prepare_student` or :func:`kd.prepare.prepare_teacher`
+                with the recipe's flags.
+            run_dir: the run's output_dir, when a torchtune checkpointer's own ``output_dir``
+                must exist (``kd run kd``); None leaves it alone.
+            compile: compile its layers (None: the ``compile`` key).
+        """
+        ckpt_key = CHECKPOINTER_OF[key]
+
+        def build(device: torch.device) -> nn.Module:
+            with models.default_dtype(self.dtype), device:
+                return self.build(key, fix="fix the builder's arguments")
+
+        def load(model: nn.Module) -> None:
+            if run_dir is not None:
+                outputs.make_checkpointer_output_dir(
+                    self.node(ckpt_key).get("output_dir"), key=ckpt_key, run_dir=run_dir
+                )
+            models.load_model_weights(
+                model,
+                source,
+                lambda: self.build(
+                    ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
+                ),
+            )
+
+        shard = (
+            shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
+            if self.world.distributed
+            else None
+        )
+        model = materialize(build, load, prepare, device=self.device, shard=shard, world=self.world)
+        if self.run.compile if compile is None else compile:
+            models.compile_layers(model)
+        return model

@@ -1,0 +1,27 @@
+"""Teachers: one interface (:class:`Teacher`), one implementation per kind of teacher.
+
+* :class:`ModelTeacher`: a local model of either backend (:mod:`kd.teachers.model`).
+* :class:`FileTeacher`: top-k log-probs from kd's store or another tool's file
+  (:mod:`kd.teachers.files`).
+
+The recipe gets its teacher from :mod:`kd.teachers.build` (the one place the config's choice of
+teacher is read) and never asks which kind it holds.
+"""
+
+from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
+from kd.teachers.files import FileTeacher, FixedTopKTeacher, TeacherLogitsFile
+from kd.teachers.model import ModelTeacher, as_teacher
+from kd.teachers.signals import LogitsSignal, TopKSignal
+
+__all__ = [
+    "FileTeacher",
+    "FixedTopKTeacher",
+    "LogitsSignal",
+    "ModelTeacher",
+    "Teacher",
+    "TeacherInput",
+    "TeacherLogitsFile",
+    "TeacherSignal",
+    "TopKSignal",
+    "as_teacher",
+]

@@ -1,0 +1,95 @@
+"""The teacher interface: what the loss needs from a teacher for one batch.
+
+Every kind of teacher (a local model of either backend, kd's own store of top-k log-probs, another
+tool's top-k file, and whatever comes next: a served model, several teachers, hidden-state
+targets) implements :class:`Teacher`. The recipe holds one and calls it; it never asks which kind
+it holds. A teacher answers a :class:`TeacherInput` (a micro-batch) with a :class:`TeacherSignal`,
+and the signal owns the divergence between itself and the student (:meth:`TeacherSignal.loss`), so
+a new kind of signal brings its own loss without a branch in :mod:`kd.train`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from kd.config.run import LossSettings
+
+__all__ = ["Teacher", "TeacherInput", "TeacherSignal"]
+
+
+@dataclass(frozen=True)
+class TeacherInput:
+    """One micro-batch as a teacher sees it.
+
+    Attributes:
+        tokens: ``[b, s]`` input ids (right-padded).
+        labels: ``[b, s]`` the batch's labels, *not* shifted (files of top-k log-probs match rows
+            by ``(tokens, labels)``); None when the batch has none (a model teacher needs none).
+        rows: the dataset index of each example (files of top-k log-probs are indexed by row);
+            None for rows made during training (on-policy completions).
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor | None = None
+    rows: Sequence[int] | None = None
+
+
+@runtime_checkable
+class TeacherSignal(Protocol):
+    """A teacher's answer for one micro-batch, on the training device."""
+
+    def loss(
+        self,
+        student: nn.Module,
+        student_hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        settings: LossSettings,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, ce, kd)``, each a mean over labelled positions.
+
+        Args:
+            student: the student decoder (its output projection turns ``student_hidden`` into
+                logits, chunk by chunk when the loss is fused).
+            student_hidden: ``[b, s, d_s]`` the student's final-norm hidden states.
+            labels: ``[b, s]`` shifted labels (:func:`kd.train.shift_labels`).
+            settings: the loss settings.
+        """
+        ...
+
+    def labelled_hidden(self, index: torch.Tensor | None) -> torch.Tensor:
+        """The teacher's states at the flattened positions ``index`` (all when None), ``[n, d]``,
+        for :meth:`logits` (evaluation walks them chunk by chunk)."""
+        ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[n, V]`` fp32 of rows of :meth:`labelled_hidden`."""
+        ...
+
+
+@runtime_checkable
+class Teacher(Protocol):
+    """A source of teacher signals, loaded and ready (see :mod:`kd.teachers.build` for how the
+    config chooses one).
+
+    Attributes:
+        generator: the model that can sample completions (on-policy ``seq_kd``), or None when the
+            teacher is not a local model.
+    """
+
+    generator: nn.Module | None
+
+    def signal(self, batch: TeacherInput) -> TeacherSignal:
+        """The teacher's signal for ``batch``, on the device the student trains on. Runs without
+        autograd."""
+        ...
+
+    def release(self) -> None:
+        """Free what one batch needed and the next does not (a sharded teacher's gathered
+        parameters). Collective when distributed."""
+        ...

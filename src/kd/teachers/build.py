@@ -1,0 +1,150 @@
+"""The one place a config's teacher is chosen, and each kind's lifecycle before it teaches.
+
+:func:`teacher_source` reads the config once and returns what the run's teacher is made from:
+
+* ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
+  file; ``teacher_model``, if set, only identifies the teacher the store came from);
+* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
+* else None: plain fine-tuning.
+
+A source has the recipe's phases: :meth:`TeacherSource.check` runs every weight-free check
+(``kd validate`` and ``kd run`` before any weight loads), :meth:`TeacherSource.load` returns the
+:class:`kd.teachers.Teacher`. A new kind of teacher is a new source and teacher here, plus its
+config keys; the recipe does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kd import foreign_logits, models, stored_logits
+from kd.config.run import RunConfig, TeacherLogitsSettings
+from kd.errors import KDUserError
+from kd.prepare import prepare_teacher
+from kd.run_context import ModelFacts, RunContext
+from kd.teachers.base import Teacher
+from kd.teachers.files import FileTeacher, TeacherLogitsFile
+from kd.teachers.model import ModelTeacher
+
+__all__ = ["ModelTeacherSource", "StoredTeacherSource", "TeacherSource", "teacher_source"]
+
+
+class TeacherSource(Protocol):
+    """How the config names the run's teacher, before it is loaded.
+
+    Attributes:
+        reads: the model keys whose weights this teacher reads (checked before loading).
+        needs_rows: whether batches must carry their dataset row indices (files are indexed by
+            row).
+    """
+
+    reads: tuple[str, ...]
+    needs_rows: bool
+
+    def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        """Every check that needs no weight, against the run's models and training data."""
+        ...
+
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
+        """The teacher, ready (collective when distributed)."""
+        ...
+
+
+def teacher_source(run: RunConfig) -> TeacherSource | None:
+    """The run's teacher source (see the module docstring), or None without a teacher."""
+    if run.teacher_logits is not None:
+        return StoredTeacherSource(run)
+    if run.components["teacher_model"] is not None:
+        return ModelTeacherSource()
+    return None
+
+
+class ModelTeacherSource:
+    """``teacher_model`` (+ ``teacher_checkpointer`` for a torchtune builder): a local model."""
+
+    reads = ("teacher_model",)
+    needs_rows = False
+
+    def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        # Its shapes, files and tokenizer were checked with the student's
+        # (RunContext.inspect_models reads every key of ``reads``).
+        pass
+
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ModelTeacher:
+        model = ctx.load_model(
+            "teacher_model",
+            facts.sources["teacher_model"],
+            lambda m, shard: prepare_teacher(m, shard=shard),
+            run_dir=run_dir,
+        )
+        return ModelTeacher(model)
+
+
+class StoredTeacherSource:
+    """``teacher_logits:``: top-k log-probs from kd's store or another tool's file."""
+
+    reads: tuple[str, ...] = ()
+    needs_rows = True
+
+    def __init__(self, run: RunConfig):
+        assert run.teacher_logits is not None
+        self.run = run
+        self.settings: TeacherLogitsSettings = run.teacher_logits
+        self.reader: TeacherLogitsFile | None = None
+        self.vocab: int | None = None
+
+    def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        """Open the file and check it against this run: every row of the data (by hash), and for
+        kd's store the teacher (when the config names one), tokenizer files, max_seq_len,
+        temperature and k."""
+        settings, run = self.settings, self.run
+        rows = (dataset[i] for i in range(len(dataset)))
+        fingerprint = stored_logits.dataset_fingerprint(
+            stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
+        )
+        if settings.format != "kd":
+            source_t = settings.source_temperature
+            reader = foreign_logits.ForeignLogitsReader(
+                settings.path,
+                format=settings.format,
+                k=settings.k,
+                alpha=1.0 if source_t is None else source_t / run.loss.temperature,
+                max_seq_len=run.max_seq_len,
+                student_vocab=facts.student_vocab,
+            )
+            if reader.fingerprint != fingerprint:
+                raise KDUserError(
+                    f"dataset: its {len(dataset)} rows are not the {reader.num_rows} rows "
+                    f"of {settings.path} (teacher_logits.path, by hash); set dataset to "
+                    f"{{_component_: kd.data.pretokenized_dataset, data_files: {settings.path}}}"
+                )
+            self.reader = reader
+            return
+        store = stored_logits.TeacherLogitsReader(settings.path)
+        source = facts.teacher_source
+        stored_logits.check_store_matches(
+            store.manifest,
+            settings.path,
+            tokenizer_sha256=stored_logits.files_sha256(
+                models.tokenizer_files(ctx.node("tokenizer"))
+            ),
+            max_seq_len=run.max_seq_len,
+            dataset_fingerprint=fingerprint,
+            temperature=run.loss.temperature,
+            k=settings.k,
+            student_vocab=facts.student_vocab,
+            teacher=ctx.teacher_identity(source) if source is not None else None,
+        )
+        # The student's KD softmax runs over the shared vocabulary, as with a teacher model.
+        self.reader, self.vocab = store, int(store.manifest["vocab"])
+
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> FileTeacher:
+        assert self.reader is not None, "check() opens the file"
+        return FileTeacher(
+            self.reader,
+            k=self.settings.k,
+            vocab=self.vocab,
+            tail=self.settings.tail,
+            device=ctx.device,
+        )

@@ -1,0 +1,110 @@
+"""Teachers read from files of top-k log-probs: kd's own store and other tools' files.
+
+Both readers (:class:`kd.stored_logits.TeacherLogitsReader`, kd's Parquet store;
+:class:`kd.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
+:class:`TeacherLogitsFile`, the one reader interface; :class:`FileTeacher` turns either into a
+:class:`kd.teachers.Teacher`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from kd.teachers.base import TeacherInput
+from kd.teachers.signals import TopKSignal
+
+__all__ = ["FileTeacher", "FixedTopKTeacher", "TeacherLogitsFile"]
+
+
+class TeacherLogitsFile(Protocol):
+    """A file (or folder) of the teacher's top-k log-probs per labelled position of each row.
+
+    Attributes:
+        num_rows: rows it holds (dataset rows ``0 .. num_rows - 1``).
+    """
+
+    num_rows: int
+
+    def batch(
+        self,
+        rows: Sequence[int],
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        k: int,
+        ignore_index: int = -100,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids [b, s, k] int64, logprobs [b, s, k])`` of dataset rows ``rows`` (tokens and
+        unshifted labels ``[b, s]``), aligned with the shifted labels; rows are checked against
+        what the file was computed on."""
+        ...
+
+
+class FileTeacher:
+    """The teacher of a :class:`TeacherLogitsFile`: no model, no weights in memory.
+
+    Args:
+        reader: the opened, checked file.
+        k: entries used per position (``teacher_logits.k``).
+        vocab: the vocabulary the log-probs were taken over (the student's softmax runs over the
+            same first ``vocab`` entries); None for the student's whole vocabulary.
+        tail: ``teacher_logits.tail``.
+        device: where the student trains.
+    """
+
+    generator: nn.Module | None = None
+
+    def __init__(
+        self,
+        reader: TeacherLogitsFile,
+        *,
+        k: int,
+        vocab: int | None,
+        tail: str,
+        device: torch.device,
+    ):
+        self.reader = reader
+        self.k = k
+        self.vocab = vocab
+        self.tail = tail
+        self.device = device
+
+    def signal(self, batch: TeacherInput) -> TopKSignal:
+        if batch.rows is None or batch.labels is None:
+            raise ValueError("a file teacher needs the dataset rows and labels of the batch")
+        ids, logprobs = self.reader.batch(batch.rows, batch.tokens, batch.labels, k=self.k)
+        return TopKSignal(
+            ids=ids.to(self.device),
+            logprobs=logprobs.to(self.device),
+            vocab=self.vocab,
+            tail=self.tail,
+        )
+
+    def release(self) -> None:
+        pass
+
+
+class FixedTopKTeacher:
+    """A teacher that answers every batch with the same top-k tensors (the memory tracer's
+    stand-in for a file teacher: fake tensors of the shapes a reader returns).
+
+    Args:
+        ids: ``[b, s, k]`` int64.
+        logprobs: ``[b, s, k]``.
+    """
+
+    generator: nn.Module | None = None
+
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor):
+        self.ids = ids
+        self.logprobs = logprobs
+
+    def signal(self, batch: TeacherInput) -> TopKSignal:
+        return TopKSignal(ids=self.ids, logprobs=self.logprobs)
+
+    def release(self) -> None:
+        pass

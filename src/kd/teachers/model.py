@@ -1,0 +1,45 @@
+"""A local teacher model of either backend (torchtune builder or Hugging Face folder), frozen.
+
+It is the teacher of ``kd run kd`` with ``teacher_model``, the scorer of on-policy completions,
+the sampler of ``on_policy.seq_kd``, and the model ``kd run teacher_logits`` stores top-k
+log-probs of.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kd import distributed
+from kd.teachers.base import TeacherInput
+from kd.teachers.signals import LogitsSignal
+
+__all__ = ["ModelTeacher", "as_teacher"]
+
+
+class ModelTeacher:
+    """A prepared teacher decoder (frozen, hidden-output mode, possibly FSDP2-sharded).
+
+    Args:
+        model: the decoder, as :func:`kd.prepare.prepare_teacher` leaves it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.generator: nn.Module | None = model
+
+    def signal(self, batch: TeacherInput) -> LogitsSignal:
+        with torch.no_grad():
+            hidden = self.model(batch.tokens)  # [b, s, d_t]
+        return LogitsSignal(hidden=hidden, model=self.model)
+
+    def release(self) -> None:
+        # Free the sharded teacher's gathered root (norm + output) before the backward peaks.
+        distributed.reshard(self.model)
+
+
+def as_teacher(teacher: object) -> object:
+    """``teacher`` as a :class:`kd.teachers.Teacher`: a bare decoder becomes a
+    :class:`ModelTeacher` (the library functions of :mod:`kd.train` and :mod:`kd.evaluate` take
+    either), a teacher or None is returned as it is."""
+    return ModelTeacher(teacher) if isinstance(teacher, nn.Module) else teacher
