@@ -2,7 +2,8 @@
 
 Two backends build the models: torchtune builders (``TransformerDecoder``, loaded through torchtune
 checkpointers, all imported via :mod:`kd._torchtune`) and transformers (any causal LM of a local
-Hugging Face folder, :mod:`kd.hf.model`). The functions here take either and dispatch on the model,
+Hugging Face folder, :mod:`kd.hf.model`), each behind one adapter (:mod:`kd.backends`). The
+functions here take either and call the adapter :func:`kd.backends.backend_of` picks,
 so the recipe, :mod:`kd.prepare`, :mod:`kd.distributed` and the memory tracers never ask which
 backend built a model. The recipes run the decoders *without* their output projection
 (:func:`set_hidden_output`) and hand the final-norm hidden states plus the projection weight
@@ -13,25 +14,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import types
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from kd import _torchtune as tt
-from kd.config.run import LoraSettings
+from kd.backends import TORCHTUNE as TORCHTUNE_BACKEND
+from kd.backends import TRANSFORMERS as TRANSFORMERS_BACKEND
+from kd.backends import WeightsSource, backend_named, backend_of
+
+# Re-exported: the torchtune backend's loading, as kd.models always offered it.
+from kd.backends.torchtune import MODEL_KEY as MODEL_KEY
+from kd.backends.torchtune import load_checkpointer_weights as load_checkpointer_weights
+from kd.backends.torchtune import load_weights as load_weights
+from kd.backends.torchtune import peft_adapter_config as peft_adapter_config
 from kd.errors import KDUserError, brief
-from kd.hf import model as hf
 from kd.hf import tokenization
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-MODEL_KEY = tt.MODEL_KEY  # the model weights' key in a torchtune checkpointer's state
 
 
 @contextlib.contextmanager
@@ -56,44 +58,28 @@ def has_plain_output(model: nn.Module) -> bool:
     A LoRA output projection (``apply_lora_to_output``) is not: its logits need the adapter path, so the
     recipe uses the unfused loss for such students.
     """
-    if hf.is_hf_model(model):
-        return hf.has_plain_output(model)
-    out = model.output
-    return isinstance(out, tt.TiedLinear) or type(out) is nn.Linear
+    return backend_of(model).has_plain_output(model)
 
 
 def output_weight(model: nn.Module) -> torch.Tensor:
     """The output projection weight ``[V, D]`` (the embedding for tied models; the base weight of LoRA)."""
-    if hf.is_hf_model(model):
-        return hf.output_weight(model)
-    out = model.output
-    if isinstance(out, tt.TiedLinear):
-        return out.tied_module.weight
-    return out.weight
+    return backend_of(model).output_weight(model)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers: what FSDP2 shards one by one, activation checkpointing wraps and
     ``compile`` compiles."""
-    return hf.decoder_layers(model) if hf.is_hf_model(model) else model.layers
+    return backend_of(model).decoder_layers(model)
 
 
 def input_embeddings(model: nn.Module) -> nn.Module:
     """The token embedding module."""
-    return hf.input_embeddings(model) if hf.is_hf_model(model) else model.tok_embeddings
+    return backend_of(model).input_embeddings(model)
 
 
 def is_tied(model: nn.Module) -> bool:
     """Whether the output projection shares the embedding's weight."""
-    if hf.is_hf_model(model):
-        return hf.is_tied(model)
-    return isinstance(model.output, tt.TiedLinear)
-
-
-def _unembed_hidden(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    # Replaces TransformerDecoder.unembed for this instance: final norm only, no projection and no
-    # fp32 upcast of [b, s, v] logits.
-    return self.norm(h)
+    return backend_of(model).is_tied(model)
 
 
 def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:
@@ -101,25 +87,16 @@ def set_hidden_output(model: nn.Module, enabled: bool = True) -> None:
 
     The module's forward (and so FSDP's hooks on it) still runs; only the last projection is skipped.
     """
-    if hf.is_hf_model(model):
-        hf.set_hidden_output(model, enabled)
-    elif enabled:
-        model.unembed = types.MethodType(_unembed_hidden, model)
-    elif "unembed" in model.__dict__:
-        del model.__dict__["unembed"]
+    backend_of(model).set_hidden_output(model, enabled)
 
 
 def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Full logits ``[..., V]`` in fp32 from hidden states (the unfused path and evaluation)."""
-    if hf.is_hf_model(model):
-        return hf.logits_from_hidden(model, hidden)
-    return model.output(hidden).float()
+    return backend_of(model).logits_from_hidden(model, hidden)
 
 
 def is_lora(model: nn.Module) -> bool:
-    if hf.is_hf_model(model):
-        return hf.is_lora(model)
-    return any(isinstance(m, tt.LoRALinear) for m in model.modules())
+    return backend_of(model).is_lora(model)
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -163,88 +140,8 @@ def set_buffers(
         module._buffers[leaf] = value.to(device)
 
 
-def load_weights(
-    model: nn.Module, state_dict: dict[str, torch.Tensor], *, lora: bool, source: str
-) -> None:
-    """Load a torchtune-format state dict into ``model``.
-
-    A LoRA student loads its base weights (adapters start from their init); anything else must match
-    exactly. Mismatches are user errors (wrong checkpoint or wrong builder for it).
-    """
-    try:
-        if lora:
-            missing, unexpected = model.load_state_dict(state_dict, strict=False)
-            lora_names = {n for n in missing if "lora" in n or "magnitude" in n}
-            missing = [n for n in missing if n not in lora_names]
-            if missing or unexpected:
-                raise RuntimeError(f"missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
-        else:
-            model.load_state_dict(state_dict, strict=True)
-    except RuntimeError as e:
-        # torch's first line is a generic header; the key names follow it.
-        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-        first = " ".join(lines[1:] or lines)[:300]
-        raise KDUserError(
-            f"{source}: the checkpoint does not match the model builder ({first}); check that "
-            f"{source}.checkpoint_dir holds weights of the model named in the builder"
-        ) from e
-
-
-def load_checkpointer_weights(
-    model: nn.Module, build_checkpointer: Callable[[], Any], *, key: str, folder: Any
-) -> None:
-    """Load ``model``'s weights through a torchtune checkpointer (:func:`load_weights`).
-
-    Args:
-        model: the built model.
-        build_checkpointer: builds the checkpointer of ``key`` (raising :class:`KDUserError`).
-        key: the checkpointer key (``checkpointer``, ``teacher_checkpointer``), named in errors.
-        folder: its ``checkpoint_dir``, named in errors.
-
-    Raises:
-        KDUserError: the checkpointer cannot be built, its weights do not match the model, or
-            reading them failed (truncated or foreign files: whatever torchtune or safetensors
-            raise becomes one line naming ``key``). Out-of-memory errors pass through.
-    """
-    try:
-        checkpointer = build_checkpointer()
-        state = checkpointer.load_checkpoint()[MODEL_KEY]
-        load_weights(model, state, lora=is_lora(model), source=key)
-    except (KDUserError, torch.OutOfMemoryError):
-        raise
-    except Exception as e:  # noqa: BLE001 - torchtune/safetensors raise many types
-        raise KDUserError(
-            f"{key}: cannot load the weights in {folder} ({brief(e)}); check that "
-            f"{key}.checkpoint_files are complete safetensors of the model its "
-            "builder names (re-download truncated files)"
-        ) from e
-
-
-TORCHTUNE = "torchtune"
-TRANSFORMERS = "transformers"
-
-
-@dataclass(frozen=True)
-class WeightsSource:
-    """Where a model's weights come from (either backend).
-
-    Attributes:
-        key: the config key whose folder it is (``checkpointer``, ``teacher_checkpointer`` for a
-            torchtune builder; ``model``, ``teacher_model`` for a Hugging Face folder).
-        field: that key's folder argument (``checkpoint_dir`` or ``path``), named in errors.
-        folder: the Hugging Face folder (config.json, safetensors, tokenizer files).
-        files: the weight files: the checkpointer's ``checkpoint_files`` as given, or the folder's
-            safetensors names.
-        backend: ``torchtune`` or ``transformers``.
-        model_type: the torchtune ``ModelType`` name, or config.json's ``model_type``.
-    """
-
-    key: str
-    field: str
-    folder: Path
-    files: Any
-    backend: str
-    model_type: str
+TORCHTUNE = TORCHTUNE_BACKEND.name  # WeightsSource.backend of each
+TRANSFORMERS = TRANSFORMERS_BACKEND.name
 
 
 def weights_source(
@@ -261,19 +158,8 @@ def weights_source(
     Raises:
         KDUserError: a Hugging Face folder without config.json or without safetensors weights.
     """
-    if hf.is_hf_model(model):
-        folder = Path(str(model_node["path"])).expanduser()
-        files = [p.name for p in hf.weight_files(folder, key=model_key)]
-        return WeightsSource(
-            model_key, "path", folder, files, TRANSFORMERS, str(model.config.model_type)
-        )
-    return WeightsSource(
-        ckpt_key,
-        "checkpoint_dir",
-        Path(str(ckpt_node.get("checkpoint_dir"))).expanduser(),
-        ckpt_node.get("checkpoint_files"),
-        TORCHTUNE,
-        str(ckpt_node.get("model_type")),
+    return backend_of(model).weights_source(
+        model, model_key=model_key, model_node=model_node, ckpt_key=ckpt_key, ckpt_node=ckpt_node
     )
 
 
@@ -296,7 +182,9 @@ def check_teacher_tokenizer(
         KDUserError: the first difference, naming both folders.
     """
     path = tokenizer_node.get("path")
-    if teacher is None or teacher.backend != TRANSFORMERS or not isinstance(path, str):
+    if teacher is None or not backend_named(teacher.backend).folder_is_model:
+        return
+    if not isinstance(path, str):
         return
     if tokenizer_node.get("_component_") != "kd.hf.tokenizer":
         return
@@ -315,30 +203,12 @@ def load_model_weights(
 ) -> None:
     """Load ``model``'s weights from ``source`` (its folder's safetensors, or its torchtune
     checkpointer, built by ``build_checkpointer``); a LoRA student's adapters keep their init."""
-    if source.backend == TRANSFORMERS:
-        hf.load_folder_weights(model, source.folder, key=source.key)
-    else:
-        load_checkpointer_weights(model, build_checkpointer, key=source.key, folder=source.folder)
+    backend_named(source.backend).load_weights(model, source, build_checkpointer)
 
 
 def setup_lora_trainable(model: nn.Module) -> None:
     """Only adapter weights train; everything else is frozen."""
-    if hf.is_hf_model(model):
-        hf.setup_lora_trainable(model)
-    else:
-        tt.set_trainable_params(model, tt.get_adapter_params(model))
-
-
-def peft_adapter_config(lora: LoraSettings) -> dict[str, Any]:
-    """The PEFT ``adapter_config.json`` fields of a torchtune LoRA student."""
-    return {
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "target_modules": tt.get_lora_module_names(
-            list(lora.attn_modules), lora.apply_to_mlp, lora.apply_to_output
-        ),
-        "peft_type": "LORA",
-    }
+    backend_of(model).setup_lora_trainable(model)
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
@@ -385,14 +255,7 @@ def tokenizer_max_id(tokenizer: Any) -> int:
 
 def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
     """``(num_heads, num_kv_heads, head_dim)`` of a decoder's attention, or None."""
-    if hf.is_hf_model(model):
-        return hf.attention_shape(model)
-    layers = getattr(model, "layers", None)
-    attn = getattr(layers[0], "attn", None) if layers is not None and len(layers) else None
-    values = [getattr(attn, name, None) for name in ("num_heads", "num_kv_heads", "head_dim")]
-    if all(isinstance(v, int) for v in values):
-        return values[0], values[1], values[2]
-    return None
+    return backend_of(model).attention_shape(model)
 
 
 TOKENIZER_PROBE = tokenization.TOKENIZER_PROBE
@@ -577,9 +440,7 @@ def check_decoders(built: dict[str, tuple[Any, Any]]) -> None:
         KDUserError: naming the key and its ``_component_``.
     """
     for key, (target, model) in built.items():
-        if model is None or hf.is_hf_model(model):
-            continue
-        if not (isinstance(model, nn.Module) and hasattr(model, "output")):
+        if model is not None and not backend_of(model).is_decoder(model):
             raise KDUserError(
                 f"{key}._component_: {target} built a {type(model).__name__}, not a decoder "
                 f"with an output projection; set {key}._component_ to a torchtune model builder"
@@ -595,9 +456,7 @@ def max_seq_len_problems(built: dict[str, Any], *, max_seq_len: int | None) -> l
     """
     problems = []
     for key, model in built.items():
-        longest = (
-            hf.max_seq_len(model) if hf.is_hf_model(model) else getattr(model, "max_seq_len", None)
-        )
+        longest = backend_of(model).max_seq_len(model)
         if isinstance(longest, int) and max_seq_len is not None and max_seq_len > longest:
             problems.append(
                 f"tokenizer.max_seq_len: {max_seq_len} tokens per example but {key} takes "

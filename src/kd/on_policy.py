@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from kd import distributed, models
+from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError
-from kd.hf import model as hf
 from kd.metrics import PhaseTimer
 from kd.teachers import Teacher
 
@@ -290,11 +290,6 @@ def sample_next(
     return torch.cat(picks)
 
 
-def _cache_dtype(model: nn.Module) -> torch.dtype:
-    return next(p for p in model.parameters() if p.is_floating_point()).dtype
-
-
-@torch.no_grad()
 def rollout(
     model: nn.Module,
     prompts: Prompts,
@@ -342,12 +337,12 @@ def rollout(
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-    step_fn = _hf_steps if hf.is_hf_model(model) else _torchtune_steps
+    backend = backend_of(model)
     steps = 0
     was_training = model.training
     model.eval()
     try:
-        with step_fn(model, mask, width=width, total=total) as forward:
+        with backend.kv_cache_steps(model, mask, width=width, total=total) as forward:
             hidden = forward(prompts.tokens, 0)
             for t in range(max_new_tokens):
                 logits = models.logits_from_hidden(model, hidden[:, -1])
@@ -375,74 +370,6 @@ def rollout(
     finally:
         model.train(was_training)
     return Completions(tokens=out, lengths=lengths, steps=steps)
-
-
-class _torchtune_steps:
-    """torchtune's KV cache (``local_kv_cache``) and padding masks: ``forward(x, start)`` runs
-    positions ``start .. start + len(x)`` of the ``[b, total]`` sequence."""
-
-    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
-        from kd._torchtune import (
-            get_causal_mask_from_padding_mask,
-            get_position_ids_from_padding_mask,
-            local_kv_cache,
-        )
-
-        self.model, self.mask, self.total = model, mask, total
-        self.positions = get_position_ids_from_padding_mask(mask)
-        self.prefill_mask = get_causal_mask_from_padding_mask(mask[:, :width], target_seq_len=total)
-        self.cache = local_kv_cache(
-            model,
-            batch_size=mask.shape[0],
-            device=mask.device,
-            dtype=_cache_dtype(model),
-            decoder_max_seq_len=total,
-        )
-        self.keys = torch.arange(total, device=mask.device)
-
-    def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        self.cache.__enter__()
-        return self.forward
-
-    def __exit__(self, *exc: object) -> None:
-        self.cache.__exit__(*exc)
-
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        n = x.shape[1]
-        if start == 0:
-            attn = self.prefill_mask
-        else:  # [b, 1, total]: the real tokens up to this position
-            attn = (self.mask & (self.keys <= start))[:, None, :]
-        return self.model(x, input_pos=self.positions[:, start : start + n], mask=attn)
-
-
-class _hf_steps:
-    """transformers' cache (``DynamicCache``, filled by the decoder) with the 2-D padding mask
-    and position ids of left-padded prompts."""
-
-    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
-        from transformers import DynamicCache
-
-        self.model, self.mask = model, mask.long()
-        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        config = getattr(model, "config", None)
-        self.cache = DynamicCache(config=config)
-
-    def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
-        return self.forward
-
-    def __exit__(self, *exc: object) -> None:
-        del self.cache
-
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        end = start + x.shape[1]
-        return self.model(
-            x,
-            attention_mask=self.mask[:, :end],
-            position_ids=self.positions[:, start:end],
-            past_key_values=self.cache,
-            use_cache=True,
-        )
 
 
 def training_batch(

@@ -17,17 +17,14 @@ from typing import Any
 
 import torch
 
-from kd import _torchtune as tt
-from kd import distributed, models
-from kd.checkpoint.convert import hf_to_tune_state_dict
-from kd.checkpoint.hf_folder import load_hf_weights, read_hf_config, save_hf_model, write_hf_folder
+from kd import distributed
+from kd.backends import backend_named
 from kd.checkpoint.layout import BEST_DIRNAME, RECIPE_STATE_FILE
 from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
-from kd.hf import model as hf
 
 log = logging.getLogger("kd")
 
@@ -166,49 +163,9 @@ def _model_writer(
     """Writes the student's HF files (``full``: its full state dict) into a folder."""
 
     def write_model(dest: Path) -> None:
-        lora = source.lora
-        if source.backend == TRANSFORMERS:
-            _write_hf_student(dest, student, full, source)
-            return
-        save_hf_model(
-            dest,
-            full,
-            model_type=source.model_type,
-            source_dir=source.source_dir,
-            # save_hf_model merges the LoRA keys of `full` into copies of the base weights.
-            adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
-            adapter_config=models.peft_adapter_config(lora) if lora else None,
-            extra_files=source.tokenizer_files,
-        )
+        backend_named(source.backend).export_student(dest, student, full, source)
 
     return write_model
-
-
-TRANSFORMERS = "transformers"
-
-
-def _write_hf_student(
-    dest: Path, student: torch.nn.Module, full: dict[str, torch.Tensor], source: StudentSource
-) -> None:
-    """A transformers student's folder: merged weights, and its PEFT adapter when LoRA."""
-    lora = source.lora
-    adapter_state = adapter_config = None
-    if lora is not None:
-        adapter_state = hf.peft_adapter_state_dict(full)
-        adapter_config = hf.peft_adapter_config(student, base=source.source_dir)
-    write_hf_folder(
-        dest,
-        hf.hf_state_dict(
-            student,
-            full,
-            lora_alpha=lora.alpha if lora else None,
-            rank=lora.rank if lora else None,
-        ),
-        source_dir=source.source_dir,
-        adapter_state=adapter_state,
-        adapter_config=adapter_config,
-        extra_files=source.tokenizer_files,
-    )
 
 
 # What restore_training_checkpoint reads from a recipe state, and the type each must have.
@@ -291,14 +248,8 @@ def _restore(
     weights: dict[str, torch.Tensor] = {}
     if source.lora is not None:
         weights = state.get("adapter", {})
-    elif rank0 and source.backend == TRANSFORMERS:
-        weights = hf.to_model_names(student, load_hf_weights(ckpt))
     elif rank0:
-        weights = hf_to_tune_state_dict(
-            load_hf_weights(ckpt),
-            model_type=source.model_type,
-            hf_config=read_hf_config(source.source_dir),
-        )
+        weights = backend_named(source.backend).saved_student_weights(student, ckpt, source)
     distributed.load_full_state_dict(student, weights, strict=source.lora is None, world=world)
     del weights
     distributed.load_optimizer_state_dict(

@@ -39,13 +39,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kd import _torchtune as tt
-from kd import checkpoint, data, distributed, models, stored_logits
-from kd.config.instantiate import build_component
+from kd import data, distributed, models, stored_logits
 from kd.config.run import RunConfig, run_config
-from kd.device import check_device
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError
-from kd.prepare import materialize, prepare_teacher, shard_spec
+from kd.prepare import prepare_teacher
+from kd.run_context import RunContext
+from kd.teachers import ModelTeacher, TeacherInput
 
 log = logging.getLogger("kd")
 
@@ -84,10 +84,8 @@ class TeacherLogitsRecipe:
     def __init__(self, run: RunConfig, *, world: WorldInfo):
         self.run = run
         self.world = world
-        self.device = torch.device(run.device)
-        if world.distributed and self.device.type == "cuda":
-            self.device = torch.device("cuda", world.local_rank)
-        self.dtype = models.DTYPES[run.dtype]
+        self.ctx = RunContext(run, world)
+        self.device = self.ctx.device
         settings = run.teacher_logits
         if settings is None:
             raise KDUserError(
@@ -109,79 +107,25 @@ class TeacherLogitsRecipe:
         self.folder = settings.path
         self.lock: Path | None = None
 
-    def _build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
-        return build_component(
-            key,
-            self.run.components[key],
-            *args,
-            trust=self.run.trust_remote_components,
-            fix=fix,
-            **kwargs,
-        )
-
-    def _node(self, key: str) -> dict[str, Any]:
-        node = self.run.components[key]
-        return OmegaConf.to_container(node, resolve=True) if node is not None else {}
-
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
         """Every check that needs no weight: device, tokenizer, both models' shapes (meta), the
         teacher's files, k against the vocabulary, the data (every row is read and hashed), and
         the folder (empty, or a store of this very config to resume)."""
-        run = self.run
-        check_device(run.device)
-        tok_files = models.tokenizer_files(self._node("tokenizer"))
-        self.tokenizer = models.checked_tokenizer(
-            lambda: self._build("tokenizer", fix="check the tokenizer files and arguments"),
-            tok_files,
-        )
-        with torch.device("meta"):
-            student = self._build("model", fix="fix the builder's arguments")
-            teacher = self._build("teacher_model", fix="fix the builder's arguments")
-        models.check_decoders(
-            {
-                "model": (self._node("model").get("_component_"), student),
-                "teacher_model": (self._node("teacher_model").get("_component_"), teacher),
-            }
-        )
-        student_vocab, teacher_vocab = models.vocab_size(student), models.vocab_size(teacher)
-        problems = models.check_vocab(
-            tokenizer_max=models.tokenizer_max_id(self.tokenizer),
-            student_vocab=student_vocab,
-            teacher_vocab=teacher_vocab,
-        )
-        problems += models.max_seq_len_problems(
-            {"teacher_model": teacher}, max_seq_len=run.max_seq_len
-        )
-        self.source = models.weights_source(
-            teacher,
-            model_key="teacher_model",
-            model_node=self._node("teacher_model"),
-            ckpt_key="teacher_checkpointer",
-            ckpt_node=self._node("teacher_checkpointer"),
-        )
-        problems += checkpoint.checkpoint_config_problems(
-            str(self.source.folder),
-            self.source.files,
-            key=self.source.key,
-            heads=models.attention_shape(teacher),
-            folder_arg=self.source.field,
-        )
-        if problems:
-            raise KDUserError("\n".join(problems))
-        models.check_teacher_tokenizer(
-            self.source,
-            self._node("tokenizer"),
-            teacher_vocab=teacher_vocab,
-            student_vocab=student_vocab,
-        )
-        vocab = min(student_vocab, teacher_vocab)
+        run, ctx = self.run, self.ctx
+        ctx.check_device()
+        self.tokenizer = ctx.tokenizer()
+        # The student's weights are never read: its config gives the vocabulary min(Vs, Vt).
+        facts = ctx.inspect_models(self.tokenizer, read=("teacher_model",))
+        self.facts = facts
+        teacher_vocab = facts.teacher_vocab
+        assert teacher_vocab is not None
+        vocab = facts.shared_vocab
         if self.settings.k > vocab:
             raise KDUserError(
                 f"teacher_logits.k: {self.settings.k} is more than the {vocab} shared "
                 f"vocabulary entries; set teacher_logits.k to {vocab} or less"
             )
-        del student, teacher
         self.dataset = data.build_dataset(
             run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
         )
@@ -191,13 +135,11 @@ class TeacherLogitsRecipe:
             for ex in (self.dataset[i] for i in range(len(self.dataset)))
         ]
         self.spec = stored_logits.StoreSpec(
-            teacher=stored_logits.teacher_identity(
-                str(self._node("teacher_model").get("_component_")),
-                self.source.folder,
-                self.source.files,
-            ),
+            teacher=ctx.teacher_identity(facts.sources["teacher_model"]),
             config_sha256=_sections_sha256(run),
-            tokenizer_sha256=stored_logits.files_sha256(tok_files),
+            tokenizer_sha256=stored_logits.files_sha256(
+                models.tokenizer_files(ctx.node("tokenizer"))
+            ),
             temperature=float(run.loss.temperature),
             k=self.settings.k,
             vocab=vocab,
@@ -258,38 +200,17 @@ class TeacherLogitsRecipe:
         counts[self.world.rank] = len(self.batches)
         # Every rank runs as many teacher forwards as the busiest one (FSDP2 collectives).
         self.steps = int(distributed.all_reduce_sum(counts).max())
-        self.teacher = None
+        self.teacher: ModelTeacher | None = None
         if self.steps == 0:
             return
-
-        def build(device: torch.device) -> torch.nn.Module:
-            with models.default_dtype(self.dtype), device:
-                return self._build("teacher_model", fix="fix the builder's arguments")
-
-        def load(model: torch.nn.Module) -> None:
-            models.load_model_weights(
-                model,
-                self.source,
-                lambda: self._build(
-                    "teacher_checkpointer",
-                    fix="check the checkpoint files",
-                    should_load_recipe_state=False,
-                ),
-            )
-
-        shard = (
-            shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
-            if self.world.distributed
-            else None
+        # The precompute's teacher is the KD run's teacher (not compiled: one pass over the data).
+        model = self.ctx.load_model(
+            "teacher_model",
+            self.facts.sources["teacher_model"],
+            lambda m, shard: prepare_teacher(m, shard=shard),
+            compile=False,
         )
-        self.teacher = materialize(
-            build,
-            load,
-            lambda m, s: prepare_teacher(m, shard=s),
-            device=self.device,
-            shard=shard,
-            world=self.world,
-        )
+        self.teacher = ModelTeacher(model)
 
     def _start_folder(self) -> None:
         try:
@@ -363,17 +284,17 @@ class TeacherLogitsRecipe:
         [n_labelled * k] int32, logprobs [n_labelled * k] float16)``."""
         examples = [self.dataset[r] for r in rows]
         batch = collate(examples)
-        tokens = batch["tokens"].to(self.device)  # [b, s]
-        hidden = self.teacher(tokens)  # [b, s, d]
+        assert self.teacher is not None
+        signal = self.teacher.signal(TeacherInput(batch["tokens"].to(self.device)))
         spec, chunk = self.spec, self.run.loss.chunk_size
         out = []
         for b, ex in enumerate(examples):
             n = len(ex["tokens"])
             positions = stored_logits.labelled_positions(batch["labels"][b, :n]).to(self.device)
-            h = hidden[b, positions]  # [n_labelled, d]
+            h = signal.hidden[b, positions]  # [n_labelled, d]
             ids, lps = [], []
             for start in range(0, h.size(0), chunk):
-                logits = models.logits_from_hidden(self.teacher, h[start : start + chunk])
+                logits = signal.logits(h[start : start + chunk])
                 i, lp = stored_logits.topk_logprobs(
                     logits, vocab=spec.vocab, temperature=spec.temperature, k=spec.k
                 )
@@ -382,7 +303,7 @@ class TeacherLogitsRecipe:
             flat_ids = torch.cat(ids).flatten() if ids else torch.zeros(0, dtype=torch.int32)
             flat_lps = torch.cat(lps).flatten() if lps else torch.zeros(0, dtype=torch.float16)
             out.append((n, flat_ids.numpy(), flat_lps.numpy()))
-        distributed.reshard(self.teacher)
+        self.teacher.release()
         return out
 
     def _write(self, name: str, rows: list[int], results: list[tuple[Any, ...]]) -> None:

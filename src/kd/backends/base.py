@@ -1,0 +1,131 @@
+"""The backend interface: what kd needs of a model, whichever library built it.
+
+Two backends build kd's models: torchtune builders (:mod:`kd.backends.torchtune`) and transformers
+(:mod:`kd.backends.transformers`, any causal LM of a local Hugging Face folder). Each implements
+:class:`Backend` once; :func:`kd.backends.backend_of` picks the one that built a model, and no
+other module asks which library a model comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["Backend", "WeightsSource"]
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where a model's weights come from (either backend).
+
+    Attributes:
+        key: the config key whose folder it is (``checkpointer``, ``teacher_checkpointer`` for a
+            torchtune builder; ``model``, ``teacher_model`` for a Hugging Face folder).
+        field: that key's folder argument (``checkpoint_dir`` or ``path``), named in errors.
+        folder: the Hugging Face folder (config.json, safetensors, tokenizer files).
+        files: the weight files: the checkpointer's ``checkpoint_files`` as given, or the folder's
+            safetensors names.
+        backend: the backend's name (``torchtune`` or ``transformers``).
+        model_type: the torchtune ``ModelType`` name, or config.json's ``model_type``.
+    """
+
+    key: str
+    field: str
+    folder: Path
+    files: Any
+    backend: str
+    model_type: str
+
+
+class Backend(Protocol):
+    """One library's models, as kd uses them (loading, preparing, the hidden forward, LoRA, the
+    KV cache of generation)."""
+
+    name: str
+    # Whether a model's weights folder is a whole Hugging Face model folder (config.json and
+    # tokenizer files beside the weights), which kd can compare with the run's tokenizer.
+    folder_is_model: bool
+
+    def is_decoder(self, model: Any) -> bool:
+        """Whether a builder's result is a decoder with an output projection."""
+        ...
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The layers FSDP2 shards one by one, activation checkpointing wraps, compile compiles."""
+        ...
+
+    def input_embeddings(self, model: nn.Module) -> nn.Module: ...
+
+    def output_weight(self, model: nn.Module) -> torch.Tensor:
+        """The output projection weight ``[V, D]`` (the embedding when tied; the base of LoRA)."""
+        ...
+
+    def is_tied(self, model: nn.Module) -> bool: ...
+
+    def has_plain_output(self, model: nn.Module) -> bool:
+        """Whether the output projection is a plain (or tied) linear the fused loss can use."""
+        ...
+
+    def set_hidden_output(self, model: nn.Module, enabled: bool) -> None:
+        """Make ``model(tokens)`` return final-norm hidden states ``[b, s, d]``."""
+        ...
+
+    def logits_from_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits ``[..., V]`` in fp32 from hidden states."""
+        ...
+
+    def is_lora(self, model: nn.Module) -> bool: ...
+
+    def setup_lora_trainable(self, model: nn.Module) -> None:
+        """Only the adapters train."""
+        ...
+
+    def attention_shape(self, model: nn.Module) -> tuple[int, int, int] | None:
+        """``(num_heads, num_kv_heads, head_dim)``, or None."""
+        ...
+
+    def max_seq_len(self, model: nn.Module) -> int | None: ...
+
+    def weights_source(
+        self,
+        model: nn.Module,
+        *,
+        model_key: str,
+        model_node: Mapping[str, Any],
+        ckpt_key: str,
+        ckpt_node: Mapping[str, Any],
+    ) -> WeightsSource:
+        """Where a built model's weights are (its folder, or its checkpointer's)."""
+        ...
+
+    def load_weights(
+        self, model: nn.Module, source: WeightsSource, build_checkpointer: Callable[[], Any]
+    ) -> None:
+        """Load ``model``'s weights from ``source``; a LoRA student's adapters keep their init."""
+        ...
+
+    def export_student(
+        self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
+    ) -> None:
+        """Write the student (``full``: its full state dict) as a Hugging Face folder ``dest``
+        that transformers loads (:class:`kd.checkpoint.training.StudentSource` says from what)."""
+        ...
+
+    def saved_student_weights(
+        self, student: nn.Module, ckpt: Path, source: Any
+    ) -> dict[str, torch.Tensor]:
+        """The weights of step checkpoint ``ckpt`` in the student's parameter names."""
+        ...
+
+    def kv_cache_steps(
+        self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int
+    ) -> Any:
+        """A context manager whose value ``forward(x, start)`` runs positions ``start ..
+        start + len(x)`` of a ``[b, total]`` left-padded sequence with a KV cache
+        (:func:`kd.on_policy.rollout`)."""
+        ...

@@ -1,0 +1,147 @@
+"""The transformers backend: any causal LM of a local Hugging Face folder (:mod:`kd.hf.model`
+builds, loads and adapts it; LoRA through peft)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kd.backends.base import WeightsSource
+from kd.hf import model as hf
+
+__all__ = ["TransformersBackend"]
+
+
+class TransformersBackend:
+    """transformers ``PreTrainedModel`` causal LMs (see :class:`kd.backends.base.Backend`)."""
+
+    # Its weights folder is the Hugging Face folder of the model, tokenizer files included.
+    folder_is_model = True
+    name = "transformers"
+
+    def is_decoder(self, model: Any) -> bool:
+        return True  # kd.hf.causal_lm checks the architecture when it builds the model
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return hf.decoder_layers(model)
+
+    def input_embeddings(self, model: nn.Module) -> nn.Module:
+        return hf.input_embeddings(model)
+
+    def output_weight(self, model: nn.Module) -> torch.Tensor:
+        return hf.output_weight(model)
+
+    def is_tied(self, model: nn.Module) -> bool:
+        return hf.is_tied(model)
+
+    def has_plain_output(self, model: nn.Module) -> bool:
+        return hf.has_plain_output(model)
+
+    def set_hidden_output(self, model: nn.Module, enabled: bool) -> None:
+        hf.set_hidden_output(model, enabled)
+
+    def logits_from_hidden(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return hf.logits_from_hidden(model, hidden)
+
+    def is_lora(self, model: nn.Module) -> bool:
+        return hf.is_lora(model)
+
+    def setup_lora_trainable(self, model: nn.Module) -> None:
+        hf.setup_lora_trainable(model)
+
+    def attention_shape(self, model: nn.Module) -> tuple[int, int, int] | None:
+        return hf.attention_shape(model)
+
+    def max_seq_len(self, model: nn.Module) -> int | None:
+        return hf.max_seq_len(model)
+
+    def weights_source(
+        self,
+        model: nn.Module,
+        *,
+        model_key: str,
+        model_node: Mapping[str, Any],
+        ckpt_key: str,
+        ckpt_node: Mapping[str, Any],
+    ) -> WeightsSource:
+        folder = Path(str(model_node["path"])).expanduser()
+        files = [p.name for p in hf.weight_files(folder, key=model_key)]
+        return WeightsSource(
+            model_key, "path", folder, files, self.name, str(model.config.model_type)
+        )
+
+    def load_weights(
+        self, model: nn.Module, source: WeightsSource, build_checkpointer: Callable[[], Any]
+    ) -> None:
+        hf.load_folder_weights(model, source.folder, key=source.key)
+
+    def export_student(
+        self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
+    ) -> None:
+        """Write the student's folder: merged weights, and its PEFT adapter when LoRA."""
+        from kd.checkpoint.hf_folder import write_hf_folder
+
+        lora = source.lora
+        adapter_state = adapter_config = None
+        if lora is not None:
+            adapter_state = hf.peft_adapter_state_dict(full)
+            adapter_config = hf.peft_adapter_config(student, base=source.source_dir)
+        write_hf_folder(
+            dest,
+            hf.hf_state_dict(
+                student,
+                full,
+                lora_alpha=lora.alpha if lora else None,
+                rank=lora.rank if lora else None,
+            ),
+            source_dir=source.source_dir,
+            adapter_state=adapter_state,
+            adapter_config=adapter_config,
+            extra_files=source.tokenizer_files,
+        )
+
+    def saved_student_weights(
+        self, student: nn.Module, ckpt: Path, source: Any
+    ) -> dict[str, torch.Tensor]:
+        """A step checkpoint's weights in the student's own parameter names."""
+        from kd.checkpoint.hf_folder import load_hf_weights
+
+        return hf.to_model_names(student, load_hf_weights(ckpt))
+
+    def kv_cache_steps(
+        self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int
+    ) -> _TransformersSteps:
+        return _TransformersSteps(model, mask, width=width, total=total)
+
+
+class _TransformersSteps:
+    """transformers' cache (``DynamicCache``, filled by the decoder) with the 2-D padding mask
+    and position ids of left-padded prompts."""
+
+    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
+        from transformers import DynamicCache
+
+        self.model, self.mask = model, mask.long()
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        config = getattr(model, "config", None)
+        self.cache = DynamicCache(config=config)
+
+    def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        return self.forward
+
+    def __exit__(self, *exc: object) -> None:
+        del self.cache
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        end = start + x.shape[1]
+        return self.model(
+            x,
+            attention_mask=self.mask[:, :end],
+            position_ids=self.positions[:, start:end],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
