@@ -257,3 +257,28 @@ def test_training_from_store_without_teacher_nodes_resumes_exactly(
     assert cli.main(["run", "kd", "--config", str(resumed), "resume_from_checkpoint=true"]) == 0
     assert_bit_identical(tmp_path / "reference", tmp_path / "resumed")
     assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == [r["loss"] for r in rows]
+
+
+def test_no_teacher_model_is_loaded_from_a_store(assets, full_store, tmp_path, monkeypatch):
+    """With teacher_logits the run's teacher is the store: RunContext.load_model (the one way a
+    model is loaded) sees the student only; with a teacher model it sees both."""
+    from kd.run_context import RunContext
+
+    loaded = []
+    original = RunContext.load_model
+    monkeypatch.setattr(
+        RunContext,
+        "load_model",
+        lambda self, key, *a, **kw: (loaded.append(key), original(self, key, *a, **kw))[1],
+    )
+    _train(assets, tmp_path, "online2")
+    assert loaded == ["teacher_model", "model"]
+    loaded.clear()
+    _train(
+        assets,
+        tmp_path,
+        "offline2",
+        f"teacher_logits.path={full_store}",
+        f"teacher_logits.k={FULL_K}",
+    )
+    assert loaded == ["model"]

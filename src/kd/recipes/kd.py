@@ -364,6 +364,8 @@ class KDRecipe:
                 skip = done_in_epoch if epoch == start_epoch else 0
                 self.sampler.skip = skip * grad_accum * self.run.batch_size
                 batches = iter(self.loader)
+                if self.teacher is not None:  # a slow teacher starts on the next batches early
+                    batches = self.teacher.look_ahead(batches)
                 for _ in range(skip, self.steps_per_epoch):
                     step = self.global_step + 1
                     stats = self.train_step(

@@ -10,7 +10,7 @@ a new kind of signal brings its own loss without a branch in :mod:`kd.train`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -72,17 +72,16 @@ class TeacherSignal(Protocol):
         ...
 
 
-@runtime_checkable
 class Teacher(Protocol):
-    """A source of teacher signals, loaded and ready (see :mod:`kd.teachers.build` for how the
-    config chooses one).
+    """A source of teacher signals, loaded and ready (:mod:`kd.teachers.build` chooses one from
+    the config). Implementations subclass it and inherit the defaults below.
 
     Attributes:
         generator: the model that can sample completions (on-policy ``seq_kd``), or None when the
             teacher is not a local model.
     """
 
-    generator: nn.Module | None
+    generator: nn.Module | None = None
 
     def signal(self, batch: TeacherInput) -> TeacherSignal:
         """The teacher's signal for ``batch``, on the device the student trains on. Runs without
@@ -91,5 +90,13 @@ class Teacher(Protocol):
 
     def release(self) -> None:
         """Free what one batch needed and the next does not (a sharded teacher's gathered
-        parameters). Collective when distributed."""
-        ...
+        parameters). Collective when distributed. Default: nothing to free."""
+
+    def look_ahead(
+        self, batches: Iterator[dict[str, torch.Tensor]]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The training batches, in the order :meth:`signal` will be asked about them (collated
+        dicts: ``tokens``, ``labels``, ``rows`` when the loader gives rows). A teacher that
+        answers slowly (a served model) starts on the next ones while the student trains on
+        this one. Default: the batches as they are."""
+        return batches

@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from torch import nn
 
-from kd.teachers.base import TeacherInput
+from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.signals import TopKSignal
 
 __all__ = ["FileTeacher", "FixedTopKTeacher", "TeacherLogitsFile"]
@@ -44,7 +43,7 @@ class TeacherLogitsFile(Protocol):
         ...
 
 
-class FileTeacher:
+class FileTeacher(Teacher):
     """The teacher of a :class:`TeacherLogitsFile`: no model, no weights in memory.
 
     Args:
@@ -55,8 +54,6 @@ class FileTeacher:
         tail: ``teacher_logits.tail``.
         device: where the student trains.
     """
-
-    generator: nn.Module | None = None
 
     def __init__(
         self,
@@ -84,11 +81,8 @@ class FileTeacher:
             tail=self.tail,
         )
 
-    def release(self) -> None:
-        pass
 
-
-class FixedTopKTeacher:
+class FixedTopKTeacher(Teacher):
     """A teacher that answers every batch with the same top-k tensors (the memory tracer's
     stand-in for a file teacher: fake tensors of the shapes a reader returns).
 
@@ -97,14 +91,9 @@ class FixedTopKTeacher:
         logprobs: ``[b, s, k]``.
     """
 
-    generator: nn.Module | None = None
-
     def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor):
         self.ids = ids
         self.logprobs = logprobs
 
     def signal(self, batch: TeacherInput) -> TopKSignal:
         return TopKSignal(ids=self.ids, logprobs=self.logprobs)
-
-    def release(self) -> None:
-        pass

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from kd import distributed
-from kd.teachers.base import TeacherInput
+from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.signals import LogitsSignal
 
 __all__ = ["ModelTeacher", "as_teacher"]
 
 
-class ModelTeacher:
+class ModelTeacher(Teacher):
     """A prepared teacher decoder (frozen, hidden-output mode, possibly FSDP2-sharded).
 
     Args:

@@ -1,0 +1,227 @@
+"""The teacher interface (kd.teachers) and the backend adapters (kd.backends): every kind of
+teacher answers through one protocol, a new kind plugs in without touching kd.train, and no module
+outside the adapters asks which library built a model."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_hidden_decoder
+
+from kd import backends, models, train
+from kd.teachers import (
+    FileTeacher,
+    FixedTopKTeacher,
+    LogitsSignal,
+    ModelTeacher,
+    Teacher,
+    TeacherInput,
+    TeacherSignal,
+    TopKSignal,
+    as_teacher,
+)
+
+IGN = -100
+SRC = Path(__file__).resolve().parents[2] / "src" / "kd"
+
+
+def _batch(b=2, s=10, vocab=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (b, s), generator=g)
+    labels = tokens.clone()
+    labels[:, :3] = IGN
+    return tokens, labels
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_model_teacher_is_the_bare_decoder():
+    """A ModelTeacher gives exactly the loss and gradients of the decoder passed as it is."""
+    student = tiny_hidden_decoder()
+    teacher = models.freeze(tiny_hidden_decoder(seed=5))
+    tokens, labels = _batch()
+    shifted = train.shift_labels(labels)
+    settings = train.LossSettings(chunk_size=7, temperature=2.0)
+    out = []
+    for t in (teacher, ModelTeacher(teacher)):
+        student.zero_grad()
+        loss, ce, kd = train.compute_loss(student, t, tokens, shifted, settings=settings)
+        loss.backward()
+        out.append((loss.detach(), ce, kd, _grads(student)))
+    (a, *ra, ga), (b, *rb, gb) = out
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ra, rb, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb, strict=True))
+
+
+def test_signals_implement_the_protocol():
+    teacher = tiny_hidden_decoder(seed=5)
+    tokens, _ = _batch()
+    sig = ModelTeacher(teacher).signal(TeacherInput(tokens))
+    assert isinstance(sig, LogitsSignal) and isinstance(sig, TeacherSignal)
+    assert not sig.hidden.requires_grad  # the teacher runs without autograd
+    topk = TopKSignal(ids=torch.zeros(2, 10, 3, dtype=torch.long), logprobs=torch.zeros(2, 10, 3))
+    assert isinstance(topk, TeacherSignal)
+    with pytest.raises(ValueError, match="full distribution"):
+        topk.labelled_hidden(None)
+
+
+class _Reader:
+    """A TeacherLogitsFile of one model's top-k, computed on demand (rows are ignored)."""
+
+    def __init__(self, teacher, k):
+        self.teacher, self.k, self.num_rows = teacher, k, 2
+        self.calls = []
+
+    def batch(self, rows, tokens, labels, *, k, ignore_index=-100):
+        self.calls.append((list(rows), k))
+        with torch.no_grad():
+            logits = models.logits_from_hidden(self.teacher, self.teacher(tokens))
+        lp, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        return ids, lp
+
+
+def test_file_teacher_reads_rows_and_carries_vocab_and_tail():
+    teacher = models.freeze(tiny_hidden_decoder(seed=5))
+    reader = _Reader(teacher, k=64)
+    ft = FileTeacher(reader, k=64, vocab=64, tail="renorm", device=torch.device("cpu"))
+    tokens, labels = _batch()
+    sig = ft.signal(TeacherInput(tokens, labels, rows=[4, 7]))
+    assert reader.calls == [([4, 7], 64)]
+    assert (sig.vocab, sig.tail) == (64, "renorm") and sig.ids.shape == (2, 10, 64)
+    with pytest.raises(ValueError, match="dataset rows"):
+        ft.signal(TeacherInput(tokens))
+    # k = V with renorm equals the online teacher's forward KL (float32 storage here).
+    student = tiny_hidden_decoder()
+    shifted = train.shift_labels(labels)
+    settings = train.LossSettings(chunk_size=5)
+    got = train.compute_loss(
+        student,
+        ft,
+        tokens,
+        shifted,
+        settings=settings,
+        teacher_input=TeacherInput(tokens, labels, [0, 1]),
+    )
+    want = train.compute_loss(student, teacher, tokens, shifted, settings=settings)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_new_kind_of_teacher_plugs_in_without_touching_train():
+    """A teacher whose signal is new to kd (here: a fixed uniform distribution) only implements
+    the protocol; compute_loss and micro_step take it as they are."""
+
+    class UniformSignal:
+        def loss(self, student, student_hidden, labels, *, settings):
+            logits = models.logits_from_hidden(student, student_hidden)
+            logp = torch.log_softmax(logits, -1)
+            mask = labels != settings.ignore_index
+            ce = torch.nn.functional.cross_entropy(logits[mask], labels[mask])
+            kd = -(logp[mask].mean(-1)).mean() - torch.log(torch.tensor(float(logits.size(-1))))
+            return (1 - settings.kd_ratio) * ce + settings.kd_ratio * kd, ce, kd
+
+        def labelled_hidden(self, index):
+            raise ValueError("no hidden states")
+
+        def logits(self, hidden):
+            raise ValueError("no logits")
+
+    class UniformTeacher(Teacher):
+        def __init__(self):
+            self.asked = 0
+
+        def signal(self, batch):
+            self.asked += 1
+            return UniformSignal()
+
+    student = tiny_hidden_decoder()
+    tokens, labels = _batch()
+    shifted = train.shift_labels(labels)
+    teacher = UniformTeacher()
+    n = int((shifted != IGN).sum())
+    r = train.micro_step(
+        student, teacher, tokens, shifted, settings=train.LossSettings(), num_tokens_total=n
+    )
+    assert teacher.asked == 1 and float(r.kd) >= 0 and _grads(student)
+    assert teacher.generator is None and list(teacher.look_ahead(iter([1, 2]))) == [1, 2]
+
+
+def test_fixed_topk_teacher_and_as_teacher():
+    ids, lp = torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3)
+    sig = FixedTopKTeacher(ids, lp).signal(TeacherInput(torch.zeros(1, 2, dtype=torch.long)))
+    assert sig.ids is ids and sig.logprobs is lp
+    decoder = tiny_hidden_decoder()
+    assert isinstance(as_teacher(decoder), ModelTeacher) and as_teacher(None) is None
+    t = ModelTeacher(decoder)
+    assert as_teacher(t) is t and t.generator is decoder
+
+
+def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
+    from types import SimpleNamespace
+
+    from kd.teachers.build import ModelTeacherSource, StoredTeacherSource, teacher_source
+
+    def run(teacher_model, teacher_logits):
+        return SimpleNamespace(
+            teacher_logits=teacher_logits, components={"teacher_model": teacher_model}
+        )
+
+    logits = SimpleNamespace(path=tmp_path, k=4, tail="bucket", format="kd")
+    assert teacher_source(run(None, None)) is None
+    assert isinstance(teacher_source(run({"_component_": "x"}, None)), ModelTeacherSource)
+    stored = teacher_source(run({"_component_": "x"}, logits))
+    assert isinstance(stored, StoredTeacherSource)
+    assert stored.reads == () and stored.needs_rows
+    assert ModelTeacherSource.reads == ("teacher_model",) and not ModelTeacherSource.needs_rows
+
+
+def test_backend_of_picks_the_adapter(tmp_path):
+    from kd.testing import TinyModel, write_tiny_model
+
+    tt_model = tiny_hidden_decoder()
+    assert backends.backend_of(tt_model) is backends.TORCHTUNE
+    shape = TinyModel(
+        vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, intermediate_dim=64
+    )
+    folder = write_tiny_model(tmp_path / "hf", shape, seed=0, writer="transformers")
+    from kd.hf.model import causal_lm
+
+    hf_model = causal_lm(str(folder))
+    assert backends.backend_of(hf_model) is backends.TRANSFORMERS
+    for model in (tt_model, hf_model):
+        backend = backends.backend_of(model)
+        assert backends.backend_named(backend.name) is backend
+        assert models.output_weight(model) is backend.output_weight(model)
+        assert len(models.decoder_layers(model)) == len(backend.decoder_layers(model))
+
+
+def _calls_outside(allowed: tuple[str, ...], names: set[str]) -> list[str]:
+    found = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith(allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in names:
+                    found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_no_backend_test_outside_the_adapters():
+    """Only kd.backends (and kd.hf, the transformers backend's own module) ask whether a model
+    is a transformers model."""
+    assert _calls_outside(("backends/", "hf/"), {"is_hf_model"}) == []
+
+
+def test_the_recipe_never_asks_which_teacher_it_holds():
+    recipe = (SRC / "recipes" / "kd.py").read_text()
+    for kind in ("ModelTeacher", "FileTeacher", "stored_logits", "foreign_logits", "is_hf_model"):
+        assert kind not in recipe, kind
