@@ -16,7 +16,7 @@ placeholder files in a temporary folder, so the only problem is the mistake unde
 
 Usage::
 
-    python scripts/bench_config_errors.py --repo /work/main --label before \\
+    python scripts/bench_config_errors.py --repo ../kd-before --label before \\
         --save-json /tmp/before.json --out docs/config_errors.md
     python scripts/bench_config_errors.py --repo . --label after --baseline /tmp/before.json \\
         --out docs/config_errors.md

@@ -3,8 +3,9 @@
 Normalisation is over the *whole accumulated batch*: the recipe first counts the labelled tokens of
 all micro-batches of one optimizer step (all-reduced across ranks), then each micro-batch contributes
 ``mean_loss * local_tokens / total_tokens``. So batch b x accumulation k gives exactly the update of
-batch b*k x accumulation 1 (torchtune's KD recipes divide by the token count twice; see
-shared research kd_anchors.md, style_anchors.md section 1).
+batch b*k x accumulation 1. (torchtune 0.6.1's ``recipes/knowledge_distillation_single_device.py``
+backpropagates a mean-reduced loss and then scales the gradients by ``1 / num_tokens`` again,
+unlike its fine-tuning recipes, which first multiply the loss by the micro-batch's token count.)
 """
 
 from __future__ import annotations
