@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -402,3 +403,20 @@ class Validator:
         value = stats.value(self.tracker.metric)
         improved = self.tracker.update(float("nan") if value is None else value, step=step)
         return stats, improved and self.settings.keep_best and self.tracker.best is not None
+
+    def stop_message(
+        self, *, step: int, total_steps: int, best_dir: Path, final: Path | None
+    ) -> str:
+        """The line early stopping prints: why training stopped, the best value and where it is."""
+        tracker = self.tracker
+        if tracker.best is None:
+            best = "; no evaluation gave a finite value"
+        elif self.settings.keep_best:
+            best = f"; the best, {tracker.best:.6g} at step {tracker.best_step}, is in {best_dir}"
+        else:
+            best = f"; the best was {tracker.best:.6g} at step {tracker.best_step}"
+        return (
+            f"kd: early stopping after step {step} of {total_steps}: "
+            f"{tracker.metric} did not improve ({tracker.mode}) for {tracker.bad_evals} "
+            f"evaluations (early_stopping.patience={tracker.patience}){best}; saved {final}"
+        )

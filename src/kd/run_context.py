@@ -8,6 +8,7 @@ and the one way a model is built, loaded and prepared (:meth:`load_model`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,13 +17,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from kd import checkpoint, models, outputs, stored_logits
+from kd import checkpoint, data, models, outputs, stored_logits
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
-from kd.device import check_device
+from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError
+from kd.memory.plan import MemoryPlan, check_memory
 from kd.prepare import ShardSpec, materialize, shard_spec
+
+log = logging.getLogger("kd")
 
 __all__ = ["CHECKPOINTER_OF", "ModelFacts", "RunContext"]
 
@@ -176,6 +180,41 @@ class RunContext:
         return stored_logits.teacher_identity(
             str(self.node("teacher_model").get("_component_")), source.folder, source.files
         )
+
+    def check_memory(self, *, config_name: str = "") -> MemoryPlan | None:
+        """The memory plan against the budget (arithmetic on shapes, before anything is built);
+        refuses a run that does not fit with the table and knob settings that do."""
+        budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
+        plan = check_memory(
+            self.run,
+            world_size=self.world.world_size,
+            budget_gib=budget.gib,
+            config_name=config_name,
+        )
+        if plan is not None and self.world.is_rank_zero:
+            log.info(
+                "memory plan: peak %.2f GiB (%s) of %s",
+                plan.peak_gib,
+                plan.phase,
+                "an unknown budget" if budget.gib is None else f"{budget.gib:.2f} GiB",
+            )
+        return plan
+
+    def dataset(self, node: Any, tokenizer: Any, *, key: str) -> Any:
+        """The dataset of config key ``key`` (``dataset``, ``validation.dataset``), checked:
+        readable, non-empty, labelled; truncated examples are counted in a warning."""
+        dataset = data.build_dataset(
+            node, tokenizer, trust=self.run.trust_remote_components, key=key
+        )
+        truncated, checked = data.check_dataset(dataset, max_seq_len=self.run.max_seq_len, key=key)
+        if truncated and self.world.is_rank_zero:
+            log.warning(
+                "%s: %d of %d examples checked reach tokenizer.max_seq_len and are truncated",
+                key,
+                truncated,
+                checked,
+            )
+        return dataset
 
     # ------------------------------------------------------------ loading
     def load_model(

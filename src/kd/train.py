@@ -30,6 +30,7 @@ from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
 
 __all__ = [
     "LossSettings",
+    "build_optimizer",
     "MicroStepResult",
     "StepStats",
     "compute_loss",
@@ -322,6 +323,38 @@ def cpu_offload_optimizer(
     if reason is not None:
         raise KDUserError(f"optimizer._component_: {reason}")
     return CPUOffloadOptimizer(params, optimizer_class=cls, **kwargs)
+
+
+def build_optimizer(
+    ctx: Any, student: nn.Module, *, num_training_steps: int
+) -> tuple[torch.optim.Optimizer, Any]:
+    """The configured optimizer over the student's trainable parameters (its states on the CPU
+    with ``optimizer_in_cpu``) and the LR scheduler (None without ``lr_scheduler``).
+
+    Args:
+        ctx: the run (:class:`kd.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
+        student: the prepared student.
+        num_training_steps: optimizer steps of the whole run (the schedule's length).
+    """
+    run = ctx.run
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = (
+        cpu_offload_optimizer(
+            trainable,
+            component=run.optimizer.component,
+            kwargs=run.optimizer.kwargs(),
+            trust=run.trust_remote_components,
+        )
+        if run.optimizer.in_cpu
+        else ctx.build("optimizer", trainable, fix="fix the optimizer's arguments")
+    )
+    scheduler = ctx.build(
+        "lr_scheduler",
+        optimizer,
+        fix="fix the scheduler's arguments",
+        num_training_steps=num_training_steps,
+    )
+    return optimizer, scheduler
 
 
 def skip_or_stop(

@@ -239,7 +239,7 @@ def test_sigterm_during_final_save_completes_it_and_exits_0(
 ):
     out = tmp_path / "run"
     config = write_config(tmp_path / "cfg.yaml", run_config(assets, out))
-    original = kd.checkpoint.training.save_hf_model
+    original = kd.checkpoint.hf_folder.save_hf_model
     sent = []
 
     def save_then_signal(dest, *args, **kwargs):
@@ -253,7 +253,7 @@ def test_sigterm_during_final_save_completes_it_and_exits_0(
     def unhandled(signum, frame):
         raise _UnhandledSignal  # instead of killing pytest when kd does not handle it
 
-    monkeypatch.setattr(kd.checkpoint.training, "save_hf_model", save_then_signal)
+    monkeypatch.setattr(kd.checkpoint.hf_folder, "save_hf_model", save_then_signal)
     previous = signal.signal(signal.SIGTERM, unhandled)
     try:
         code = cli.main([*RUN, "--config", str(config)])

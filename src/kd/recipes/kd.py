@@ -10,53 +10,29 @@ Run it:
 both models are sharded with FSDP2 and the loss curve matches one device.
 
 Features (each knob is a config key; defaults live in kd/config/schema.py):
-    - Memory plan before any weight loads (``memory.budget_gib``, ``memory.check``): over budget exits 2
-      with the table and knob settings that fit (``kd plan --fit``). ``kd validate`` runs exactly
-      :meth:`KDRecipe.preload`, every check made before a weight is read.
+    - Memory plan before any weight loads (``memory.budget_gib``, ``memory.check``): over budget
+      exits 2 with the table and knob settings that fit (``kd plan --fit``). ``kd validate`` runs
+      exactly :meth:`KDRecipe.preload`, every check made before a weight is read.
     - Loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` (``kd_ratio``, ``kd_loss.divergence``,
-      ``temperature`` with T^2 scaling). The fused loss (``fused_loss``, ``loss_chunk_size``) computes
-      logits chunk by chunk over labelled tokens only and never keeps full-vocab logits.
-    - Teacher and student may have different padded vocabularies (Qwen2.5-14B vs 3B): the KD term uses
-      the shared first min(Vs, Vt) entries; token ids are checked against both before loading.
-    - Exact gradient accumulation (``gradient_accumulation_steps``): normalised by the labelled tokens of
-      the whole optimizer step (all ranks), so batch b x k equals batch b*k x 1.
-    - ``enable_activation_checkpointing`` (less memory, ~30% more compute), ``compile``,
-      ``clip_grad_norm``, LR warmup + cosine (``lr_scheduler``), ``optimizer_in_cpu``.
-    - LoRA students (torchtune ``lora_*`` builders): only adapters train; saved merged and as an adapter.
-    - FSDP2 (``fsdp.*``): per-layer sharding of both models; rank 0 alone reads checkpoint files.
+      ``temperature`` with T^2 scaling), fused over labelled tokens chunk by chunk (``fused_loss``,
+      ``loss_chunk_size``); teacher and student may pad their vocabularies differently.
+    - The teacher (:mod:`kd.teachers`): a model (``teacher_model``) or stored top-k log-probs
+      (``teacher_logits``: kd's store, an axolotl or DistillKit file). The recipe asks it for a
+      signal per micro-batch and never asks which kind it is.
+    - Exact gradient accumulation over all micro-batches and ranks; ``enable_activation_
+      checkpointing``, ``compile``, ``clip_grad_norm``, ``lr_scheduler``, ``optimizer_in_cpu``;
+      LoRA students (only adapters train; saved merged and as an adapter); FSDP2 (``fsdp.*``).
     - Step checkpoints (``save_every_n_steps``, ``keep_last_n``), exact resume
-      (``resume_from_checkpoint``), SIGTERM/SIGINT finish the step (or the final save), save and
-      exit 0.
-    - One run per ``output_dir`` (an OS file lock held by rank 0); a fresh run into another run's
-      outputs is refused before any weight loads, unless ``overwrite_output_dir`` moves them into
-      ``output_dir/previous_<time>/``.
-    - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb offline/online).
-    - Validation (``validation``): every ``every_n_steps`` steps and at the end, ``val_loss``,
-      ``val_ce_loss``, ``val_kd_loss`` and ``val_top1_agreement`` on held-out data, token-weighted
-      over the whole set (the same numbers for any batch size and number of ranks), in their own
-      metric rows. ``keep_best`` keeps ``output_dir/best/`` (HF folder, like ``final/``) at the best
-      step; ``early_stopping`` stops after ``patience`` evaluations without improvement, saves
-      ``final/`` and says why. Resume keeps the best value and the patience count.
+      (``resume_from_checkpoint``); SIGTERM/SIGINT finish the step, save and exit 0; one run per
+      ``output_dir`` (``overwrite_output_dir`` moves another run's outputs aside).
+    - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb).
+    - Validation (``validation``, ``keep_best``, ``early_stopping``): token-weighted ``val_*``
+      metrics over the whole held-out set, ``best/`` at the best step, early stopping::
+
+          kd run kd --config my.yaml validation.every_n_steps=50 early_stopping.patience=5
+
     - On-policy distillation (``on_policy``, GKD): with probability ``lmbda`` a micro-batch trains
-      on the student's own completions of its prompts (``max_new_tokens``, ``temperature``,
-      ``top_p``; KV cache), scored by the teacher; ``seq_kd`` trains the other micro-batches on the
-      teacher's completions. Metrics split each step into generate / teacher / student seconds.
-
-Cookbook (held-out data, the best student, early stopping)::
-
-    validation:
-      dataset:                      # any dataset node, or a list of them, as for `dataset`
-        _component_: torchtune.datasets.instruct_dataset
-        source: json
-        data_files: heldout.jsonl
-        split: train
-      every_n_steps: 100            # null = only at the end of training
-      max_batches: null             # an int evaluates the first max_batches x batch_size examples
-      batch_size: null              # null = batch_size; the numbers do not depend on it
-    keep_best: {metric: val_loss, mode: min}   # or val_ce_loss, val_kd_loss, val_top1_agreement
-    early_stopping: {patience: 3}   # follows keep_best's metric, else val_loss (lower is better)
-
-    kd run kd --config my.yaml validation.every_n_steps=50 early_stopping.patience=5
+      on the student's own completions, scored by the teacher; ``seq_kd`` on the teacher's.
 """
 
 from __future__ import annotations
@@ -69,20 +45,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kd import checkpoint, data, distributed, evaluate, models, on_policy, outputs, train
 from kd.checkpoint.run_checkpointer import RunCheckpointer
 from kd.checkpoint.training import Progress, StudentSource
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
-from kd.device import resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
-from kd.memory.plan import MemoryPlan, check_memory
-from kd.metrics import GuardedLogger, PhaseTimer, peak_memory_gib
+from kd.memory.plan import MemoryPlan
+from kd.metrics import PhaseTimer, peak_memory_gib
 from kd.prepare import prepare_student
 from kd.run_context import RunContext
+from kd.run_log import RunLog
 from kd.signals import GracefulStop, launch_command, resume_hint
 from kd.teachers import Teacher, TeacherInput
 from kd.teachers.build import teacher_source
@@ -117,6 +93,7 @@ class KDRecipe:
         self.teacher: Teacher | None = None
         self.validator: evaluate.Validator | None = None
         self.on_policy: on_policy.OnPolicyBatches | None = None
+        self.log: RunLog | None = None  # rank 0's metric sinks
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -137,18 +114,20 @@ class KDRecipe:
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
-        self._check_memory()  # arithmetic on shapes: before anything is built
+        self.plan = ctx.check_memory(config_name=self.config_name)  # before anything is built
         self.tokenizer = ctx.tokenizer()
         teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
         self.facts = ctx.inspect_models(self.tokenizer, read=("model", *teacher_reads))
         self._check_resume()
-        self.dataset = self._dataset(run.components["dataset"], key="dataset")
+        self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         if run.on_policy is not None:
             on_policy.check_prompts(self.dataset, key="dataset")
         if self.teacher_source is not None:
             self.teacher_source.check(ctx, self.facts, self.dataset)
         if run.validation is not None:
-            self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
+            self.val_dataset = ctx.dataset(
+                run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
+            )
         self.steps_per_epoch = data.steps_per_epoch(
             len(self.dataset),
             batch_size=run.batch_size,
@@ -173,39 +152,6 @@ class KDRecipe:
             checkpoint.check_resume_compatible(
                 found.config_yaml, self.run.yaml, checkpoint=found.checkpoint
             )
-
-    def _dataset(self, node: Any, *, key: str) -> Any:
-        """The dataset of config key ``key``, checked (readable, non-empty, labelled)."""
-        dataset = data.build_dataset(
-            node, self.tokenizer, trust=self.run.trust_remote_components, key=key
-        )
-        truncated, checked = data.check_dataset(dataset, max_seq_len=self.run.max_seq_len, key=key)
-        if truncated and self.world.is_rank_zero:
-            log.warning(
-                "%s: %d of %d examples checked reach tokenizer.max_seq_len and are truncated",
-                key,
-                truncated,
-                checked,
-            )
-        return dataset
-
-    def _check_memory(self) -> None:
-        budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
-        plan = check_memory(
-            self.run,
-            world_size=self.world.world_size,
-            budget_gib=budget.gib,
-            config_name=self.config_name,
-        )
-        if plan is not None:
-            self.plan = plan
-            if self.world.is_rank_zero:
-                log.info(
-                    "memory plan: peak %.2f GiB (%s) of %s",
-                    plan.peak_gib,
-                    plan.phase,
-                    "an unknown budget" if budget.gib is None else f"{budget.gib:.2f} GiB",
-                )
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
@@ -236,7 +182,9 @@ class KDRecipe:
         if self.teacher_source is not None:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
         self.student = self._load_model("model")
-        self._build_optimizer()
+        self.optimizer, self.lr_scheduler = train.build_optimizer(
+            self.ctx, self.student, num_training_steps=self.total_steps
+        )
         self.checkpointer = RunCheckpointer(
             self.output_dir,
             source=self._student_source(),
@@ -273,7 +221,10 @@ class KDRecipe:
                 device=self.device,
             )
         if self.world.is_rank_zero:
-            self._open_outputs()
+            resume_step = self.global_step if self.resume_from is not None else None
+            self.log = RunLog(
+                self.ctx, self.output_dir, config_yaml=self.run.yaml, resume_step=resume_step
+            )
 
     def _load_model(self, key: str) -> torch.nn.Module:
         """The student with its weights, prepared (LoRA, activation checkpointing, FSDP2)."""
@@ -287,30 +238,11 @@ class KDRecipe:
             run_dir=self.output_dir,
         )
 
-    def _build_optimizer(self) -> None:
-        run = self.run
-        trainable = [p for p in self.student.parameters() if p.requires_grad]
-        self.optimizer = (
-            train.cpu_offload_optimizer(
-                trainable,
-                component=run.optimizer.component,
-                kwargs=run.optimizer.kwargs(),
-                trust=run.trust_remote_components,
-            )
-            if run.optimizer.in_cpu
-            else self.ctx.build("optimizer", trainable, fix="fix the optimizer's arguments")
-        )
-        self.lr_scheduler = self.ctx.build(
-            "lr_scheduler",
-            self.optimizer,
-            fix="fix the scheduler's arguments",
-            num_training_steps=self.total_steps,
-        )
-
     def _restore(self, ckpt: Path) -> None:
         progress = self.checkpointer.restore(ckpt, self.student, self.optimizer, self.lr_scheduler)
         self.global_step, self.epoch = progress.global_step, progress.epoch
         self.run = self.run.with_seed(progress.seed)
+        self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
         validator = self.validator
         if validator is not None and not validator.tracker.load_state_dict(progress.validation):
             if self.world.is_rank_zero:
@@ -325,20 +257,6 @@ class KDRecipe:
             backend=src.backend,
             tokenizer_files=models.tokenizer_files_to_copy(self.ctx.node("tokenizer")),
         )
-
-    def _open_outputs(self) -> None:
-        # The logger first: a logger that cannot start leaves output_dir as it was.
-        self.metric_logger = GuardedLogger(
-            self.ctx.build("metric_logger", fix="fix the logger's arguments"),
-            target=self.ctx.node("metric_logger").get("_component_"),
-        )
-        self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
-        self.metrics = outputs.open_metrics(
-            self.output_dir,
-            config_yaml=self.run.yaml,
-            resume_step=self.global_step if self.resume_from is not None else None,
-        )
-        self.metric_logger.outputs_kept = True
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
@@ -500,7 +418,7 @@ class KDRecipe:
         stats, best_due = validator.evaluate(self.student, self.teacher, step=self.global_step)
         if self.world.is_rank_zero:
             row = {"step": self.global_step, "epoch": self.epoch, **stats.metrics()}
-            self._write_row(row)
+            self.log.write(row)
         tracker = validator.tracker
         if best_due and tracker.best is not None:
             self.checkpointer.save_best(
@@ -518,23 +436,16 @@ class KDRecipe:
     def _stop_early(self, stop: GracefulStop) -> None:
         """Early stopping: save final/ and say why training stopped."""
         assert self.validator is not None
-        tracker = self.validator.tracker
         stop.action = "finishing the final save"
         final = self.save(final=True)
         if self.world.is_rank_zero:
-            if tracker.best is None:
-                best = "; no evaluation gave a finite value"
-            elif self.validator.settings.keep_best:
-                best = (
-                    f"; the best, {tracker.best:.6g} at step {tracker.best_step}, is in "
-                    f"{self.output_dir / checkpoint.BEST_DIRNAME}"
-                )
-            else:
-                best = f"; the best was {tracker.best:.6g} at step {tracker.best_step}"
             print(
-                f"kd: early stopping after step {self.global_step} of {self.total_steps}: "
-                f"{tracker.metric} did not improve ({tracker.mode}) for {tracker.bad_evals} "
-                f"evaluations (early_stopping.patience={tracker.patience}){best}; saved {final}",
+                self.validator.stop_message(
+                    step=self.global_step,
+                    total_steps=self.total_steps,
+                    best_dir=self.output_dir / checkpoint.BEST_DIRNAME,
+                    final=final,
+                ),
                 file=sys.stderr,
             )
 
@@ -549,13 +460,7 @@ class KDRecipe:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:
                 row["planned_peak_gib"] = self.plan.peak_gib
-        self._write_row(row)
-
-    def _write_row(self, row: dict[str, Any]) -> None:
-        outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
-        self.metric_logger.log_dict(
-            {k: v for k, v in row.items() if k != "step"}, step=self.global_step
-        )
+        self.log.write(row)
 
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
@@ -600,11 +505,8 @@ class KDRecipe:
             KDUserError: the metric logger's ``close()`` failed (when not ``failing``).
         """
         try:
-            if self.world.is_rank_zero:
-                if hasattr(self, "metrics"):
-                    self.metrics.close()
-                if hasattr(self, "metric_logger"):
-                    self.metric_logger.close()
+            if self.log is not None:
+                self.log.close()
         except KDUserError as e:
             if not failing:
                 raise

@@ -126,10 +126,7 @@ class TeacherLogitsRecipe:
                 f"teacher_logits.k: {self.settings.k} is more than the {vocab} shared "
                 f"vocabulary entries; set teacher_logits.k to {vocab} or less"
             )
-        self.dataset = data.build_dataset(
-            run.components["dataset"], self.tokenizer, trust=run.trust_remote_components
-        )
-        data.check_dataset(self.dataset, max_seq_len=run.max_seq_len)
+        self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         self.hashes = [
             stored_logits.row_hash(ex["tokens"], ex["labels"])
             for ex in (self.dataset[i] for i in range(len(self.dataset)))

@@ -1,0 +1,57 @@
+"""A run's metric sinks as one component: ``output_dir/metrics.jsonl`` and the config's
+``metric_logger`` (stdout, wandb...), opened together on rank 0, written row by row, closed once."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kd import outputs
+from kd.metrics import GuardedLogger
+from kd.run_context import RunContext
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    """Opens the run's metric sinks: the logger first (a logger that cannot start leaves
+    output_dir as it was), then ``config.yaml`` and ``metrics.jsonl``. Rank 0 only.
+
+    Args:
+        ctx: the run (its ``metric_logger`` component).
+        config_yaml: the resolved config (its seed drawn), saved as ``config.yaml``.
+        output_dir: the run's folder.
+        resume_step: the step a resumed run continues from (rows past it are dropped), or None.
+    """
+
+    def __init__(
+        self, ctx: RunContext, output_dir: Path, *, config_yaml: str, resume_step: int | None
+    ):
+        self.output_dir = output_dir
+        self.logger = GuardedLogger(
+            ctx.build("metric_logger", fix="fix the logger's arguments"),
+            target=ctx.node("metric_logger").get("_component_"),
+        )
+        self.logger.log_config(OmegaConf.create(config_yaml))
+        try:
+            self.metrics = outputs.open_metrics(
+                output_dir, config_yaml=config_yaml, resume_step=resume_step
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.logger.close()
+            raise
+        self.logger.outputs_kept = True
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One row (``step`` and its values) to ``metrics.jsonl`` and the logger."""
+        outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
+        self.logger.log_dict({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self) -> None:
+        """Close both sinks (raising the logger's failure as one line)."""
+        self.metrics.close()
+        self.logger.close()
