@@ -19,7 +19,6 @@ from conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write
 from safetensors.torch import load_file
 
 from kd import cli
-from kd.config.run import LossSettings
 
 TOL = 1e-5
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
@@ -182,20 +181,27 @@ def test_untied_full_student_with_cpu_offload(assets, tmp_path):
 
 def test_fsdp_trace_shards_per_rank():
     """The FSDP2 trace (fake process group) sees 1/N of the parameters and optimizer states."""
-    from kd.memory.trace import trace_step
-    from kd.memory.trace_fsdp import trace_fsdp_step
+    from omegaconf import OmegaConf
 
-    kw = dict(
-        model=builder(STUDENT),
-        teacher_model=builder(TEACHER),
-        optimizer=None,
-        batch_size=2,
-        seq_len=32,
-        activation_checkpointing=True,
-        loss=LossSettings(chunk_size=16),
+    from kd.config.parse import fill_defaults
+    from kd.config.run import run_config
+    from kd.memory.trace import trace_run
+
+    cfg = OmegaConf.create(
+        {
+            "model": builder(STUDENT),
+            "teacher_model": builder(TEACHER),
+            "kd_ratio": 0.5,
+            "batch_size": 2,
+            "tokenizer": {"max_seq_len": 32},
+            "enable_activation_checkpointing": True,
+            "loss_chunk_size": 16,
+        }
     )
-    one = trace_step(**kw)
-    two, four = (trace_fsdp_step(world_size=n, **kw) for n in (2, 4))
+    fill_defaults(cfg)
+    run = run_config(cfg)
+    one = trace_run(run)
+    two, four = (trace_run(run, world_size=n) for n in (2, 4))
     params = one.categories["forward"]["Parameter"]  # student + teacher, bf16
     assert two.categories["forward"]["Sharded Param"] == params // 2
     assert four.categories["forward"]["Sharded Param"] == params // 4

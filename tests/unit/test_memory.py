@@ -246,7 +246,7 @@ def test_world_size_divides_states_and_adds_in_flight_layers():
 def test_activation_formula_matches_the_research_closed_form():
     # memory_anchors.md: full FT, GQA: 28h + 8f + 4nh + 8 bytes per token per layer (llama).
     s = shape_from_component("llama3_1_8b", {})
-    from kd.memory.estimate import layer_saved_bytes
+    from kd.memory.activations import layer_saved_bytes
 
     per_tok = layer_saved_bytes(s, 1, 1, 2, input_grad=True)
     h, f, nh = 4096, 14336, 32
@@ -401,14 +401,18 @@ def test_tiny_trace_matches_estimate(lora, ac, fused, divergence, teacher, ga):
 def test_trace_refuses_torchao_optimizers():
     from kd.memory.trace import trace_step
 
+    cfg = OmegaConf.create(
+        {
+            "model": TINY_STUDENT,
+            "teacher_model": None,
+            "kd_ratio": 0.0,
+            "optimizer": {"_component_": "torchao.optim.AdamW8bit"},
+            "batch_size": 1,
+            "tokenizer": {"max_seq_len": 8},
+        }
+    )
     with pytest.raises(KDUserError, match="cannot run on fake tensors"):
-        trace_step(
-            model=OmegaConf.create(TINY_STUDENT),
-            teacher_model=None,
-            optimizer=OmegaConf.create({"_component_": "torchao.optim.AdamW8bit"}),
-            batch_size=1,
-            seq_len=8,
-        )
+        trace_step(_run(cfg))
 
 
 def test_fsdp_trace_through_trace_config_is_per_rank():

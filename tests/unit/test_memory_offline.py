@@ -14,7 +14,8 @@ from test_memory_hf import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
 from kd.config import load_config
 from kd.memory import estimate
 from kd.memory.compare import compare, stored_label
-from kd.memory.estimate import GIB, PHASES, STORED_TOPK_BYTES
+from kd.memory.estimate import GIB, PHASES
+from kd.memory.loss_head import STORED_TOPK_BYTES
 from kd.memory.plan import inputs_from_run, make_plan
 
 K = 16

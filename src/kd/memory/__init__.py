@@ -7,9 +7,10 @@ plan and the recipe check (:mod:`kd.memory.plan`), the knob search (:mod:`kd.mem
 path (:mod:`kd.memory.trace`) runs the real step under FakeTensorMode to check the estimate.
 """
 
-from kd.memory.estimate import Estimate, OptimizerSpec, TrainKnobs, estimate
+from kd.memory.estimate import Estimate, estimate
 from kd.memory.fit import FitOption, fit_options, format_options
 from kd.memory.hf_config import shape_of_folder
+from kd.memory.knobs import OptimizerSpec, TrainKnobs
 from kd.memory.plan import (
     MemoryPlan,
     PlanInputs,

@@ -29,15 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kd import families
-from kd.memory.estimate import (
-    EVAL_PHASE,
-    GEN_PHASE,
-    GIB,
-    Estimate,
-    OptimizerSpec,
-    TrainKnobs,
-    estimate,
-)
+from kd.memory.estimate import EVAL_PHASE, GEN_PHASE, GIB, Estimate, estimate
+from kd.memory.knobs import OptimizerSpec, TrainKnobs
 from kd.memory.shapes import BUILDERS, NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
 
 # Multipliers on the step time (ordering heuristics, not measurements):

@@ -399,6 +399,25 @@ def _stored(shape: ModelShape, index: int, length: int, prompt: int) -> int:
     return min(length, window)
 
 
+def _cached_bytes(shape: ModelShape, unit: int, length: int, prompt: int) -> int:
+    """Every layer's keys and values after ``length`` positions (``unit``: one position of one
+    layer's keys)."""
+    return sum(2 * unit * _stored(shape, i, length, prompt) for i in range(shape.num_layers))
+
+
+def _decoding_cache_peak(shape: ModelShape, unit: int, length: int, prompt: int) -> int:
+    """The caches' peak while a decoding step brings them from ``length - 1`` to ``length``
+    positions (the values' concatenation of the layer where it is largest)."""
+    layers = shape.num_layers
+    worst = 0
+    for j in range(layers):
+        old = [_stored(shape, i, length - 1, prompt) for i in range(layers)]
+        now = [_stored(shape, i, length, prompt) for i in range(layers)]
+        held = sum(now[:j]) * 2 + now[j] * 2 + old[j] + sum(old[j + 1 :]) * 2
+        worst = max(worst, unit * held)
+    return worst
+
+
 def generation_steps(
     shape: ModelShape,
     batch: int,
@@ -448,29 +467,20 @@ def generation_steps(
         act = fixed + (hidden if j else 0) + prefill_layer_peak(shape, j, batch, prompt, a)
         steps.append({"kv_cache": cache, "activations": act, "buffers": buffers})
 
-    def cached(length: int) -> int:
-        return sum(2 * unit * _stored(shape, i, length, prompt) for i in range(layers))
-
     steps.append(
-        {"kv_cache": cached(prompt), "activations": hidden, "sampling": sampler, "buffers": buffers}
+        {
+            "kv_cache": _cached_bytes(shape, unit, prompt, prompt),
+            "activations": hidden,
+            "sampling": sampler,
+            "buffers": buffers,
+        }
     )
-
-    def decoding(length: int) -> int:
-        """The caches' peak while a decoding step brings them from ``length - 1`` to ``length``
-        positions (the values' concatenation of the layer where it is largest)."""
-        worst = 0
-        for j in range(layers):
-            old = [_stored(shape, i, length - 1, prompt) for i in range(layers)]
-            now = [_stored(shape, i, length, prompt) for i in range(layers)]
-            held = sum(now[:j]) * 2 + now[j] * 2 + old[j] + sum(old[j + 1 :]) * 2
-            worst = max(worst, unit * held)
-        return worst
 
     step = a * batch * (2 * h + q + 2 * kv) + shape.rope_types * 2 * a * batch * hd
     if new > 1:
         steps.append(
             {
-                "kv_cache": decoding(prompt + 1),
+                "kv_cache": _decoding_cache_peak(shape, unit, prompt + 1, prompt),
                 "activations": hidden + step + len(kinds) * batch * (prompt + 1),
                 "sampling": logits,
                 "buffers": buffers,
@@ -478,13 +488,13 @@ def generation_steps(
         )
         steps.append(
             {
-                "kv_cache": decoding(total - 1),
+                "kv_cache": _decoding_cache_peak(shape, unit, total - 1, prompt),
                 "activations": a * batch * h + step + len(kinds) * batch * (total - 1),
                 "sampling": logits,
                 "buffers": buffers,
             }
         )
-    last = cached(total - 1)
+    last = _cached_bytes(shape, unit, total - 1, prompt)
     steps.append(
         {
             "kv_cache": last,

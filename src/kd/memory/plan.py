@@ -17,16 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd.config.run import OnPolicySettings, RunConfig, run_config
 from kd.errors import KDUserError, brief
-from kd.memory.estimate import (
-    COMPONENTS,
-    GIB,
-    Estimate,
-    GenerationKnobs,
-    OptimizerSpec,
-    TrainKnobs,
-    estimate,
-)
+from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
+from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
 from kd.memory.shapes import LoraSpec, ModelShape, ShapeError, shape_from_component
 
 PHASE_LABELS = {

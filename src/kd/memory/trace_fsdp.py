@@ -30,18 +30,14 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from kd.config.run import LossSettings
+from kd.config.run import RunConfig
 from kd.errors import KDUserError
-from kd.memory.estimate import GenerationKnobs
-from kd.memory.tracing import (
+from kd.memory.fake_step import (
     TraceResult,
     build_fake_step,
     check_traceable_optimizer,
-    fake_friendly_rope,
-    fake_friendly_transformers,
-    quiet,
+    fake_friendly,
     trace_step_phases,
-    uses_transformers,
 )
 
 
@@ -62,59 +58,29 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def trace_fsdp_step(
-    *,
-    model: Any,
-    teacher_model: Any,
-    optimizer: Any,
-    world_size: int,
-    batch_size: int,
-    seq_len: int,
-    grad_accum: int = 1,
-    dtype: str = "bf16",
-    activation_checkpointing: bool = False,
-    reshard_after_forward: bool = True,
-    reduce_dtype: str = "fp32",
-    clip_grad_norm: float | None = None,
-    loss: LossSettings | None = None,
-    eval_batch: int | None = None,
-    stored_topk: int | None = None,
-    generation: GenerationKnobs | None = None,
-) -> TraceResult:
-    """Trace one micro-batch + optimizer step of rank 0 of ``world_size`` FSDP2 ranks.
+def trace_fsdp_step(run: RunConfig, *, world_size: int) -> TraceResult:
+    """Trace one micro-batch + optimizer step of ``run`` as rank 0 of ``world_size`` FSDP2 ranks.
 
-    Same arguments and result as :func:`kd.memory.trace.trace_step` plus the FSDP knobs; the
-    categories are FSDPMemTracker's (``Sharded Param``, ``Unsharded Param``, ``Buffer``,
+    Same step and result as :func:`kd.memory.trace.trace_step`, sharded with the run's
+    ``fsdp`` settings (``reshard_after_forward``, ``reduce_dtype``); the micro-batch is per rank.
+    The categories are FSDPMemTracker's (``Sharded Param``, ``Unsharded Param``, ``Buffer``,
     ``Sharded Grad``, ``Unsharded Grad``, ``Activation``, ``Temp``, ``All Gather``,
-    ``Reduce Scatter``, ``OptState``, ``Inputs``, ``Total``), per phase (``forward``, ``backward``,
-    ``optimizer_step``, ``evaluation`` with ``eval_batch``) and per sub-phase (``student_forward``, ``teacher_forward``,
+    ``Reduce Scatter``, ``OptState``, ``Inputs``, ``Total``), per phase (``generation`` with
+    ``on_policy``, ``forward``, ``backward``, ``optimizer_step``, ``evaluation`` with
+    ``validation``) and per sub-phase (``student_forward``, ``teacher_forward``,
     ``loss_forward``, ``backward``, ``optimizer_step``).
 
     Args:
-        model: student ``_component_`` node.
-        teacher_model: teacher node or None.
-        optimizer: optimizer node (None = AdamW).
+        run: the run configuration.
         world_size: ranks (> 1).
-        batch_size: per-rank micro-batch b.
-        seq_len: tokens per sequence s (every position labelled: the worst case).
-        grad_accum: > 1 pre-creates the sharded gradients of the earlier micro-batches.
-        dtype: ``bf16`` or ``fp32`` (parameters, as the recipe builds them).
-        activation_checkpointing: recompute decoder layers in backward.
-        reshard_after_forward: ``fsdp.reshard_after_forward`` (decoder layers and embeddings).
-        reduce_dtype: ``fsdp.reduce_dtype`` (``fp32`` or ``bf16``).
-        clip_grad_norm: traced like the recipe (norm, optional clip).
-        loss: loss settings (default: the schema defaults).
-        eval_batch: sequences per validation batch (per rank): also trace the evaluation phase;
-            None: no validation.
-        stored_topk: train from stored teacher logits with this k (``teacher_model`` None).
-        generation: on-policy sampling (per rank): also trace the generation phase; None: no
-            ``on_policy``.
 
     Returns:
         Per-phase allocated peaks (bytes, rank 0) and their categories.
 
     Raises:
-        KDUserError: ``world_size`` < 2, or a process group already exists.
+        KDUserError: ``world_size`` < 2, CPU offload (``fsdp.cpu_offload``,
+            ``optimizer_in_cpu``), an optimizer that cannot run on fake tensors, or a process
+            group that already exists.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -124,39 +90,29 @@ def trace_fsdp_step(
 
     if world_size < 2:
         raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")
-    check_traceable_optimizer(optimizer)
+    if run.fsdp.cpu_offload or run.optimizer.in_cpu:
+        raise KDUserError(
+            "--trace: CPU offload cannot be traced on fake tensors; drop --trace (the estimate "
+            "covers it) or trace with fsdp.cpu_offload=false"
+        )
+    check_traceable_optimizer(run.optimizer.node)
     t0 = time.perf_counter()
-    settings = loss or LossSettings()
-    tdtype = models.DTYPES[dtype]
+    tdtype = models.DTYPES[run.dtype]
     gc.collect()
     with (
-        quiet(),
-        fake_friendly_rope(),
-        fake_friendly_transformers(uses_transformers(model, teacher_model)),
+        fake_friendly(run),
         _fake_process_group(world_size) as mesh,
         FakeTensorMode(),
     ):
-        step = build_fake_step(
-            model=model,
-            teacher_model=teacher_model,
-            optimizer=optimizer,
-            dtype=tdtype,
-            activation_checkpointing=activation_checkpointing,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            grad_accum=grad_accum,
-            shard=ShardSpec(
-                device_type="cpu",
-                param_dtype=tdtype,
-                reduce_dtype=models.DTYPES[reduce_dtype],
-                reshard_after_forward=reshard_after_forward,
-                cpu_offload=False,
-                mesh=mesh,
-            ),
-            num_ranks=world_size,
-            foreach=False,
-            stored_topk=stored_topk,
+        shard = ShardSpec(
+            device_type="cpu",
+            param_dtype=tdtype,
+            reduce_dtype=models.DTYPES[run.fsdp.reduce_dtype],
+            reshard_after_forward=run.fsdp.reshard_after_forward,
+            cpu_offload=False,
+            mesh=mesh,
         )
+        step = build_fake_step(run, shard=shard, num_ranks=world_size, foreach=False)
         mt = FSDPMemTracker(step.student, step.optimizer)
         # FSDPMemTracker instruments the FSDP modules under one root; give it both models (it only
         # walks .modules() and .buffers() of the root after construction).
@@ -166,14 +122,6 @@ def trace_fsdp_step(
             both.teacher = step.teacher
         mt._root_mod = both
         mt.track_inputs(step.inputs())
-        result = trace_step_phases(
-            mt,
-            step,
-            settings=settings,
-            clip_grad_norm=clip_grad_norm,
-            grad_scale=float(world_size),
-            eval_batch=eval_batch,
-            generation=generation,
-        )
+        result = trace_step_phases(mt, step, run, grad_scale=float(world_size))
     result.wall_s = time.perf_counter() - t0
     return result

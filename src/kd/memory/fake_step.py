@@ -1,11 +1,12 @@
-"""Mechanics shared by the memory traces (``kd plan --trace``): one device and FSDP2.
+"""The training step on fake tensors, phase by phase: what both memory traces run.
 
 :mod:`kd.memory.trace` (one device, MemTracker) and :mod:`kd.memory.trace_fsdp` (rank 0 of N
-FSDP2 ranks, FSDPMemTracker) build the config's models on fake CPU tensors, prepare them as the
+FSDP2 ranks, FSDPMemTracker) build a run's models on fake CPU tensors, prepare them as the
 recipe does (:mod:`kd.prepare`), and run one micro-step plus the optimizer step inside a tracker;
-this module holds what both do: the fake models, optimizer and batch (:func:`build_fake_step`),
-the phase recorder (:func:`trace_step_phases`) and its tracker helpers, and the context managers
-that make torchtune and torchao run on fake tensors.
+this module holds what both do: the fake models, optimizer and batch of a RunConfig
+(:func:`build_fake_step`), the phase recorder (:func:`trace_step_phases`) and its tracker
+helpers, and the context managers that make torchtune, transformers and torchao run on fake
+tensors (:func:`fake_friendly`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from kd.config.run import RunConfig
 from kd.errors import KDUserError
-from kd.memory.estimate import GenerationKnobs
+from kd.memory.knobs import GenerationKnobs, TrainKnobs
 
 if TYPE_CHECKING:
     from kd.prepare import ShardSpec
@@ -287,6 +289,8 @@ class FakeStep:
         teacher_topk: stored teacher logits ``(ids [b, s, k] int64, logprobs [b, s, k] float16)``
             as the recipe passes them to ``kd.train.micro_step``; None with an online teacher or
             none.
+        knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the
+            micro-batch, the validation batch and the on-policy sampling the trace runs.
     """
 
     student: nn.Module
@@ -296,6 +300,7 @@ class FakeStep:
     tokens: torch.Tensor
     labels: torch.Tensor
     num_tokens_total: torch.Tensor
+    knobs: TrainKnobs
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
@@ -303,70 +308,78 @@ class FakeStep:
         return (self.tokens, self.labels, *(self.teacher_topk or ()))
 
 
+def teacher_node(run: RunConfig) -> Any:
+    """The teacher's ``_component_`` node, or None: with stored teacher logits a
+    ``teacher_model`` node only names their teacher, and none is built."""
+    return run.components["teacher_model"] if run.has_teacher else None
+
+
+@contextlib.contextmanager
+def fake_friendly(run: RunConfig) -> Iterator[None]:
+    """Quiet warnings, and let torchtune's RoPE and (for ``kd.hf`` models) transformers run on
+    fake tensors, for tracing ``run``; enter ``FakeTensorMode`` inside it."""
+    hf = uses_transformers(run.components["model"], teacher_node(run))
+    with quiet(), fake_friendly_rope(), fake_friendly_transformers(hf):
+        yield
+
+
 def build_fake_step(
+    run: RunConfig,
     *,
-    model: Any,
-    teacher_model: Any,
-    optimizer: Any,
-    dtype: torch.dtype,
-    activation_checkpointing: bool,
-    batch_size: int,
-    seq_len: int,
-    grad_accum: int,
     shard: ShardSpec | None = None,
     num_ranks: int = 1,
     foreach: bool = True,
-    optimizer_in_cpu: bool = False,
-    stored_topk: int | None = None,
 ) -> FakeStep:
-    """Build, prepare and (when ``shard``) shard the models, the optimizer and one micro-batch.
+    """Build, prepare and (when ``shard``) shard ``run``'s models, its optimizer and one
+    micro-batch.
 
     Call it inside ``FakeTensorMode`` (and, when sharding, a fake process group): the models are
-    built at full size in ``dtype`` without storage, prepared exactly as the recipe prepares them,
-    and the optimizer is primed to its steady state (:func:`prime_steady_state`).
+    built at full size in the run's dtype without storage, prepared exactly as the recipe
+    prepares them (LoRA trainable set, activation checkpointing, hidden-state output, frozen
+    teacher), and the optimizer is primed to its steady state (:func:`prime_steady_state`). The
+    micro-batch is the plan's: ``batch_size`` rows (per rank) of the planned sequence length,
+    every position labelled (the worst case); with gradient accumulation the gradients of the
+    earlier micro-batches are pre-created; with ``optimizer_in_cpu`` no optimizer is built and
+    the gradients stay resident; with stored teacher logits the step gets a fake ``[b, s, k]``
+    int64 ids and float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch``
+    returns it.
 
     Args:
-        model: student ``_component_`` node.
-        teacher_model: teacher node or None.
-        optimizer: optimizer node (None = AdamW).
-        dtype: parameter dtype.
-        activation_checkpointing: recompute the student's decoder layers in backward.
-        batch_size: micro-batch b (per rank).
-        seq_len: tokens per sequence s.
-        grad_accum: > 1 pre-creates the gradients of the earlier micro-batches.
+        run: the run configuration.
         shard: FSDP2 settings (over the fake process group's mesh); None for one device.
         num_ranks: ranks whose tokens the loss normalises by.
         foreach: see :func:`build_optimizer`.
-        optimizer_in_cpu: states off the device: no optimizer is built, gradients stay resident.
-        stored_topk: k of stored teacher logits: the step gets a fake ``[b, s, k]`` int64 ids and
-            float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch`` returns
-            it; None: no stored logits.
     """
     from kd import models
     from kd.config import instantiate
+    from kd.memory.plan import inputs_from_run
     from kd.prepare import prepare_student, prepare_teacher
 
+    knobs = inputs_from_run(run).knobs
+    b, s = knobs.batch_size, knobs.seq_len
+    teacher_model = teacher_node(run)
     torch.manual_seed(0)
-    with models.default_dtype(dtype):
-        student = instantiate(model, key="model")
+    with models.default_dtype(models.DTYPES[run.dtype]):
+        student = instantiate(run.components["model"], key="model")
         teacher = (
             instantiate(teacher_model, key="teacher_model") if teacher_model is not None else None
         )
     student = prepare_student(
         student,
         lora=models.is_lora(student),
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=run.activation_checkpointing,
         shard=shard,
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
     trainable = [p for p in student.parameters() if p.requires_grad]
-    opt = None if optimizer_in_cpu else build_optimizer(optimizer, trainable, foreach=foreach)
-    prime_steady_state(opt, trainable, grads_resident=grad_accum > 1 or optimizer_in_cpu)
+    in_cpu = run.optimizer.in_cpu
+    opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
+    prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
     vocab = models.vocab_size(student)
     topk = None
-    if stored_topk is not None:
-        shape = (batch_size, seq_len, stored_topk)
+    if knobs.stored_topk is not None:
+        shape = (b, s, knobs.stored_topk)
         topk = (
             torch.randint(0, vocab, shape),  # [b, s, k] int64 ids
             torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
@@ -376,9 +389,10 @@ def build_fake_step(
         teacher=teacher,
         trainable=trainable,
         optimizer=opt,
-        tokens=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
-        labels=torch.randint(0, vocab, (batch_size, seq_len)),  # [b, s]
-        num_tokens_total=torch.tensor(batch_size * seq_len * grad_accum * num_ranks),
+        tokens=torch.randint(0, vocab, (b, s)),  # [b, s]
+        labels=torch.randint(0, vocab, (b, s)),  # [b, s]
+        num_tokens_total=torch.tensor(b * s * knobs.grad_accum * num_ranks),
+        knobs=knobs,
         teacher_topk=topk,
     )
 
@@ -552,114 +566,126 @@ def trace_generation(
     return out
 
 
+@dataclass
+class _PhaseRecorder:
+    """Peaks per phase and sub-phase, and allocated bytes at the boundaries, of one traced step.
+
+    Each mark reads tracker ``mt``'s peak since the last mark (:func:`take_phase_peak`).
+    """
+
+    mt: Any
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    subphases: dict[str, dict[str, int]] = field(default_factory=dict)
+    currents: dict[str, int] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.subphases[name] = take_phase_peak(self.mt)
+
+    def now(self, name: str) -> None:
+        self.currents[name] = snapshot(self.mt, "current").get("Total", 0)
+
+    def start_backward(self) -> None:
+        """The loss forward ends; forward's peak is the largest of its sub-phases."""
+        self.now("before_backward")
+        self.mark("loss_forward")
+        self.phases["forward"] = max(
+            (
+                self.subphases[k]
+                for k in ("student_forward", "teacher_forward", "loss_forward")
+                if k in self.subphases
+            ),
+            key=lambda d: d.get("Total", 0),
+        )
+
+    def end_backward(self) -> None:
+        self.now("after_backward")
+        self.mark("backward")
+        self.phases["backward"] = self.subphases["backward"]
+
+    def after_forward(self, name: str) -> Any:
+        """A forward hook marking the end of model ``name``'s forward."""
+
+        def hook(*_: Any) -> None:  # returns None: the module's output is kept
+            self.mark(f"{name}_forward")
+            self.now(f"after_{name}_forward")
+
+        return hook
+
+    def result(self) -> TraceResult:
+        return TraceResult(
+            phase_peaks={p: v.get("Total", 0) for p, v in self.phases.items()},
+            subphases={p: v.get("Total", 0) for p, v in self.subphases.items()},
+            subphase_categories=self.subphases,
+            currents=self.currents,
+            categories=self.phases,
+            wall_s=0.0,
+        )
+
+
+def _after_the_step(rec: _PhaseRecorder, step: FakeStep, run: RunConfig) -> None:
+    """Between steps: on-policy sampling as at the start of the next step, then one validation
+    batch, each when the run has it."""
+    if step.knobs.generation is not None:
+        sampled = trace_generation(rec.mt, step, generation=step.knobs.generation)
+        rec.subphases.update(sampled)
+        rec.phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
+    if step.knobs.eval_batch is not None:
+        rec.phases["evaluation"] = trace_evaluation(
+            rec.mt, step, settings=run.loss, eval_batch=step.knobs.eval_batch
+        )
+
+
 def trace_step_phases(
-    mt: Any,
-    step: FakeStep,
-    *,
-    settings: Any,
-    clip_grad_norm: float | None,
-    grad_scale: float = 1.0,
-    eval_batch: int | None = None,
-    generation: GenerationKnobs | None = None,
+    mt: Any, step: FakeStep, run: RunConfig, *, grad_scale: float = 1.0
 ) -> TraceResult:
-    """Run one micro-step and the optimizer step inside tracker ``mt``; peaks per phase.
+    """Run one micro-step and the optimizer step of ``run`` inside tracker ``mt``; peaks per
+    phase.
 
     Shared by the one-device trace (MemTracker) and the FSDP2 trace (FSDPMemTracker): forward
     (student, teacher, loss sub-phases), backward, optimizer step (gradient norm, optional clip,
-    step), then, with ``generation``, on-policy sampling as at the start of the next step
-    (:func:`trace_generation`), then, with ``eval_batch``, one validation batch
+    step), then, with ``on_policy``, on-policy sampling as at the start of the next step
+    (:func:`trace_generation`), then, with ``validation``, one validation batch
     (:func:`trace_evaluation`).
 
     Args:
         mt: a MemTracker or FSDPMemTracker already tracking ``step``'s models and tensors.
         step: the models, optimizer and micro-batch (:func:`build_fake_step`).
-        settings: ``kd.train.LossSettings``.
-        clip_grad_norm: traced like the recipe (norm, optional clip).
+        run: the run configuration (its loss settings and ``clip_grad_norm``).
         grad_scale: ``kd.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
-        eval_batch: sequences of the validation batch (``validation.batch_size``); None: no
-            evaluation phase.
-        generation: on-policy sampling (``on_policy:``); None: no generation phase.
 
     Returns:
         Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
     """
     from kd import train
 
-    phases: dict[str, dict[str, int]] = {}
-    subphases: dict[str, dict[str, int]] = {}
-    currents: dict[str, int] = {}
-
-    def mark(name: str) -> None:
-        subphases[name] = take_phase_peak(mt)
-
-    def now(name: str) -> None:
-        currents[name] = snapshot(mt, "current").get("Total", 0)
-
-    def start_backward() -> None:
-        now("before_backward")
-        mark("loss_forward")
-        phases["forward"] = max(
-            (
-                subphases[k]
-                for k in ("student_forward", "teacher_forward", "loss_forward")
-                if k in subphases
-            ),
-            key=lambda d: d.get("Total", 0),
-        )
-
-    def end_backward() -> None:
-        now("after_backward")
-        mark("backward")
-        phases["backward"] = subphases["backward"]
-
-    def after(name: str) -> Any:
-        def hook(*_: Any) -> None:  # returns None: the module's output is kept
-            mark(f"{name}_forward")
-            now(f"after_{name}_forward")
-
-        return hook
-
-    hooks = [step.student.register_forward_hook(after("student"))]
+    rec = _PhaseRecorder(mt)
+    hooks = [step.student.register_forward_hook(rec.after_forward("student"))]
     if step.teacher is not None:
-        hooks.append(step.teacher.register_forward_hook(after("teacher")))
+        hooks.append(step.teacher.register_forward_hook(rec.after_forward("teacher")))
     try:
         with mt:
             take_phase_peak(mt)
-            with split_at_backward(start_backward, end_backward):
+            with split_at_backward(rec.start_backward, rec.end_backward):
                 train.micro_step(
                     step.student,
                     step.teacher,
                     step.tokens,
                     step.labels,
-                    settings=settings,
+                    settings=run.loss,
                     num_tokens_total=step.num_tokens_total,
                     grad_scale=grad_scale,
                     teacher_topk=step.teacher_topk,
                 )
             for h in hooks:  # the sub-phase marks would cut the evaluation's peak
                 h.remove()
-            train.grad_norm(step.trainable, max_norm=clip_grad_norm)
+            train.grad_norm(step.trainable, max_norm=run.optimizer.clip_grad_norm)
             if step.optimizer is not None:
                 step.optimizer.step()
-            phases["optimizer_step"] = take_phase_peak(mt)
+            rec.phases["optimizer_step"] = take_phase_peak(mt)
             if step.optimizer is not None:
                 step.optimizer.zero_grad(set_to_none=True)
-            if generation is not None:
-                sampled = trace_generation(mt, step, generation=generation)
-                subphases.update(sampled)
-                phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
-            if eval_batch is not None:
-                phases["evaluation"] = trace_evaluation(
-                    mt, step, settings=settings, eval_batch=eval_batch
-                )
+            _after_the_step(rec, step, run)
     finally:
         for h in hooks:
             h.remove()
-    return TraceResult(
-        phase_peaks={p: v.get("Total", 0) for p, v in phases.items()},
-        subphases={p: v.get("Total", 0) for p, v in subphases.items()},
-        subphase_categories=subphases,
-        currents=currents,
-        categories=phases,
-        wall_s=0.0,
-    )
+    return rec.result()

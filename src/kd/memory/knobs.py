@@ -1,0 +1,127 @@
+"""The knobs a memory estimate reads: batch, sequence, precision, optimizer, loss, sharding,
+evaluation and on-policy sampling (:class:`TrainKnobs`), built from the RunConfig by
+:func:`kd.memory.plan.inputs_from_run`. Pure data, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """What the optimizer keeps per trainable parameter.
+
+    Attributes:
+        kind: ``adamw`` (torch Adam/AdamW: 2 states in the parameter dtype), ``adamw8bit``
+            (torchao), ``sgd`` (momentum buffer or none), ``other`` (treated like adamw).
+        fused: torch ``fused=True`` (one kernel, no per-step temporaries).
+        foreach: torch ``foreach``; None = torch's default (foreach on CUDA).
+        momentum: SGD momentum (0 = no state).
+        in_cpu: states live on the CPU (torchao CPUOffloadOptimizer, ``optimizer_in_cpu``).
+    """
+
+    kind: str = "adamw"
+    fused: bool = False
+    foreach: bool | None = None
+    momentum: float = 0.0
+    in_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationKnobs:
+    """On-policy sampling at the start of each optimizer step (``on_policy:``,
+    :func:`kd.on_policy.rollout`).
+
+    The micro-batch's prompts sample together: ``TrainKnobs.batch_size`` rows, left-padded to
+    ``seq_len - new_tokens`` tokens at most (``tokenizer.max_seq_len`` leaves room for the
+    completion), so the KV cache spans ``TrainKnobs.seq_len`` positions.
+
+    Attributes:
+        new_tokens: tokens sampled per prompt at most (``on_policy.max_new_tokens``).
+        models: the models that may sample: ``student`` (``lmbda`` > 0) and/or ``teacher``
+            (``seq_kd``); the plan takes the larger.
+        temperature: sampling temperature (0 = greedy: no sampler buffers beyond the logits).
+        top_p: nucleus mass (< 1 sorts the logits).
+    """
+
+    new_tokens: int
+    models: tuple[str, ...] = ("student",)
+    temperature: float = 0.9
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainKnobs:
+    """The config knobs that change memory.
+
+    Attributes:
+        batch_size: micro-batch per device.
+        seq_len: tokens per sequence (the plan's worst case, ``tokenizer.max_seq_len``).
+        grad_accum: micro-batches per optimizer step (>1 keeps gradients resident in forward).
+        dtype_bytes: parameter/activation dtype (2 for bf16, 4 for fp32).
+        activation_checkpointing: recompute each decoder layer in backward.
+        optimizer: optimizer state layout.
+        fused_loss: kd's fused linear+loss (no full logits).
+        loss_chunk_size: tokens per fused-loss chunk.
+        divergence: KD divergence name.
+        temperature: KD softmax temperature (T != 1 adds a tempered copy of the logits).
+        world_size: FSDP2 ranks (1 = single device, no sharding).
+        fsdp_cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads, states on CPU).
+        reshard_after_forward: FSDP2 frees unsharded layers after forward.
+        reduce_dtype_bytes: FSDP2 gradient reduce-scatter dtype (4 = fp32).
+        reserve_bytes: runtime reserve override (None = documented default).
+        select_labelled: the real fused path copies labelled rows of both hidden states; the
+            fake-tensor trace keeps all rows instead (False reproduces the trace).
+        teacher_bytes_per_param: a quantized teacher's bytes per parameter (the fit search's
+            suggestions; no config key sets it); None: the dtype's.
+        eval_batch: sequences per validation batch per device (``validation.batch_size``); None:
+            no validation, so no evaluation phase.
+        stored_topk: k of stored teacher logits (``teacher_logits.k``): the run trains from them,
+            with no teacher model (``estimate``'s teacher is None); None: an online teacher or none.
+        generation: on-policy sampling (``on_policy:``); None: no generation phase.
+    """
+
+    batch_size: int
+    seq_len: int
+    grad_accum: int = 1
+    dtype_bytes: int = 2
+    activation_checkpointing: bool = False
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    fused_loss: bool = True
+    loss_chunk_size: int = 1024
+    divergence: str = "forward_kl"
+    temperature: float = 1.0
+    world_size: int = 1
+    fsdp_cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    reduce_dtype_bytes: int = 4
+    reserve_bytes: int | None = None
+    select_labelled: bool = True
+    teacher_bytes_per_param: float | None = None
+    eval_batch: int | None = None
+    stored_topk: int | None = None
+    generation: GenerationKnobs | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def teacher_dtype_bytes(self) -> float:
+        """Bytes per teacher parameter: :attr:`teacher_bytes_per_param` when set, else the dtype's."""
+        if self.teacher_bytes_per_param is None:
+            return self.dtype_bytes
+        return self.teacher_bytes_per_param
+
+    @property
+    def num_ranks(self) -> int:
+        """FSDP2 ranks, at least 1."""
+        return max(1, self.world_size)
+
+    def per_rank(self, nbytes: int) -> int:
+        """The device share of bytes FSDP2 shards over the ranks: all of them on one device, none
+        with ``fsdp.cpu_offload`` (the shards live on the CPU), else a ceiling division."""
+        if self.num_ranks == 1:
+            return nbytes
+        return 0 if self.fsdp_cpu_offload else -(-nbytes // self.num_ranks)
