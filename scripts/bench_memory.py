@@ -170,7 +170,7 @@ def write_markdown(rows: list[dict], path: str, command: str, total_s: float) ->
         "",
         "## How the closed form was calibrated",
         "",
-        "Per-layer saved activations follow torchtune's modules exactly (memory_anchors.md 2.2,",
+        "Per-layer saved activations follow torchtune's modules exactly (torchtune 0.6.1's modules,",
         "generalised to partial LoRA placements and Qwen2's per-position RoPE cos/sin copies). The",
         "transient terms (final-norm fp32 temporaries, no-grad layer peak of the teacher and of a",
         "checkpointed layer, the fused loss's per-chunk [C, V] buffers per divergence, the unfused",

@@ -244,7 +244,7 @@ def test_world_size_divides_states_and_adds_in_flight_layers():
 
 
 def test_activation_formula_matches_the_research_closed_form():
-    # memory_anchors.md: full FT, GQA: 28h + 8f + 4nh + 8 bytes per token per layer (llama).
+    # torchtune's llama layer, full FT, GQA: 28h + 8f + 4nh + 8 bytes per token per layer (llama).
     s = shape_from_component("llama3_1_8b", {})
     from kd.memory.activations import layer_saved_bytes
 

@@ -20,7 +20,7 @@ def layer_saved_bytes(
 ) -> int:
     """Bytes one decoder layer saves for backward (eager, no checkpointing).
 
-    Derived from torchtune's modules (memory_anchors.md section 2.2, checked against MemTracker):
+    Derived from torchtune's modules (torchtune 0.6.1's attention, MLP and norm modules, checked against torch's MemTracker):
     RMSNorm keeps fp32 ``x`` (4h) and ``rsqrt`` (4) when its input needs a gradient, plus the fp32
     normalised ``x`` (4h) when its scale trains; linears keep their input only when their weight (or
     LoRA ``lora_a``) trains; SDPA keeps q, k, v, out (k/v at full head count after GQA's

@@ -48,7 +48,7 @@ _TIME = {
 # Examples per rank one optimizer step may need when the dataset's length is unknown at plan time.
 UNKNOWN_DATA_EXAMPLES = 4096
 
-# A quantized teacher's bytes per parameter (memory_anchors.md: torchao int8 weight-only and NF4
+# A quantized teacher's bytes per parameter (torchao int8 weight-only and NF4,
 # measured under FakeTensorMode).
 INT8_BYTES_PER_PARAM = 1.006
 # Savings below this are not worth a suggestion (they print as 0.0 GiB).

@@ -74,7 +74,7 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 
 # torchao NF4 (QLoRA ``quantize_base``): 4-bit codes + an int8 scaler per 64 values + an fp32
-# scaler-of-scalers per 256 scalers, measured 0.516 B/param under FakeTensorMode (memory_anchors.md).
+# scaler-of-scalers per 256 scalers, measured 0.516 B/param under FakeTensorMode.
 NF4_BYTES_PER_PARAM = 0.5 + 1.0 / 64 + 4.0 / (64 * 256)
 
 

@@ -10,7 +10,7 @@ with validation, one validation batch through ``kd.evaluate.batch_sums``), while
 ``MemTracker`` counts every storage by category. Peaks are read per phase. That step lives in
 :mod:`kd.memory.fake_step`.
 
-Workarounds (memory_anchors.md section 6), all needed on a CPU-only torch build:
+Workarounds, all needed on a CPU-only torch build:
 
 * fake *CPU* tensors, never fake CUDA (the first autograd op on fake CUDA aborts the process);
 * modules are built directly in the target dtype (``module.to(dtype)`` fails on fake params);

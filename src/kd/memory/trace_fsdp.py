@@ -7,7 +7,7 @@ as the recipe prepares and shards them (:mod:`kd.prepare`, :func:`kd.distributed
 torch's ``FSDPMemTracker`` attributes every storage to a category: sharded / unsharded parameters
 and gradients, all-gather and reduce-scatter buffers, activations, temporaries, optimizer states.
 
-Caveats (memory_anchors.md section 6):
+Caveats:
 
 * fake CPU tensors only (fake CUDA aborts on autograd); so ``fsdp.cpu_offload`` cannot be traced
   (its point is the device/host split) and CUDA-only buffer behaviour (streams, allocator rounding,
