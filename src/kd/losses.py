@@ -392,6 +392,10 @@ class _FusedLinearKD(_FusedHead):
     count as a tensor, so nothing here reads a tensor value into Python.
     """
 
+    # NOTE: one function on purpose (~80 lines): the chunk loop computes each chunk's logits, loss
+    # and gradient and folds the gradient into d(hidden), d(weight) before the next chunk exists, so
+    # a chunk's [C, V] buffers are the only vocabulary-sized memory; the planner's loss term is
+    # derived from this loop (kd.memory.loss_head).
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
@@ -700,6 +704,10 @@ class _FusedLinearTopK(_FusedHead):
     of hidden states; without them (``ids is None``) it is a chunked CE.
     """
 
+    # NOTE: one function on purpose (~80 lines): the chunk loop computes each chunk's logits, loss
+    # and gradient and folds the gradient into d(hidden), d(weight) before the next chunk exists, so
+    # a chunk's [C, V] buffers are the only vocabulary-sized memory; the planner's loss term is
+    # derived from this loop (kd.memory.loss_head).
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,

@@ -158,6 +158,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A readable table: components by phase, share of the budget, the peak and the verdict."""
+        # NOTE: ~80 lines of line formatting, kept in one place so the table reads as printed.
         e, inp, k = self.estimate, self.inputs, self.inputs.knobs
         lines = []
         where = f"world size {k.world_size}, per device" if k.world_size > 1 else "one device"
