@@ -10,12 +10,8 @@ from typing import Any
 import pytest
 
 from kd.errors import KDUserError
-from kd.init import (
-    ACCEPTED_COLUMNS,
-    TorchtuneUnsupported,
-    detect_data_format,
-    torchtune_build,
-)
+from kd.scaffold.data import ACCEPTED_COLUMNS, detect_data_format
+from kd.scaffold.folders import TorchtuneUnsupported, torchtune_build
 
 CHAT = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
 
