@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,44 +346,85 @@ class _TemplateTimeout(BaseException):
     no ``except Exception`` of jinja2 or transformers swallows it."""
 
 
-def _with_time_limit(fn: Callable[[], _T], seconds: float) -> _T:
-    """``fn()`` in this thread, stopped with :class:`_TemplateTimeout` after ``seconds``.
+class _Watchdog:
+    """One daemon thread per process that stops renderings past their deadline.
 
-    NOTE: why an asynchronous exception. A Python thread cannot be killed, so a timed-out
-    render in a worker thread would keep a core busy until the process ends (and forever in a
-    test process). A child process per render costs a fork per data row and a copy of the
-    tokenizer. SIGALRM works in the main thread only (not in dataloader threads). jinja2's sandbox
-    bounds ``range()`` (100,000 items) but not nested loops, whose product can be 10^10 and more.
-    So a watchdog thread raises an exception in the rendering thread with CPython's
-    ``PyThreadState_SetAsyncExc``: the template's compiled Python loop stops at its next bytecode.
-    A lock keeps the watchdog from firing once ``fn`` has returned (a pending exception is
-    cleared).
+    NOTE: why an asynchronous exception. A Python thread cannot be killed, so a render timed out
+    in a helper thread would keep a core busy until the process ends (and forever in a test
+    process). A child process per render costs a fork per data row and a copy of the tokenizer.
+    SIGALRM works in the main thread only. jinja2's sandbox bounds ``range()`` (100,000 items)
+    but not nested loops, whose product can be 10^10 iterations and more. So the rendering runs in
+    the caller's thread and this watchdog raises :class:`_TemplateTimeout` in it with CPython's
+    ``PyThreadState_SetAsyncExc``: the template's compiled Python loop stops at its next
+    bytecode. One long-lived thread (restarted in a forked child, e.g. a dataloader worker) costs
+    a lock per render instead of a thread start (about 0.25 ms, as much as tokenizing a row).
     """
-    target = threading.get_ident()
-    lock = threading.Lock()
-    finished = threading.Event()
-    state = {"done": False, "fired": False}
 
-    def watchdog() -> None:
-        if finished.wait(seconds):
-            return
-        with lock:
-            if not state["done"]:
-                state["fired"] = True
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active: dict[int, tuple[float, int]] = {}  # token -> (deadline, thread id)
+        self._fired: set[int] = set()
+        self._next = 0
+        self._wake_at = math.inf  # when the thread wakes next (inf: not started)
+        self._thread: threading.Thread | None = None
+
+    def start(self, seconds: float) -> int:
+        """Watch the calling thread for ``seconds``; the token for :meth:`stop`."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kd-chat-template-limit", daemon=True
+                )
+                self._thread.start()
+            token = self._next
+            self._next += 1
+            self._active[token] = (deadline, threading.get_ident())
+            if deadline < self._wake_at:
+                self._cond.notify()
+            return token
+
+    def stop(self, token: int) -> None:
+        """Stop watching; an exception fired as the render ended is dropped if not yet raised."""
+        with self._cond:
+            self._active.pop(token, None)
+            if token in self._fired:
+                self._fired.discard(token)
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(target), ctypes.py_object(_TemplateTimeout)
+                    ctypes.c_ulong(threading.get_ident()), None
                 )
 
-    thread = threading.Thread(target=watchdog, name="kd-chat-template-limit", daemon=True)
-    thread.start()
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (deadline, thread_id) in list(self._active.items()):
+                    if deadline <= now:
+                        del self._active[token]
+                        self._fired.add(token)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(thread_id), ctypes.py_object(_TemplateTimeout)
+                        )
+                wait = min((d for d, _ in self._active.values()), default=now + 60.0) - now
+                self._wake_at = now + wait
+                self._cond.wait(wait)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _with_time_limit(fn: Callable[[], _T], seconds: float) -> _T:
+    """``fn()`` in this thread, stopped with :class:`_TemplateTimeout` after ``seconds``
+    (:class:`_Watchdog`)."""
+    token = _WATCHDOG.start(seconds)
     try:
         return fn()
     finally:
-        with lock:
-            state["done"] = True
-            if state["fired"]:  # fired as fn returned: drop the exception if not yet raised
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), None)
-        finished.set()
+        _WATCHDOG.stop(token)
 
 
 def render_chat_template(

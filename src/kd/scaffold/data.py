@@ -40,12 +40,15 @@ class DataFormat:
         description: a few words for the config comment and the summary.
         node: the ``dataset:`` node (a torchtune dataset builder and its arguments).
         columns: the columns of the first rows.
+        conversations: chat rows only: the first rows' ``(role, content)`` messages (roles as
+            the chat template sees them), for the student's template to render.
     """
 
     kind: str
     description: str
     node: dict[str, Any]
     columns: tuple[str, ...] = ()
+    conversations: tuple[tuple[tuple[str, Any], ...], ...] = ()
 
 
 def _read_rows(path: Path, source: str, flag: str) -> list[dict[str, Any]]:
@@ -129,6 +132,58 @@ def _is_conversation(value: Any, keys: tuple[str, str]) -> bool:
     )
 
 
+# ShareGPT's speakers, as torchtune's ShareGPTToMessages maps them (any other is a KeyError).
+SHAREGPT_ROLES: dict[str, str] = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+def _chat_format(
+    rows: list[dict[str, Any]],
+    base: dict[str, Any],
+    columns: list[str],
+    *,
+    path: Path,
+    flag: str,
+) -> DataFormat:
+    """Chat rows: OpenAI ``messages`` or ShareGPT ``conversations``, each message's role checked
+    (the row number is the row of the file, 1-based)."""
+    from kd.hf.tokenization import check_roles  # imports torch (kd.hf)
+
+    column, style, keys = (
+        ("messages", "openai", ("role", "content"))
+        if "messages" in columns
+        else ("conversations", "sharegpt", ("from", "value"))
+    )
+    if not all(_is_conversation(r[column], keys) for r in rows):
+        raise KDUserError(
+            f"{flag}: the {column} column of {one_line(str(path))} is not a list of "
+            f"{{{keys[0]}, {keys[1]}}} messages in every row; fix the rows"
+        )
+    conversations = []
+    for row, r in enumerate(rows, start=1):
+        roles = [m[keys[0]] for m in r[column]]
+        if style == "sharegpt":
+            bad = next((i for i, x in enumerate(roles) if x not in SHAREGPT_ROLES), None)
+            if bad is not None:
+                raise KDUserError(
+                    f"{flag}: row {row}, message {bad + 1} of {one_line(str(path))} is from "
+                    f"{one_line(repr(roles[bad]))}; ShareGPT rows are from system, human or gpt: "
+                    "rename it in that row"
+                )
+            roles = [SHAREGPT_ROLES[x] for x in roles]
+        check_roles(roles, row=row, key=flag)
+        conversations.append(
+            tuple((role, m[keys[1]]) for role, m in zip(roles, r[column], strict=True))
+        )
+    node = {
+        "_component_": "torchtune.datasets.chat_dataset",
+        **base,
+        "conversation_column": column,
+        "conversation_style": style,
+    }
+    description = f"chat rows ({column}, {style} style)"
+    return DataFormat("chat", description, node, tuple(columns), tuple(conversations))
+
+
 def detect_data_format(path: Path, *, flag: str = "--data") -> DataFormat:
     """Detect the format of a data file from its first rows and build its ``dataset:`` node.
 
@@ -138,6 +193,8 @@ def detect_data_format(path: Path, *, flag: str = "--data") -> DataFormat:
     ``alpaca_dataset`` when rows also have a non-empty ``input`` (it joins instruction and input
     in one prompt); ``input`` and ``output`` -> ``instruct_dataset``; ``text`` ->
     ``text_completion_dataset``. Prompts are masked from the loss (``train_on_input: false``).
+    Chat messages must have the roles ``kd run`` renders (system, user, assistant, tool; ShareGPT:
+    system, human, gpt).
 
     Args:
         path: a ``.jsonl`` / ``.json`` (JSON lines or an array of objects), ``.csv`` or
@@ -145,7 +202,8 @@ def detect_data_format(path: Path, *, flag: str = "--data") -> DataFormat:
         flag: the command-line flag naming the file, for errors.
 
     Raises:
-        KDUserError: an unreadable, empty or unknown file; names ``flag`` and the accepted columns.
+        KDUserError: an unreadable, empty or unknown file; names ``flag`` and the accepted columns;
+            a chat message of another role (names its row, 1-based, and message).
     """
     path = Path(os.path.abspath(path.expanduser()))
     if not path.is_file():
@@ -165,24 +223,7 @@ def detect_data_format(path: Path, *, flag: str = "--data") -> DataFormat:
     have = set(columns)
     base: dict[str, Any] = {"source": source, "data_files": str(path), "split": "train"}
     if "messages" in have or "conversations" in have:
-        column, style, keys = (
-            ("messages", "openai", ("role", "content"))
-            if "messages" in have
-            else ("conversations", "sharegpt", ("from", "value"))
-        )
-        if not all(_is_conversation(r[column], keys) for r in rows):
-            raise KDUserError(
-                f"{flag}: the {column} column of {one_line(str(path))} is not a list of "
-                f"{{{keys[0]}, {keys[1]}}} messages in every row; fix the rows"
-            )
-        node = {
-            "_component_": "torchtune.datasets.chat_dataset",
-            **base,
-            "conversation_column": column,
-            "conversation_style": style,
-        }
-        description = f"chat rows ({column}, {style} style)"
-        return DataFormat("chat", description, node, tuple(columns))
+        return _chat_format(rows, base, columns, path=path, flag=flag)
     if {"instruction", "output"} <= have:
         if "input" in have and any(r.get("input") for r in rows):
             node = {"_component_": "torchtune.datasets.alpaca_dataset", **base}

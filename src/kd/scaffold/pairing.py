@@ -94,9 +94,31 @@ def check_tokenizers(
     """
     from kd.hf.tokenization import compare_tokenizers
 
-    return compare_tokenizers(
+    check = compare_tokenizers(
         teacher.folder,
         student.folder,
         teacher_vocab=teacher.vocab_size,
         student_vocab=student.vocab_size,
     )
+    if check.chat_template and data.conversations:
+        render_rows(student, data)
+    return check
+
+
+def render_rows(student: ModelChoice, data: DataFormat) -> None:
+    """Tokenize the sampled chat rows as ``kd run`` will: the student's ``kd.hf.tokenizer``
+    renders each with its chat template and splits it per message.
+
+    Raises:
+        KDUserError: the template fails on a row (one line blaming the template) or cannot be
+            split per message.
+    """
+    from kd import _torchtune as tt
+    from kd.hf.tokenization import tokenizer
+
+    tok = tokenizer(str(student.folder))
+    for conversation in data.conversations:
+        if not all(isinstance(content, str) for _, content in conversation):
+            continue  # content parts (images...): kd.hf.tokenizer names them in kd run
+        messages = [tt.Message(role=role, content=content) for role, content in conversation]
+        tok.tokenize_messages(messages)

@@ -112,7 +112,7 @@ def render_config(
             *_model_section("teacher_model", "teacher_checkpointer", teacher, lora=False),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
-            *optional_sections(data),
+            *optional_sections(data, max_seq_len=max_seq_len),
             "# Memory plan (checked before any weight loads; kd plan --fit lists settings that fit)",
             "memory:",
             f"  budget_gib: {_yaml(budget_gib)}  # GiB per device; null = the device's total memory",
@@ -243,13 +243,14 @@ def _commented(lines: list[str]) -> list[str]:
     return [f"# {line}" for line in lines]
 
 
-def optional_sections(data: DataFormat) -> list[str]:
+def optional_sections(data: DataFormat, *, max_seq_len: int) -> list[str]:
     """The optional features, commented out: remove the ``# `` of a block to turn it on.
 
     Each block is valid YAML once uncommented (a test uncomments each one and validates the
     config): ``validation`` (held-out data read like ``dataset``, here pointed at a ``val``
     file beside the training data) with ``keep_best`` and ``early_stopping``; ``teacher_logits``
-    (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD).
+    (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD,
+    its completions at most half of ``max_seq_len`` so that a prompt fits beside them).
     """
     train = Path(str(data.node["data_files"]))
     val_node = {**data.node, "data_files": str(train.with_name(f"val{train.suffix}"))}
@@ -292,7 +293,11 @@ def optional_sections(data: DataFormat) -> list[str]:
             [
                 "on_policy:",
                 _line("  lmbda", 0.5, "probability a micro-batch uses the student's completions"),
-                _line("  max_new_tokens", 128, "tokens sampled per prompt at most"),
+                _line(
+                    "  max_new_tokens",
+                    min(128, max(1, max_seq_len // 2)),
+                    "tokens sampled per prompt at most (prompt + these fit max_seq_len)",
+                ),
                 _line("  temperature", 0.9, "sampling temperature (0 = greedy)"),
             ]
         ),
