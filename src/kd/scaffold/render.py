@@ -112,7 +112,7 @@ def render_config(
             *_model_section("teacher_model", "teacher_checkpointer", teacher, lora=False),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
-            *optional_sections(data, max_seq_len=max_seq_len),
+            *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
             "# Memory plan (checked before any weight loads; kd plan --fit lists settings that fit)",
             "memory:",
             f"  budget_gib: {_yaml(budget_gib)}  # GiB per device; null = the device's total memory",
@@ -243,7 +243,9 @@ def _commented(lines: list[str]) -> list[str]:
     return [f"# {line}" for line in lines]
 
 
-def optional_sections(data: DataFormat, *, max_seq_len: int) -> list[str]:
+def optional_sections(
+    data: DataFormat, *, max_seq_len: int, config_name: str = "my_kd.yaml"
+) -> list[str]:
     """The optional features, commented out: remove the ``# `` of a block to turn it on.
 
     Each block is valid YAML once uncommented (a test uncomments each one and validates the
@@ -279,7 +281,8 @@ def optional_sections(data: DataFormat, *, max_seq_len: int) -> list[str]:
         ),
         "# Stop after `patience` evaluations without improvement (needs validation):",
         *_commented(["early_stopping:", _line("  patience", 3)]),
-        "# Stored teacher logits: `kd run teacher_logits --config THIS` writes them once, then",
+        "# Stored teacher logits: `kd run teacher_logits --config "
+        f"{one_line(config_name)}` writes them once, then",
         "# `kd run kd` trains from them without loading the teacher:",
         *_commented(
             [
