@@ -17,6 +17,11 @@ are trained; the other roles' tokens follow their message's ``masked`` flag (tor
 ends each reply. A template that renders a turn differently depending on what follows it (e.g.
 the last reply unlike earlier ones) cannot be split per message and is refused, naming the folder.
 A folder without a chat template falls back to plain concatenation (see :class:`HFTokenizer`).
+
+A template that fails to render (invalid Jinja, a sandbox violation, its own ``raise_exception``,
+or no result within :data:`TEMPLATE_TIME_LIMIT_S`) is one line blaming the template
+(:func:`render_chat_template`). Messages of roles other than :data:`CHAT_ROLES` are refused
+(:func:`check_roles`; ``kd.data`` adds the row number).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ holds both.
 
 :func:`reconcile_backends` keeps torchtune builders of different token-id families apart;
 :func:`max_seq_len` bounds the length by both models; :func:`check_tokenizers` compares the two
-tokenizers' whole vocabularies and renders the student's chat template once
-(:func:`kd.hf.tokenization.compare_tokenizers`, :func:`kd.hf.tokenization.check_chat_template`).
+tokenizers' whole vocabularies (:func:`kd.hf.tokenization.compare_tokenizers`) and has the
+student's chat template render a probe conversation and the data's first chat rows
+(:func:`render_rows`), as ``kd run`` will.
 """
 
 from __future__ import annotations
