@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 # Optional subcommands written elsewhere: (module, name). Each module defines
 # add_parser(subparsers) and run(args) -> int | None.
 _OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
-    ("kd.init", "init"),
+    ("kd.scaffold.command", "init"),
     ("kd.memory.cli", "plan"),
     ("kd.demo", "demo"),
 )

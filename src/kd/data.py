@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kd import _torchtune as tt
 from kd.errors import KDUserError, brief
+from kd.hf.tokenization import ChatRoleError
 
 
 class SkipSampler(Sampler[int]):
@@ -34,6 +35,25 @@ class SkipSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, len(self.base) - self.skip)
+
+
+class NamedRows(Dataset):
+    """A dataset whose chat-role errors name their row: the tokenizer refuses a message's role
+    (:class:`kd.hf.tokenization.ChatRoleError`) without knowing which row it reads; this adds the
+    row (``index + 1``, the line of a JSON-lines file)."""
+
+    def __init__(self, dataset: Dataset, key: str = "dataset"):
+        self.dataset = dataset
+        self.key = key
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except ChatRoleError as e:
+            raise e.at_row(index + 1, key=self.key) from None
 
 
 class WithRows(Dataset):
@@ -94,8 +114,9 @@ def build_dataloader(
     )
     sampler = SkipSampler(base)
     collate = collate_with_rows if with_rows else tt.padded_collate_sft
+    named = NamedRows(dataset)
     loader = DataLoader(
-        WithRows(dataset) if with_rows else dataset,
+        WithRows(named) if with_rows else named,
         batch_size=batch_size,
         sampler=sampler,
         drop_last=True,
@@ -217,6 +238,8 @@ def check_dataset(
             example = dataset[i]
             labels = list(example["labels"])
             length = len(example["tokens"])
+        except ChatRoleError as e:
+            raise e.at_row(i + 1, key=key) from None
         except KDUserError:
             raise  # already names its key (a chat template kd.hf.tokenizer cannot split)
         except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises

@@ -448,7 +448,7 @@ def test_chosen_torchtune_builder_matches_transformers(tmp_path, model_type, ext
 
     from kd import _torchtune as tt
     from kd.config.instantiate import locate_target
-    from kd.init import choose_model
+    from kd.scaffold.folders import choose_model
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(
@@ -481,3 +481,131 @@ def test_chosen_torchtune_builder_matches_transformers(tmp_path, model_type, ext
         torch.testing.assert_close(
             model.eval()(tokens), hf.eval()(tokens).logits, atol=1e-4, rtol=1e-4
         )
+
+
+# ---------------------------------------- whole vocabularies, chat templates, roles, options
+def _tokenizer_variant(folders: dict[str, Path], dest: Path, **tokenizer: Any) -> Path:
+    """A folder with the student's config.json and write_hf_tokenizer's files (no weights)."""
+    dest.mkdir()
+    shutil.copyfile(folders["student"] / "config.json", dest / "config.json")
+    return write_hf_tokenizer(dest, **tokenizer)
+
+
+def test_two_swapped_token_ids_are_refused(folders, tmp_path, capsys):
+    # Ids 1 and 2 (bytes \x01 and \x02) swapped: no probe text holds them, every special token
+    # keeps its id, yet the teacher's id 1 is the student's id 2.
+    swapped = _tokenizer_variant(folders, tmp_path / "swapped")
+    path = swapped / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    one, two = (next(t for t, i in vocab.items() if i == k) for k in (1, 2))
+    vocab[one], vocab[two] = 2, 1
+    path.write_text(json.dumps(data))
+    folders = {**folders, "swapped": swapped}
+    assert cli.main(_init(folders, tmp_path, teacher="swapped")) == 2
+    line = _error_line(capsys)
+    assert "tokenizers differ" in line and str(swapped) in line and str(folders["student"]) in line
+    assert f"map token id 1 to different tokens (teacher {two!r}, student {one!r})" in line
+    assert not (tmp_path / "kd.yaml").exists()
+
+
+# The words of the one line for each broken student template (kd init's probe conversation).
+BROKEN = {
+    "syntax": ("{% for m in messages %}{{ m['content'] }}", "is not valid Jinja"),
+    "sandbox": ("{{ ''.__class__.__mro__ }}", "does something jinja2's sandbox forbids"),
+    "raise_exception": ("{{ raise_exception('no') }}", "stopped with its own error"),
+    "endless": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "did not finish rendering one conversation in 0.5 s",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_student_template_that_cannot_render_is_refused(
+    folders, tmp_path, capsys, monkeypatch, name
+):
+    from kd.hf import tokenization
+
+    monkeypatch.setattr(tokenization, "TEMPLATE_TIME_LIMIT_S", 0.5)
+    template, words = BROKEN[name]
+    broken = _tokenizer_variant(folders, tmp_path / "broken")
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    assert cli.main(_init({**folders, "broken": broken}, tmp_path, student="broken")) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"kd: error: --student: the chat template of {broken} ")
+    assert words in line and "fix or replace the folder's chat_template" in line
+    assert not (tmp_path / "kd.yaml").exists()
+
+
+def test_a_template_that_fails_on_the_data_rows_is_refused(folders, tmp_path, capsys):
+    # Renders the probe (user, assistant) but refuses the data's system messages.
+    no_system = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    student = _tokenizer_variant(folders, tmp_path / "no_system")
+    config = json.loads((student / "tokenizer_config.json").read_text())
+    config["chat_template"] = no_system
+    (student / "tokenizer_config.json").write_text(json.dumps(config))
+    data = tmp_path / "system.jsonl"
+    row = {
+        "messages": [{"role": "system", "content": "Be brief."}, *_rows("chat", 1)[0]["messages"]]
+    }
+    data.write_text(json.dumps(row) + "\n")
+    names = {**folders, "no_system": student, "system": data}
+    assert cli.main(_init(names, tmp_path, student="no_system", data="system")) == 2
+    line = _error_line(capsys)
+    assert "the chat template of tokenizer.path" in line and str(student) in line
+    assert "System role not supported" in line
+    assert not (tmp_path / "kd.yaml").exists()
+
+
+def test_a_chat_role_kd_does_not_render_is_refused_with_its_row(folders, tmp_path, capsys):
+    rows = _rows("chat", 5)
+    rows[3]["messages"].insert(1, {"role": "narrator", "content": "(pause)"})
+    data = tmp_path / "roles.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(_init({**folders, "roles": data}, tmp_path, data="roles")) == 2
+    line = _error_line(capsys)
+    assert line.startswith("kd: error: --data: row 4, message 2 has role 'narrator'")
+    assert not (tmp_path / "kd.yaml").exists()
+
+
+def _uncommented(text: str, keys: tuple[str, ...]) -> str:
+    """The config with the commented blocks of ``keys`` turned on (their ``# `` removed)."""
+    out, inside = [], False
+    for line in text.splitlines():
+        body = line[2:] if line.startswith("# ") else None
+        if body is not None and any(body.startswith(f"{k}:") for k in keys):
+            inside = True
+        elif body is None or not body.startswith("  "):
+            inside = False
+        out.append(body if inside and body is not None else line)
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [("validation", "keep_best", "early_stopping"), ("teacher_logits",), ("on_policy",)],
+)
+def test_optional_features_are_written_commented_and_validate_when_turned_on(
+    folders, tmp_path, keys
+):
+    assert cli.main(_init(folders, tmp_path)) == 0
+    text = (tmp_path / "kd.yaml").read_text()
+    assert all(f"\n# {key}:" in text for key in keys)
+    assert not any(key in yaml.safe_load(text) for key in keys)  # off as written
+    shutil.copyfile(folders["chat"], folders["chat"].with_name("val.jsonl"))
+    turned_on = tmp_path / "on.yaml"
+    turned_on.write_text(_uncommented(text, keys))
+    cfg = load_config(str(turned_on), [])
+    for key in keys:
+        assert cfg[key] is not None
+    validate_config(cfg, check_paths=False, check_components=False)
+    if keys[0] == "validation":
+        assert cfg.validation.dataset.data_files == str(folders["chat"].with_name("val.jsonl"))
+        validate_config(cfg, check_paths=True, check_components=False)

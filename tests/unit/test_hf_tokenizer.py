@@ -412,3 +412,94 @@ def test_import_does_not_load_transformers() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.stdout.strip().splitlines()[-1] == "False", result.stderr
+
+
+# ------------------------------------------------------- templates that fail, roles, rows
+# Templates that cannot render any conversation, and the words of their one line.
+BROKEN_TEMPLATES = {
+    "syntax": ("{% for m in messages %}{{ m['content'] }}", "is not valid Jinja (line 1"),
+    "sandbox": ("{{ ''.__class__.__mro__ }}", "does something jinja2's sandbox forbids"),
+    "mutation": ("{{ messages.append(1) }}", "does something jinja2's sandbox forbids"),
+    "raise_exception": (
+        "{{ raise_exception('only user and assistant roles') }}",
+        "stopped with its own error (TemplateError: only user and assistant roles)",
+    ),
+    "endless": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "did not finish rendering one conversation in 0.5 s",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_TEMPLATES))
+def test_a_template_that_cannot_render_is_blamed_in_one_line(
+    name: str, tmp_path: Path, tok: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kd.hf import tokenization
+
+    monkeypatch.setattr(tokenization, "TEMPLATE_TIME_LIMIT_S", 0.5)
+    template, words = BROKEN_TEMPLATES[name]
+    broken = build_tokenizer(str(write_hf_tokenizer(tmp_path, chat_template=template)))
+    with pytest.raises(KDUserError) as err:
+        broken.tokenize_messages(conversation())
+    message = str(err.value)
+    assert message.startswith(f"dataset: the chat template of tokenizer.path ({tmp_path}) ")
+    assert words in message and "\n" not in message
+    assert "fix or replace the folder's chat_template" in message
+    # Nothing is left behind: the next renderings (this thread, same process) are whole.
+    for _ in range(3):
+        assert tok.tokenize_messages(conversation()) == tok.tokenize_messages(conversation())
+
+
+def test_the_time_limit_stops_a_template_in_any_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from kd.hf import tokenization
+
+    monkeypatch.setattr(tokenization, "TEMPLATE_TIME_LIMIT_S", 0.3)
+    template = BROKEN_TEMPLATES["endless"][0]
+    broken = build_tokenizer(str(write_hf_tokenizer(tmp_path, chat_template=template)))
+    errors: list[str] = []
+
+    def render() -> None:
+        try:
+            broken.tokenize_messages(conversation())
+        except KDUserError as e:
+            errors.append(str(e))
+
+    threads = [threading.Thread(target=render) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 2 and all("did not finish rendering" in e for e in errors)
+
+
+@pytest.mark.parametrize("role", ["narrator", "function", "developer", "User"])
+def test_a_role_kd_does_not_render_is_refused(tok: HFTokenizer, role: str) -> None:
+    messages = [*conversation()[:2], Message(role, "hm", masked=True), *conversation()[2:]]  # type: ignore[arg-type]
+    with pytest.raises(KDUserError, match=rf"^dataset: message 3 has role '{role}', which kd"):
+        tok.tokenize_messages(messages)
+    # tool results (torchtune's "ipython", OpenAI's "tool") are rendered.
+    tool = [*conversation()[:3], Message("ipython", "42", masked=True)]
+    assert tok.tokenize_messages(tool)[0]
+
+
+def test_kd_run_names_the_row_of_a_bad_role(tok: HFTokenizer, tmp_path: Path) -> None:
+    good = {"messages": hf_chat(conversation()[1:3])}
+    bad = {"messages": [*hf_chat(conversation()[1:3]), {"role": "narrator", "content": "x"}]}
+    rows = write_jsonl(tmp_path / "chat.jsonl", [good, good, bad, good])
+    dataset = _chat_dataset(tok, rows)
+    line = r"^dataset: row 3, message 3 has role 'narrator', which kd does not render; use system"
+    with pytest.raises(KDUserError, match=line):
+        check_dataset(dataset, max_seq_len=None)  # kd validate / kd run before training
+    from kd.data import build_dataloader, next_micro_batches
+
+    loader, _ = build_dataloader(dataset, batch_size=1, shuffle=False, seed=0, pad_id=0)
+    batches = iter(loader)
+    next_micro_batches(batches, count=2, step=1)
+    with pytest.raises(KDUserError, match=r"step 2 failed .*dataset: row 3, message 3 has role"):
+        next_micro_batches(batches, count=2, step=2)  # during training

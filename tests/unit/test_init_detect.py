@@ -10,12 +10,8 @@ from typing import Any
 import pytest
 
 from kd.errors import KDUserError
-from kd.init import (
-    ACCEPTED_COLUMNS,
-    TorchtuneUnsupported,
-    detect_data_format,
-    torchtune_build,
-)
+from kd.scaffold.data import ACCEPTED_COLUMNS, detect_data_format
+from kd.scaffold.folders import TorchtuneUnsupported, torchtune_build
 
 CHAT = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
 
@@ -241,3 +237,45 @@ def test_not_built_exactly_by_torchtune(config, needle):
     with pytest.raises(TorchtuneUnsupported, match=None) as e:
         torchtune_build(config)
     assert needle in str(e.value)
+
+
+def _chat(*roles: str) -> dict[str, Any]:
+    return {"messages": [{"role": r, "content": f"{r} says hi"} for r in roles]}
+
+
+def test_chat_roles_kd_renders_are_accepted(tmp_path):
+    rows = [_chat("system", "user", "assistant"), _chat("user", "assistant", "tool", "assistant")]
+    fmt = detect_data_format(_jsonl(tmp_path / "d.jsonl", rows))
+    assert fmt.kind == "chat"
+    assert [[role for role, _ in c] for c in fmt.conversations] == [
+        ["system", "user", "assistant"],
+        ["user", "assistant", "tool", "assistant"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rows", "needle"),
+    [
+        (
+            [CHAT, CHAT, _chat("user", "narrator", "assistant")],
+            "--data: row 3, message 2 has role 'narrator', which kd does not render; use system, "
+            "user, assistant, tool",
+        ),
+        (
+            [_chat("developer", "user", "assistant")],
+            "--data: row 1, message 1 has role 'developer'",
+        ),
+        (
+            [
+                {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]},
+                {"conversations": [{"from": "human", "value": "a"}, {"from": "bot", "value": "b"}]},
+            ],
+            "--data: row 2, message 2 of ",
+        ),
+    ],
+)
+def test_other_chat_roles_are_refused_with_the_row(tmp_path, rows, needle):
+    with pytest.raises(KDUserError) as e:
+        detect_data_format(_jsonl(tmp_path / "d.jsonl", rows))
+    message = str(e.value)
+    assert message.startswith(needle) and "\n" not in message

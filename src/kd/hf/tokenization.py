@@ -17,15 +17,24 @@ are trained; the other roles' tokens follow their message's ``masked`` flag (tor
 ends each reply. A template that renders a turn differently depending on what follows it (e.g.
 the last reply unlike earlier ones) cannot be split per message and is refused, naming the folder.
 A folder without a chat template falls back to plain concatenation (see :class:`HFTokenizer`).
+
+A template that fails to render (invalid Jinja, a sandbox violation, its own ``raise_exception``,
+or no result within :data:`TEMPLATE_TIME_LIMIT_S`) is one line blaming the template
+(:func:`render_chat_template`). Messages of roles other than :data:`CHAT_ROLES` are refused
+(:func:`check_roles`; ``kd.data`` adds the row number).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-from collections.abc import Mapping, Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kd.errors import KDUserError, brief, one_line
 
@@ -36,6 +45,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TRUNCATION_TYPES = ("right", "left")
 # torchtune's roles -> the roles chat templates know (torchtune calls tool results "ipython").
 _HF_ROLES = {"ipython": "tool"}
+# The roles of chat data kd renders (and torchtune's "ipython", its name for "tool").
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+# Seconds one conversation's chat-template renderings may take (a real template takes
+# milliseconds); past it the rendering is stopped (:func:`render_chat_template`).
+TEMPLATE_TIME_LIMIT_S = 10.0
+_T = TypeVar("_T")
 
 
 def tokenizer(
@@ -171,12 +186,15 @@ class HFTokenizer:
             the last token becomes ``eos_id`` (masked) when ``add_end_tokens``, as torchtune does.
 
         Raises:
-            KDUserError: a message holds non-text content, the chat template refuses the
-                conversation, or it cannot be split per message (a turn renders differently
-                depending on what follows it).
+            ChatRoleError: a message's role is not one of :data:`CHAT_ROLES` (the data
+                pipeline adds the row number).
+            KDUserError: a message holds non-text content, the chat template fails to render
+                (:func:`render_chat_template`), or it cannot be split per message (a turn
+                renders differently depending on what follows it).
         """
         if not messages:
             return [], []
+        check_roles([m.role for m in messages])
         if self.chat_template is None:
             tokens, mask = self._concatenate(messages, add_end_tokens)
         else:
@@ -244,13 +262,8 @@ class HFTokenizer:
     def _apply(self, conversations: list[list[dict[str, str]]], **kwargs: Any) -> list[str]:
         if not conversations:
             return []
-        try:
-            return list(self._hf.apply_chat_template(conversations, tokenize=False, **kwargs))
-        except Exception as e:  # noqa: BLE001 - templates raise what they like (raise_exception)
-            raise KDUserError(
-                f"dataset: the chat template of tokenizer.path ({self.path}) refused a "
-                f"conversation ({brief(e)}); fix the data's roles or order for this template"
-            ) from e
+        where = f"dataset: the chat template of tokenizer.path ({one_line(str(self.path))})"
+        return render_chat_template(self._hf, conversations, where=where, **kwargs)
 
     def _extend(self, tokens: list[int], rendered: list[int], count: int) -> int:
         """Append to ``tokens`` what ``rendered`` (the rendering of the first ``count`` messages,
@@ -293,6 +306,191 @@ def _text(message: Message) -> str:
     return "".join(parts)
 
 
+# --------------------------------------------------------------------------- roles
+class ChatRoleError(KDUserError):
+    """A chat message whose role kd does not render.
+
+    Attributes:
+        role: the role.
+        message: the message's position in its conversation (1-based).
+        row: the data row (1-based) once known (:meth:`at_row`), else None.
+    """
+
+    def __init__(self, role: str, message: int, *, row: int | None = None, key: str = "dataset"):
+        self.role, self.message, self.row, self.key = role, message, row, key
+        where = f"row {row}, " if row is not None else ""
+        super().__init__(
+            f"{key}: {where}message {message} has role {one_line(repr(role))}, which kd does not "
+            f"render; use {', '.join(CHAT_ROLES)} (rename or drop that message of the row)"
+        )
+
+    def at_row(self, row: int, *, key: str | None = None) -> ChatRoleError:
+        """The same error naming the data row (1-based) and the config key or flag."""
+        return ChatRoleError(self.role, self.message, row=row, key=key or self.key)
+
+
+def check_roles(roles: Sequence[Any], *, row: int | None = None, key: str = "dataset") -> None:
+    """Refuse a conversation with a role other than :data:`CHAT_ROLES` (and torchtune's
+    ``ipython``, its name for ``tool``): a chat template renders other roles unpredictably (most
+    drop them or treat them as the user's), so the trained text would not be what the data says.
+
+    Used by ``kd run``'s tokenizer (:meth:`HFTokenizer.tokenize_messages`; the data pipeline adds
+    the row) and by ``kd init``'s data detection (which knows the row).
+
+    Raises:
+        ChatRoleError: the first such message, with ``row`` (1-based) when given.
+    """
+    for i, role in enumerate(roles):
+        if role not in CHAT_ROLES and role not in _HF_ROLES:
+            raise ChatRoleError(str(role), i + 1, row=row, key=key)
+
+
+# ---------------------------------------------------------------- template rendering
+class _TemplateTimeout(BaseException):
+    """Raised inside a rendering thread past :data:`TEMPLATE_TIME_LIMIT_S`. A BaseException, so
+    no ``except Exception`` of jinja2 or transformers swallows it."""
+
+
+class _Watchdog:
+    """One daemon thread per process that stops renderings past their deadline.
+
+    NOTE: why an asynchronous exception. A Python thread cannot be killed, so a render timed out
+    in a helper thread would keep a core busy until the process ends (and forever in a test
+    process). A child process per render costs a fork per data row and a copy of the tokenizer.
+    SIGALRM works in the main thread only. jinja2's sandbox bounds ``range()`` (100,000 items)
+    but not nested loops, whose product can be 10^10 iterations and more. So the rendering runs in
+    the caller's thread and this watchdog raises :class:`_TemplateTimeout` in it with CPython's
+    ``PyThreadState_SetAsyncExc``: the template's compiled Python loop stops at its next
+    bytecode. One long-lived thread (restarted in a forked child, e.g. a dataloader worker) costs
+    a lock per render instead of a thread start (about 0.25 ms, as much as tokenizing a row).
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active: dict[int, tuple[float, int]] = {}  # token -> (deadline, thread id)
+        self._fired: set[int] = set()
+        self._next = 0
+        self._wake_at = math.inf  # when the thread wakes next (inf: not started)
+        self._thread: threading.Thread | None = None
+
+    def start(self, seconds: float) -> int:
+        """Watch the calling thread for ``seconds``; the token for :meth:`stop`."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kd-chat-template-limit", daemon=True
+                )
+                self._thread.start()
+            token = self._next
+            self._next += 1
+            self._active[token] = (deadline, threading.get_ident())
+            if deadline < self._wake_at:
+                self._cond.notify()
+            return token
+
+    def stop(self, token: int) -> None:
+        """Stop watching; an exception fired as the render ended is dropped if not yet raised."""
+        with self._cond:
+            self._active.pop(token, None)
+            if token in self._fired:
+                self._fired.discard(token)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(threading.get_ident()), None
+                )
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (deadline, thread_id) in list(self._active.items()):
+                    if deadline <= now:
+                        del self._active[token]
+                        self._fired.add(token)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(thread_id), ctypes.py_object(_TemplateTimeout)
+                        )
+                wait = min((d for d, _ in self._active.values()), default=now + 60.0) - now
+                self._wake_at = now + wait
+                self._cond.wait(wait)
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _with_time_limit(fn: Callable[[], _T], seconds: float) -> _T:
+    """``fn()`` in this thread, stopped with :class:`_TemplateTimeout` after ``seconds``
+    (:class:`_Watchdog`)."""
+    token = _WATCHDOG.start(seconds)
+    try:
+        return fn()
+    finally:
+        _WATCHDOG.stop(token)
+
+
+def render_chat_template(
+    hf: Any,
+    conversations: list[list[dict[str, str]]],
+    *,
+    where: str,
+    **kwargs: Any,
+) -> list[str]:
+    """Render conversations with a tokenizer's chat template, within the time limit.
+
+    Args:
+        hf: a transformers tokenizer with a chat template.
+        conversations: lists of ``{role, content}`` messages.
+        where: the start of an error: the config key or flag, then the template and its folder
+            (``"--student: the chat template of DIR"``).
+        **kwargs: ``apply_chat_template`` options (``add_generation_prompt``...).
+
+    Returns:
+        One text per conversation.
+
+    Raises:
+        KDUserError: one line blaming the template: invalid Jinja, an operation jinja2's sandbox
+            forbids, the template's own ``raise_exception``, any other failure, or no result
+            within :data:`TEMPLATE_TIME_LIMIT_S` seconds.
+    """
+    limit = TEMPLATE_TIME_LIMIT_S
+    try:
+        return _with_time_limit(
+            lambda: list(hf.apply_chat_template(conversations, tokenize=False, **kwargs)), limit
+        )
+    except _TemplateTimeout:
+        raise KDUserError(
+            f"{where} did not finish "
+            f"rendering one conversation in {limit:g} s (an endless or huge loop); fix or "
+            "replace the folder's chat_template (tokenizer_config.json or chat_template.jinja)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - templates raise what they like
+        raise KDUserError(_template_error(e, where)) from e
+
+
+def _template_error(e: Exception, where: str) -> str:
+    """One line for a chat template that failed: what went wrong, blaming the template."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    fix = "fix or replace the folder's chat_template (tokenizer_config.json or chat_template.jinja)"
+    if isinstance(e, jinja2.TemplateSyntaxError):
+        return f"{where} is not valid Jinja (line {e.lineno}: {brief(e)}); {fix}"
+    if isinstance(e, SecurityError):
+        return (
+            f"{where} does something jinja2's sandbox forbids ({brief(e)}), so it is not run; {fix}"
+        )
+    if type(e) is jinja2.TemplateError:  # the template's own raise_exception(...)
+        return (
+            f"{where} stopped with its own error ({brief(e)}); {fix}, or give it the "
+            "conversations it expects"
+        )
+    return f"{where} failed to render ({brief(e)}); {fix}"
+
+
 # Plain ASCII that every real vocabulary covers (byte-level BPE, tiktoken, sentencepiece): the
 # probe of a tokenizer's files (kd.models) and of two tokenizers' agreement.
 TOKENIZER_PROBE = "Hello, world! 1+2=3."
@@ -313,8 +511,9 @@ class TokenizerCheck:
 
     Attributes:
         probes: the texts both tokenizers encoded to the same ids.
-        size: token ids the tokenizers use (the largest id + 1).
-        chat_template: the student's tokenizer has a chat template.
+        size: token ids the tokenizers use (the largest id + 1); every one maps to the same token
+            in both.
+        chat_template: the student's tokenizer has a chat template (it rendered the probe).
         notes: differences that do not change any id (e.g. a different eos choice).
     """
 
@@ -322,6 +521,14 @@ class TokenizerCheck:
     size: int
     chat_template: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def summary(self) -> str:
+        """What was compared, for ``kd init``'s output."""
+        return (
+            f"{self.size} token ids, each the same token in both, the same special tokens; the "
+            f"same ids on {len(self.probes)} probes"
+        )
 
 
 def load_hf_tokenizer(folder: Path, *, flag: str) -> Any:
@@ -346,19 +553,20 @@ def load_hf_tokenizer(folder: Path, *, flag: str) -> Any:
         ) from e
 
 
-def _chat_probe(tokenizer: Any) -> str:
-    """A short conversation rendered by ``tokenizer``'s chat template (ChatML when it has none)."""
+def _chat_probe(tokenizer: Any, folder: Path) -> str:
+    """A short conversation rendered by ``tokenizer``'s chat template (ChatML when it has none).
+
+    Raises:
+        KDUserError: the template fails to render it (:func:`render_chat_template`, blaming the
+            student's template: ``kd run`` would fail on the same rendering).
+    """
     messages = [
         {"role": "user", "content": "What is 12 + 30?"},
         {"role": "assistant", "content": "12 + 30 = 42."},
     ]
     if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
-            if isinstance(text, str) and text:
-                return text
-        except Exception:  # noqa: BLE001, S110 - a template that refuses these roles: use ChatML
-            pass
+        where = f"--student: the chat template of {one_line(str(folder))}"
+        return render_chat_template(tokenizer, [messages], where=where)[0]
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
@@ -374,11 +582,15 @@ def compare_tokenizers(
 ) -> TokenizerCheck:
     """Check that teacher and student tokenize alike, so KD can compare them id by id.
 
-    Both encode the same probes (:data:`TOKENIZER_PROBE`, a non-ASCII line and a
-    conversation rendered by the student's chat template) to the same ids, and every special token
-    of either (bos/eos/pad/unk and the added special tokens) has the same id in both. A different
-    choice of eos or pad token between two tokenizers that map every token alike (a base and an
-    instruct model) changes no id: it is reported as a note (the data uses the student's).
+    The student's chat template must render a conversation (:func:`render_chat_template`). Then
+    both tokenizers must (1) encode the same probes (:data:`TOKENIZER_PROBE`, a non-ASCII line
+    and that conversation) to the same ids: this tests the encoding rules (merges, normalizer,
+    pre-tokenizer) that a vocabulary alone does not fix; (2) give every special token of either
+    (bos/eos/pad/unk and the added special tokens) the same id; (3) hold the same whole
+    vocabulary: every id maps to the same token in both (two tokenizers with two ids swapped
+    differ). A different choice of eos or pad token between two tokenizers that map every token
+    alike (a base and an instruct model) changes no id: it is reported as a note (the data uses
+    the student's).
 
     Args:
         teacher: the teacher's folder.
@@ -387,48 +599,19 @@ def compare_tokenizers(
         student_vocab: the student's ``vocab_size``.
 
     Raises:
-        KDUserError: a folder without a loadable tokenizer, the first difference between the two
-            (one line naming both folders), or token ids beyond a model's vocab_size.
+        KDUserError: a folder without a loadable tokenizer, a student chat template that cannot
+            render, the first difference between the two (one line naming both folders), or
+            token ids beyond a model's vocab_size.
     """
     t_tok = load_hf_tokenizer(teacher, flag="--teacher")
     s_tok = load_hf_tokenizer(student, flag="--student")
     pair = f"the teacher {one_line(str(teacher))} and the student {one_line(str(student))}"
-    fix = "KD compares the two models token id by token id: pick models that share one tokenizer"
-    probes = (TOKENIZER_PROBE, "Grüße, 世界! naïve café ½ → 🙂", _chat_probe(s_tok))
+    probes = (TOKENIZER_PROBE, "Grüße, 世界! naïve café ½ → 🙂", _chat_probe(s_tok, student))
     for text in probes:
-        t_ids = t_tok.encode(text, add_special_tokens=False)
-        s_ids = s_tok.encode(text, add_special_tokens=False)
-        if t_ids != s_ids:
-            i = next(
-                (k for k, (a, b) in enumerate(zip(t_ids, s_ids, strict=False)) if a != b),
-                min(len(t_ids), len(s_ids)),
-            )
-            t_at = t_ids[i] if i < len(t_ids) else "end"
-            s_at = s_ids[i] if i < len(s_ids) else "end"
-            raise KDUserError(
-                f"tokenizers differ: {pair} encode {text[:40]!r} differently (token {i}: teacher "
-                f"id {t_at}, student id {s_at}); {fix}"
-            )
+        _compare_encodings(t_tok, s_tok, text, pair)
     t_vocab, s_vocab = t_tok.get_vocab(), s_tok.get_vocab()
-    for name in sorted(
-        _special_tokens(t_tok) | _special_tokens(s_tok),
-        key=lambda n: (min(t_vocab.get(n, math.inf), s_vocab.get(n, math.inf)), n),
-    ):
-        t_id, s_id = t_vocab.get(name), s_vocab.get(name)
-        if t_id != s_id:
-            raise KDUserError(
-                f"tokenizers differ: {pair} give the special token {name!r} different ids "
-                f"(teacher {t_id}, student {s_id}); {fix}"
-            )
-    notes = []
-    for role in ("bos", "eos", "pad"):
-        t_name = getattr(t_tok, f"{role}_token", None)
-        s_name = getattr(s_tok, f"{role}_token", None)
-        if t_name != s_name:
-            notes.append(
-                f"the teacher's {role} token is {t_name!r} and the student's {s_name!r} (same ids "
-                "in both); the data is tokenized with the student's"
-            )
+    _compare_special_tokens(t_tok, s_tok, t_vocab, s_vocab, pair)
+    _compare_vocabularies(t_vocab, s_vocab, pair)
     size = max(max(t_vocab.values(), default=-1), max(s_vocab.values(), default=-1)) + 1
     for role, folder, rows in (
         ("teacher", teacher, teacher_vocab),
@@ -440,9 +623,72 @@ def compare_tokenizers(
                 f"{one_line(str(folder))} has vocab_size {rows} (embedding rows); KD needs every "
                 "token id in both models: use the tokenizer files that came with the models"
             )
+    notes = []
+    for role in ("bos", "eos", "pad"):
+        t_name = getattr(t_tok, f"{role}_token", None)
+        s_name = getattr(s_tok, f"{role}_token", None)
+        if t_name != s_name:
+            notes.append(
+                f"the teacher's {role} token is {t_name!r} and the student's {s_name!r} (same ids "
+                "in both); the data is tokenized with the student's"
+            )
     return TokenizerCheck(
         probes=probes,
         size=size,
         chat_template=bool(getattr(s_tok, "chat_template", None)),
         notes=tuple(notes),
+    )
+
+
+_SAME_TOKENIZER_FIX = (
+    "KD compares the two models token id by token id: pick models that share one tokenizer"
+)
+
+
+def _compare_encodings(t_tok: Any, s_tok: Any, text: str, pair: str) -> None:
+    t_ids = t_tok.encode(text, add_special_tokens=False)
+    s_ids = s_tok.encode(text, add_special_tokens=False)
+    if t_ids == s_ids:
+        return
+    i = next(
+        (k for k, (a, b) in enumerate(zip(t_ids, s_ids, strict=False)) if a != b),
+        min(len(t_ids), len(s_ids)),
+    )
+    t_at = t_ids[i] if i < len(t_ids) else "end"
+    s_at = s_ids[i] if i < len(s_ids) else "end"
+    raise KDUserError(
+        f"tokenizers differ: {pair} encode {text[:40]!r} differently (token {i}: teacher "
+        f"id {t_at}, student id {s_at}); {_SAME_TOKENIZER_FIX}"
+    )
+
+
+def _compare_special_tokens(
+    t_tok: Any, s_tok: Any, t_vocab: Mapping[str, int], s_vocab: Mapping[str, int], pair: str
+) -> None:
+    for name in sorted(
+        _special_tokens(t_tok) | _special_tokens(s_tok),
+        key=lambda n: (min(t_vocab.get(n, math.inf), s_vocab.get(n, math.inf)), n),
+    ):
+        t_id, s_id = t_vocab.get(name), s_vocab.get(name)
+        if t_id != s_id:
+            raise KDUserError(
+                f"tokenizers differ: {pair} give the special token {name!r} different ids "
+                f"(teacher {t_id}, student {s_id}); {_SAME_TOKENIZER_FIX}"
+            )
+
+
+def _compare_vocabularies(
+    t_vocab: Mapping[str, int], s_vocab: Mapping[str, int], pair: str
+) -> None:
+    """Every id names the same token in both vocabularies (added tokens included)."""
+    if t_vocab == s_vocab:
+        return
+    t_tokens = {i: t for t, i in t_vocab.items()}
+    s_tokens = {i: t for t, i in s_vocab.items()}
+    i = min(k for k in t_tokens.keys() | s_tokens.keys() if t_tokens.get(k) != s_tokens.get(k))
+    t_at, s_at = t_tokens.get(i), s_tokens.get(i)
+    raise KDUserError(
+        f"tokenizers differ: {pair} map token id {i} to different tokens (teacher "
+        f"{one_line(repr(t_at)) if t_at is not None else 'none'}, student "
+        f"{one_line(repr(s_at)) if s_at is not None else 'none'}); {_SAME_TOKENIZER_FIX}"
     )

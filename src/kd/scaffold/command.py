@@ -1,0 +1,263 @@
+"""``kd init``: a runnable, commented config from two local Hugging Face folders and a data file.
+
+    kd init --teacher /models/Qwen2.5-7B-Instruct --student /models/Qwen2.5-0.5B-Instruct \\
+        --data train.jsonl --output-dir runs/first --config-out my_kd.yaml [--lora]
+
+The command: it reads both folders (:mod:`kd.scaffold.folders`), pairs them
+(:mod:`kd.scaffold.pairing`: backends, length, the tokenizers' whole vocabularies and the student's
+chat template), detects the data format (:mod:`kd.scaffold.data`), writes a YAML that
+``kd run kd --config FILE`` runs unchanged (:mod:`kd.scaffold.render`) and prints the memory plan
+for this device. Only ``config.json`` and the tokenizer files are read, so it works before the
+weights finish downloading (``kd run`` needs them).
+
+Importing this module is cheap: transformers (and with it torch) is imported by the tokenizer
+check only, so ``kd --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from kd.errors import KDUserError, one_line
+from kd.scaffold.data import DataFormat, detect_data_format
+from kd.scaffold.folders import (
+    BACKENDS,
+    Backend,
+    ModelChoice,
+    check_transformers_config,
+    choose_model,
+)
+from kd.scaffold.pairing import (
+    DEFAULT_MAX_SEQ_LEN,
+    check_tokenizers,
+    max_seq_len,
+    reconcile_backends,
+)
+from kd.scaffold.render import about, render_config, write_config
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``init`` subcommand to ``kd``'s argparse subparsers."""
+    p = subparsers.add_parser(
+        "init",
+        help="write a config for two local Hugging Face model folders and a data file",
+        description="Write a commented config that `kd run kd --config FILE` runs unchanged: "
+        "dimensions from both config.json files, torchtune builders where they fit and the "
+        "transformers backend otherwise, the data format from the file's first rows, a "
+        "tokenizer agreement check, and the memory plan for this device. Needs only config.json "
+        "and the tokenizer files (the weights may still be downloading).",
+    )
+    p.add_argument("--teacher", required=True, metavar="DIR", help="teacher model folder")
+    p.add_argument("--student", required=True, metavar="DIR", help="student model folder")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="training data: .jsonl/.json (or .csv/.parquet) with messages (or conversations), "
+        "instruction/output, input/output or text columns",
+    )
+    p.add_argument("--output-dir", required=True, metavar="DIR", help="the run's output folder")
+    p.add_argument("--config-out", required=True, metavar="FILE", help="the YAML to write")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="auto: torchtune builders where torchtune 0.6.1 builds the model exactly, "
+        "transformers otherwise (default auto)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens per example (default {DEFAULT_MAX_SEQ_LEN}, at most the models' maximum)",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=None,
+        help="device of the run (default: cuda when this machine has one, else cpu)",
+    )
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory.budget_gib (default: the device's memory)",
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing --config-out")
+    return p
+
+
+def _config_out(value: str, *, force: bool) -> Path:
+    dest = Path(value).expanduser()
+    if dest.is_dir():
+        raise KDUserError(
+            f"--config-out: {one_line(value)} is a folder; pass a file name such as "
+            f"{one_line(str(dest / 'kd.yaml'))}"
+        )
+    if dest.exists() and not force:
+        raise KDUserError(
+            f"--config-out: {one_line(value)} already exists; remove it or pass --force to "
+            "overwrite it"
+        )
+    return dest
+
+
+def _device(flag: str | None) -> str:
+    if flag is not None:
+        return flag
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _print_plan(config: Path) -> tuple[bool, bool]:
+    """Print the memory plan of the written config as ``kd plan --fit`` does.
+
+    Returns:
+        Whether the plan fits, and (when it does not) whether a searched setting fits.
+    """
+    from kd.commands import resolve_target
+    from kd.device import resolve_budget
+    from kd.memory.fit import format_options
+    from kd.memory.plan import attach_fit, inputs_from_run, make_plan
+
+    args = argparse.Namespace(config=str(config), overrides=[], budget_gib=None, world_size=None)
+    target = resolve_target(args, for_plan=True)
+    run = target.run
+    inputs = inputs_from_run(run, world_size=target.world_size, config_name=str(config))
+    budget = resolve_budget(budget_gib=run.memory.budget_gib, device=run.device)
+    if budget.source != "memory.budget_gib":
+        inputs.notes.append(f"budget = {budget.source}")
+    plan = make_plan(inputs, budget.gib)
+    print(plan.table())
+    if plan.fits:
+        return True, True
+    note = attach_fit(plan, run)
+    print(format_options(plan.fit, note=note))
+    return False, any(not option.suggestion for option in plan.fit)
+
+
+def _choices(args: argparse.Namespace, output_dir: Path) -> tuple[ModelChoice, ModelChoice]:
+    """The teacher and the student, read and paired; neither may hold the output folder."""
+    backend: Backend = args.backend
+    student = choose_model(Path(args.student), role="student", flag="--student", backend=backend)
+    teacher = choose_model(Path(args.teacher), role="teacher", flag="--teacher", backend=backend)
+    teacher = reconcile_backends(teacher, student, backend=backend)
+    for choice in (teacher, student):
+        if output_dir == choice.folder or choice.folder in output_dir.parents:
+            raise KDUserError(
+                f"--output-dir: {one_line(str(output_dir))} is inside the {choice.role} folder "
+                f"{one_line(str(choice.folder))}; pass a folder outside the model folders"
+            )
+    return teacher, student
+
+
+def _output_dir(value: str) -> Path:
+    from kd.config.validate import writable_dir_problem
+
+    output_dir = Path(os.path.abspath(Path(value).expanduser()))
+    problem = writable_dir_problem(str(output_dir))
+    if problem is not None:
+        raise KDUserError(f"--output-dir: {problem.split('; ')[0]}; pass another folder")
+    return output_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``kd init``: write the config, print the plan; 0 also when the plan does not fit.
+
+    Every check (folders, tokenizers, chat template, data) runs before the config is written, so a
+    refusal writes nothing.
+    """
+    dest = _config_out(args.config_out, force=args.force)
+    if args.budget_gib is not None:
+        from kd.commands import budget_flag
+
+        budget_flag(args.budget_gib)
+    output_dir = _output_dir(args.output_dir)
+    teacher, student = _choices(args, output_dir)
+    data = detect_data_format(Path(args.data))
+    seq_len = max_seq_len(args.max_seq_len, teacher, student)
+    check = check_tokenizers(teacher, student, data)
+    check_transformers_config(student, flag="--student")
+    check_transformers_config(teacher, flag="--teacher")
+    text = render_config(
+        teacher=teacher,
+        student=student,
+        data=data,
+        output_dir=output_dir,
+        max_seq_len=seq_len,
+        device=_device(args.device),
+        lora=args.lora,
+        budget_gib=args.budget_gib,
+        config_name=str(dest),
+    )
+    pending = [
+        key
+        for key, choice in (("checkpointer", student), ("teacher_checkpointer", teacher))
+        if choice.torchtune is not None and not choice.weight_files
+    ]
+    write_config(text, dest, weights_pending=pending)
+    _print_summary(teacher, student, data, check, output_dir=output_dir, lora=args.lora)
+    print(f"wrote {one_line(str(dest))}")
+    fits, fixable = _print_plan(dest)
+    _print_next(dest, fits=fits, fixable=fixable, lora=args.lora)
+    return 0
+
+
+def _print_summary(
+    teacher: ModelChoice,
+    student: ModelChoice,
+    data: DataFormat,
+    check: Any,
+    *,
+    output_dir: Path,
+    lora: bool,
+) -> None:
+    """What kd init found: the models, the data, the tokenizer check and its notes."""
+    print(f"teacher: {about(teacher)}")
+    print(f"student: {about(student, lora=lora)}")
+    print(f"data:    {one_line(str(data.node['data_files']))}: {data.description}")
+    print(f"tokenizers agree ({check.summary})")
+    for note in check.notes:
+        print(f"note: {note}")
+    if data.kind == "chat" and not check.chat_template:
+        print(
+            f"note: the student's tokenizer in {one_line(str(student.folder))} has no chat "
+            "template; kd.hf.tokenizer joins the messages as plain text"
+        )
+    for choice in (teacher, student):
+        if not choice.weight_files:
+            print(
+                f"note: {one_line(str(choice.folder))} holds no *.safetensors yet; kd run needs "
+                "the weights there"
+            )
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        print(
+            f"note: {one_line(str(output_dir))} is not empty; kd run refuses it unless "
+            "overwrite_output_dir=true (or resume_from_checkpoint=true)"
+        )
+
+
+def _print_next(dest: Path, *, fits: bool, fixable: bool, lora: bool) -> None:
+    config = one_line(str(dest))
+    if fits:
+        print(f"next: kd run kd --config {config}")
+    elif fixable:
+        print(
+            f"the plan does not fit this device: add one of the settings above to `kd run kd "
+            f"--config {config}` (or set them in {config})"
+        )
+    else:
+        print(
+            "the plan does not fit this device and no setting of kd does: pick a smaller "
+            + ("student or teacher" if lora else "student or teacher, pass --lora")
+            + ", or use a device with more memory (or several: kd run --nproc_per_node N kd)"
+        )

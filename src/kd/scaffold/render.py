@@ -1,0 +1,358 @@
+"""``kd init``'s config rendering: the commented YAML of a run, validated before it is written.
+
+:func:`render_config` writes every key the run needs (model dimensions, checkpointers, tokenizer,
+dataset, training knobs, memory budget) and, commented out, the optional features a user turns on
+by removing the ``#``: held-out validation with keep_best / early_stopping, stored teacher logits
+and on-policy distillation. :func:`write_config` validates the text as ``kd run`` loads it, then
+writes it atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kd.errors import KDUserError, one_line
+from kd.scaffold.data import DataFormat
+from kd.scaffold.folders import HF_CONFIG_FILE, ModelChoice
+
+# LoRA knobs of the generated config (torchtune's names; kd.hf.lora_causal_lm takes the same).
+LORA_ATTN_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
+LORA_RANK = 16
+LORA_ALPHA = 32
+FULL_LR = 2e-5
+LORA_LR = 3e-4
+
+
+def _yaml(value: Any) -> str:
+    """One YAML value on one line (flow style for lists and mappings)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, allow_unicode=True)
+    text = text.strip()
+    return text.removesuffix("...").strip()
+
+
+def _node(key: str, node: Mapping[str, Any], comments: Mapping[str, str]) -> list[str]:
+    lines = [f"{key}:"]
+    for name, value in node.items():
+        line = f"  {name}: {_yaml(value)}"
+        if name in comments:
+            line += f"  # {comments[name]}"
+        lines.append(line)
+    return lines
+
+
+def _line(key: str, value: Any, comment: str = "") -> str:
+    return f"{key}: {_yaml(value)}" + (f"  # {comment}" if comment else "")
+
+
+def about(choice: ModelChoice, *, lora: bool = False) -> str:
+    layers = f", {choice.num_layers} layers" if choice.num_layers else ""
+    how = (
+        f"torchtune's {choice.torchtune.lora_builder if lora else choice.torchtune.builder}"
+        if choice.torchtune is not None
+        else f"transformers, kd.hf.{'lora_' if lora else ''}causal_lm ({choice.why_not_torchtune})"
+    )
+    return (
+        f"{one_line(str(choice.folder))} ({choice.hf_model_type}{layers}, vocab "
+        f"{choice.vocab_size}): {how}"
+    )
+
+
+_LORA_COMMENTS = {
+    "lora_attn_modules": "adapted attention projections: q_proj, k_proj, v_proj, output_proj",
+    "apply_lora_to_mlp": "adapters on the MLP projections too",
+    "lora_rank": "adapter rank: more capacity, more memory",
+    "lora_alpha": "adapter scale alpha / rank; usually 2 x lora_rank",
+}
+
+
+def render_config(
+    *,
+    teacher: ModelChoice,
+    student: ModelChoice,
+    data: DataFormat,
+    output_dir: Path,
+    max_seq_len: int,
+    device: str,
+    lora: bool,
+    budget_gib: float | None = None,
+    config_name: str = "my_kd.yaml",
+) -> str:
+    """The commented YAML of a run: every model dimension set, the knobs users change commented.
+
+    Keys the run needs are written; the others keep their defaults (:mod:`kd.config.schema`); the
+    optional features are written commented out (:func:`optional_sections`).
+
+    Args:
+        teacher: the teacher (:func:`kd.scaffold.folders.choose_model`).
+        student: the student.
+        data: the data format (:func:`kd.scaffold.data.detect_data_format`).
+        output_dir: the run's output folder.
+        max_seq_len: ``tokenizer.max_seq_len``.
+        device: ``cuda`` (bf16) or ``cpu`` (fp32).
+        lora: a LoRA student (rank :data:`LORA_RANK` on q/v projections and the MLP).
+        budget_gib: ``memory.budget_gib`` (None: the device's memory).
+        config_name: the config file, for the commands in the header.
+    """
+    dtype = "bf16" if device.startswith("cuda") else "fp32"
+    return "\n".join(
+        [
+            *_header(teacher, student, data, lora=lora, config_name=config_name),
+            _line(
+                "output_dir",
+                str(output_dir),
+                "checkpoints, metrics.jsonl and final/ (a new or empty folder)",
+            ),
+            "",
+            *_model_section("model", "checkpointer", student, lora=lora),
+            *_model_section("teacher_model", "teacher_checkpointer", teacher, lora=False),
+            *_data_section(student, data, max_seq_len=max_seq_len),
+            *_training_section(lora=lora, device=device, dtype=dtype),
+            *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
+            "# Memory plan (checked before any weight loads; kd plan --fit lists settings that fit)",
+            "memory:",
+            f"  budget_gib: {_yaml(budget_gib)}  # GiB per device; null = the device's total memory",
+            "",
+        ]
+    )
+
+
+def _header(
+    teacher: ModelChoice, student: ModelChoice, data: DataFormat, *, lora: bool, config_name: str
+) -> list[str]:
+    cfg = one_line(config_name)
+    return [
+        "# Written by `kd init`: distil the teacher into the student on the data below.",
+        f"#   teacher: {about(teacher)}",
+        f"#   student: {about(student, lora=lora)}",
+        f"#   data:    {one_line(data.node['data_files'])}: {data.description}",
+        "# Teacher and student tokenize alike (checked by kd init); the data is tokenized with the",
+        "# student's tokenizer and chat template.",
+        "#",
+        f"#   kd validate --config {cfg}        # every check and the memory plan, no weight loaded",
+        f"#   kd plan --config {cfg} --fit      # settings that fit a smaller GPU",
+        f"#   kd run kd --config {cfg}          # train (kd run --nproc_per_node N kd ... for N GPUs)",
+        f"#   kd run kd --config {cfg} max_steps_per_epoch=10   # any key=value overrides",
+        "# Keys not written here keep kd's defaults (e.g. seed: null, save_every_n_steps: null,",
+        "# compile: false, lr_scheduler: cosine without warmup); add them to change them. The",
+        "# commented sections near the end turn on validation, stored teacher logits and on-policy",
+        "# distillation.",
+        "",
+    ]
+
+
+def _model_section(model_key: str, ckpt_key: str, choice: ModelChoice, *, lora: bool) -> list[str]:
+    """``model:`` / ``teacher_model:`` and its checkpointer (torchtune builders only)."""
+    what = "Student (trained" + (", LoRA adapters" if lora else "") + ")"
+    if model_key == "teacher_model":
+        what = "Teacher (frozen)"
+    source = (
+        f"dimensions from {one_line(str(choice.folder / HF_CONFIG_FILE))}"
+        if choice.torchtune is not None
+        else "the transformers model of this folder (config.json + *.safetensors)"
+    )
+    out = [f"# {what}: {source}"]
+    node = choice.model_node(lora=lora)
+    comments: dict[str, str] = {}
+    if lora:
+        node.update(
+            lora_attn_modules=list(LORA_ATTN_MODULES),
+            apply_lora_to_mlp=True,
+            lora_rank=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+        )
+        comments = _LORA_COMMENTS
+    out += _node(model_key, node, comments)
+    checkpointer = choice.checkpointer_node()
+    if checkpointer is not None:
+        ckpt_comments = {}
+        if not choice.weight_files:
+            ckpt_comments["checkpoint_files"] = (
+                "weights not downloaded yet: list the folder's *.safetensors here"
+            )
+        out += _node(ckpt_key, checkpointer, ckpt_comments)
+    out.append("")
+    return out
+
+
+def _data_section(student: ModelChoice, data: DataFormat, *, max_seq_len: int) -> list[str]:
+    """``tokenizer:`` (the student's folder) and ``dataset:``."""
+    tokenizer = {
+        "_component_": "kd.hf.tokenizer",
+        "path": str(student.folder),
+        "max_seq_len": max_seq_len,
+    }
+    out = ["# The student's tokenizer and chat template (tokenizer.json / tokenizer_config.json)"]
+    out += _node(
+        "tokenizer",
+        tokenizer,
+        {
+            "max_seq_len": "tokens per example (longer ones are truncated); the plan assumes all "
+            "are this long"
+        },
+    )
+    out.append("")
+    masked = " (prompts masked from the loss)" if data.kind != "text" else ""
+    out.append(f"# Data: {data.description}{masked}")
+    out += _node("dataset", data.node, {"train_on_input": "true also trains on the prompts"})
+    out.append("")
+    return out
+
+
+def _training_section(*, lora: bool, device: str, dtype: str) -> list[str]:
+    return [
+        "# Training",
+        _line("batch_size", 4, "micro-batch per device; memory grows linearly with it"),
+        _line(
+            "gradient_accumulation_steps",
+            8,
+            "micro-batches per optimizer step (global batch = batch_size x this x devices)",
+        ),
+        _line("epochs", 1),
+        _line("max_steps_per_epoch", None, "an int caps optimizer steps per epoch (quick trials)"),
+        "",
+        "optimizer:",
+        "  _component_: torch.optim.AdamW",
+        f"  lr: {_yaml(LORA_LR if lora else FULL_LR)}",
+        "  weight_decay: 0.01",
+        "",
+        "# Loss = (1 - kd_ratio) * CE + kd_ratio * T^2 * divergence(teacher || student)",
+        "kd_loss:",
+        "  divergence: forward_kl  # forward_kl, reverse_kl, symmetric_kl, jsd, tvd, "
+        "skew_forward_kl, skew_reverse_kl",
+        _line("kd_ratio", 0.5, "0 = plain fine-tuning on labels, 1 = distillation only"),
+        _line("temperature", 1.0, ">1 softens both distributions (the KD term is scaled by T^2)"),
+        "",
+        _line("device", device, "cuda, cuda:N or cpu"),
+        _line("dtype", dtype, "bf16 halves memory vs fp32 (bf16 on GPUs)"),
+        _line(
+            "enable_activation_checkpointing",
+            False,
+            "true recomputes layers in backward: less memory, ~30% slower",
+        ),
+        "",
+    ]
+
+
+def _commented(lines: list[str]) -> list[str]:
+    """YAML lines commented out: removing the leading ``# `` of a block turns it on."""
+    return [f"# {line}" for line in lines]
+
+
+def optional_sections(
+    data: DataFormat, *, max_seq_len: int, config_name: str = "my_kd.yaml"
+) -> list[str]:
+    """The optional features, commented out: remove the ``# `` of a block to turn it on.
+
+    Each block is valid YAML once uncommented (a test uncomments each one and validates the
+    config): ``validation`` (held-out data read like ``dataset``, here pointed at a ``val``
+    file beside the training data) with ``keep_best`` and ``early_stopping``; ``teacher_logits``
+    (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD,
+    its completions at most half of ``max_seq_len`` so that a prompt fits beside them).
+    """
+    train = Path(str(data.node["data_files"]))
+    val_node = {**data.node, "data_files": str(train.with_name(f"val{train.suffix}"))}
+    store = train.with_name("teacher_logits")
+    validation = [
+        "validation:",
+        *("  " + line for line in _node("dataset", val_node, {})),
+        _line("  every_n_steps", 50, "optimizer steps between evaluations; null = at the end only"),
+        _line("  max_batches", None, "null = the whole held-out set"),
+    ]
+    return [
+        "# Optional features: remove the leading '# ' of a block to turn it on.",
+        "# Held-out validation (val_loss, val_kd_loss, val_top1_agreement in metrics.jsonl):",
+        *_commented(validation),
+        "# Keep output_dir/best/, the student of the best validation (needs validation):",
+        *_commented(
+            [
+                "keep_best:",
+                _line(
+                    "  metric",
+                    "val_loss",
+                    "val_loss, val_ce_loss, val_kd_loss or val_top1_agreement",
+                ),
+                _line("  mode", None, "null = min for the losses, max for val_top1_agreement"),
+            ]
+        ),
+        "# Stop after `patience` evaluations without improvement (needs validation):",
+        *_commented(["early_stopping:", _line("  patience", 3)]),
+        "# Stored teacher logits: `kd run teacher_logits --config "
+        f"{one_line(config_name)}` writes them once, then",
+        "# `kd run kd` trains from them without loading the teacher:",
+        *_commented(
+            [
+                "teacher_logits:",
+                _line("  path", str(store), "the store folder (manifest.json + Parquet shards)"),
+                _line("  k", 64, "top-k teacher log-probs stored per token"),
+            ]
+        ),
+        "# On-policy distillation (GKD): some micro-batches train on the student's own samples:",
+        *_commented(
+            [
+                "on_policy:",
+                _line("  lmbda", 0.5, "probability a micro-batch uses the student's completions"),
+                _line(
+                    "  max_new_tokens",
+                    min(128, max(1, max_seq_len // 2)),
+                    "tokens sampled per prompt at most (prompt + these fit max_seq_len)",
+                ),
+                _line("  temperature", 0.9, "sampling temperature (0 = greedy)"),
+            ]
+        ),
+        "",
+    ]
+
+
+def _weights_missing_problem(problem: Any, missing_keys: Sequence[str]) -> bool:
+    return any(str(problem.key).startswith(f"{k}.checkpoint_files") for k in missing_keys)
+
+
+def write_config(text: str, dest: Path, *, weights_pending: Sequence[str] = ()) -> None:
+    """Validate a generated config as ``kd run`` loads it, then write it to ``dest`` atomically.
+
+    Args:
+        text: the YAML.
+        dest: the file to write (its folder is created).
+        weights_pending: checkpointer keys whose weight files are not downloaded yet; their
+            missing ``checkpoint_files`` are the only problems allowed.
+
+    Raises:
+        KDUserError: ``dest`` cannot be written.
+        RuntimeError: the config does not validate (a bug in kd init).
+    """
+    from omegaconf import OmegaConf
+
+    from kd.config import load_config
+    from kd.config.validate import schema_problems
+
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.kd-init.tmp")
+        tmp.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise KDUserError(
+            f"--config-out: cannot write {one_line(str(dest))} ({e.strerror or e}); choose a "
+            "file in a folder you can write to"
+        ) from e
+    try:
+        cfg = load_config(str(tmp), [])
+        data = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(data, dict)
+        problems = [
+            p
+            for p in schema_problems(data, check_paths=True)
+            if not _weights_missing_problem(p, weights_pending)
+        ]
+        if problems:
+            raise RuntimeError(
+                "kd init generated a config that does not validate (a bug in kd init): "
+                + "; ".join(str(p) for p in problems)
+            )
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
