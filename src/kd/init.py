@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kd import folders
 from kd.errors import KDUserError, brief, one_line
 
 Backend = Literal["auto", "torchtune", "transformers"]
 BACKENDS: tuple[str, ...] = ("auto", "torchtune", "transformers")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
-HF_CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = folders.CONFIG_JSON
 DEFAULT_MAX_SEQ_LEN = 2048
 # LoRA knobs of the generated config (torchtune's names; kd.hf.lora_causal_lm takes the same).
 LORA_ATTN_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
@@ -91,34 +92,10 @@ def read_hf_config(folder: Path, *, flag: str) -> dict[str, Any]:
     """The ``config.json`` of a model folder, as a dict (nothing else is read).
 
     Raises:
-        KDUserError: the folder or its config.json is missing or is not a JSON object; names
-            ``flag``.
+        KDUserError: the folder or its config.json is missing, not a JSON object, or asks for
+            the folder's own code (:func:`kd.folders.read_config_json`); names ``flag``.
     """
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise KDUserError(
-            f"{flag}: {one_line(str(folder))} {what}; pass a local Hugging Face model folder "
-            "(config.json, tokenizer files and *.safetensors)"
-        )
-    path = folder / HF_CONFIG_FILE
-    if not path.is_file():
-        raise KDUserError(
-            f"{flag}: {one_line(str(folder))} has no {HF_CONFIG_FILE}; download the model's "
-            "config.json and tokenizer files into it (the weights may follow later)"
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise KDUserError(
-            f"{flag}: cannot read {one_line(str(path))} ({brief(e)}); restore it from the "
-            "model's source"
-        ) from e
-    if not isinstance(data, dict):
-        raise KDUserError(
-            f"{flag}: {one_line(str(path))} is not a JSON object; restore it from the model's "
-            "source"
-        )
-    return data
+    return folders.read_config_json(folder, key=flag)
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -373,7 +350,9 @@ def check_transformers_config(choice: ModelChoice, *, flag: str) -> None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(choice.folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            str(choice.folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError
         raise KDUserError(
             f"{flag}: transformers cannot read {one_line(str(choice.folder / HF_CONFIG_FILE))} "

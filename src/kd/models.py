@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kd import _torchtune as tt
+from kd import folders as kd_folders
 from kd.config.run import LoraSettings
 from kd.errors import KDUserError, brief
 from kd.hf import model as hf
@@ -475,11 +476,12 @@ def tokenizer_files_to_copy(node: Mapping[str, Any]) -> dict[str, Path]:
         folder = p if p.is_dir() else p.parent if p.is_file() else None
         if folder is not None and folder not in folders:
             folders.append(folder)
+    # Only regular files inside their folder (kd.folders): a link out of it is refused, not copied.
     return {
         name: folder / name
         for folder in reversed(folders)
         for name in HF_TOKENIZER_FILES
-        if (folder / name).is_file()
+        if kd_folders.file_in(folder, name, key="tokenizer") is not None
     }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kd import families
+from kd import families, folders
 from kd.config import schema
 from kd.config.allowlist import component_nodes, tree_problems
 from kd.config.compat import TORCHTUNE_KD_LOSSES
@@ -707,7 +707,7 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
         path = node.get("path") if is_hf_model_node(node) else None
         if isinstance(path, str) and path.strip() and _path_ok(f"{name}.path", path, problems):
             folder = Path(path).expanduser()
-            if not (folder / "config.json").is_file():
+            if not (folder / folders.CONFIG_JSON).is_file():
                 what = "does not exist" if not folder.exists() else "has no config.json"
                 problems.append(
                     Problem(
@@ -729,6 +729,8 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"{path} does not exist; download the tokenizer or fix the path",
                     )
                 )
+    # Nothing in a model or tokenizer folder may run or lead outside it (kd.folders).
+    problems += [Problem(e.key, e.detail) for e in folders.config_folder_problems(data)]
     for name, dataset in component_values(data):
         if name not in DATASET_KEYS:
             continue
