@@ -280,11 +280,11 @@ _TOKENIZER_KEYS = ("tokenizer", "model_transform")
 _TOKENIZER_FILE_ARGS = ("path", "merges_file", "special_tokens_path")
 
 
-def _config_folders(node: Any, key: str) -> Iterator[tuple[str, Path]]:
-    """``(config key, folder)`` for every folder a config's plain values make kd read: a
-    ``checkpoint_dir``, the ``path`` of a ``kd.hf.*`` component, and the folder of a tokenizer
-    (``tokenizer``, a dataset's ``model_transform``: its ``path`` folder, or the folder of its
-    file arguments)."""
+def _config_folders(node: Any, key: str) -> Iterator[tuple[str, Path, str | None]]:
+    """``(config key, folder, file name or None)`` for every folder a config's plain values make
+    kd read: a ``checkpoint_dir``, the ``path`` of a ``kd.hf.*`` component, and the folder of a
+    tokenizer (``tokenizer``, a dataset's ``model_transform``: its ``path`` folder, or the folder
+    of each file argument, with the file's name)."""
     if isinstance(node, list):
         for i, item in enumerate(node):
             yield from _config_folders(item, f"{key}[{i}]")
@@ -303,35 +303,40 @@ def _config_folders(node: Any, key: str) -> Iterator[tuple[str, Path]]:
             and isinstance(component, str)
             and component.startswith(_HF_COMPONENT_PREFIX)
         ):
-            yield named, path
+            yield named, path, None
         elif leaf in _TOKENIZER_KEYS and arg in _TOKENIZER_FILE_ARGS and not path.is_dir():
-            yield named, path.parent
+            yield named, path.parent, path.name
     for arg, value in node.items():
         if isinstance(value, (dict, list)):
             yield from _config_folders(value, f"{key}.{arg}" if key else arg)
 
 
 def config_folder_problems(data: dict[str, Any]) -> list[FolderError]:
-    """:func:`check_folder` on every folder a config (its plain values) names, for the config
-    check that every command runs before anything is imported or loaded.
+    """:func:`check_folder` on every folder a config (its plain values) names, and
+    :func:`file_in` on every tokenizer file it names, for the config check that every command
+    runs before anything is imported or loaded.
 
     Returns:
-        One :class:`FolderError` per refused folder (missing folders are left to the path checks).
+        One :class:`FolderError` per refused file or folder (a folder is checked once, under the
+        first key naming it; missing folders are left to the path checks).
     """
     problems: list[FolderError] = []
-    seen: set[tuple[str, Path]] = set()
+    checked: set[Path] = set()
     try:
         found = list(_config_folders(data, ""))
     except (OSError, ValueError):
         return problems  # an unusable path: the config's path checks report it
-    for key, folder in found:
-        if (key, folder) in seen:
-            continue
-        seen.add((key, folder))
+    for key, folder, name in found:
         try:
-            check_folder(folder, key=key)
+            if name is not None:
+                file_in(folder, name, key=key)
+            if folder not in checked:
+                checked.add(folder)
+                check_folder(folder, key=key)
         except FolderError as e:
-            problems.append(e)
+            checked.add(folder)
+            if all(e.detail != p.detail for p in problems):  # one line per refused file
+                problems.append(e)
         except (OSError, ValueError):
             continue  # an unusable path: the config's path checks report it
     return problems
