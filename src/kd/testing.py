@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from kd.folders import CONFIG_JSON
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -74,7 +76,7 @@ _QWEN2_SPLIT = (
 )
 
 MODEL_FILE = "model.safetensors"
-HF_CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = CONFIG_JSON
 # Hugging Face's init of Qwen2 / Llama (initializer_range): normal weights, zero biases, unit norms.
 INIT_STD = 0.02
 
@@ -563,8 +565,10 @@ def smollm2_folder(dest: Path) -> Path | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **options)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **options)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.float32, trust_remote_code=False, **options
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, trust_remote_code=False, **options)
     # The weights are plain float32 tensors now; without this the saved config.json would ask
     # transformers to read them back through the GGUF quantizer.
     if hasattr(model.config, "quantization_config"):

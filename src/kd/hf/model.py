@@ -122,6 +122,7 @@ def build_causal_lm(
             config,
             dtype=dtype or torch.get_default_dtype(),
             attn_implementation=attn_implementation,
+            trust_remote_code=False,
         )
     except (ValueError, KeyError) as e:
         raise KDUserError(
