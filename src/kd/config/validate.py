@@ -81,8 +81,9 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     Unknown and missing keys, types, ranges and choices, unsupported loss nodes, a null teacher
     with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or that their
     key may not build (:mod:`kd.config.allowlist`), models of different tokenizer families and
-    (with ``check_paths``) missing input files and an unusable ``output_dir``. Imports neither
-    torch nor torchtune.
+    (with ``check_paths``) missing input files and an unusable ``output_dir``; always, model and
+    tokenizer folders that ask to run their own code or hold files kd refuses
+    (:func:`kd.folders.config_folder_problems`). Imports neither torch nor torchtune.
 
     Args:
         data: the resolved config as plain containers (``OmegaConf.to_container``).
@@ -128,6 +129,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     _check_families(data, problems)
     if check_paths:
         _check_paths(data, problems)
+    # Nothing in a model or tokenizer folder may run or lead outside it (kd.folders); kd plan too.
+    problems += [Problem(e.key, e.detail) for e in folders.config_folder_problems(data)]
     return problems
 
 
@@ -729,8 +732,6 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"{path} does not exist; download the tokenizer or fix the path",
                     )
                 )
-    # Nothing in a model or tokenizer folder may run or lead outside it (kd.folders).
-    problems += [Problem(e.key, e.detail) for e in folders.config_folder_problems(data)]
     for name, dataset in component_values(data):
         if name not in DATASET_KEYS:
             continue
@@ -799,7 +800,7 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
         if not _path_ok(f"{name}.checkpoint_files[{i}]", str(root / file_name), problems):
             continue
         path = root / file_name
-        if not path.is_file():
+        if not path.exists():  # a named pipe or a link out is refused by kd.folders
             problems.append(
                 Problem(
                     f"{name}.checkpoint_files[{i}]",
