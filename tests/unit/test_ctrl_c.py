@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -58,3 +59,36 @@ def test_in_process_torchrun_gives_ctrl_c_back(tmp_path, monkeypatch, outcome):
     with pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+worker = subprocess.Popen(
+    [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True
+)
+print(worker.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX sessions")
+def test_run_launch_kills_workers_in_their_own_sessions(tmp_path):
+    """Like torchrun's workers, a process in a session of its own survives its launcher being
+    killed; run_launch kills it too when the caller stops (timeout here, Ctrl-C alike)."""
+    import psutil
+
+    from kd.testing import run_launch
+
+    pid_file = tmp_path / "worker.pid"
+    code = _LAUNCHER.replace(
+        "print(worker.pid, flush=True)", f"open({str(pid_file)!r}, 'w').write(str(worker.pid))"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_launch([sys.executable, "-c", code], env=os.environ, timeout=5)
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(worker) and time.monotonic() < deadline:
+        if psutil.Process(worker).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
