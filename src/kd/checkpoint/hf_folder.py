@@ -227,11 +227,12 @@ def checkpoint_config_problems(
     root = Path(checkpoint_dir).expanduser()
     where = f"{key}.{folder_arg}"
     folders.check_folder(root, key=where)
-    files = [folders.file_in(root, n, key=where) for n in names if n.endswith(".safetensors")]
-    problems = safetensors_header_problems([f for f in files if f is not None], where=where)
+    found = [(n, folders.file_in(root, n, key=where)) for n in names]
+    files = [f for n, f in found if f is not None and n.endswith(".safetensors")]
+    problems = safetensors_header_problems(files, where=where)
     if problems:
         return problems
-    shapes = safetensors_shapes([f for f in files if f is not None])
+    shapes = safetensors_shapes(files)
     if not shapes:
         return []
     return hf_config_problems(root, shapes, key=key, heads=heads, folder_arg=folder_arg)
