@@ -293,18 +293,21 @@ def _config_folders(node: Any, key: str) -> Iterator[tuple[str, Path, str | None
         return
     leaf = key.rsplit(".", 1)[-1].split("[", 1)[0]
     component = node.get("_component_")
+    hf_component = isinstance(component, str) and component.startswith(_HF_COMPONENT_PREFIX)
     for arg, value in node.items():
-        if not isinstance(value, str) or not value.strip():
+        folder_arg = arg in _FOLDER_ARGS or (arg == "path" and hf_component)
+        file_arg = leaf in _TOKENIZER_KEYS and arg in _TOKENIZER_FILE_ARGS
+        if not isinstance(value, str) or not value.strip() or not (folder_arg or file_arg):
             continue
-        path = Path(value).expanduser()
+        try:
+            path = Path(value).expanduser()
+            is_dir = path.is_dir()
+        except (OSError, ValueError, RuntimeError):  # ~unknown_user: the path checks report it
+            continue
         named = f"{key}.{arg}" if key else arg
-        if arg in _FOLDER_ARGS or (
-            arg == "path"
-            and isinstance(component, str)
-            and component.startswith(_HF_COMPONENT_PREFIX)
-        ):
+        if folder_arg:
             yield named, path, None
-        elif leaf in _TOKENIZER_KEYS and arg in _TOKENIZER_FILE_ARGS and not path.is_dir():
+        elif not is_dir:
             yield named, path.parent, path.name
     for arg, value in node.items():
         if isinstance(value, (dict, list)):
@@ -322,11 +325,7 @@ def config_folder_problems(data: dict[str, Any]) -> list[FolderError]:
     """
     problems: list[FolderError] = []
     checked: set[Path] = set()
-    try:
-        found = list(_config_folders(data, ""))
-    except (OSError, ValueError):
-        return problems  # an unusable path: the config's path checks report it
-    for key, folder, name in found:
+    for key, folder, name in _config_folders(data, ""):
         try:
             if name is not None:
                 file_in(folder, name, key=key)

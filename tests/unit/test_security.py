@@ -582,25 +582,31 @@ def test_safetensors_header_problems(tmp_path):
 
     from kd.checkpoint.hf_folder import safetensors_header_problems
 
+    def problems(path: Path) -> list[str]:
+        return safetensors_header_problems([path], key="model", folder=tmp_path)
+
+    where = f"model: cannot load the weights in {tmp_path}"
     good = tmp_path / "good.safetensors"
     save_file({"a.weight": torch.ones(4, 4), "a.bias": torch.zeros(4)}, str(good))
-    assert safetensors_header_problems([good], where="model.path") == []
+    assert problems(good) == []
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(good.read_bytes()[:-8])
-    (problem,) = safetensors_header_problems([cut], where="model.path")
-    assert problem.startswith(f"model.path: {cut} is truncated or damaged: tensor ")
-    assert problem.endswith("re-download the file")
+    (problem,) = problems(cut)
+    assert problem.startswith(f"{where} (cut.safetensors is truncated: tensor ")
+    assert problem.endswith("); re-download the truncated or damaged file")
     ints = tmp_path / "int.safetensors"
     save_file({"a.weight": torch.ones(4, 4, dtype=torch.int8)}, str(ints))
-    assert safetensors_header_problems([ints], where="model.path") == [
-        f"model.path: {ints} stores the weight a.weight as integers (I8); kd would load the raw "
-        "integers as weights: use the model's unquantized (float16, bfloat16 or float32) "
-        "safetensors"
+    assert problems(ints) == [
+        f"{where} (int.safetensors stores the weight a.weight as integers (I8), which would be "
+        "cast into the floating parameters as raw numbers); use the model's unquantized "
+        "(float16, bfloat16 or float32) safetensors"
     ]
     short = tmp_path / "short.safetensors"
     short.write_bytes(b"\x10\x00")
-    (problem,) = safetensors_header_problems([short], where="model.path")
-    assert "is not a readable safetensors file" in problem
+    assert problems(short) == [
+        f"{where} (short.safetensors: ValueError: 2 bytes, too short for a safetensors header); "
+        "re-download the truncated or damaged file"
+    ]
 
 
 def test_write_hf_folder_never_copies_a_link_out_of_the_source(tmp_path):

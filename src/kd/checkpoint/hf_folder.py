@@ -37,7 +37,7 @@ from kd.checkpoint.layout import (
     RECIPE_STATE_FILE,
 )
 from kd.config.validate import checkpoint_file_names
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, one_line
 
 # What makes a folder a tokenizer for AutoTokenizer (kd.models.HF_TOKENIZER_FILES has them all).
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -229,7 +229,7 @@ def checkpoint_config_problems(
     folders.check_folder(root, key=where)
     found = [(n, folders.file_in(root, n, key=where)) for n in names]
     files = [f for n, f in found if f is not None and n.endswith(".safetensors")]
-    problems = safetensors_header_problems(files, where=where)
+    problems = safetensors_header_problems(files, key=key, folder=root)
     if problems:
         return problems
     shapes = safetensors_shapes(files)
@@ -263,24 +263,26 @@ def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, size - 8 - length
 
 
-def safetensors_header_problems(files: list[Path], *, where: str) -> list[str]:
+def safetensors_header_problems(files: list[Path], *, key: str, folder: Path) -> list[str]:
     """Truncated or damaged safetensors headers, and floating weights stored as integers.
 
     Args:
-        files: safetensors files (regular files inside their folder).
-        where: the config key and argument naming their folder, first on each line.
+        files: safetensors files (regular files inside ``folder``).
+        key: the config key whose weights they are (``checkpointer``, ``model``), first on each
+            line.
+        folder: their folder, named on each line.
 
     Returns:
         At most one line per file: the file, what is wrong and the fix.
     """
     problems: list[str] = []
+    where = f"{key}: cannot load the weights in {one_line(str(folder))}"
+    redownload = "re-download the truncated or damaged file"
     for path in files:
         try:
             header, data_bytes = safetensors_header(path)
         except (OSError, ValueError, struct.error) as e:
-            problems.append(
-                f"{where}: {path} is not a readable safetensors file ({brief(e)}); re-download it"
-            )
+            problems.append(f"{where} ({path.name}: {brief(e)}); {redownload}")
             continue
         for name, info in header.items():
             if name == "__metadata__" or not isinstance(info, dict):
@@ -289,16 +291,16 @@ def safetensors_header_problems(files: list[Path], *, where: str) -> list[str]:
             end = offsets[1] if isinstance(offsets, list) and len(offsets) == 2 else None
             if not isinstance(end, int) or end > data_bytes:
                 problems.append(
-                    f"{where}: {path} is truncated or damaged: tensor {name} ends at byte {end} of "
-                    f"its data but the file holds {data_bytes} bytes of data; re-download the file"
+                    f"{where} ({path.name} is truncated: tensor {name} ends at byte {end} of its "
+                    f"data but the file holds {data_bytes}); {redownload}"
                 )
                 break
             dtype = info.get("dtype")
             if dtype in _INTEGER_DTYPES and name.endswith((".weight", ".bias")):
                 problems.append(
-                    f"{where}: {path} stores the weight {name} as integers ({dtype}); kd would "
-                    "load the raw integers as weights: use the model's unquantized (float16, "
-                    "bfloat16 or float32) safetensors"
+                    f"{where} ({path.name} stores the weight {name} as integers ({dtype}), which "
+                    "would be cast into the floating parameters as raw numbers); use the model's "
+                    "unquantized (float16, bfloat16 or float32) safetensors"
                 )
                 break
     return problems
