@@ -177,11 +177,13 @@ def shape_of_folder(
         The shape, and notes (an architecture planned without a closed form).
 
     Raises:
-        ShapeError: sizes missing or not whole numbers.
-        KDUserError: no readable config.json, or one that asks for the folder's own code
+        ShapeError: no config.json, or sizes missing or not whole numbers.
+        KDUserError: an unreadable config.json, or one that asks for the folder's own code
             (:func:`kd.folders.read_config_json`).
     """
     path = os.path.join(os.path.expanduser(folder), folders.CONFIG_JSON)
+    if not os.path.isfile(path):
+        raise ShapeError(f"{path}: not a readable JSON config (no such file)")
     cfg = folders.read_config_json(folder, key=key)
     name = os.path.basename(os.path.normpath(os.path.expanduser(folder))) or "model"
     try:
