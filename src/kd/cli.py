@@ -19,11 +19,13 @@ by the commands that need them, so ``kd ls`` and ``kd --help`` stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shutil
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -265,6 +267,44 @@ def _torchrun_args(torchrun_tokens: list[str], launch: list[str]) -> Any:
     return args
 
 
+# The handlers torchrun's agent replaces (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_TORCHRUN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+@contextlib.contextmanager
+def _torchrun_signal_handlers() -> Iterator[None]:
+    """Run torchrun in this process without losing Ctrl-C.
+
+    torchrun's agent installs handlers that raise ``SignalException`` on SIGINT, SIGTERM, SIGHUP
+    and SIGQUIT and never puts the previous ones back: afterwards, Ctrl-C in the same process (a
+    test session calling ``kd run --nproc_per_node 2`` in-process) raised an ordinary exception
+    that the caller reported and went on from. Here the previous handlers come back when torchrun
+    returns, and a Ctrl-C during the run is a ``KeyboardInterrupt`` (the agent has stopped the
+    workers by then).
+    """
+    import signal
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    saved: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _TORCHRUN_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                saved[sig] = signal.getsignal(sig)
+    try:
+        yield
+    except SignalException as e:
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from e
+        raise
+    finally:
+        for sig, handler in saved.items():
+            # getsignal() gives None for a handler installed from C: SIG_DFL is the closest.
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
 def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
@@ -286,7 +326,8 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
     previous = os.environ.get("KD_NOTICES_SHOWN")
     os.environ["KD_NOTICES_SHOWN"] = "1"  # inherited by the workers
     try:
-        run(args)
+        with _torchrun_signal_handlers():
+            run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values() if f.exitcode]
         return codes[0] if codes else 1

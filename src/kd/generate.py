@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kd import folders
 from kd.errors import KDUserError, brief, one_line
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ def _adapter_base(folder: _Folder, flag: str) -> _Folder:
             "the local base model folder (nothing is downloaded)"
         )
     base_folder = _inspect(base_path, f"{flag} (adapter base)")
+    folders.check_folder(base_path, key=f"{flag} (adapter base)")
     if base_folder.has_adapter and not base_folder.has_weights:
         raise KDUserError(
             f"{flag}: the base model folder {one_line(str(base_path))} of the adapter holds "
@@ -153,7 +155,9 @@ def _from_pretrained(folder: Path, flag: str, *, shown: Path) -> PreTrainedModel
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype="auto")
+        return AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype="auto", trust_remote_code=False
+        )
     except Exception as e:  # transformers, safetensors and torch raise many types for bad files
         raise KDUserError(
             f"{flag}: transformers cannot load the model in {one_line(str(shown))} "
@@ -193,6 +197,7 @@ def load_model(
     flag = "--model"
     _check_device(device)
     folder = _inspect(Path(model_dir).expanduser(), flag)
+    folders.check_folder(folder.path, key=flag)  # no auto_map, no link out, no named pipe
     _check_model_folder(folder, flag)
     base = _adapter_base(folder, flag) if folder.has_adapter and not folder.has_weights else None
     # An adapter's tokenizer: its own, else that of the kd folder holding it (<folder>/adapter/),
@@ -206,6 +211,7 @@ def load_model(
             f"{flag}: {one_line(str(folder.path))} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
             "copy the tokenizer files of the student's original folder into it"
         )
+    folders.check_folder(tokenizer_folder.path, key=flag)
     tokenizer = _load_tokenizer(tokenizer_folder.path, flag)
 
     if base is None:
@@ -215,7 +221,9 @@ def load_model(
 
         base_model = _load_weights(base, f"{flag} (adapter base)")
         try:
-            model = PeftModel.from_pretrained(base_model, str(folder.path), local_files_only=True)
+            model = PeftModel.from_pretrained(
+                base_model, str(folder.path), local_files_only=True, trust_remote_code=False
+            )
         except Exception as e:  # peft raises ValueError, KeyError, OSError... for a bad adapter
             raise KDUserError(
                 f"{flag}: peft cannot load the adapter in {one_line(str(folder.path))} on "
@@ -228,7 +236,7 @@ def _load_tokenizer(folder: Path, flag: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # tokenizers and transformers raise many types for bad files
         raise KDUserError(
             f"{flag}: AutoTokenizer cannot load the tokenizer in {one_line(str(folder))} "

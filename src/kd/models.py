@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kd import folders as kd_folders
 from kd.backends import TORCHTUNE as TORCHTUNE_BACKEND
 from kd.backends import TRANSFORMERS as TRANSFORMERS_BACKEND
 from kd.backends import WeightsSource, backend_named, backend_of
@@ -338,11 +339,12 @@ def tokenizer_files_to_copy(node: Mapping[str, Any]) -> dict[str, Path]:
         folder = p if p.is_dir() else p.parent if p.is_file() else None
         if folder is not None and folder not in folders:
             folders.append(folder)
+    # Only regular files inside their folder (kd.folders): a link out of it is refused, not copied.
     return {
         name: folder / name
         for folder in reversed(folders)
         for name in HF_TOKENIZER_FILES
-        if (folder / name).is_file()
+        if kd_folders.file_in(folder, name, key="tokenizer") is not None
     }
 
 

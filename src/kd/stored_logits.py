@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kd import folders
 from kd.errors import KDUserError, brief
 from kd.fileio import fsync_path, sha256_file
 
@@ -194,12 +195,12 @@ def teacher_identity(component: str, folder: Path, files: Any) -> dict[str, Any]
     from kd.config.validate import checkpoint_file_names
 
     files = checkpoint_file_names(files) or []
-    config = folder / "config.json"
+    config = folders.file_in(folder, folders.CONFIG_JSON, key="teacher_model")
     return {
         "component": component,
         "folder": str(folder.resolve()),
         "files": [[name, (folder / name).stat().st_size] for name in sorted(files)],
-        "config_sha256": sha256_file(config) if config.is_file() else None,
+        "config_sha256": sha256_file(config) if config is not None else None,
     }
 
 

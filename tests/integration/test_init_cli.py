@@ -448,7 +448,7 @@ def test_chosen_torchtune_builder_matches_transformers(tmp_path, model_type, ext
 
     from kd import _torchtune as tt
     from kd.config.instantiate import locate_target
-    from kd.scaffold.folders import choose_model
+    from kd.scaffold.inspection import choose_model
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(

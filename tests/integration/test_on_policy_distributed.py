@@ -10,7 +10,6 @@ the sampled tokens themselves, not only the losses they lead to. fp32, shuffle o
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import os
@@ -20,7 +19,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import pytest
 from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file, save_file
@@ -32,6 +30,7 @@ from test_distributed import (
 )
 
 from kd import cli, on_policy
+from kd.testing import run_launch
 
 STEPS = 3
 ON_POLICY = {"lmbda": 1.0, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
@@ -94,22 +93,11 @@ def _launch(cfg_path: Path, *overrides: str, records: Path, timeout: float = 300
         "KD_TEST_ROLLOUTS": str(records),
     }
     cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "kd_distributed"]
-    proc = subprocess.Popen(
-        [*cmd, "--config", str(cfg_path), *overrides],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc = run_launch([*cmd, "--config", str(cfg_path), *overrides], env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: kill the launcher's whole tree.
-        for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"2-rank launch still running after {timeout} s:\n{err[-4000:]}")
+        pytest.fail(f"2-rank launch still running after {timeout} s (killed with its workers)")
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
 
 

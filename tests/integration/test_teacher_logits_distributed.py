@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from conftest import make_config, read_metrics, write_config
 from test_distributed import _RANK0_ONLY_GUARD, COMPARED, TOL, _assert_same_files
 
 from kd import cli, stored_logits
+from kd.testing import run_launch
 
 K = 8
 
@@ -27,9 +27,7 @@ def _launch(recipe: str, cfg_path: Path) -> None:
     path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", recipe]
-    proc = subprocess.run(
-        [*cmd, "--config", str(cfg_path)], capture_output=True, text=True, env=env, timeout=300
-    )
+    proc = run_launch([*cmd, "--config", str(cfg_path)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

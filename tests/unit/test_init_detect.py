@@ -11,7 +11,7 @@ import pytest
 
 from kd.errors import KDUserError
 from kd.scaffold.data import ACCEPTED_COLUMNS, detect_data_format
-from kd.scaffold.folders import TorchtuneUnsupported, torchtune_build
+from kd.scaffold.inspection import TorchtuneUnsupported, torchtune_build
 
 CHAT = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
 

@@ -9,10 +9,15 @@ docs/security.md describes the threat model.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
+import json
+import os
 import pickle
 import re
+import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ import yaml
 from omegaconf import OmegaConf
 from test_config import tiny_config, write
 
+from kd import folders
 from kd.cli import main
 from kd.config import allowlist, instantiate, load_config, validate_config
 from kd.config.instantiate import build_component
@@ -408,3 +414,213 @@ def test_torchtune_checkpointer_reads_pickle_formats_weights_only(tmp_path):
         ckpt.load_checkpoint()
     assert isinstance(err.value.__cause__, pickle.UnpicklingError)
     assert not pwned.exists()
+
+
+# ------------------------------------------------------------------ model and tokenizer folders
+# kd.folders: nothing in a folder runs (auto_map), and only regular files inside it are read.
+
+
+def _loader_calls() -> list[tuple[Path, ast.Call]]:
+    """Every ``X.from_pretrained(...)`` / ``X.from_config(...)`` call in src/kd."""
+    src = Path(__file__).parents[2] / "src" / "kd"
+    calls = []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("from_pretrained", "from_config")
+            ):
+                calls.append((path, node))
+    return calls
+
+
+def test_every_transformers_and_peft_load_refuses_remote_code():
+    """Each transformers / peft load passes trust_remote_code=False itself (never left to
+    transformers' interactive default, which asks on stdin)."""
+    calls = _loader_calls()
+    assert len(calls) >= 8, calls  # AutoConfig, AutoTokenizer x3, AutoModel x2, PeftModel, ...
+    for path, call in calls:
+        flags = {k.arg: k.value for k in call.keywords if k.arg}
+        value = flags.get("trust_remote_code")
+        assert isinstance(value, ast.Constant) and value.value is False, (
+            f"{path}:{call.lineno}: pass trust_remote_code=False"
+        )
+
+
+def test_config_json_is_read_by_one_function():
+    """kd.folders.read_config_json is the one reader of a folder's config.json, and the file name
+    is defined once (kd.folders.CONFIG_JSON)."""
+    src = Path(__file__).parents[2] / "src" / "kd"
+    for path in src.rglob("*.py"):
+        if path.name == "folders.py":
+            continue
+        text = path.read_text()
+        for match in re.finditer(r'=\s*"config\.json"', text):
+            raise AssertionError(f"{path}: {match.group(0)} (use kd.folders.CONFIG_JSON)")
+        assert not re.search(r'"config\.json"\)\.read_text|/ "config\.json"', text), path
+
+
+def _auto_map_folder(root: Path, name: str, auto_map: Any) -> Path:
+    folder = root / "planted"
+    folder.mkdir()
+    (folder / name).write_text(json.dumps({"model_type": "llama", "auto_map": auto_map}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "auto_map", "entry"),
+    [
+        ("config.json", {"AutoConfig": "custom.Config"}, "AutoConfig=custom.Config"),
+        (
+            "tokenizer_config.json",
+            {"AutoTokenizer": [None, "custom.Fast"]},
+            "AutoTokenizer=custom.Fast",
+        ),
+        ("tokenizer_config.json", ["custom.Slow", None], "custom.Slow"),
+    ],
+)
+def test_auto_map_refused_naming_file_and_entry(tmp_path, name, auto_map, entry):
+    folder = _auto_map_folder(tmp_path, name, auto_map)
+    with pytest.raises(folders.FolderError) as err:
+        folders.check_folder(folder, key="model.path")
+    assert str(err.value) == (
+        f"model.path: {folder / name} asks to run code from the folder (auto_map {entry}); kd "
+        "never runs a model's or tokenizer's own code: use a model that transformers supports "
+        "natively, or remove auto_map if the folder needs none"
+    )
+    if name == "config.json":
+        with pytest.raises(folders.FolderError, match="asks to run code"):
+            folders.read_config_json(folder, key="model.path")
+
+
+def test_regular_files_inside_the_folder_are_read(tmp_path):
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "a.txt").write_text("a")
+    os.symlink("sub/a.txt", folder / "inside.txt")  # a link that stays inside is fine
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    assert folders.file_in(folder, "inside.txt", key="k") == (folder / "sub" / "a.txt").resolve()
+    assert folders.file_in(folder, "missing.txt", key="k") is None
+    assert folders.read_config_json(folder, key="k") == {"model_type": "llama"}
+    folders.check_folder(folder, key="k")
+
+
+@pytest.mark.parametrize("kind", ["link_out", "dotdot", "fifo", "socket", "device", "device_link"])
+def test_files_that_are_not_regular_files_inside_are_refused(tmp_path, kind):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "secret").write_text("secret")
+    name = "merges.txt"
+    if kind == "link_out":
+        os.symlink("../secret", folder / name)
+        detail = f"leads to {tmp_path / 'secret'}, outside {folder}"
+    elif kind == "dotdot":
+        name = "../secret"
+        detail = f"leads to {tmp_path / 'secret'}, outside {folder}"
+    elif kind == "fifo":
+        os.mkfifo(folder / name)  # reading it would block forever; nothing opens it
+        detail = "is a named pipe (FIFO), not a regular file"
+    elif kind == "socket":
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(folder / name))
+        server.close()
+        detail = "is a socket, not a regular file"
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.skip("creating a device file needs root")
+        os.mknod(folder / name, stat.S_IFCHR | 0o600, os.makedev(1, 5))  # like /dev/zero
+        detail = "is a device, not a regular file"
+    else:
+        os.symlink("/dev/zero", folder / name)
+        detail = "leads to /dev/zero, outside"
+    with pytest.raises(folders.FolderError) as err:
+        folders.file_in(folder, name, key="tokenizer.path")
+    assert str(err.value).startswith(f"tokenizer.path: {folder / name} ")
+    assert detail in str(err.value)
+    if kind != "dotdot":
+        with pytest.raises(folders.FolderError, match=re.escape(detail)):
+            folders.check_folder(folder, key="tokenizer.path")
+
+
+def test_hub_cache_snapshot_links_into_blobs_are_inside(tmp_path):
+    """The Hugging Face cache keeps a snapshot's files as links into the repository's blobs/."""
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00d").write_text('{"model_type": "llama"}')
+    os.symlink("../../blobs/f00d", snapshot / "config.json")
+    assert folders.read_config_json(snapshot, key="model.path") == {"model_type": "llama"}
+    folders.check_folder(snapshot, key="model.path")
+    (tmp_path / "elsewhere").write_text("x")
+    os.symlink("../../../elsewhere", snapshot / "merges.txt")
+    with pytest.raises(folders.FolderError, match="outside"):
+        folders.check_folder(snapshot, key="model.path")
+
+
+@pytest.mark.parametrize("name", ["../outside/model.safetensors", "/abs/model.safetensors"])
+def test_index_naming_files_outside_the_folder_is_refused(tmp_path, name):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": name, "v": "model-1.safetensors"}}))
+    with pytest.raises(folders.FolderError) as err:
+        folders.index_weight_files(folder, key="model.path")
+    assert str(err.value) == (
+        f"model.path: {index} names {name!r} in its weight_map, outside {folder}; kd reads "
+        "weights only from inside the folder: restore the index from the model's source"
+    )
+    index.write_text(json.dumps({"weight_map": {"w": "model-1.safetensors"}}))
+    assert folders.index_weight_files(folder, key="model.path") == ["model-1.safetensors"]
+
+
+def test_safetensors_header_problems(tmp_path):
+    """Offsets past the end of the file (truncated) and integer weights are refused; a sound file
+    has no problem."""
+    from safetensors.torch import save_file
+
+    from kd.checkpoint.hf_folder import safetensors_header_problems
+
+    def problems(path: Path) -> list[str]:
+        return safetensors_header_problems([path], key="model", folder=tmp_path)
+
+    where = f"model: cannot load the weights in {tmp_path}"
+    good = tmp_path / "good.safetensors"
+    save_file({"a.weight": torch.ones(4, 4), "a.bias": torch.zeros(4)}, str(good))
+    assert problems(good) == []
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:-8])
+    (problem,) = problems(cut)
+    assert problem.startswith(f"{where} (cut.safetensors is truncated: tensor ")
+    assert problem.endswith("); re-download the truncated or damaged file")
+    ints = tmp_path / "int.safetensors"
+    save_file({"a.weight": torch.ones(4, 4, dtype=torch.int8)}, str(ints))
+    assert problems(ints) == [
+        f"{where} (int.safetensors stores the weight a.weight as integers (I8), which would be "
+        "cast into the floating parameters as raw numbers); use the model's unquantized "
+        "(float16, bfloat16 or float32) safetensors"
+    ]
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x10\x00")
+    assert problems(short) == [
+        f"{where} (short.safetensors: ValueError: 2 bytes, too short for a safetensors header); "
+        "re-download the truncated or damaged file"
+    ]
+
+
+def test_write_hf_folder_never_copies_a_link_out_of_the_source(tmp_path):
+    """Copying the student's files into final/ and step_*/ refuses a link out of its folder."""
+    from kd.checkpoint.hf_folder import write_hf_folder
+
+    source = tmp_path / "student"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "qwen2"}')
+    (source / "tokenizer.json").write_text("{}")
+    (tmp_path / "secret").write_text("secret")
+    os.symlink("../secret", source / "merges.txt")
+    dest = tmp_path / "final"
+    dest.mkdir()
+    with pytest.raises(folders.FolderError, match="merges.txt leads to .*secret, outside"):
+        write_hf_folder(dest, {"w": torch.ones(2)}, source_dir=source)
+    assert not (dest / "merges.txt").exists()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kd import folders
 from kd.checkpoint.convert import (
     peft_to_tune_adapter_state_dict,
     tune_to_hf_state_dict,
@@ -34,7 +37,7 @@ from kd.checkpoint.layout import (
     RECIPE_STATE_FILE,
 )
 from kd.config.validate import checkpoint_file_names
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, one_line
 
 # What makes a folder a tokenizer for AutoTokenizer (kd.models.HF_TOKENIZER_FILES has them all).
 TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -53,33 +56,21 @@ _KD_FILES = frozenset(
 )
 
 
-def read_hf_config(model_dir: Path, *, key: str = "checkpointer") -> dict[str, Any]:
-    """The ``config.json`` of an HF model folder, as a dict.
+def read_hf_config(
+    model_dir: Path, *, key: str = "checkpointer", folder_arg: str = "checkpoint_dir"
+) -> dict[str, Any]:
+    """The ``config.json`` of an HF model folder, as a dict (:func:`kd.folders.read_config_json`).
 
     Args:
         model_dir: the folder.
-        key: the checkpointer key whose ``checkpoint_dir`` it is, named in errors.
+        key: the key whose folder it is, named in errors.
+        folder_arg: ``key``'s argument naming the folder (``checkpoint_dir`` or ``path``).
 
     Raises:
-        KDUserError: the file is missing, unreadable, or not a JSON object.
+        KDUserError: the file is missing, unreadable, not a JSON object, outside the folder or
+            asks for the folder's own code.
     """
-    path = Path(model_dir) / HF_CONFIG_FILE
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise KDUserError(
-            f"{path}: not found; {key}.checkpoint_dir must be a Hugging Face model folder"
-        ) from e
-    except (OSError, ValueError) as e:
-        raise KDUserError(
-            f"{path}: unreadable ({brief(e)}); restore the file from the model's source"
-        ) from e
-    if not isinstance(config, dict):
-        raise KDUserError(
-            f"{path}: holds a JSON {type(config).__name__}, not an object of model settings; "
-            "restore the file from the model's source"
-        )
-    return config
+    return folders.read_config_json(model_dir, key=f"{key}.{folder_arg}")
 
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]] | None:
@@ -138,7 +129,7 @@ def hf_config_problems(
     Returns:
         One line per contradiction: the field, both values and the fix.
     """
-    config = read_hf_config(model_dir, key=key)
+    config = read_hf_config(model_dir, key=key, folder_arg=folder_arg)
     where = f"{key}.{folder_arg}: {Path(model_dir) / HF_CONFIG_FILE}"
     problems: list[str] = []
 
@@ -209,6 +200,10 @@ def checkpoint_config_problems(
     """Where a checkpointer's ``config.json`` contradicts its safetensors, read from the headers
     only (no weight is read), so a wrong config never converts the weights nor reaches ``final/``.
 
+    Also checked, from the same headers: a safetensors file whose tensors run past its end
+    (truncated), and a floating weight stored as integers (loading would cast the raw integers;
+    a quantized checkpoint needs its own loader).
+
     Args:
         checkpoint_dir: the checkpointer's ``checkpoint_dir`` (anything but a string: unchecked).
         checkpoint_files: its ``checkpoint_files`` as plain values: a list, a file name, or
@@ -216,19 +211,99 @@ def checkpoint_config_problems(
         key: the checkpointer key (``checkpointer``, ``teacher_checkpointer``), named in each problem.
         heads: ``(num_heads, num_kv_heads, head_dim)`` of the model's builder, as in
             :func:`hf_config_problems`.
+        folder_arg: ``key``'s argument naming the folder (``checkpoint_dir`` or ``path``).
 
     Returns:
-        The problems of :func:`hf_config_problems`; empty when the files name no readable
-        safetensors (loading the weights reports those).
+        The problems of the headers, else those of :func:`hf_config_problems`; empty when the
+        files name no readable safetensors (loading the weights reports those).
+
+    Raises:
+        KDUserError: the folder is refused by :func:`kd.folders.check_folder`, or a weight file
+            leads outside it or is not a regular file.
     """
     names = checkpoint_file_names(checkpoint_files)
     if not isinstance(checkpoint_dir, str) or not names:
         return []
     root = Path(checkpoint_dir).expanduser()
-    shapes = safetensors_shapes([root / n for n in names if n.endswith(".safetensors")])
+    where = f"{key}.{folder_arg}"
+    folders.check_folder(root, key=where)
+    found = [(n, folders.file_in(root, n, key=where)) for n in names]
+    files = [f for n, f in found if f is not None and n.endswith(".safetensors")]
+    problems = safetensors_header_problems(files, key=key, folder=root)
+    if problems:
+        return problems
+    shapes = safetensors_shapes(files)
     if not shapes:
         return []
     return hf_config_problems(root, shapes, key=key, heads=heads, folder_arg=folder_arg)
+
+
+# safetensors dtypes that hold integers (a model's floating weights never should).
+_INTEGER_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the bytes of data after it (nothing else read).
+
+    Raises:
+        ValueError: the file is too short for its header, or the header is not a JSON object.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"its header length {length} runs past the end of the file")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header, size - 8 - length
+
+
+def safetensors_header_problems(files: list[Path], *, key: str, folder: Path) -> list[str]:
+    """Truncated or damaged safetensors headers, and floating weights stored as integers.
+
+    Args:
+        files: safetensors files (regular files inside ``folder``).
+        key: the config key whose weights they are (``checkpointer``, ``model``), first on each
+            line.
+        folder: their folder, named on each line.
+
+    Returns:
+        At most one line per file: the file, what is wrong and the fix.
+    """
+    problems: list[str] = []
+    where = f"{key}: cannot load the weights in {one_line(str(folder))}"
+    redownload = "re-download the truncated or damaged file"
+    for path in files:
+        try:
+            header, data_bytes = safetensors_header(path)
+        except (OSError, ValueError, struct.error) as e:
+            problems.append(f"{where} ({path.name}: {brief(e)}); {redownload}")
+            continue
+        for name, info in header.items():
+            if name == "__metadata__" or not isinstance(info, dict):
+                continue
+            offsets = info.get("data_offsets")
+            end = offsets[1] if isinstance(offsets, list) and len(offsets) == 2 else None
+            if not isinstance(end, int) or end > data_bytes:
+                problems.append(
+                    f"{where} ({path.name} is truncated: tensor {name} ends at byte {end} of its "
+                    f"data but the file holds {data_bytes}); {redownload}"
+                )
+                break
+            dtype = info.get("dtype")
+            if dtype in _INTEGER_DTYPES and name.endswith((".weight", ".bias")):
+                problems.append(
+                    f"{where} ({path.name} stores the weight {name} as integers ({dtype}), which "
+                    "would be cast into the floating parameters as raw numbers); use the model's "
+                    "unquantized (float16, bfloat16 or float32) safetensors"
+                )
+                break
+    return problems
 
 
 def _prepare(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -353,16 +428,22 @@ def write_hf_folder(
     copied = set()
     for item in sorted(source_dir.iterdir()):
         name = item.name
-        if not item.is_file() or name.startswith(".") or name == HF_CONFIG_FILE:
+        if item.is_dir() or name.startswith(".") or name == HF_CONFIG_FILE:
             continue
         if _is_weight_file(name) or name in _KD_FILES:
             continue
-        shutil.copyfile(item, dest / name)
-        copied.add(name)
+        # Only regular files inside the folder: never a link out of it, never a named pipe.
+        source = folders.file_in(source_dir, name, key=f"{source_dir}")
+        if source is not None:
+            shutil.copyfile(source, dest / name)
+            copied.add(name)
     if not copied & set(TOKENIZER_FILE_NAMES):
         for name, path in (extra_files or {}).items():
-            if name not in copied and name != HF_CONFIG_FILE and Path(path).is_file():
-                shutil.copyfile(path, dest / name)
+            if name in copied or name == HF_CONFIG_FILE:
+                continue
+            source = folders.file_in(Path(path).parent, Path(path).name, key="tokenizer")
+            if source is not None:
+                shutil.copyfile(source, dest / name)
 
     # config.json says which dtype the weights are in; transformers' dtype="auto" reads it.
     saved_dtype = dtype or next((v.dtype for v in hf_state.values() if v.is_floating_point()), None)
@@ -393,12 +474,16 @@ def load_hf_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     index = ckpt / MODEL_INDEX_FILE
     try:
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = folders.index_weight_files(ckpt, key=str(ckpt)) or []
             out: dict[str, torch.Tensor] = {}
             for shard in shards:
-                out.update(load_file(str(ckpt / shard)))
+                path = folders.file_in(ckpt, shard, key=str(ckpt)) or ckpt / shard
+                out.update(load_file(str(path)))
             return out
-        return load_file(str(ckpt / MODEL_FILE))
+        path = folders.file_in(ckpt, MODEL_FILE, key=str(ckpt)) or ckpt / MODEL_FILE
+        return load_file(str(path))
+    except KDUserError:
+        raise
     except Exception as e:  # safetensors raises its own error type for corrupt files
         raise KDUserError(
             f"{ckpt}: cannot read the model weights ({e}); delete this folder to resume from an older checkpoint"

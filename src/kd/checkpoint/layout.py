@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kd import folders
+
 MARKER_FILE = "kd_checkpoint.json"
 RECIPE_STATE_FILE = "recipe_state.pt"
 CONFIG_SNAPSHOT_FILE = "config.yaml"
 MODEL_FILE = "model.safetensors"
-MODEL_INDEX_FILE = "model.safetensors.index.json"
-HF_CONFIG_FILE = "config.json"
+MODEL_INDEX_FILE = folders.SAFETENSORS_INDEX_JSON
+HF_CONFIG_FILE = folders.CONFIG_JSON
 # A LoRA student's PEFT adapter lives in a subfolder: with adapter_config.json at the top,
 # transformers' from_pretrained would load the base model + adapter instead of the merged weights.
 ADAPTER_DIR = "adapter"

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kd import families
+from kd import families, folders
 from kd.config import schema
 from kd.config.allowlist import component_nodes, tree_problems
 from kd.config.compat import TORCHTUNE_KD_LOSSES
@@ -81,8 +81,9 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     Unknown and missing keys, types, ranges and choices, unsupported loss nodes, a null teacher
     with ``kd_ratio`` above 0, the device, ``_component_`` entries that are missing or that their
     key may not build (:mod:`kd.config.allowlist`), models of different tokenizer families and
-    (with ``check_paths``) missing input files and an unusable ``output_dir``. Imports neither
-    torch nor torchtune.
+    (with ``check_paths``) missing input files and an unusable ``output_dir``; always, model and
+    tokenizer folders that ask to run their own code or hold files kd refuses
+    (:func:`kd.folders.config_folder_problems`). Imports neither torch nor torchtune.
 
     Args:
         data: the resolved config as plain containers (``OmegaConf.to_container``).
@@ -128,6 +129,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     _check_families(data, problems)
     if check_paths:
         _check_paths(data, problems)
+    # Nothing in a model or tokenizer folder may run or lead outside it (kd.folders); kd plan too.
+    problems += [Problem(e.key, e.detail) for e in folders.config_folder_problems(data)]
     return problems
 
 
@@ -707,7 +710,7 @@ def _check_paths(data: dict[str, Any], problems: list[Problem]) -> None:
         path = node.get("path") if is_hf_model_node(node) else None
         if isinstance(path, str) and path.strip() and _path_ok(f"{name}.path", path, problems):
             folder = Path(path).expanduser()
-            if not (folder / "config.json").is_file():
+            if not (folder / folders.CONFIG_JSON).is_file():
                 what = "does not exist" if not folder.exists() else "has no config.json"
                 problems.append(
                     Problem(
@@ -797,7 +800,7 @@ def _check_checkpointer(name: str, node: dict[str, Any], problems: list[Problem]
         if not _path_ok(f"{name}.checkpoint_files[{i}]", str(root / file_name), problems):
             continue
         path = root / file_name
-        if not path.is_file():
+        if not path.exists():  # a named pipe or a link out is refused by kd.folders
             problems.append(
                 Problem(
                     f"{name}.checkpoint_files[{i}]",

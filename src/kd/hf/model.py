@@ -16,7 +16,6 @@ Nothing is downloaded: a folder must hold ``config.json`` and the weights; the h
 
 from __future__ import annotations
 
-import json
 import sys
 import types
 from collections.abc import Sequence
@@ -26,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from kd import folders
 from kd.errors import KDUserError, brief
 
-HF_CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = folders.CONFIG_JSON
 ADAPTER_NAME = "default"
 PEFT_PREFIX = "base_model.model."
 # torchtune's LoRA module names -> the transformers names of Llama-like attention.
@@ -37,33 +37,36 @@ _ATTN_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "output_proj")
 
 
 def _folder(path: str | Path, *, key: str) -> Path:
-    """``path`` as a model folder holding a config.json, or a one-line error naming ``key``."""
+    """``path`` as a model folder holding a config.json, or a one-line error naming ``key``.
+
+    The folder is checked as :func:`kd.folders.check_folder` does (no ``auto_map``, no link out
+    of the folder, no named pipe), before transformers reads anything in it.
+    """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise KDUserError(
             f"{key}.path: {folder} is not a folder; point it at a local Hugging Face model "
             "folder (config.json + *.safetensors)"
         )
-    if not (folder / HF_CONFIG_FILE).is_file():
-        raise KDUserError(
-            f"{key}.path: {folder} has no {HF_CONFIG_FILE}; point it at a Hugging Face model "
-            "folder (download the model's config.json and weights into it)"
-        )
+    folders.read_config_json(folder, key=f"{key}.path")
+    folders.check_folder(folder, key=f"{key}.path")
     return folder
 
 
 def read_config(path: str | Path, *, key: str = "model") -> Any:
-    """The ``transformers`` config of a local folder (never downloaded).
+    """The ``transformers`` config of a local folder (never downloaded, never its own code).
 
     Raises:
-        KDUserError: the folder or its config.json is missing or unreadable, or transformers does
-            not know the architecture.
+        KDUserError: the folder or its config.json is missing or unreadable, asks for the folder's
+            own code, or transformers does not know the architecture.
     """
     folder = _folder(path, key=key)
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return AutoConfig.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError
         raise KDUserError(
             f"{key}.path: transformers cannot read {folder / HF_CONFIG_FILE} ({brief(e)}); "
@@ -119,6 +122,7 @@ def build_causal_lm(
             config,
             dtype=dtype or torch.get_default_dtype(),
             attn_implementation=attn_implementation,
+            trust_remote_code=False,
         )
     except (ValueError, KeyError) as e:
         raise KDUserError(
@@ -380,15 +384,8 @@ def weight_files(folder: Path, *, key: str) -> list[Path]:
     Raises:
         KDUserError: there are none (only ``.bin`` or ``.gguf`` files, or no weights at all).
     """
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise KDUserError(
-                f"{key}.path: {index} is unreadable ({brief(e)}); restore it from the model's "
-                "source"
-            ) from e
+    names = folders.index_weight_files(folder, key=f"{key}.path")
+    if names is not None:
         files = [folder / n for n in names]
         missing = [f for f in files if not f.is_file()]
         if missing:
@@ -400,7 +397,9 @@ def weight_files(folder: Path, *, key: str) -> list[Path]:
     files = sorted(
         p
         for p in folder.glob("*.safetensors")
-        if not p.name.startswith("adapter_model") and not p.name.startswith(".")
+        if not p.name.startswith("adapter_model")
+        and not p.name.startswith(".")
+        and folders.file_in(folder, p.name, key=f"{key}.path")
     )
     if not files:
         other = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".gguf", ".pt"))

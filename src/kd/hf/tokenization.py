@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kd import folders
 from kd.errors import KDUserError, brief, one_line
 
 if TYPE_CHECKING:
@@ -86,10 +87,13 @@ def tokenizer(
         raise KDUserError(
             f"tokenizer.truncation_type: {truncation_type!r} is not allowed; set it to right or left"
         )
+    folders.check_folder(folder, key="tokenizer.path")
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - a damaged folder raises anything
         raise KDUserError(
             f"tokenizer.path: transformers cannot load the tokenizer in {folder} ({brief(e)}); "
@@ -542,10 +546,13 @@ def load_hf_tokenizer(folder: Path, *, flag: str) -> Any:
             f"{flag}: {one_line(str(folder))} has no tokenizer files (tokenizer.json / "
             "tokenizer_config.json); download them from the model's source into that folder"
         )
+    folders.check_folder(folder, key=flag)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - a damaged folder raises anything
         raise KDUserError(
             f"{flag}: transformers cannot load the tokenizer in {one_line(str(folder))} "

@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from kd.folders import CONFIG_JSON
+
 # config class -> kwargs, from each model's config.json on the Hugging Face hub (Llama 3.1/3.2 keep
 # their rope_scaling; Gemma 3 4B's text model is the text_config of its multimodal config).
 PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
@@ -288,7 +290,7 @@ def compare(
     for model in (teacher, student):
         folder = Path(root) / folder_name(model)
         dirs[model] = (
-            folder if (folder / "config.json").is_file() else write_config_folder(root, model)
+            folder if (folder / CONFIG_JSON).is_file() else write_config_folder(root, model)
         )
     run = run_config_for(dirs[teacher], dirs[student], setting)
     inputs = inputs_from_run(run, world_size=world_size)

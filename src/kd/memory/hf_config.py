@@ -13,11 +13,11 @@ planned with Llama-like layers; the plan says so.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from kd import folders
 from kd.memory.shapes import (
     FULL,
     RMS,
@@ -85,22 +85,6 @@ ARCHITECTURES: dict[str, Architecture] = {
         rope_per_kind=True,
     ),
 }
-
-
-def read_config(path: str) -> dict[str, Any]:
-    """A ``config.json`` as a dict.
-
-    Raises:
-        ShapeError: not readable JSON, or not an object.
-    """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ShapeError(f"{path}: not a readable JSON config ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ShapeError(f"{path}: not a JSON object")
-    return cfg
 
 
 def _layer_types(cfg: dict[str, Any], arch: Architecture, layers: int) -> tuple[int | None, tuple]:
@@ -179,21 +163,28 @@ def hf_shape(cfg: dict[str, Any], *, name: str) -> ModelShape:
     )
 
 
-def shape_of_folder(folder: str, *, lora: LoraSpec | None = None) -> tuple[ModelShape, list[str]]:
+def shape_of_folder(
+    folder: str, *, lora: LoraSpec | None = None, key: str = "model.path"
+) -> tuple[ModelShape, list[str]]:
     """The shape of the model in a Hugging Face folder, and notes for the plan.
 
     Args:
         folder: a local model folder holding ``config.json``.
         lora: the LoRA student's adapters, if any.
+        key: the config key naming the folder, for errors.
 
     Returns:
         The shape, and notes (an architecture planned without a closed form).
 
     Raises:
-        ShapeError: no readable config.json, or sizes missing or not whole numbers.
+        ShapeError: no config.json, or sizes missing or not whole numbers.
+        KDUserError: an unreadable config.json, or one that asks for the folder's own code
+            (:func:`kd.folders.read_config_json`).
     """
-    path = os.path.join(os.path.expanduser(folder), "config.json")
-    cfg = read_config(path)
+    path = os.path.join(os.path.expanduser(folder), folders.CONFIG_JSON)
+    if not os.path.isfile(path):
+        raise ShapeError(f"{path}: not a readable JSON config (no such file)")
+    cfg = folders.read_config_json(folder, key=key)
     name = os.path.basename(os.path.normpath(os.path.expanduser(folder))) or "model"
     try:
         shape = hf_shape(cfg, name=name)

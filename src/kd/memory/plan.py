@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kd import folders
 from kd.config.run import OnPolicySettings, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
@@ -245,7 +246,7 @@ def _hf_config_path(node: Any) -> str | None:
     ckpt_dir = node.get("checkpoint_dir") if node is not None else None
     if not ckpt_dir:
         return None
-    return os.path.join(os.path.expanduser(str(ckpt_dir)), "config.json")
+    return os.path.join(os.path.expanduser(str(ckpt_dir)), folders.CONFIG_JSON)
 
 
 HF_COMPONENTS = ("kd.hf.causal_lm", "kd.hf.lora_causal_lm")
@@ -280,7 +281,7 @@ def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> tuple[ModelShape, l
             if "path" not in data:
                 raise ShapeError(f"{comp} needs path (the model's folder)")
             lora = _hf_lora(data) if comp.endswith("lora_causal_lm") else None
-            shape, notes = shape_of_folder(str(data["path"]), lora=lora)
+            shape, notes = shape_of_folder(str(data["path"]), lora=lora, key=f"{model_key}.path")
             attention = data.get("attn_implementation", "sdpa")
             if attention != "sdpa":
                 notes.append(
@@ -289,7 +290,7 @@ def _shape(run: RunConfig, model_key: str, ckpt_key: str) -> tuple[ModelShape, l
                 )
             return shape, notes
         config_path = (
-            os.path.join(os.path.expanduser(str(data["path"])), "config.json")
+            os.path.join(os.path.expanduser(str(data["path"])), folders.CONFIG_JSON)
             if "path" in data
             else _hf_config_path(run.components[ckpt_key])
         )

@@ -19,12 +19,11 @@ A model of the transformers backend (``kd.hf.*``) is sized from its folder's ``c
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kd import families
+from kd import families, folders
 
 # name -> (vocab, layers, heads, kv_heads, embed_dim, intermediate_dim, tied, max_seq_len); the
 # architecture comes from `kd.families` by the name's prefix. Read from torchtune 0.6.1 model
@@ -429,19 +428,18 @@ def shape_from_component(
     )
 
 
-def shape_from_hf_config(path: str) -> ModelShape:
+def shape_from_hf_config(path: str, *, key: str = "checkpointer.checkpoint_dir") -> ModelShape:
     """Shape from a Hugging Face ``config.json`` (Llama / Qwen2 style keys).
+
+    Args:
+        path: the ``config.json`` of a model folder (read by :func:`kd.folders.read_config_json`).
+        key: the config key naming the folder, for errors.
 
     Raises:
         ShapeError: missing keys.
+        KDUserError: the file is unreadable, not a JSON object, or asks for the folder's code.
     """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ShapeError(f"{path}: not a readable JSON config ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ShapeError(f"{path}: not a JSON object")
+    cfg = folders.read_config_json(os.path.dirname(os.path.abspath(path)), key=key)
     try:
         nh = _dim(cfg, "num_attention_heads")
         h = _dim(cfg, "hidden_size")

@@ -3,7 +3,7 @@
     kd init --teacher /models/Qwen2.5-7B-Instruct --student /models/Qwen2.5-0.5B-Instruct \\
         --data train.jsonl --output-dir runs/first --config-out my_kd.yaml [--lora]
 
-The command: it reads both folders (:mod:`kd.scaffold.folders`), pairs them
+The command: it reads both folders (:mod:`kd.scaffold.inspection`), pairs them
 (:mod:`kd.scaffold.pairing`: backends, length, the tokenizers' whole vocabularies and the student's
 chat template), detects the data format (:mod:`kd.scaffold.data`), writes a YAML that
 ``kd run kd --config FILE`` runs unchanged (:mod:`kd.scaffold.render`) and prints the memory plan
@@ -23,7 +23,7 @@ from typing import Any
 
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat, detect_data_format
-from kd.scaffold.folders import (
+from kd.scaffold.inspection import (
     BACKENDS,
     Backend,
     ModelChoice,

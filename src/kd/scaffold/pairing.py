@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kd.errors import KDUserError
 from kd.scaffold.data import DataFormat
-from kd.scaffold.folders import Backend, ModelChoice
+from kd.scaffold.inspection import Backend, ModelChoice
 
 if TYPE_CHECKING:
     from kd.hf.tokenization import TokenizerCheck

@@ -16,7 +16,7 @@ from typing import Any
 
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat
-from kd.scaffold.folders import HF_CONFIG_FILE, ModelChoice
+from kd.scaffold.inspection import HF_CONFIG_FILE, ModelChoice
 
 # LoRA knobs of the generated config (torchtune's names; kd.hf.lora_causal_lm takes the same).
 LORA_ATTN_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
@@ -88,7 +88,7 @@ def render_config(
     optional features are written commented out (:func:`optional_sections`).
 
     Args:
-        teacher: the teacher (:func:`kd.scaffold.folders.choose_model`).
+        teacher: the teacher (:func:`kd.scaffold.inspection.choose_model`).
         student: the student.
         data: the data format (:func:`kd.scaffold.data.detect_data_format`).
         output_dir: the run's output folder.

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from kd import folders as kd_folders
 from kd.errors import KDUserError, brief, one_line
 
 Backend = Literal["auto", "torchtune", "transformers"]
 BACKENDS: tuple[str, ...] = ("auto", "torchtune", "transformers")
-HF_CONFIG_FILE = "config.json"
+HF_CONFIG_FILE = kd_folders.CONFIG_JSON
 # torchtune 0.6.1's Llama3ScaledRoPE fixes these; a llama3 rope_scaling with others is not its RoPE.
 _LLAMA3_ROPE_FIXED = {
     "low_freq_factor": 1.0,
@@ -55,34 +56,10 @@ def read_hf_config(folder: Path, *, flag: str) -> dict[str, Any]:
     """The ``config.json`` of a model folder, as a dict (nothing else is read).
 
     Raises:
-        KDUserError: the folder or its config.json is missing or is not a JSON object; names
-            ``flag``.
+        KDUserError: the folder or its config.json is missing, not a JSON object, or asks for
+            the folder's own code (:func:`kd.folders.read_config_json`); names ``flag``.
     """
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        raise KDUserError(
-            f"{flag}: {one_line(str(folder))} {what}; pass a local Hugging Face model folder "
-            "(config.json, tokenizer files and *.safetensors)"
-        )
-    path = folder / HF_CONFIG_FILE
-    if not path.is_file():
-        raise KDUserError(
-            f"{flag}: {one_line(str(folder))} has no {HF_CONFIG_FILE}; download the model's "
-            "config.json and tokenizer files into it (the weights may follow later)"
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise KDUserError(
-            f"{flag}: cannot read {one_line(str(path))} ({brief(e)}); restore it from the "
-            "model's source"
-        ) from e
-    if not isinstance(data, dict):
-        raise KDUserError(
-            f"{flag}: {one_line(str(path))} is not a JSON object; restore it from the model's "
-            "source"
-        )
-    return data
+    return kd_folders.read_config_json(folder, key=flag)
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -354,7 +331,9 @@ def check_transformers_config(choice: ModelChoice, *, flag: str) -> None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(choice.folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            str(choice.folder), local_files_only=True, trust_remote_code=False
+        )
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError
         raise KDUserError(
             f"{flag}: transformers cannot read {one_line(str(choice.folder / HF_CONFIG_FILE))} "
