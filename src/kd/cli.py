@@ -55,6 +55,9 @@ _OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
 _RUN_USAGE = "kd run [TORCHRUN-OPTIONS] <recipe> --config <name|path> [key=value ...] [~key ...]"
 _RUN_EPILOG = textwrap.dedent(
     """\
+    recipes:
+    {recipes}
+
     torchrun options (before the recipe name) launch the recipe through torchrun, e.g.
       --nproc_per_node N  --nnodes N  --node_rank R  --master_addr A  --master_port P
       --rdzv_backend B  --rdzv_endpoint E  --standalone  (any option of `torchrun --help`)
@@ -95,7 +98,7 @@ def _version_line() -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from kd.registry import list_configs, list_recipes
+    from kd.registry import list_configs, list_recipes, recipe_lines
 
     recipes = list_recipes()
     rows: list[tuple[str, str]] = []
@@ -113,6 +116,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         shown = recipe_name if recipe_name != previous else ""
         previous = recipe_name
         print(f"{shown:<{width}}{config}".rstrip())
+    print("\nrecipes (kd run <recipe> --config <config>):")
+    for line in recipe_lines():
+        print(line)
     return 0
 
 
@@ -341,6 +347,8 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from kd.registry import recipe_lines
+
     parser = _Parser(
         prog="kd",
         description="Knowledge-distillation fine-tuning for LLMs that checks the memory budget "
@@ -371,10 +379,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="run a recipe (torchrun options before the recipe launch it distributed)",
         usage=_RUN_USAGE,
         description="Run a recipe with a config and overrides.",
-        epilog=_RUN_EPILOG,
+        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("recipe", help="kd_single_device or kd_distributed (see kd ls)")
+    run.add_argument("recipe", help="a recipe name (below; kd ls lists them with their configs)")
 
     validate = sub.add_parser(
         "validate",
@@ -418,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         if command_index < len(argv) and argv[command_index] == "run":
             parser.parse_args(argv[:command_index])  # global options before `run`
             return _cmd_run(argv[command_index + 1 :], run_parser, debug)
-        args = parser.parse_args(argv)
+        args = _parse_with_overrides(parser, argv)
         if args.version:
             print(_version_line())
             return 0
@@ -436,6 +444,29 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
         return 130
+
+
+def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a command with ``overrides`` takes them anywhere, also after its flags.
+
+    argparse fills a ``nargs="*"`` positional once, so ``--config x a=1 --budget-gib 8 b=2``
+    would leave ``b=2`` unrecognised; ``kd run`` takes overrides anywhere after the recipe, and
+    so do ``kd validate`` and ``kd plan``.
+
+    Raises:
+        _UsageError: an unknown option, or arguments the command does not take.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides"):
+        flags = [item for item in extra if item.startswith("-")]
+        if not flags:
+            args.overrides = [*args.overrides, *extra]  # argparse keeps their order
+            return args
+        extra = flags
+    if extra:
+        prog = f"kd {args.command}" if getattr(args, "command", None) else "kd"
+        raise _UsageError(f"unrecognized arguments: {' '.join(extra)}; see {prog} --help")
+    return args
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
