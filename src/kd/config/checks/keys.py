@@ -1,0 +1,109 @@
+"""The keys of a config and its sections: unknown keys (with the key meant), missing ones, values."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from kd.config import schema
+from kd.config.checks.components import component_values
+from kd.config.checks.values import check_value, number_problem
+from kd.config.compat import TORCHTUNE_KD_LOSSES
+from kd.config.schema import Key, Problem
+
+
+def check_keys(
+    data: dict[str, Any],
+    keys: dict[str, Key],
+    prefix: str,
+    problems: list[Problem],
+    required: bool = True,
+    optional: frozenset[str] = frozenset(),
+) -> None:
+    for name, value in data.items():
+        dotted = f"{prefix}{name}"
+        if name not in keys:
+            if prefix == "kd_loss." and name == "_component_":
+                continue  # reported by check_kd_loss_component
+            close = difflib.get_close_matches(str(name), list(keys), n=1)
+            fix = f"did you mean {prefix}{close[0]}?" if close else "remove it (kd does not use it)"
+            problems.append(Problem(dotted, f"unknown key; {fix}"))
+            continue
+        if value == schema.MISSING:
+            if keys[name].default is not schema.MISSING:
+                problems.append(
+                    Problem(dotted, "is ??? (unset); set it or remove the line to use the default")
+                )
+            continue  # a required key left at ??? is reported below as missing
+        message = check_value(dotted, value, keys[name])
+        if message:
+            problems.append(Problem(dotted, message))
+    if not required:
+        return
+    for name, key in keys.items():
+        if name in optional:
+            continue
+        if key.default is schema.MISSING and (name not in data or data[name] == schema.MISSING):
+            problems.append(
+                Problem(f"{prefix}{name}", f"required key is missing; add it ({key.help})")
+            )
+
+
+def check_component_numbers(data: dict[str, Any], problems: list[Problem]) -> None:
+    """NaN, infinity or an integer beyond 64 bits anywhere in a component node (``optimizer.lr``,
+    ``model.vocab_size``...): no builder can use them."""
+
+    def walk(dotted: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{dotted}.{k}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{dotted}[{i}]", v)
+        elif dotted not in schema.COMPONENT_ARGS:  # those are checked with their range
+            problem = number_problem(value)
+            if problem is not None:
+                wanted = "a smaller integer" if isinstance(value, int) else "a finite number"
+                problems.append(Problem(dotted, f"{problem}; set {dotted} to {wanted}"))
+
+    for name, value in component_values(data):
+        if isinstance(value, dict | list):
+            walk(name, value)
+
+
+def check_kd_loss_component(section: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    if section != "kd_loss" or "_component_" not in node:
+        return
+    known = ", ".join(schema.DIVERGENCES)
+    tt = ", ".join(sorted(TORCHTUNE_KD_LOSSES))
+    problems.append(
+        Problem(
+            "kd_loss._component_",
+            f"{node['_component_']} is not a KD loss kd supports; set kd_loss to one of {known} "
+            f"(torchtune's {tt} are mapped automatically)",
+        )
+    )
+
+
+def check_loss(value: Any, problems: list[Problem]) -> None:
+    if value is None:
+        return
+    target = value.get("_component_") if isinstance(value, dict) else value
+    problems.append(
+        Problem(
+            "loss",
+            f"{target} is not used: kd computes (1 - kd_ratio) * CE + kd_ratio * KD itself; "
+            "set loss to null (choose the divergence with kd_loss)",
+        )
+    )
+
+
+def check_component_args(data: dict[str, Any], problems: list[Problem]) -> None:
+    """The arguments of component nodes that kd reads itself (:data:`schema.COMPONENT_ARGS`)."""
+    for dotted, key in schema.COMPONENT_ARGS.items():
+        name, arg = dotted.split(".", 1)
+        node = data.get(name)
+        if isinstance(node, dict) and arg in node:
+            message = check_value(dotted, node[arg], key)
+            if message:
+                problems.append(Problem(dotted, message))
