@@ -16,6 +16,7 @@ import importlib.resources
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kd.errors import KDUserError, one_line
 
@@ -58,7 +59,7 @@ class Recipe:
 # the other two are torchtune's names for it and list the configs of their scale.
 # `teacher_logits` runs the teacher of any KD config once and stores its top-k log-probs under
 # `teacher_logits.path` (kd.stored_logits), for `kd run kd` to train from without the teacher.
-_RECIPES: tuple[tuple[str, str, str | None, bool, str], ...] = (
+_RECIPES: tuple[tuple[Any, ...], ...] = (
     (
         "kd",
         "kd.recipes.kd",
@@ -120,16 +121,17 @@ def list_recipes() -> list[Recipe]:
             module,
             [c for c in names if suffix is not None and c.endswith(suffix)],
             distributed,
-            summary,
+            *summary,  # optional (a test or a plugin may add a recipe without one)
         )
-        for name, module, suffix, distributed, summary in _RECIPES
+        for name, module, suffix, distributed, *summary in _RECIPES
     ]
 
 
 def recipe_lines(indent: str = "  ") -> list[str]:
     """One line per recipe, ``<name>  <summary>`` (``kd ls`` and ``kd run --help``)."""
-    width = max(len(name) for name, *_ in _RECIPES) + 2
-    return [f"{indent}{name:<{width}}{summary}" for name, _, _, _, summary in _RECIPES]
+    recipes = list_recipes()
+    width = max(len(r.name) for r in recipes) + 2
+    return [f"{indent}{r.name:<{width}}{r.summary}".rstrip() for r in recipes]
 
 
 def find_recipe(name: str) -> Recipe:

@@ -20,7 +20,7 @@ def check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
     if not isinstance(node, dict) or node.get("source_temperature") is None:
         return
     source = node["source_temperature"]
-    if node.get("format", "kd") == "kd":
+    if node.get("format", schema.TEACHER_LOGITS["format"].default) == "kd":
         problems.append(
             Problem(
                 "teacher_logits.source_temperature",
@@ -29,9 +29,9 @@ def check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
             )
         )
         return
-    temperature = data.get("temperature", 1.0)
+    temperature = data.get("temperature", schema.TOP_LEVEL["temperature"].default)
     if (
-        node.get("tail", "bucket") == "bucket"
+        node.get("tail", schema.TEACHER_LOGITS["tail"].default) == "bucket"
         and isinstance(source, (int, float))
         and isinstance(temperature, (int, float))
         and float(source) != float(temperature)
