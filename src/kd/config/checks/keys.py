@@ -12,6 +12,60 @@ from kd.config.compat import TORCHTUNE_KD_LOSSES
 from kd.config.schema import Key, Problem
 
 
+def _strip_word(name: str, words: tuple[str, ...]) -> list[str]:
+    """``name`` without one of ``words`` in front or at the end (``eval_every_n_steps`` ->
+    ``every_n_steps``, ``dataset_val`` -> ``dataset``)."""
+    out = []
+    for word in words:
+        if name.startswith(f"{word}_"):
+            out.append(name[len(word) + 1 :])
+        if name.endswith(f"_{word}"):
+            out.append(name[: -len(word) - 1])
+    return out
+
+
+def _in_section(name: str, section: str) -> str | None:
+    """The key of ``section`` that ``name`` (with or without the section's word) means."""
+    subs = list(schema.SECTIONS[section])
+    for rest in [name, *_strip_word(name, schema.SECTION_WORDS[section])]:
+        close = difflib.get_close_matches(rest, subs, n=1, cutoff=0.8)
+        if close:
+            return f"{section}.{close[0]}"
+    return None
+
+
+def suggest_key(name: str, section: str | None) -> str | None:
+    """The dotted key an unknown key most likely means, or None.
+
+    A section's key written at the top level, with or without the section's word
+    (``eval_every_n_steps``, ``every_n_steps`` -> ``validation.every_n_steps``; words in
+    :data:`kd.config.schema.SECTION_WORDS`), wins over a top-level key spelled alike
+    (``log_every_n_steps``); otherwise the closest key of the same level, and for a key inside a
+    section a top-level key of that name (``memory.batch_size`` -> ``batch_size``).
+
+    Args:
+        name: the unknown key (its last part).
+        section: the section it is in (``validation``), or None at the top level.
+    """
+    if section is None:
+        for other in schema.SECTIONS:
+            for rest in _strip_word(name, schema.SECTION_WORDS[other]):
+                meant = _in_section(rest, other)
+                if meant is not None:
+                    return meant
+        in_sections = [f"{s}.{k}" for s, keys in schema.SECTIONS.items() for k in keys if k == name]
+        if len(in_sections) == 1:
+            return in_sections[0]
+        close = difflib.get_close_matches(name, list(schema.TOP_LEVEL), n=1)
+        return close[0] if close else None
+    if section not in schema.SECTIONS:
+        return None
+    meant = _in_section(name, section)
+    if meant is None and name in schema.TOP_LEVEL:
+        return f"{name} (a top-level key)"
+    return meant
+
+
 def check_keys(
     data: dict[str, Any],
     keys: dict[str, Key],
@@ -25,8 +79,8 @@ def check_keys(
         if name not in keys:
             if prefix == "kd_loss." and name == "_component_":
                 continue  # reported by check_kd_loss_component
-            close = difflib.get_close_matches(str(name), list(keys), n=1)
-            fix = f"did you mean {prefix}{close[0]}?" if close else "remove it (kd does not use it)"
+            meant = suggest_key(str(name), prefix.rstrip(".") or None)
+            fix = f"did you mean {meant}?" if meant else "remove it (kd does not use it)"
             problems.append(Problem(dotted, f"unknown key; {fix}"))
             continue
         if value == schema.MISSING:
