@@ -23,6 +23,7 @@ from kd.config import schema
 from kd.config.checks.components import (
     check_component_targets,
     check_families,
+    check_static_arguments,
     component_problems,
 )
 from kd.config.checks.features import (
@@ -136,6 +137,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_output_dir(data, problems)
     check_device(data, problems)
     check_component_targets(data, problems)
+    check_static_arguments(data, problems)
     check_families(data, problems)
     if check_paths:
         check_files(data, problems)

@@ -9,7 +9,8 @@ from typing import Any
 
 from kd import families
 from kd.config import schema
-from kd.config.allowlist import component_nodes, tree_problems
+from kd.config.allowlist import component_nodes, target_problem, tree_problems
+from kd.config.checks.signatures import static_signature
 from kd.config.checks.values import fmt, non_finite_text
 from kd.config.instantiate import locate_target, unknown_kwargs
 from kd.config.run import COMPONENT_KEYS, DATASET_KEYS, VALIDATION_DATASET
@@ -113,19 +114,34 @@ def component_problems(data: dict[str, Any]) -> list[Problem]:
 def _argument_type_problems(
     dotted: str, target: str, obj: Any, kwargs: dict[str, Any]
 ) -> list[Problem]:
-    """Arguments whose default is a number or a bool given text, a list or a mapping
-    (``optimizer.lr: abc``): caught now rather than when the component is built after the
-    weights are loaded."""
+    """Arguments whose default is a number or a bool given text, a list or a mapping, found by
+    importing the target (those :func:`check_static_arguments` could not read)."""
     try:
         params = inspect.signature(obj).parameters
     except (TypeError, ValueError):
         return []
+    defaults = {name: p.default for name, p in params.items()}
+    return argument_type_problems(dotted, target, defaults, kwargs)
+
+
+def argument_type_problems(
+    dotted: str, target: str, defaults: dict[str, Any], kwargs: dict[str, Any]
+) -> list[Problem]:
+    """Arguments whose default is a number or a bool given text, a list or a mapping
+    (``optimizer.lr: abc``): caught now rather than when the component is built after the
+    weights are loaded.
+
+    Args:
+        dotted: the node's key.
+        target: the node's ``_component_``.
+        defaults: the target's parameters and their defaults.
+        kwargs: the node's other keys.
+    """
     problems = []
     for name, value in kwargs.items():
-        param = params.get(name)
-        if param is None or not isinstance(value, str | list | dict):
+        if name not in defaults or not isinstance(value, str | list | dict):
             continue
-        default = param.default
+        default = defaults[name]
         if isinstance(default, bool):
             wanted = "true or false"
         elif isinstance(default, int | float):
@@ -138,6 +154,25 @@ def _argument_type_problems(
             found = f"{fmt(value)} is not {wanted} (the default of {target}'s {name} is {default})"
         problems.append(Problem(f"{dotted}.{name}", f"{found}; set {dotted}.{name} to {wanted}"))
     return problems
+
+
+def check_static_arguments(data: dict[str, Any], problems: list[Problem]) -> None:
+    """:func:`argument_type_problems` of every allowed node whose target's signature can be read
+    from source without importing it (:mod:`kd.config.checks.signatures`), so that
+    ``optimizer.lr: abc`` is reported at once, beside missing files."""
+    trust = data.get("trust_remote_components") is True
+    for name, value in component_values(data):
+        for top, top_node in key_nodes(name, value, []):
+            for dotted, node in component_nodes(top, top_node):
+                target = node.get("_component_")
+                if not isinstance(target, str) or target_problem(dotted, target, trust=trust):
+                    continue
+                signature = static_signature(target)
+                if signature is None:
+                    continue
+                defaults = {p.name: p.default for p in signature.parameters if p.keyword}
+                kwargs = {k: v for k, v in node.items() if k != "_component_"}
+                problems += argument_type_problems(dotted, target, defaults, kwargs)
 
 
 def model_family(target: Any) -> str | None:
