@@ -19,11 +19,13 @@ by the commands that need them, so ``kd ls`` and ``kd --help`` stay fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shutil
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -190,11 +192,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
-    recipe.preload()
+    with _quiet_libraries():
+        recipe.preload()
     if recipe.plan is not None:
         print(recipe.plan.table())
     print("config OK")
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """No progress bar (Hugging Face datasets preparing a data file) and no torchao notice about
+    its C++ extensions while ``kd validate`` checks: its output is the plan and ``config OK``."""
+    import logging
+
+    import datasets
+
+    torchao = logging.getLogger("torchao")
+    level = torchao.level
+    bars_were_off = datasets.is_progress_bar_enabled() is False
+    torchao.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        torchao.setLevel(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 def _optional_module(name: str) -> Any:
