@@ -53,6 +53,7 @@ def _path_ok(key: str, text: str, problems: list[Problem]) -> bool:
 
 
 def check_files(data: dict[str, Any], problems: list[Problem]) -> None:
+    """Every input file exists and ``output_dir`` can be written (names each key)."""
     output_dir = data.get("output_dir")
     if isinstance(output_dir, str) and output_dir.strip() and output_dir != schema.MISSING:
         message = writable_dir_problem(output_dir)
@@ -62,6 +63,23 @@ def check_files(data: dict[str, Any], problems: list[Problem]) -> None:
         node = data.get(name)
         if isinstance(node, dict):
             _check_checkpointer(name, node, problems)
+    _check_hf_folders(data, problems)
+    _check_tokenizer_files(data.get("tokenizer"), problems)
+    for name, dataset in component_values(data):
+        if name not in DATASET_KEYS:
+            continue
+        nodes = dataset if isinstance(dataset, list) else [dataset]
+        for i, node in enumerate(nodes):
+            if isinstance(node, dict):
+                _check_dataset(
+                    name if len(nodes) == 1 and not isinstance(dataset, list) else f"{name}[{i}]",
+                    node,
+                    problems,
+                )
+
+
+def _check_hf_folders(data: dict[str, Any], problems: list[Problem]) -> None:
+    """A Hugging Face model node's ``path`` is a folder with a ``config.json``."""
     for name in CHECKPOINTER_OF:
         node = data.get(name)
         path = node.get("path") if is_hf_model_node(node) else None
@@ -76,30 +94,22 @@ def check_files(data: dict[str, Any], problems: list[Problem]) -> None:
                         "(config.json + *.safetensors)",
                     )
                 )
-    tokenizer = data.get("tokenizer")
-    if isinstance(tokenizer, dict):
-        for sub in ("path", "merges_file", "special_tokens_path"):
-            path = tokenizer.get(sub)
-            if not isinstance(path, str) or not _path_ok(f"tokenizer.{sub}", path, problems):
-                continue
-            if not Path(path).expanduser().exists():
-                problems.append(
-                    Problem(
-                        f"tokenizer.{sub}",
-                        f"{path} does not exist; download the tokenizer or fix the path",
-                    )
-                )
-    for name, dataset in component_values(data):
-        if name not in DATASET_KEYS:
+
+
+def _check_tokenizer_files(tokenizer: Any, problems: list[Problem]) -> None:
+    if not isinstance(tokenizer, dict):
+        return
+    for sub in ("path", "merges_file", "special_tokens_path"):
+        path = tokenizer.get(sub)
+        if not isinstance(path, str) or not _path_ok(f"tokenizer.{sub}", path, problems):
             continue
-        nodes = dataset if isinstance(dataset, list) else [dataset]
-        for i, node in enumerate(nodes):
-            if isinstance(node, dict):
-                _check_dataset(
-                    name if len(nodes) == 1 and not isinstance(dataset, list) else f"{name}[{i}]",
-                    node,
-                    problems,
+        if not Path(path).expanduser().exists():
+            problems.append(
+                Problem(
+                    f"tokenizer.{sub}",
+                    f"{path} does not exist; download the tokenizer or fix the path",
                 )
+            )
 
 
 _MAX_SHARDS = 100_000  # checkpoint_files.max_filename beyond this is a typo, not a model
@@ -172,10 +182,12 @@ def _is_local_path(source: str) -> bool:
     )
 
 
-def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -> None:
+def _dataset_base(dotted: str, node: dict[str, Any], problems: list[Problem]) -> Path | None:
+    """The folder a dataset node's ``data_files`` are relative to, or None when there is nothing
+    local to check (a hub name, no files) or a problem was reported."""
     source = node.get("source")
     if not isinstance(source, str):
-        return
+        return None
     files = node.get("data_files")
     if source in FILE_SOURCES:
         if files is None:
@@ -185,34 +197,43 @@ def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -
                     f"missing; {dotted}.source is {source}, so set {dotted}.data_files to the file(s)",
                 )
             )
-            return
-        base = Path(".")
-    elif _is_local_path(source):
-        if not _path_ok(f"{dotted}.source", source, problems):
-            return
-        base = Path(source).expanduser()
-        if not base.exists():
-            problems.append(Problem(f"{dotted}.source", f"{source} does not exist; fix the path"))
-            return
-        if files is None:
-            return
-        if base.is_file():
-            base = base.parent
-    else:
-        return  # a hub dataset name; nothing local to check
-    entries: list[str] = []
+            return None
+        return Path(".")
+    if not _is_local_path(source):
+        return None  # a hub dataset name; nothing local to check
+    if not _path_ok(f"{dotted}.source", source, problems):
+        return None
+    base = Path(source).expanduser()
+    if not base.exists():
+        problems.append(Problem(f"{dotted}.source", f"{source} does not exist; fix the path"))
+        return None
+    if files is None:
+        return None
+    return base.parent if base.is_file() else base
+
+
+def _data_file_entries(files: Any) -> list[str]:
+    """``data_files`` as a list: a name, a list, or a mapping of splits to either."""
     if isinstance(files, str):
-        entries = [files]
-    elif isinstance(files, list):
-        entries = [str(f) for f in files]
-    elif isinstance(files, dict):
+        return [files]
+    if isinstance(files, list):
+        return [str(f) for f in files]
+    entries: list[str] = []
+    if isinstance(files, dict):
         for split_files in files.values():
             entries += (
                 [split_files]
                 if isinstance(split_files, str)
                 else [str(f) for f in split_files or []]
             )
-    for entry in entries:
+    return entries
+
+
+def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    base = _dataset_base(dotted, node, problems)
+    if base is None:
+        return
+    for entry in _data_file_entries(node.get("data_files")):
         if "://" in entry:
             continue  # remote file; load_dataset fetches it
         if not _path_ok(f"{dotted}.data_files", entry, problems):
