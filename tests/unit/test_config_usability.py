@@ -170,3 +170,75 @@ def test_every_recipe_is_named_with_one_line(capsys):
             assert summary, name
             lines = [x for x in out if x.split()[:1] == [name] and summary in x]
             assert len(lines) == 1, (argv, name, out)
+
+
+# --- a model folder's config.json fields (kd.config.checks.model_config) -----------------------
+
+
+def _config_json_lines(fields: dict) -> list[str]:
+    from kd.config.checks.model_config import config_json_problems
+
+    return [str(p) for p in config_json_problems("model.path", "/m/config.json", fields)]
+
+
+_GOOD = {
+    "vocab_size": 288,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+}
+
+
+def test_config_json_good_fields_pass():
+    assert _config_json_lines(_GOOD) == []
+    assert (
+        _config_json_lines({**_GOOD, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}) == []
+    )
+    assert _config_json_lines({**_GOOD, "head_dim": None, "max_position_embeddings": 256.0}) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "line"),
+    [
+        # the file's field and the fix in that file; not "use a torchtune builder", not the tokenizer
+        (
+            "max_position_embeddings",
+            "abc",
+            "model.path: /m/config.json: max_position_embeddings is 'abc', not a whole number >= 1; "
+            "fix max_position_embeddings in that file (the model's source has the right value)",
+        ),
+        ("num_attention_heads", 0, "num_attention_heads is 0, not a whole number >= 1"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings is 'yes', not true or false"),
+        ("rope_theta", -1, "rope_theta is -1, not a number > 0"),
+        (
+            "rope_scaling",
+            "garbage",
+            "model.path: /m/config.json: rope_scaling is 'garbage', not a mapping such as "
+            '{"rope_type": "linear", "factor": 8.0} (or null); fix rope_scaling in that file',
+        ),
+        (
+            "rope_scaling",
+            {"factor": 8.0},
+            "rope_scaling is {'factor': 8.0} has no rope_type string",
+        ),
+        ("rope_scaling", {"type": "linear", "factor": "x"}, "has factor 'x'; the factor should be"),
+    ],
+)
+def test_config_json_bad_field_is_named_in_its_file(field, value, line):
+    lines = _config_json_lines({**_GOOD, field: value})
+    assert len(lines) == 1 and line in lines[0], lines
+    assert "torchtune" not in lines[0] and "tokenizer" not in lines[0]
+
+
+def test_config_json_text_config_is_checked():
+    lines = _config_json_lines({"text_config": {**_GOOD, "hidden_size": "big"}})
+    assert lines == [
+        "model.path: /m/config.json: text_config.hidden_size is 'big', not a whole number >= 1; "
+        "fix text_config.hidden_size in that file (the model's source has the right value)"
+    ]
