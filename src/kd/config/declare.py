@@ -19,6 +19,7 @@ This module imports no torch: ``kd plan`` and the config checks stay fast.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
@@ -145,6 +146,7 @@ def _copy(value: Any) -> Any:
 # ---- reading a config into the dataclasses ---------------------------------------------------
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

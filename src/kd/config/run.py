@@ -62,6 +62,9 @@ DIVERGENCES: tuple[str, ...] = (
     "skew_reverse_kl",
 )
 
+# Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
+IGNORE_INDEX = -100
+
 # The validation metrics (kd.evaluate.ValStats.metrics) and the direction that is better.
 VAL_METRICS: dict[str, str] = {
     "val_loss": "min",
@@ -176,7 +179,7 @@ class LossSettings:
         resume=MAY_CHANGE,
     )
     # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
-    ignore_index: int = derived(lambda cfg: -100, default=-100)
+    ignore_index: int = derived(lambda cfg: IGNORE_INDEX, default=IGNORE_INDEX)
     # An offline (top-k) teacher's tail treatment (kd.losses.fused_linear_topk_kd_loss):
     # teacher_logits.tail, declared in TeacherLogitsSettings.
     topk_tail: str = derived(
@@ -224,6 +227,7 @@ class OptimizerSettings:
         {"_component_": "torch.optim.AdamW", "lr": 2e-5, "weight_decay": 0.01},
         "optimizer builder; torch.optim.* or torchao.optim.AdamW8bit",
         node=True,
+        field_default=MISSING,  # a DictConfig, from the config
         resume=MUST_MATCH,
     )
     # Dotted path of the optimizer class (optimizer._component_).

@@ -191,6 +191,7 @@ def model_family(target: Any) -> str | None:
 
 
 def target_of(data: dict[str, Any], name: str) -> Any:
+    """The ``_component_`` of the node ``data[name]``, or None."""
     node = data.get(name)
     return node.get("_component_") if isinstance(node, dict) else None
 

@@ -74,6 +74,9 @@ def check_keys(
     required: bool = True,
     optional: frozenset[str] = frozenset(),
 ) -> None:
+    """Check the keys of one level (``keys`` under ``prefix``): unknown ones with the key
+    meant, ``???`` values, each value against its Key, and (``required``) missing required keys
+    except those in ``optional``."""
     for name, value in data.items():
         dotted = f"{prefix}{name}"
         if name not in keys:
@@ -126,6 +129,7 @@ def check_component_numbers(data: dict[str, Any], problems: list[Problem]) -> No
 
 
 def check_kd_loss_component(section: str, node: dict[str, Any], problems: list[Problem]) -> None:
+    """A ``kd_loss._component_`` that compat could not map to a divergence."""
     if section != "kd_loss" or "_component_" not in node:
         return
     known = ", ".join(schema.DIVERGENCES)
@@ -140,6 +144,7 @@ def check_kd_loss_component(section: str, node: dict[str, Any], problems: list[P
 
 
 def check_loss(value: Any, problems: list[Problem]) -> None:
+    """``loss:`` must be null: kd computes CE itself (compat maps torchtune's CE losses)."""
     if value is None:
         return
     target = value.get("_component_") if isinstance(value, dict) else value

@@ -19,6 +19,7 @@ FILE_SOURCES: frozenset[str] = frozenset({"json", "csv", "text", "parquet", "arr
 
 
 def short(text: str, limit: int = 120) -> str:
+    """``text`` cut to ``limit`` characters for a message."""
     return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 

@@ -17,6 +17,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def fmt(x: Any) -> str:
+    """A value as a message quotes it (floats short, strings quoted)."""
     return f"{x:g}" if isinstance(x, float) else repr(x) if isinstance(x, str) else str(x)
 
 
