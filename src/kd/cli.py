@@ -100,14 +100,15 @@ def _version_line() -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from kd.registry import list_configs, list_recipes, recipe_lines
+    from kd.registry import list_configs, list_recipes
 
     recipes = list_recipes()
     rows: list[tuple[str, str]] = []
     attached: set[str] = set()
     for recipe in recipes:
+        # A recipe without configs of its own runs any config: its row says what it does.
         rows += [(recipe.name, c) for c in recipe.configs] or [
-            (recipe.name, "(any config below; one recipe for 1..N ranks)")
+            (recipe.name, f"(any config below) {recipe.summary}")
         ]
         attached.update(recipe.configs)
     rows += [("-", c) for c in list_configs() if c not in attached]
@@ -118,9 +119,6 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         shown = recipe_name if recipe_name != previous else ""
         previous = recipe_name
         print(f"{shown:<{width}}{config}".rstrip())
-    print("\nrecipes (kd run <recipe> --config <config>):")
-    for line in recipe_lines():
-        print(line)
     return 0
 
 

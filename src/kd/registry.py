@@ -65,7 +65,7 @@ _RECIPES: tuple[tuple[Any, ...], ...] = (
         "kd.recipes.kd",
         None,
         True,
-        "distil a teacher into a student (full or LoRA) on 1..N ranks; runs every config",
+        "distil a teacher into a student (full or LoRA) on 1..N ranks",
     ),
     (
         "kd_single_device",
