@@ -57,6 +57,9 @@ _OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
 _RUN_USAGE = "kd run [TORCHRUN-OPTIONS] <recipe> --config <name|path> [key=value ...] [~key ...]"
 _RUN_EPILOG = textwrap.dedent(
     """\
+    recipes:
+    {recipes}
+
     torchrun options (before the recipe name) launch the recipe through torchrun, e.g.
       --nproc_per_node N  --nnodes N  --node_rank R  --master_addr A  --master_port P
       --rdzv_backend B  --rdzv_endpoint E  --standalone  (any option of `torchrun --help`)
@@ -103,8 +106,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str]] = []
     attached: set[str] = set()
     for recipe in recipes:
+        # A recipe without configs of its own runs any config: its row says what it does.
         rows += [(recipe.name, c) for c in recipe.configs] or [
-            (recipe.name, "(any config below; one recipe for 1..N ranks)")
+            (recipe.name, f"(any config below) {recipe.summary}")
         ]
         attached.update(recipe.configs)
     rows += [("-", c) for c in list_configs() if c not in attached]
@@ -186,11 +190,33 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
-    recipe.preload()
+    with _quiet_libraries():
+        recipe.preload()
     if recipe.plan is not None:
         print(recipe.plan.table())
     print("config OK")
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """No progress bar (Hugging Face datasets preparing a data file) and no torchao notice about
+    its C++ extensions while ``kd validate`` checks: its output is the plan and ``config OK``."""
+    import logging
+
+    import datasets
+
+    torchao = logging.getLogger("torchao")
+    level = torchao.level
+    bars_were_off = datasets.is_progress_bar_enabled() is False
+    torchao.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        torchao.setLevel(level)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 def _optional_module(name: str) -> Any:
@@ -382,6 +408,8 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from kd.registry import recipe_lines
+
     parser = _Parser(
         prog="kd",
         description="Knowledge-distillation fine-tuning for LLMs that checks the memory budget "
@@ -412,10 +440,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="run a recipe (torchrun options before the recipe launch it distributed)",
         usage=_RUN_USAGE,
         description="Run a recipe with a config and overrides.",
-        epilog=_RUN_EPILOG,
+        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("recipe", help="kd_single_device or kd_distributed (see kd ls)")
+    run.add_argument("recipe", help="a recipe name (below; kd ls lists them with their configs)")
 
     validate = sub.add_parser(
         "validate",
@@ -459,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if command_index < len(argv) and argv[command_index] == "run":
             parser.parse_args(argv[:command_index])  # global options before `run`
             return _cmd_run(argv[command_index + 1 :], run_parser, debug)
-        args = parser.parse_args(argv)
+        args = _parse_with_overrides(parser, argv)
         if args.version:
             print(_version_line())
             return 0
@@ -477,6 +505,29 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
         return 130
+
+
+def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a command with ``overrides`` takes them anywhere, also after its flags.
+
+    argparse fills a ``nargs="*"`` positional once, so ``--config x a=1 --budget-gib 8 b=2``
+    would leave ``b=2`` unrecognised; ``kd run`` takes overrides anywhere after the recipe, and
+    so do ``kd validate`` and ``kd plan``.
+
+    Raises:
+        _UsageError: an unknown option, or arguments the command does not take.
+    """
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides"):
+        flags = [item for item in extra if item.startswith("-")]
+        if not flags:
+            args.overrides = [*args.overrides, *extra]  # argparse keeps their order
+            return args
+        extra = flags
+    if extra:
+        prog = f"kd {args.command}" if getattr(args, "command", None) else "kd"
+        raise _UsageError(f"unrecognized arguments: {' '.join(extra)}; see {prog} --help")
+    return args
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:

@@ -16,6 +16,7 @@ import importlib.resources
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kd.errors import KDUserError, one_line
 
@@ -29,12 +30,14 @@ class Recipe:
         module: dotted module that defines ``recipe_main(cfg)``.
         configs: built-in config names that belong to this recipe.
         supports_distributed: whether the recipe may be launched through torchrun.
+        summary: what the recipe does, in one line (``kd ls`` and ``kd run --help``).
     """
 
     name: str
     module: str
     configs: list[str] = field(default_factory=list)
     supports_distributed: bool = False
+    summary: str = ""
 
     def file_path(self) -> Path:
         """Path of the recipe's source file (what torchrun launches), without importing it.
@@ -51,16 +54,40 @@ class Recipe:
         return Path(spec.origin)
 
 
-# (name, module, config file suffix, supports_distributed)
+# (name, module, config file suffix, supports_distributed, summary)
 # `kd` is the one recipe (1..N ranks) and runs every config, so none is attached to it by name;
 # the other two are torchtune's names for it and list the configs of their scale.
 # `teacher_logits` runs the teacher of any KD config once and stores its top-k log-probs under
 # `teacher_logits.path` (kd.stored_logits), for `kd run kd` to train from without the teacher.
-_RECIPES: tuple[tuple[str, str, str | None, bool], ...] = (
-    ("kd", "kd.recipes.kd", None, True),
-    ("kd_single_device", "kd.recipes.kd_single_device", "_single_device", False),
-    ("kd_distributed", "kd.recipes.kd_distributed", "_distributed", True),
-    ("teacher_logits", "kd.recipes.teacher_logits", None, True),
+_RECIPES: tuple[tuple[Any, ...], ...] = (
+    (
+        "kd",
+        "kd.recipes.kd",
+        None,
+        True,
+        "distil a teacher into a student (full or LoRA) on 1..N ranks",
+    ),
+    (
+        "kd_single_device",
+        "kd.recipes.kd_single_device",
+        "_single_device",
+        False,
+        "kd on one device, under torchtune's name (configs *_single_device)",
+    ),
+    (
+        "kd_distributed",
+        "kd.recipes.kd_distributed",
+        "_distributed",
+        True,
+        "kd under torchrun (FSDP2), under torchtune's name (configs *_distributed)",
+    ),
+    (
+        "teacher_logits",
+        "kd.recipes.teacher_logits",
+        None,
+        True,
+        "store the teacher's top-k log-probs at teacher_logits.path (kd then trains without it)",
+    ),
 )
 
 
@@ -94,9 +121,17 @@ def list_recipes() -> list[Recipe]:
             module,
             [c for c in names if suffix is not None and c.endswith(suffix)],
             distributed,
+            *summary,  # optional (a test or a plugin may add a recipe without one)
         )
-        for name, module, suffix, distributed in _RECIPES
+        for name, module, suffix, distributed, *summary in _RECIPES
     ]
+
+
+def recipe_lines(indent: str = "  ") -> list[str]:
+    """One line per recipe, ``<name>  <summary>`` (``kd ls`` and ``kd run --help``)."""
+    recipes = list_recipes()
+    width = max(len(r.name) for r in recipes) + 2
+    return [f"{indent}{r.name:<{width}}{r.summary}".rstrip() for r in recipes]
 
 
 def find_recipe(name: str) -> Recipe:

@@ -373,3 +373,34 @@ def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(assets["tokenizer"] / name, teacher / name)
     assert cli.main(["validate", "--config", str(tmp_path / "c.yaml")]) == 0
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("max_position_embeddings", "abc", "max_position_embeddings is 'abc', not a whole number"),
+        ("rope_scaling", "garbage", "rope_scaling"),
+        ("hidden_size", -3, "hidden_size is -3, not a whole number"),
+    ],
+)
+def test_a_bad_config_json_field_is_named_in_that_file(
+    assets, tmp_path, capsys, command, field, value, said
+):
+    """`kd validate` and `kd plan` name the field of the model's config.json and say to fix it
+    there: not a tokenizer or builder problem (issue 23)."""
+    import json
+    import shutil
+
+    folder = tmp_path / "student"
+    shutil.copytree(assets["student"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = hf_config(assets, tmp_path / "out")
+    cfg["model"]["path"] = str(folder)
+    lines = _error_lines(capsys, command, "--config", str(write_config(tmp_path / "c.yaml", cfg)))
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"kd: error: model.path: {folder / 'config.json'}: "), lines
+    assert said in lines[0] and "in that file" in lines[0], lines
+    assert "tokenizer" not in lines[0] and "torchtune builder" not in lines[0], lines

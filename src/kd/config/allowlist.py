@@ -322,12 +322,34 @@ def target_problem(key: str, target: Any, *, trust: bool) -> str | None:
         A message ending in the fix (without the ``key._component_:`` prefix), or None.
     """
     rule = allowed(key)
-    if not isinstance(target, str) or not target.strip():
-        example = rule.example if rule is not None else "torch.optim.AdamW"
+    example = rule.example if rule is not None else "torch.optim.AdamW"
+    if not isinstance(target, str):
+        shown = (
+            "a list"
+            if isinstance(target, list)
+            else "a mapping"
+            if isinstance(target, dict)
+            else repr(target)
+        )
+        return f"{shown} is not a string; set it to a dotted path such as {example}"
+    if not target.strip():
         return f"is empty; set it to a dotted path such as {example}"
     if trust or (rule is not None and target in rule.targets):
         return None
+    public = public_name(target)
+    if rule is not None and public != target and public in rule.targets:
+        return (
+            f"{target} is a private module path (a module whose name starts with _); use its "
+            f"public name {public}"
+        )
     return _refused(key, target, rule, "build")
+
+
+def public_name(target: str) -> str:
+    """``target`` without its private modules (``torchtune.models.qwen2._component_builders.qwen2``
+    -> ``torchtune.models.qwen2.qwen2``): the name a package exports a builder under."""
+    parts = target.split(".")
+    return ".".join([p for p in parts[:-1] if not p.startswith("_")] + parts[-1:])
 
 
 def value_problems(key: str, node: Mapping[str, Any], *, trust: bool) -> list[tuple[str, str]]:

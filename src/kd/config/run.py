@@ -1,8 +1,14 @@
-"""The resolved run configuration: one typed, frozen object built once from a validated config.
+"""The resolved run configuration, and every config key that reaches it, declared once.
+
+Each field below declared with :func:`~kd.config.declare.setting` is a config key: its YAML name,
+default, range, resume policy and help sit beside the attribute it lands in (see
+:mod:`kd.config.declare`). :mod:`kd.config.schema` derives the key tables validation checks from
+these fields, and :func:`run_config` fills the dataclasses by reading the same fields: adding a key
+is one declaration here. Defaults live here (and, for the ``_component_`` nodes, in
+:mod:`kd.config.schema`); :func:`kd.config.load_config` merges them under the user's YAML.
 
 ``kd run``, ``kd validate``, ``kd plan`` and both memory tracers read their settings from a
-:class:`RunConfig`; nobody else reads the raw ``DictConfig`` or supplies a default of their own (the
-defaults live in :mod:`kd.config.schema`, merged by :func:`kd.config.load_config`).
+:class:`RunConfig`; nobody else reads the raw ``DictConfig`` or supplies a default of their own.
 
 This module imports no torch: ``kd plan`` and the config checks stay fast.
 """
@@ -10,13 +16,23 @@ This module imports no torch: ``kd plan`` and the config checks stay fast.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from kd.config import schema
+from kd.config.declare import (
+    MAY_CHANGE,
+    MISSING,
+    MUST_MATCH,
+    build,
+    derived,
+    frozen_node,
+    group,
+    raw_value,
+    setting,
+    settings,
+)
 
 # Nodes built with `_component_` (kept as read-only config nodes: the builders take their keys).
 COMPONENT_KEYS: tuple[str, ...] = (
@@ -35,75 +51,207 @@ VALIDATION_DATASET = "validation.dataset"
 # Keys that hold a dataset node or a list of them (torchtune's concatenated datasets).
 DATASET_KEYS: tuple[str, ...] = ("dataset", VALIDATION_DATASET)
 
+# The divergences of kd.losses (the one list; kd.losses reads it from here).
+DIVERGENCES: tuple[str, ...] = (
+    "forward_kl",
+    "reverse_kl",
+    "symmetric_kl",
+    "jsd",
+    "tvd",
+    "skew_forward_kl",
+    "skew_reverse_kl",
+)
 
-@dataclass(frozen=True)
+# Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
+IGNORE_INDEX = -100
+
+# The validation metrics (kd.evaluate.ValStats.metrics) and the direction that is better.
+VAL_METRICS: dict[str, str] = {
+    "val_loss": "min",
+    "val_ce_loss": "min",
+    "val_kd_loss": "min",
+    "val_top1_agreement": "max",
+}
+
+
+def _check_mode(cfg: DictConfig, raw: Any) -> str:
+    # YAML 1.1 (OmegaConf) reads a bare `off` as False.
+    return "off" if raw is False else str(raw)
+
+
+def _has(section: str) -> Any:
+    """Whether the config has the (nullable) section ``section``."""
+    return lambda cfg: cfg.get(section) is not None
+
+
+@settings
+class TeacherLogitsSettings:
+    """Stored teacher top-k log-probs (``teacher_logits:``; :mod:`kd.stored_logits`):
+    ``kd run teacher_logits`` writes them, ``kd run kd`` then trains from them without the
+    teacher."""
+
+    path: Path = setting(
+        "teacher_logits.path",
+        MISSING,
+        "folder of the store (manifest.json + Parquet shards) kd run teacher_logits writes",
+        resume=MUST_MATCH,
+    )
+    k: int = setting(
+        "teacher_logits.k",
+        64,
+        "top-k teacher log-probs stored (precompute) or used (training, <= the stored k)",
+        min=1,
+        max=4096,
+        resume=MUST_MATCH,
+    )
+    tail: str = setting(
+        "teacher_logits.tail",
+        "bucket",
+        "the teacher mass outside the top-k: one tail bucket, or renormalise the top-k",
+        choices=("bucket", "renorm"),
+        resume=MUST_MATCH,
+    )
+    format: str = setting(
+        "teacher_logits.format",
+        "kd",
+        "what path holds: kd's store (kd run teacher_logits), axolotl's top-k KD dataset "
+        "(target_token_ids / target_logprobs) or DistillKit's raw rows (token_ids / top_values); "
+        "the foreign files train with dataset kd.data.pretokenized_dataset of the same file",
+        choices=("kd", "axolotl", "distillkit"),
+        resume=MUST_MATCH,
+    )
+    source_temperature: float | None = setting(
+        "teacher_logits.source_temperature",
+        None,
+        "axolotl / distillkit: the temperature the file's log-probs were taken at, re-tempered "
+        "to temperature over the top-k (needs tail renorm); null = the run's temperature",
+        min_exclusive=0,
+        resume=MUST_MATCH,
+    )
+    rows_per_shard: int = setting(
+        "teacher_logits.rows_per_shard",
+        1024,
+        "dataset rows per Parquet shard the precompute writes (training reads any)",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+
+
+@settings
 class LossSettings:
-    """How the loss is computed.
+    """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
 
-    Attributes:
-        kd_ratio: weight of the divergence; ``loss = (1 - kd_ratio) * CE + kd_ratio * KD``.
-        temperature: softmax temperature of both models (KD is scaled by T^2).
-        divergence: one of :data:`kd.losses.DIVERGENCES`.
-        beta: JSD mixture weight.
-        skew_alpha: skew-KL mixture weight.
-        chunk_size: tokens per loss chunk (memory is chunk x vocab).
-        fused: fused linear+loss over labelled tokens (no full logits) instead of the logits path.
-        ignore_index: label value of positions without a target.
-        topk_tail: an offline (top-k) teacher's tail treatment, ``"bucket"`` or ``"renorm"``
-            (:func:`kd.losses.fused_linear_topk_kd_loss`).
-        topk_vocab: an offline teacher's shared vocabulary ``min(Vs, Vt)``: the student's KD
-            softmax runs over its first ``topk_vocab`` entries, as with the online teacher (None:
-            all Vs). The recipe sets it from the store's manifest.
-    """
+    kd_ratio: float = setting(
+        "kd_ratio",
+        0.5,
+        "loss = (1 - kd_ratio) * CE + kd_ratio * KD",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+    temperature: float = setting(
+        "temperature",
+        1.0,
+        "softmax temperature of both models; KD is scaled by T^2",
+        min_exclusive=0.0,
+        resume=MUST_MATCH,
+    )
+    divergence: str = setting(
+        "kd_loss.divergence", "forward_kl", "the divergence", choices=DIVERGENCES, resume=MUST_MATCH
+    )
+    beta: float = setting(
+        "kd_loss.beta", 0.5, "JSD mixture weight", min=0.0, max=1.0, resume=MUST_MATCH
+    )
+    skew_alpha: float = setting(
+        "kd_loss.skew_alpha", 0.1, "skew KL mixture weight", min=0.0, max=1.0, resume=MUST_MATCH
+    )
+    chunk_size: int = setting(
+        "loss_chunk_size",
+        1024,
+        "tokens per chunk in the loss; memory is chunk x vocab",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    fused: bool = setting(
+        "fused_loss",
+        True,
+        "fused linear+CE+KD loss over labelled tokens only (no full logits); false = logits path",
+        resume=MAY_CHANGE,
+    )
+    # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
+    ignore_index: int = derived(lambda cfg: IGNORE_INDEX, default=IGNORE_INDEX)
+    # An offline (top-k) teacher's tail treatment (kd.losses.fused_linear_topk_kd_loss):
+    # teacher_logits.tail, declared in TeacherLogitsSettings.
+    topk_tail: str = derived(
+        lambda cfg: str(raw_value(cfg, "teacher_logits.tail", TeacherLogitsSettings.tail)),
+        default=TeacherLogitsSettings.tail,
+    )
+    # An offline teacher's shared vocabulary min(Vs, Vt): the student's KD softmax runs over its
+    # first topk_vocab entries, as with the online teacher (None: all Vs). The recipe sets it
+    # from the store's manifest.
+    topk_vocab: int | None = derived(lambda cfg: None, default=None)
 
-    kd_ratio: float = 0.5
-    temperature: float = 1.0
-    divergence: str = "forward_kl"
-    beta: float = 0.5
-    skew_alpha: float = 0.1
-    chunk_size: int = 1024
-    fused: bool = True
-    ignore_index: int = -100
-    topk_tail: str = "bucket"
-    topk_vocab: int | None = None
 
-
-@dataclass(frozen=True)
+@settings
 class LoraSettings:
-    """A LoRA student's adapters (the ``lora_*`` builder's arguments), for the PEFT adapter config.
+    """A LoRA student's adapters (the ``lora_*`` builder's arguments), for the PEFT adapter
+    config; read when ``model._component_`` is a ``lora_*`` builder."""
 
-    Attributes:
-        rank: ``lora_rank``.
-        alpha: ``lora_alpha``.
-        attn_modules: ``lora_attn_modules`` (``q_proj``, ``v_proj``...).
-        apply_to_mlp: ``apply_lora_to_mlp``.
-        apply_to_output: ``apply_lora_to_output``.
-    """
+    rank: int = setting("model.lora_rank", 8, "LoRA rank", min=1, resume=MUST_MATCH)
+    alpha: float = setting(
+        "model.lora_alpha", 16, "LoRA scale numerator", min=0.0, resume=MUST_MATCH
+    )
+    attn_modules: tuple[str, ...] = setting(
+        "model.lora_attn_modules", ["q_proj", "v_proj"], "attention projections", resume=MUST_MATCH
+    )
+    apply_to_mlp: bool = setting(
+        "model.apply_lora_to_mlp", False, "LoRA on the MLP", resume=MUST_MATCH
+    )
+    apply_to_output: bool = setting(
+        "model.apply_lora_to_output", False, "LoRA on the output projection", resume=MUST_MATCH
+    )
 
-    rank: int
-    alpha: float
-    attn_modules: tuple[str, ...]
-    apply_to_mlp: bool
-    apply_to_output: bool
+
+def _is_lora(cfg: DictConfig) -> bool:
+    model = cfg.get("model")
+    name = str(model.get("_component_", "")) if isinstance(model, DictConfig) else ""
+    return name.rsplit(".", 1)[-1].startswith("lora_")
 
 
-@dataclass(frozen=True)
+@settings
 class OptimizerSettings:
-    """The optimizer and what happens around its step.
+    """The optimizer and what happens around its step."""
 
-    Attributes:
-        component: dotted path of the optimizer class (``optimizer._component_``).
-        node: the ``optimizer`` node (read-only; its keys are the optimizer's arguments).
-        in_cpu: states and step on the CPU (``optimizer_in_cpu``, torchao CPUOffloadOptimizer).
-        clip_grad_norm: max gradient norm, None = no clipping.
-        grad_accum: micro-batches per optimizer step.
-    """
-
-    component: str
-    node: DictConfig
-    in_cpu: bool
-    clip_grad_norm: float | None
-    grad_accum: int
+    node: DictConfig = setting(
+        "optimizer",
+        {"_component_": "torch.optim.AdamW", "lr": 2e-5, "weight_decay": 0.01},
+        "optimizer builder; torch.optim.* or torchao.optim.AdamW8bit",
+        node=True,
+        field_default=MISSING,  # a DictConfig, from the config
+        resume=MUST_MATCH,
+    )
+    # Dotted path of the optimizer class (optimizer._component_).
+    component: str = derived(lambda cfg: str(raw_value(cfg, "optimizer._component_", "")))
+    in_cpu: bool = setting(
+        "optimizer_in_cpu",
+        False,
+        "keep optimizer states on CPU (torchao CPUOffloadOptimizer)",
+        resume=MAY_CHANGE,
+    )
+    clip_grad_norm: float | None = setting(
+        "clip_grad_norm",
+        None,
+        "max gradient norm; null disables clipping",
+        min_exclusive=0.0,
+        resume=MUST_MATCH,
+    )
+    grad_accum: int = setting(
+        "gradient_accumulation_steps",
+        1,
+        "micro-batches per optimizer step",
+        min=1,
+        resume=MUST_MATCH,
+    )
 
     def kwargs(self) -> dict[str, Any]:
         """The optimizer's arguments (the node without ``_component_``)."""
@@ -113,191 +261,342 @@ class OptimizerSettings:
         return {str(k): v for k, v in data.items()}
 
 
-@dataclass(frozen=True)
+def _seq_len(cfg: DictConfig, raw: Any) -> int | None:
+    """``memory.seq_len``, else ``tokenizer.max_seq_len``, else None (the model's own maximum)."""
+    value = raw if raw is not None else raw_value(cfg, "tokenizer.max_seq_len", None)
+    return None if value is None else int(value)
+
+
+def _seq_len_source(cfg: DictConfig) -> str:
+    if raw_value(cfg, "memory.seq_len", None) is not None:
+        return "memory.seq_len"
+    if raw_value(cfg, "tokenizer.max_seq_len", None) is not None:
+        return "tokenizer.max_seq_len"
+    return "model max_seq_len"
+
+
+@settings
 class MemorySettings:
-    """The memory plan's inputs that are not model shapes (``memory:`` section).
+    """The memory plan's inputs that are not model shapes (``memory:`` section; the budget is
+    resolved by :func:`kd.device.resolve_budget`)."""
 
-    Attributes:
-        budget_gib: GiB per device; None = the device's total memory (see
-            :func:`kd.device.resolve_budget`).
-        check: ``error`` | ``warn`` | ``off``: what an over-budget plan does.
-        seq_len: tokens per sequence to plan for (``memory.seq_len``, else
-            ``tokenizer.max_seq_len``); None = the model's own maximum.
-        seq_len_source: which key ``seq_len`` came from.
-        reserve_gib: runtime reserve override; None = the calibrated default.
-    """
+    budget_gib: float | None = setting(
+        "memory.budget_gib",
+        None,
+        "GiB per device; null = the device's total memory",
+        min_exclusive=0.0,
+        resume=MAY_CHANGE,
+    )
+    check: str = setting(
+        "memory.check",
+        "error",
+        "what an over-budget plan does",
+        choices=("error", "warn", "off"),
+        read=_check_mode,
+        resume=MAY_CHANGE,
+    )
+    seq_len: int | None = setting(
+        "memory.seq_len",
+        None,
+        "tokens per sequence to plan for; null = tokenizer.max_seq_len",
+        min=1,
+        read=_seq_len,
+        resume=MAY_CHANGE,
+    )
+    # Which key seq_len came from.
+    seq_len_source: str = derived(_seq_len_source)
+    reserve_gib: float | None = setting(
+        "memory.reserve_gib",
+        None,
+        "runtime reserve (CUDA context, allocator); null = calibrated default",
+        min=0.0,
+        resume=MAY_CHANGE,
+    )
 
-    budget_gib: float | None
-    check: str
-    seq_len: int | None
-    seq_len_source: str
-    reserve_gib: float | None
 
-
-@dataclass(frozen=True)
+@settings
 class FSDPSettings:
     """FSDP2 options when several ranks train (``fsdp:`` section)."""
 
-    cpu_offload: bool
-    reshard_after_forward: bool
-    reduce_dtype: str
+    cpu_offload: bool = setting(
+        "fsdp.cpu_offload",
+        False,
+        "offload parameters, gradients and optimizer states to CPU",
+        resume=MAY_CHANGE,
+    )
+    reshard_after_forward: bool = setting(
+        "fsdp.reshard_after_forward",
+        True,
+        "free unsharded parameters after forward (less memory)",
+        resume=MAY_CHANGE,
+    )
+    reduce_dtype: str = setting(
+        "fsdp.reduce_dtype",
+        "fp32",
+        "gradient reduce-scatter dtype",
+        choices=("fp32", "bf16"),
+        resume=MAY_CHANGE,
+    )
 
 
-@dataclass(frozen=True)
+def _output_dir(cfg: DictConfig, raw: Any) -> Path:
+    # A partial config (kd plan, the tracers) may have none yet.
+    return Path(str(raw or ".")).expanduser()
+
+
+@settings
 class CheckpointSettings:
-    """Where outputs go and when step checkpoints are written.
+    """Where outputs go and when step checkpoints are written."""
 
-    Attributes:
-        output_dir: folder of checkpoints, ``metrics.jsonl`` and ``final/``.
-        save_every_n_steps: optimizer steps between step checkpoints; None = only ``final/``.
-        keep_last_n: step checkpoints kept.
-        resume: continue from the newest complete step checkpoint.
-        overwrite: a fresh run moves another run's outputs in output_dir aside
-            (``overwrite_output_dir``).
-    """
+    output_dir: Path = setting(
+        "output_dir",
+        MISSING,
+        "folder for checkpoints, metrics.jsonl and logs",
+        read=_output_dir,
+        resume=MAY_CHANGE,
+    )
+    save_every_n_steps: int | None = setting(
+        "save_every_n_steps",
+        None,
+        "optimizer steps between checkpoints; null = only at the end",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    keep_last_n: int = setting(
+        "keep_last_n", 2, "step checkpoints kept on disk", min=1, resume=MAY_CHANGE
+    )
+    resume: bool = setting(
+        "resume_from_checkpoint",
+        False,
+        "continue from the newest complete step checkpoint in output_dir",
+        resume=MAY_CHANGE,
+    )
+    overwrite: bool = setting(
+        "overwrite_output_dir",
+        False,
+        "a fresh run into an output_dir holding another run's outputs moves them into "
+        "output_dir/previous_<time>/ (nothing is deleted); false refuses such a folder",
+        resume=MAY_CHANGE,
+    )
 
-    output_dir: Path
-    save_every_n_steps: int | None
-    keep_last_n: int
-    resume: bool
-    overwrite: bool
+
+def _val_batch_size(cfg: DictConfig, raw: Any) -> int:
+    return int(raw if raw is not None else raw_value(cfg, "batch_size", RunConfig.batch_size))
 
 
-@dataclass(frozen=True)
+def _val_mode(cfg: DictConfig, raw: Any) -> str:
+    metric = str(raw_value(cfg, "keep_best.metric", ValidationSettings.metric))
+    return str(raw) if raw is not None else VAL_METRICS[metric]
+
+
+@settings
 class ValidationSettings:
-    """Held-out evaluation during training (``validation:``, ``keep_best:``, ``early_stopping:``).
+    """Held-out evaluation during training (``validation:``, ``keep_best:``, ``early_stopping:``);
+    keep_best and early_stopping need validation (:func:`kd.config.validate_config` says so)."""
 
-    Attributes:
-        dataset: the ``validation.dataset`` node (read-only; one builder or a list of them,
-            built like ``dataset``, :func:`kd.data.build_dataset`).
-        every_n_steps: optimizer steps between evaluations; None = only at the end of training.
-        max_batches: evaluate the first ``max_batches * batch_size`` examples; None = all.
-        batch_size: examples per evaluation batch per rank (``validation.batch_size``, else
-            ``batch_size``).
-        metric: the metric the best step is chosen by (``keep_best.metric``, else ``val_loss``).
-        mode: ``min`` or ``max``: which direction of ``metric`` is better.
-        keep_best: write ``output_dir/best/`` at each improvement.
-        patience: evaluations without improvement before training stops (``early_stopping``);
-            None = never stop early.
-    """
+    dataset: DictConfig | ListConfig = setting(
+        "validation.dataset",
+        MISSING,
+        "the held-out data: a dataset node as for dataset, or a list of them",
+        node=True,
+        node_list=True,
+        resume=MAY_CHANGE,
+    )
+    every_n_steps: int | None = setting(
+        "validation.every_n_steps",
+        None,
+        "optimizer steps between evaluations; null = only at the end of training",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    max_batches: int | None = setting(
+        "validation.max_batches",
+        None,
+        "evaluate the first max_batches x batch_size examples; null = all",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    batch_size: int = setting(
+        "validation.batch_size",
+        None,
+        "examples per evaluation batch per device; null = batch_size",
+        nullable=True,
+        min=1,
+        read=_val_batch_size,
+        field_default=MISSING,
+        resume=MAY_CHANGE,
+    )
+    metric: str = setting(
+        "keep_best.metric",
+        "val_loss",
+        "validation metric that picks the best step",
+        choices=tuple(VAL_METRICS),
+        resume=MAY_CHANGE,
+    )
+    mode: str = setting(
+        "keep_best.mode",
+        None,
+        "min or max; null = min for the losses, max for val_top1_agreement",
+        nullable=True,
+        choices=("min", "max"),
+        read=_val_mode,
+        field_default=MISSING,
+        resume=MAY_CHANGE,
+    )
+    # Write output_dir/best/ at each improvement (keep_best is set).
+    keep_best: bool = derived(lambda cfg: cfg.get("keep_best") is not None)
+    patience: int | None = setting(
+        "early_stopping.patience",
+        MISSING,
+        "evaluations without improvement before training stops",
+        nullable=False,
+        min=1,
+        field_default=None,
+        resume=MAY_CHANGE,
+    )
 
-    dataset: DictConfig | ListConfig
-    every_n_steps: int | None
-    max_batches: int | None
-    batch_size: int
-    metric: str
-    mode: str
-    keep_best: bool
-    patience: int | None
 
-
-@dataclass(frozen=True)
-class TeacherLogitsSettings:
-    """Stored teacher top-k log-probs (``teacher_logits:``; :mod:`kd.stored_logits`).
-
-    Attributes:
-        path: the store's folder (``kd run teacher_logits`` writes it, ``kd run kd`` reads it).
-        k: top-k entries per labelled position (stored by the precompute; used by training, at
-            most the stored k).
-        tail: ``bucket`` (the teacher mass outside the top-k as one extra entry) or ``renorm``
-            (the top-k renormalised).
-        rows_per_shard: dataset rows per shard file the precompute writes.
-        format: ``kd`` (a store of ``kd run teacher_logits``), ``axolotl`` or ``distillkit``
-            (another tool's top-k file, :mod:`kd.foreign_logits`).
-        source_temperature: the temperature a foreign file's log-probs were taken at (None: the
-            run's temperature).
-    """
-
-    path: Path
-    k: int
-    tail: str
-    rows_per_shard: int
-    format: str = "kd"
-    source_temperature: float | None = None
-
-
-@dataclass(frozen=True)
+@settings
 class OnPolicySettings:
-    """On-policy distillation (``on_policy:``; :mod:`kd.on_policy`), GKD's knobs as TRL names them.
+    """On-policy distillation (``on_policy:``; :mod:`kd.on_policy`), GKD's knobs as TRL names
+    them: with probability lmbda a micro-batch trains on the student's own completions of its
+    prompts (drawn once per micro-batch, the same on every rank), scored by the teacher."""
 
-    Attributes:
-        lmbda: probability that a micro-batch trains on the student's own completions of its
-            prompts (drawn once per micro-batch, the same on every rank).
-        max_new_tokens: tokens sampled per prompt at most (fewer at a stop token).
-        temperature: sampling temperature (0 = greedy); the loss uses ``LossSettings.temperature``.
-        top_p: nucleus sampling mass (1 = the whole distribution).
-        seq_kd: the other micro-batches train on the teacher's completions instead of the
-            dataset's.
-    """
+    lmbda: float = setting(
+        "on_policy.lmbda",
+        0.5,
+        "probability that a micro-batch trains on the student's own completions (0 = never, "
+        "1 = always)",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+    max_new_tokens: int = setting(
+        "on_policy.max_new_tokens",
+        128,
+        "tokens sampled per prompt at most (sampling stops earlier at the tokenizer's stop "
+        "tokens); prompt + max_new_tokens fit tokenizer.max_seq_len (longer prompts keep their "
+        "last tokens)",
+        min=1,
+        resume=MUST_MATCH,
+    )
+    temperature: float = setting(
+        "on_policy.temperature",
+        0.9,
+        "sampling temperature of the completions (0 = greedy); the loss uses temperature",
+        min=0.0,
+        resume=MUST_MATCH,
+    )
+    top_p: float = setting(
+        "on_policy.top_p",
+        1.0,
+        "nucleus sampling: the smallest set of tokens whose probability reaches top_p",
+        min_exclusive=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+    seq_kd: bool = setting(
+        "on_policy.seq_kd",
+        False,
+        "the other micro-batches (probability 1 - lmbda) train on the teacher's completions "
+        "instead of the dataset's (sequence-level KD)",
+        resume=MUST_MATCH,
+    )
 
-    lmbda: float = 0.5
-    max_new_tokens: int = 128
-    temperature: float = 0.9
-    top_p: float = 1.0
-    seq_kd: bool = False
+
+def _components(cfg: DictConfig) -> dict[str, DictConfig | ListConfig | None]:
+    return {key: frozen_node(cfg.get(key)) for key in COMPONENT_KEYS}
 
 
-@dataclass(frozen=True)
+@settings
 class RunConfig:
     """Every setting of a run, typed and read once (see :func:`run_config`).
 
-    Attributes:
-        loss: loss settings (also what the tracers use).
-        optimizer: optimizer, clipping and accumulation.
-        memory: memory-plan settings.
-        fsdp: FSDP2 settings.
-        checkpoint: outputs and step checkpoints.
-        components: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
-            component such as ``teacher_model: null``; ``dataset`` may be a list of nodes,
-            torchtune's concatenated datasets, see :func:`kd.data.build_dataset`).
-        lora: the student's LoRA settings (None for a full fine-tune).
-        validation: held-out evaluation, best checkpoint and early stopping (None: no
-            ``validation:``).
-        teacher_logits: the stored teacher logits (None: ``teacher_logits: null``).
-        on_policy: on-policy distillation (None: ``on_policy: null``, the dataset's completions).
-        seed: random seed; None = drawn at start (and adopted from the checkpoint on resume).
-        shuffle: reshuffle the dataset every epoch.
-        batch_size: micro-batch per rank.
-        max_seq_len: ``tokenizer.max_seq_len`` (None = untruncated).
-        epochs: passes over the dataset.
-        max_steps_per_epoch: cap on optimizer steps per epoch.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
-        dtype: ``bf16`` or ``fp32`` (parameters of both models).
-        activation_checkpointing: recompute decoder layers in backward.
-        compile: ``torch.compile`` the decoder layers.
-        log_every_n_steps: optimizer steps between metric rows.
-        log_peak_memory_stats: add peak memory to the metric rows.
-        max_bad_steps: non-finite steps skipped before the run stops.
-        trust_remote_components: allow any importable ``_component_`` target, not only what
-            each key may build (:mod:`kd.config.allowlist`).
-        yaml: the resolved config as YAML (the snapshot checkpoints store).
+    Groups: ``loss``, ``optimizer``, ``memory``, ``fsdp``, ``checkpoint``; ``lora`` (None for a
+    full fine-tune), ``validation`` (None without ``validation:``), ``teacher_logits`` (None:
+    the teacher runs online), ``on_policy`` (None: the dataset's completions only).
+    ``components``: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
+    component such as ``teacher_model: null``; ``dataset`` may be a list of nodes, torchtune's
+    concatenated datasets, see :func:`kd.data.build_dataset`). ``yaml``: the resolved config as
+    YAML (the snapshot checkpoints store).
     """
 
-    loss: LossSettings
-    optimizer: OptimizerSettings
-    memory: MemorySettings
-    fsdp: FSDPSettings
-    checkpoint: CheckpointSettings
-    components: dict[str, DictConfig | ListConfig | None]
-    lora: LoraSettings | None
-    validation: ValidationSettings | None
-    teacher_logits: TeacherLogitsSettings | None
-    on_policy: OnPolicySettings | None
-    seed: int | None
-    shuffle: bool
-    batch_size: int
-    max_seq_len: int | None
-    epochs: int
-    max_steps_per_epoch: int | None
-    device: str
-    dtype: str
-    activation_checkpointing: bool
-    compile: bool
-    log_every_n_steps: int
-    log_peak_memory_stats: bool
-    max_bad_steps: int
-    trust_remote_components: bool
-    yaml: str
+    loss: LossSettings = group()
+    optimizer: OptimizerSettings = group()
+    memory: MemorySettings = group()
+    fsdp: FSDPSettings = group()
+    checkpoint: CheckpointSettings = group()
+    components: dict[str, DictConfig | ListConfig | None] = derived(_components)
+    lora: LoraSettings | None = group(_is_lora)
+    validation: ValidationSettings | None = group(_has("validation"))
+    teacher_logits: TeacherLogitsSettings | None = group(_has("teacher_logits"))
+    on_policy: OnPolicySettings | None = group(_has("on_policy"))
+    seed: int | None = setting(
+        "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
+    )
+    shuffle: bool = setting("shuffle", True, "shuffle the dataset each epoch", resume=MUST_MATCH)
+    batch_size: int = setting(
+        "batch_size", 4, "micro-batch size per device", min=1, resume=MUST_MATCH
+    )
+    max_seq_len: int | None = setting(
+        "tokenizer.max_seq_len",
+        None,
+        "tokens per example (truncation) and of the plan",
+        min=1,
+        resume=MUST_MATCH,
+    )
+    epochs: int = setting("epochs", 1, "passes over the dataset", min=1, resume=MAY_CHANGE)
+    max_steps_per_epoch: int | None = setting(
+        "max_steps_per_epoch",
+        None,
+        "cap on optimizer steps per epoch",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    device: str = setting("device", "cuda", "cuda, cpu, or cuda:N", resume=MAY_CHANGE)
+    dtype: str = setting(
+        "dtype",
+        "bf16",
+        "parameter dtype of both models",
+        choices=("bf16", "fp32"),
+        resume=MUST_MATCH,
+    )
+    activation_checkpointing: bool = setting(
+        "enable_activation_checkpointing",
+        False,
+        "recompute decoder layers in backward (less memory, ~30% slower)",
+        resume=MAY_CHANGE,
+    )
+    compile: bool = setting(
+        "compile",
+        False,
+        "torch.compile the decoder layers (first steps are slower)",
+        resume=MAY_CHANGE,
+    )
+    log_every_n_steps: int = setting(
+        "log_every_n_steps", 1, "optimizer steps between metric rows", min=1, resume=MAY_CHANGE
+    )
+    log_peak_memory_stats: bool = setting(
+        "log_peak_memory_stats",
+        True,
+        "log peak memory (CUDA allocated/reserved, or RSS on CPU)",
+        resume=MAY_CHANGE,
+    )
+    max_bad_steps: int = setting(
+        "max_bad_steps",
+        0,
+        "non-finite steps skipped before the run stops",
+        min=0,
+        resume=MAY_CHANGE,
+    )
+    trust_remote_components: bool = setting(
+        "trust_remote_components",
+        False,
+        "allow any importable `_component_` target, not only what each key may build "
+        "(docs/security.md)",
+        resume=MAY_CHANGE,
+    )
+    yaml: str = derived(lambda cfg: OmegaConf.to_yaml(cfg, resolve=True))
 
     @property
     def has_teacher(self) -> bool:
@@ -312,88 +611,10 @@ class RunConfig:
         return dataclasses.replace(self, seed=int(seed), yaml=OmegaConf.to_yaml(cfg))
 
 
-def _check_mode(raw: Any) -> str:
-    # YAML 1.1 (OmegaConf) reads a bare `off` as False.
-    return "off" if raw is False else str(raw)
-
-
-def _frozen_node(node: Any) -> DictConfig | ListConfig | None:
-    """A read-only copy of a component node (a list of nodes stays a list: ``dataset``)."""
-    if node is None:
-        return None
-    copy = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
-    OmegaConf.set_readonly(copy, True)
-    return copy
-
-
-def _lora(model: Any) -> LoraSettings | None:
-    name = str(model.get("_component_", "")).rsplit(".", 1)[-1]
-    if not name.startswith("lora_"):
-        return None
-    return LoraSettings(
-        rank=int(model.lora_rank),
-        alpha=float(model.lora_alpha),
-        attn_modules=tuple(str(m) for m in model.lora_attn_modules),
-        apply_to_mlp=bool(model.get("apply_lora_to_mlp", False)),
-        apply_to_output=bool(model.get("apply_lora_to_output", False)),
-    )
-
-
-def _validation(cfg: DictConfig) -> ValidationSettings | None:
-    """The validation settings, or None without ``validation:`` (keep_best and early_stopping
-    need it: :func:`kd.config.validate_config` says so)."""
-    val = cfg.get("validation")
-    if val is None:
-        return None
-    best = cfg.get("keep_best")
-    metric = str(best.metric) if best is not None else schema.KEEP_BEST["metric"].default
-    mode = best.mode if best is not None else None
-    stopping = cfg.get("early_stopping")
-    dataset = _frozen_node(val.dataset)
-    assert dataset is not None
-    return ValidationSettings(
-        dataset=dataset,
-        every_n_steps=None if val.every_n_steps is None else int(val.every_n_steps),
-        max_batches=None if val.max_batches is None else int(val.max_batches),
-        batch_size=int(val.batch_size if val.batch_size is not None else cfg.batch_size),
-        metric=metric,
-        mode=str(mode) if mode is not None else schema.VAL_METRICS[metric],
-        keep_best=best is not None,
-        patience=int(stopping.patience) if stopping is not None else None,
-    )
-
-
-def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
-    node = cfg.get("teacher_logits")
-    if node is None:
-        return None
-    return TeacherLogitsSettings(
-        path=Path(str(node.path)).expanduser(),
-        k=int(node.k),
-        tail=str(node.tail),
-        rows_per_shard=int(node.rows_per_shard),
-        format=str(node.format),
-        source_temperature=None
-        if node.source_temperature is None
-        else float(node.source_temperature),
-    )
-
-
-def _on_policy(cfg: DictConfig) -> OnPolicySettings | None:
-    node = cfg.get("on_policy")
-    if node is None:
-        return None
-    return OnPolicySettings(
-        lmbda=float(node.lmbda),
-        max_new_tokens=int(node.max_new_tokens),
-        temperature=float(node.temperature),
-        top_p=float(node.top_p),
-        seq_kd=bool(node.seq_kd),
-    )
-
-
 def run_config(cfg: DictConfig) -> RunConfig:
     """Build the :class:`RunConfig` of a loaded, validated config (defaults already merged).
+
+    Each field reads the config key it declares (:func:`kd.config.declare.build`).
 
     Args:
         cfg: the output of :func:`kd.config.load_config` that passed
@@ -403,76 +624,4 @@ def run_config(cfg: DictConfig) -> RunConfig:
     Returns:
         The typed, frozen run configuration.
     """
-    memory = cfg.memory
-    tokenizer = cfg.get("tokenizer")
-    max_seq_len = tokenizer.get("max_seq_len") if tokenizer is not None else None
-    if memory.get("seq_len") is not None:
-        seq_len, source = int(memory.seq_len), "memory.seq_len"
-    elif max_seq_len is not None:
-        seq_len, source = int(max_seq_len), "tokenizer.max_seq_len"
-    else:
-        seq_len, source = None, "model max_seq_len"
-    optimizer = _frozen_node(cfg.optimizer)
-    assert isinstance(optimizer, DictConfig)
-    return RunConfig(
-        loss=LossSettings(
-            kd_ratio=float(cfg.kd_ratio),
-            temperature=float(cfg.temperature),
-            divergence=str(cfg.kd_loss.divergence),
-            beta=float(cfg.kd_loss.beta),
-            skew_alpha=float(cfg.kd_loss.skew_alpha),
-            chunk_size=int(cfg.loss_chunk_size),
-            fused=bool(cfg.fused_loss),
-            topk_tail=str(cfg.teacher_logits.tail) if cfg.get("teacher_logits") else "bucket",
-        ),
-        optimizer=OptimizerSettings(
-            component=str(optimizer.get("_component_", "")),
-            node=optimizer,
-            in_cpu=bool(cfg.optimizer_in_cpu),
-            clip_grad_norm=None if cfg.clip_grad_norm is None else float(cfg.clip_grad_norm),
-            grad_accum=int(cfg.gradient_accumulation_steps),
-        ),
-        memory=MemorySettings(
-            budget_gib=None if memory.budget_gib is None else float(memory.budget_gib),
-            check=_check_mode(memory.check),
-            seq_len=seq_len,
-            seq_len_source=source,
-            reserve_gib=None if memory.reserve_gib is None else float(memory.reserve_gib),
-        ),
-        fsdp=FSDPSettings(
-            cpu_offload=bool(cfg.fsdp.cpu_offload),
-            reshard_after_forward=bool(cfg.fsdp.reshard_after_forward),
-            reduce_dtype=str(cfg.fsdp.reduce_dtype),
-        ),
-        checkpoint=CheckpointSettings(
-            output_dir=Path(str(cfg.get("output_dir") or ".")).expanduser(),
-            save_every_n_steps=None
-            if cfg.save_every_n_steps is None
-            else int(cfg.save_every_n_steps),
-            keep_last_n=int(cfg.keep_last_n),
-            resume=bool(cfg.resume_from_checkpoint),
-            overwrite=bool(cfg.overwrite_output_dir),
-        ),
-        components={key: _frozen_node(cfg.get(key)) for key in COMPONENT_KEYS},
-        lora=_lora(cfg.get("model") or {}),
-        validation=_validation(cfg),
-        teacher_logits=_teacher_logits(cfg),
-        on_policy=_on_policy(cfg),
-        seed=None if cfg.seed is None else int(cfg.seed),
-        shuffle=bool(cfg.shuffle),
-        batch_size=int(cfg.batch_size),
-        max_seq_len=None if max_seq_len is None else int(max_seq_len),
-        epochs=int(cfg.epochs),
-        max_steps_per_epoch=None
-        if cfg.max_steps_per_epoch is None
-        else int(cfg.max_steps_per_epoch),
-        device=str(cfg.device),
-        dtype=str(cfg.dtype),
-        activation_checkpointing=bool(cfg.enable_activation_checkpointing),
-        compile=bool(cfg.compile),
-        log_every_n_steps=int(cfg.log_every_n_steps),
-        log_peak_memory_stats=bool(cfg.log_peak_memory_stats),
-        max_bad_steps=int(cfg.max_bad_steps),
-        trust_remote_components=bool(cfg.trust_remote_components),
-        yaml=OmegaConf.to_yaml(cfg, resolve=True),
-    )
+    return build(RunConfig, cfg)

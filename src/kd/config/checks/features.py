@@ -1,0 +1,179 @@
+"""Rules between keys, one function per feature: stored teacher logits, on-policy distillation,
+validation (keep_best, early_stopping), outputs, the device."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kd.config import schema
+from kd.config.checks.values import fmt
+from kd.config.schema import Problem
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
+    """A source temperature belongs to another tool's file, and re-tempering it leaves the
+    mass outside the top-k unknown, so only ``tail: renorm`` is exact then."""
+    node = data.get("teacher_logits")
+    if not isinstance(node, dict) or node.get("source_temperature") is None:
+        return
+    source = node["source_temperature"]
+    if node.get("format", schema.TEACHER_LOGITS["format"].default) == "kd":
+        problems.append(
+            Problem(
+                "teacher_logits.source_temperature",
+                "is for another tool's file (format axolotl or distillkit); kd's store records "
+                "its temperature itself: remove source_temperature",
+            )
+        )
+        return
+    temperature = data.get("temperature", schema.TOP_LEVEL["temperature"].default)
+    if (
+        node.get("tail", schema.TEACHER_LOGITS["tail"].default) == "bucket"
+        and isinstance(source, (int, float))
+        and isinstance(temperature, (int, float))
+        and float(source) != float(temperature)
+    ):
+        problems.append(
+            Problem(
+                "teacher_logits.tail",
+                f"bucket needs the teacher mass outside the top-k, which re-tempering from "
+                f"source_temperature {fmt(source)} to temperature {fmt(temperature)} leaves "
+                "unknown; set teacher_logits.tail=renorm",
+            )
+        )
+
+
+def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
+    """On-policy distillation needs a teacher that runs (it scores sequences that exist only
+    during training) and room in ``tokenizer.max_seq_len`` for the completions."""
+    node = data.get("on_policy")
+    if not isinstance(node, dict):
+        return
+    if isinstance(data.get("teacher_logits"), dict):
+        problems.append(
+            Problem(
+                "on_policy",
+                "needs the online teacher (it scores the student's own completions, which no "
+                "stored logits hold); remove on_policy, or set teacher_logits to null",
+            )
+        )
+    elif "teacher_model" in data and data["teacher_model"] is None:
+        problems.append(
+            Problem(
+                "on_policy",
+                "needs a teacher to score the completions, but teacher_model is null; set "
+                "teacher_model, or remove on_policy",
+            )
+        )
+    new = node.get("max_new_tokens")
+    tokenizer = data.get("tokenizer")
+    limit = tokenizer.get("max_seq_len") if isinstance(tokenizer, dict) else None
+    if isinstance(tokenizer, dict) and limit is None:
+        problems.append(
+            Problem(
+                "tokenizer.max_seq_len",
+                "is null, but on_policy needs it: prompt + completion must fit the sequence "
+                "length the memory plan covers; set tokenizer.max_seq_len (e.g. 2048)",
+            )
+        )
+    if (
+        isinstance(new, int)
+        and isinstance(limit, int)
+        and not isinstance(new, bool)
+        and not isinstance(limit, bool)
+        and new >= limit
+    ):
+        problems.append(
+            Problem(
+                "on_policy.max_new_tokens",
+                f"{new} leaves no room for a prompt in tokenizer.max_seq_len {limit} (prompt and "
+                f"completion are one sequence); set on_policy.max_new_tokens below {limit}, or "
+                "raise tokenizer.max_seq_len",
+            )
+        )
+
+
+def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``keep_best`` and ``early_stopping`` need ``validation`` (and early stopping evaluations
+    during training); the teacher metrics need a teacher."""
+    validation = data.get("validation")
+    add = "add validation: {dataset: ..., every_n_steps: N}"
+    for name, what in (
+        ("keep_best", "it keeps the student of the best validation"),
+        ("early_stopping", "it counts evaluations without improvement"),
+    ):
+        if data.get(name) is not None and validation is None:
+            problems.append(Problem(name, f"needs validation ({what}); {add}, or remove {name}"))
+    if (
+        data.get("early_stopping") is not None
+        and isinstance(validation, dict)
+        and validation.get("every_n_steps") is None
+    ):
+        problems.append(
+            Problem(
+                "early_stopping",
+                "validation.every_n_steps is null, so validation runs only at the end of "
+                "training and cannot stop it early; set validation.every_n_steps, or remove "
+                "early_stopping",
+            )
+        )
+    if isinstance(validation, dict) and isinstance(data.get("teacher_logits"), dict):
+        problems.append(
+            Problem(
+                "validation",
+                "needs the online teacher (val_kd_loss and val_top1_agreement compare the "
+                "student with the teacher's full distribution on held-out rows, which "
+                "teacher_logits does not hold); remove validation, or set teacher_logits to null",
+            )
+        )
+    best = data.get("keep_best")
+    metric = best.get("metric") if isinstance(best, dict) else None
+    if (
+        metric in schema.TEACHER_METRICS
+        and "teacher_model" in data
+        and data["teacher_model"] is None
+    ):
+        plain = [m for m in schema.VAL_METRICS if m not in schema.TEACHER_METRICS]
+        problems.append(
+            Problem(
+                "keep_best.metric",
+                f"{metric} compares the student with the teacher, but teacher_model is null; "
+                f"set keep_best.metric to {' or '.join(plain)}",
+            )
+        )
+
+
+def check_output_dir(data: dict[str, Any], problems: list[Problem]) -> None:
+    """An empty ``output_dir`` (it would be the working directory) and contradictory outputs keys."""
+    output_dir = data.get("output_dir")
+    if isinstance(output_dir, str) and not output_dir.strip():
+        problems.append(
+            Problem(
+                "output_dir",
+                "is empty; set output_dir to the folder for this run's checkpoints, "
+                "metrics.jsonl and final/ (a new or empty one)",
+            )
+        )
+    if data.get("overwrite_output_dir") is True and data.get("resume_from_checkpoint") is True:
+        problems.append(
+            Problem(
+                "overwrite_output_dir",
+                "true moves aside the checkpoints resume_from_checkpoint=true continues from; "
+                "set one of them to false",
+            )
+        )
+
+
+def check_device(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``device`` is one kd runs on (its availability is checked when the run starts)."""
+    device = data.get("device")
+    if isinstance(device, str) and not _DEVICE_RE.match(device):
+        problems.append(
+            Problem(
+                "device",
+                f"{device!r} is not a device kd runs on; set device to cuda, cuda:N or cpu",
+            )
+        )
