@@ -206,6 +206,8 @@ class TeacherLogitsSettings:
             (another tool's top-k file, :mod:`kd.foreign_logits`).
         source_temperature: the temperature a foreign file's log-probs were taken at (None: the
             run's temperature).
+        alignment: which token a foreign file's entry j predicts: ``next`` (j + 1), ``current``
+            (j) or ``auto`` (:func:`kd.foreign_logits.detect_alignment`).
     """
 
     path: Path
@@ -214,6 +216,7 @@ class TeacherLogitsSettings:
     rows_per_shard: int
     format: str = "kd"
     source_temperature: float | None = None
+    alignment: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,7 @@ def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
         source_temperature=None
         if node.source_temperature is None
         else float(node.source_temperature),
+        alignment=str(node.alignment),
     )
 
 

@@ -476,6 +476,15 @@ TEACHER_LOGITS: dict[str, Key] = {
         min_exclusive=0,
         resume=MUST_MATCH,
     ),
+    "alignment": Key(
+        "auto",
+        _STR,
+        "axolotl / distillkit: which token the file's entry j predicts: next (token j + 1: kd, "
+        "axolotl main), current (token j: axolotl 0.19, raw vLLM prompt log-probs) or auto "
+        "(detected from the rows, refused when unclear)",
+        choices=("auto", "next", "current"),
+        resume=MUST_MATCH,
+    ),
     "rows_per_shard": Key(
         1024,
         _INT,

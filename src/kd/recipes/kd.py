@@ -284,6 +284,7 @@ class KDRecipe:
                 alpha=1.0 if source_t is None else source_t / temperature,
                 max_seq_len=self.run.max_seq_len,
                 student_vocab=self.student_vocab,
+                alignment=settings.alignment,
             )
             if reader.fingerprint != fingerprint:
                 raise KDUserError(
