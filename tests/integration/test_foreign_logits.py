@@ -404,3 +404,73 @@ def test_unclear_alignment_is_refused_with_the_fix(assets, foreign, tmp_path, ca
     assert "teacher_logits.alignment: cannot tell which token" in line
     assert "set teacher_logits.alignment to next" in line and "or current" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------ bad rows (issue 23 item 5)
+def _bad_file(foreign, tmp: Path, fmt: str, edit) -> Path:
+    """The fixture's file of ``fmt`` with its first row edited, as JSON lines."""
+    source = foreign[fmt]
+    rows = (
+        pq.read_table(source).to_pylist()
+        if source.suffix == ".parquet"
+        else [json.loads(x) for x in source.read_text().splitlines()]
+    )
+    edit(rows[0])
+    path = tmp / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _negative_id(row):
+    row["input_ids"][3] = -5
+
+
+def _positive_logprob(row):
+    values = row.get("logprobs") or row.get("top_values")
+    p = len(row["labels"]) - 3  # a labelled position (its next label is not -100)
+    assert row["labels"][p + 1] != -100
+    e = p - (len(row["input_ids"]) - len(values)) if "logprobs" in row else p
+    values[e] = [abs(v) + 1.0 for v in values[e]]  # logits, not log-probs
+
+
+@pytest.mark.parametrize("fmt", ["axolotl", "distillkit"])
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_negative_id, "holds the negative token id -5 in input_ids; token ids are >= 0"),
+        (_positive_logprob, "holds a positive log-prob"),
+    ],
+)
+def test_bad_foreign_rows_are_refused(assets, foreign, tmp_path, capsys, fmt, edit, expected):
+    path = str(_bad_file(foreign, tmp_path, fmt, edit))
+    cfg = make_config(
+        assets,
+        tmp_path / "run",
+        teacher_logits={"path": path, "k": K, "format": fmt, "alignment": "next"},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": path},
+    )
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    assert cli.main(["run", "kd", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert "row 0 of" in line and expected in line, line
+
+
+def test_saved_dataset_dict_folder_reads_its_train_split(foreign, tmp_path):
+    """axolotl preprocess / save_to_disk folders load as they are: a DatasetDict's train split;
+    a folder of several splits names them."""
+    import datasets
+
+    from kd.foreign_logits import pretokenized_rows
+
+    rows = pq.read_table(foreign["axolotl"]).to_pylist()
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:5])).save_to_disk(tmp_path / "dd")
+    read = pretokenized_rows(tmp_path / "dd", max_seq_len=None)
+    assert [r["tokens"] for r in read] == [r["input_ids"] for r in rows[:5]]
+    two = datasets.DatasetDict(
+        a=datasets.Dataset.from_list(rows[:2]), b=datasets.Dataset.from_list(rows[2:4])
+    )
+    two.save_to_disk(tmp_path / "two")
+    with pytest.raises(KDUserError, match="holds the splits a, b; point dataset at the split"):
+        pretokenized_rows(tmp_path / "two", max_seq_len=None)
