@@ -335,3 +335,56 @@ def test_sgd_without_state_resumes_bit_identical(assets, tmp_path, monkeypatch):
     assert run_cli(config, "resume_from_checkpoint=true") == 0
     assert_bit_identical(ref, out)
     assert_same_metrics(ref, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume says what changed (issue 23 item 9)
+# ---------------------------------------------------------------------------------------------
+def test_resume_of_a_finished_run_says_already_complete(assets, reference, tmp_path, capsys):
+    """resume_from_checkpoint=true on a finished run: one line, exit 0, no step trained, final/
+    and metrics.jsonl untouched (byte for byte, mtimes too)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    before = snapshot(out)
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "kd: error" not in captured.err
+    (line,) = [x for x in captured.err.splitlines() if "already complete" in x]
+    assert f"the run in {out} is already complete" in line and "step 8" in line
+    assert "step " not in captured.out  # no metric row: nothing trained
+    assert snapshot(out) == before
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == mtimes
+
+
+def test_resume_with_more_epochs_and_a_cosine_schedule_is_refused(
+    assets, reference, tmp_path, capsys
+):
+    """epochs 2 -> 3 stretches the cosine over 12 steps: the lr of step 9 would jump."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    before = snapshot(out)
+    assert run_cli(config, "resume_from_checkpoint=true", "epochs=3") == 2
+    (error,) = _errors(capsys)
+    assert error.startswith(
+        "kd: error: epochs: the schedule jumps on resume (epochs 2 -> 3: 8 -> 12"
+    )
+    assert "resume with epochs=2, or start a new run" in error
+    assert snapshot(out) == before
+
+
+def test_resume_with_more_epochs_and_a_constant_lr_continues(assets, tmp_path, capsys):
+    """Without a scheduler the schedule stays continuous: one line says what changed, and the
+    run trains epoch 3 from step 8 to 12."""
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out, lr_scheduler=None))
+    assert run_cli(config) == 0
+    capsys.readouterr()
+    assert run_cli(config, "resume_from_checkpoint=true", "epochs=3") == 0
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "resume_from_checkpoint: epochs" in x]
+    assert "epochs 2 -> 3: 8 -> 12 steps, continuing from step 8" in line
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
+    assert checkpoint.read_checkpoint_marker(out / "final")["step"] == 12

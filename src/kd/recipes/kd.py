@@ -129,6 +129,7 @@ class KDRecipe:
         self.epoch = 0
         self.plan: MemoryPlan | None = None
         self.lock: outputs.OutputDirLock | None = None
+        self.complete = False  # resume found the run already finished (preload)
         val = run.validation
         self.tracker = (
             evaluate.BestTracker(val.metric, val.mode, patience=val.patience)
@@ -223,6 +224,9 @@ class KDRecipe:
         del student, teacher, config_teacher, built
         outputs.check_not_in_use(self.output_dir)
         ckpt = run.checkpoint
+        if ckpt.resume and outputs.completed_run(self.output_dir, config_yaml=run.yaml):
+            self.complete = True  # said on the kd logger; load() and train() do nothing
+            return
         found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
         self.resume_from = found.checkpoint if found is not None else None
         if found is not None:
@@ -238,16 +242,35 @@ class KDRecipe:
         self.store = self._open_store() if run.teacher_logits is not None else None
         if run.validation is not None:
             self.val_dataset = self._dataset(run.validation.dataset, key=VALIDATION_DATASET)
-        self.steps_per_epoch = data.steps_per_epoch(
+        self.steps_per_epoch = self._steps_per_epoch(run.max_steps_per_epoch)
+        self.total_steps = self.steps_per_epoch * run.epochs
+        if found is not None:
+            checkpoint.check_schedule_change(
+                found.config_yaml,
+                run.yaml,
+                checkpoint=found.checkpoint,
+                total_steps=lambda epochs, max_steps: epochs * self._steps_per_epoch(max_steps),
+                make_scheduler=self._make_scheduler,
+            )
+            checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
+
+    def _steps_per_epoch(self, max_steps: int | None) -> int:
+        run = self.run
+        return data.steps_per_epoch(
             len(self.dataset),
             batch_size=run.batch_size,
             world_size=self.world.world_size,
             grad_accum=run.optimizer.grad_accum,
-            max_steps=run.max_steps_per_epoch,
+            max_steps=max_steps,
         )
-        self.total_steps = self.steps_per_epoch * run.epochs
-        if self.resume_from is not None:
-            checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
+
+    def _make_scheduler(self, optimizer: Any, num_training_steps: int) -> Any:
+        return self._build(
+            "lr_scheduler",
+            optimizer,
+            fix="fix the scheduler's arguments",
+            num_training_steps=num_training_steps,
+        )
 
     def _dataset(self, node: Any, *, key: str) -> Any:
         """The dataset of config key ``key``, checked (readable, non-empty, labelled)."""
@@ -843,8 +866,9 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe = KDRecipe(run, world=distributed.init_distributed(torch.device(run.device).type))
     try:
         recipe.preload()
-        recipe.load()
-        recipe.train()
+        if not recipe.complete:
+            recipe.load()
+            recipe.train()
     except BaseException:
         try:
             recipe.cleanup(failing=True)
