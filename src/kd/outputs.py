@@ -531,9 +531,14 @@ def write_metrics_row(metrics: JsonlWriter, row: dict[str, Any], *, output_dir: 
     try:
         metrics.write(row)
     except OSError as e:
+        then = (
+            "(the earlier rows and checkpoints are kept; resume_from_checkpoint=true continues)"
+            if has_complete_step(output_dir)
+            else "(no step checkpoint was saved yet, so nothing resumes: rerun with "
+            "overwrite_output_dir=true once there is room)"
+        )
         raise KDUserError(
             f"output_dir: cannot write the step {row['step']} row of "
             f"{metrics.path} ({e.strerror or brief(e)}); free disk space under "
-            f"{output_dir} or set output_dir to a disk with room (the earlier rows and "
-            "checkpoints are kept; resume_from_checkpoint=true continues)"
+            f"{output_dir} or set output_dir to a disk with room {then}"
         ) from e

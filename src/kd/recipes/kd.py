@@ -88,6 +88,7 @@ from kd import (
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
+    check_loaded_weights_finite,
     restore_training_checkpoint,
     save_best_checkpoint,
     save_training_checkpoint,
@@ -490,13 +491,19 @@ class KDRecipe:
         )
         self.metric_logger.outputs_kept = True
 
+    def _weights_origins(self) -> dict[str, tuple[torch.nn.Module | None, Path]]:
+        """Each loaded model and the folder its weights came from."""
+        student = self.resume_from or self.sources["model"].folder
+        teacher = self.sources["teacher_model"].folder if self.teacher is not None else Path()
+        return {"model": (self.student, student), "teacher_model": (self.teacher, teacher)}
+
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
         """The loop: step, log, validate, checkpoint, final save; stop cleanly on SIGTERM/SIGINT
         (a signal after the last step waits for the final save) or when early stopping says so."""
         grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
-        bad_steps = 0
+        bad_steps, first_step = 0, self.global_step + 1
         saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         every = self.run.checkpoint.save_every_n_steps
         val = self.run.validation
@@ -523,6 +530,8 @@ class KDRecipe:
                     )
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
+                        if step == first_step:  # no step applied yet: were they loaded so?
+                            check_loaded_weights_finite(self._weights_origins())
                         train.skip_or_stop(
                             stats,
                             step=step,
