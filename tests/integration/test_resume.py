@@ -388,3 +388,38 @@ def test_resume_with_more_epochs_and_a_constant_lr_continues(assets, tmp_path, c
     assert "epochs 2 -> 3: 8 -> 12 steps, continuing from step 8" in line
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
     assert checkpoint.read_checkpoint_marker(out / "final")["step"] == 12
+
+
+def test_resume_with_a_moved_identical_model_folder(assets, tmp_path, capsys):
+    """The student, teacher and tokenizer folders moved (same files): the resume is accepted, as
+    the message promises (paths may change), and says so; a moved folder whose config.json
+    differs from the checkpoint's copy is refused, naming the key."""
+    here = {k: tmp_path / "a" / v.name for k, v in assets.items()}
+    for key, src in assets.items():
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, here[key])
+    out = tmp_path / "run"
+    cfg = trajectory_config(here, out, epochs=1)
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    assert run_cli(config) == 0
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / checkpoint.step_dirname(4))  # newest: step 2
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = {k: tmp_path / "b" / v.name for k, v in assets.items()}
+    config = write_config(tmp_path / "moved.yaml", trajectory_config(moved, out, epochs=1))
+    capsys.readouterr()
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    err = capsys.readouterr().err
+    assert "kd: error" not in err
+    assert f"checkpointer.checkpoint_dir moved from {here['student']} to {moved['student']}" in err
+    assert checkpoint.read_checkpoint_marker(out / "final")["step"] == 4
+    # Another student config in the moved folder: not the same model.
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / checkpoint.step_dirname(4))
+    (tmp_path / "b").rename(tmp_path / "c")
+    other = {k: tmp_path / "c" / v.name for k, v in assets.items()}
+    hf_config = other["student"] / "config.json"
+    hf_config.write_text(hf_config.read_text().replace("{", '{"note": "edited",', 1))
+    config = write_config(tmp_path / "other.yaml", trajectory_config(other, out, epochs=1))
+    assert run_cli(config, "resume_from_checkpoint=true") == 2
+    errors = _errors(capsys)
+    assert any(e.startswith("kd: error: checkpointer.checkpoint_dir: ") for e in errors), errors

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, read_checkpoint_marker
+from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, HF_CONFIG_FILE, read_checkpoint_marker
 from kd.config import schema
 from kd.errors import KDUserError
 
@@ -83,6 +83,66 @@ def _saved_config_hash(ckpt: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Files up to this size are compared by content when a path moved (configs, tokenizers).
+_HASHED_BYTES = 16 << 20
+
+
+# Keys whose folder's config.json or tokenizer files every student checkpoint holds a copy of.
+_COPIED_INTO_CHECKPOINTS = frozenset({"checkpointer", "model", "tokenizer"})
+
+
+def _identity(path: Path) -> Any:
+    """What a file or folder holds, for telling a moved copy from another one: a file's size
+    (and sha256 when small); a folder's regular files by name with the same."""
+    from kd.fileio import sha256_file
+
+    def one(p: Path) -> tuple[int, str | None]:
+        size = p.stat().st_size
+        return size, sha256_file(p) if size <= _HASHED_BYTES else None
+
+    if path.is_file():
+        return one(path)
+    return sorted((p.name, *one(p)) for p in path.iterdir() if p.is_file())
+
+
+def _moved(key: str, before: Any, now: Any, checkpoint: Path | None) -> bool:
+    """Whether a must-match path value changed only because its file or folder moved.
+
+    The same contents (:func:`_identity`) at both paths; or, the old path gone, a new one of the
+    same name and kind whose contents agree with the copies the checkpoint keeps of the student's
+    folder (its config.json and tokenizer files); a moved teacher folder, of which the checkpoint
+    keeps nothing, is taken by its name. Said on the ``kd`` logger.
+    """
+    if not (isinstance(before, str) and isinstance(now, str) and "/" in before + now):
+        return False
+    old, new = Path(before).expanduser(), Path(now).expanduser()
+    try:
+        if not new.exists() or old.name != new.name:
+            return False
+        if old.exists():
+            same = old.is_dir() == new.is_dir() and _identity(old) == _identity(new)
+        else:
+            kept = (
+                checkpoint / (HF_CONFIG_FILE if new.is_dir() else new.name)
+                if checkpoint is not None and key.split(".")[0] in _COPIED_INTO_CHECKPOINTS
+                else None
+            )
+            inside = new / HF_CONFIG_FILE if new.is_dir() else new
+            same = (
+                kept is None
+                or not kept.is_file()
+                or not inside.is_file()
+                or _identity(kept) == _identity(inside)
+            )
+    except OSError:
+        return False
+    if same:
+        logger.info(
+            "resume_from_checkpoint: %s moved from %s to %s (the same files)", key, old, new
+        )
+    return same
+
+
 def check_resume_compatible(
     saved_config_yaml: str, current_config_yaml: str, *, checkpoint: Path | None = None
 ) -> None:
@@ -108,7 +168,7 @@ def check_resume_compatible(
     problems = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, missing), current.get(key, missing)
-        if a != b:
+        if a != b and not _moved(key, a, b, checkpoint):
             a_s = "unset" if a is missing else repr(a)
             b_s = "unset" if b is missing else repr(b)
             problems.append(f"{key}: {a_s} in the checkpoint, {b_s} now")
