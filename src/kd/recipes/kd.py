@@ -99,7 +99,7 @@ from kd.device import check_device, resolve_budget
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan, check_memory
-from kd.metrics import GuardedLogger, PhaseTimer, peak_memory_gib
+from kd.metrics import GuardedLogger, PhaseTimer, build_quietly, peak_memory_gib
 from kd.prepare import ShardSpec, materialize, prepare_student, prepare_teacher, shard_spec
 from kd.signals import GracefulStop, launch_command, resume_hint
 
@@ -480,7 +480,7 @@ class KDRecipe:
     def _open_outputs(self) -> None:
         # The logger first: a logger that cannot start leaves output_dir as it was.
         self.metric_logger = GuardedLogger(
-            self._build("metric_logger", fix="fix the logger's arguments"),
+            build_quietly(lambda: self._build("metric_logger", fix="fix the logger's arguments")),
             target=self._node("metric_logger").get("_component_"),
         )
         self.metric_logger.log_config(OmegaConf.create(self.run.yaml))
