@@ -9,7 +9,8 @@ top-k with the interface of :class:`kd.stored_logits.TeacherLogitsReader`, rows 
 
 Files: Parquet (``*.parquet``), Arrow IPC as Hugging Face ``datasets.save_to_disk`` writes it
 (``*.arrow``), or JSON lines (``*.jsonl`` / ``*.json``, one object per line); a folder is every
-such file in it, in name order. Columns (one row per sequence, per-position lists):
+such file in it, in name order, or, for a ``save_to_disk`` folder (axolotl preprocess), the
+files its ``state.json`` lists (a ``DatasetDict``: its ``train`` split). Columns (one row per sequence, per-position lists):
 
 * both: ``input_ids`` (list<int>, required), ``labels`` (list<int>, optional: every position
   labelled when absent; ``-100`` = unlabelled).
@@ -18,7 +19,9 @@ such file in it, in name order. Columns (one row per sequence, per-position list
   rows, ``logprobs``) (list<list<float>>). With ``m`` target positions for ``n`` tokens the
   targets cover the last ``m`` positions (axolotl pads them at the front); entry ``j`` is the
   teacher's distribution at position ``j``, the prediction of token ``j + 1``, as axolotl's
-  trainer consumes it (it shifts only the labels). ``target_mask`` is not read (axolotl sets it
+  main branch consumes it (it shifts only the labels), or, in axolotl 0.19's files and raw
+  vLLM prompt log-probs, the prediction of token ``j`` (``teacher_logits.alignment``:
+  ``next`` / ``current``; ``auto`` decides from the rows, :func:`detect_alignment`). ``target_mask`` is not read (axolotl sets it
   from the unshifted label, one position after kd's labelled positions; kd masks by the shifted
   labels as everywhere).
 * ``distillkit`` (raw rows of ``distillkit.compression.LogprobCompressor.decompress_to_sparse``):
@@ -414,15 +417,18 @@ class ForeignLogitsReader:
         max_seq_len: ``tokenizer.max_seq_len`` (rows are truncated as the dataset truncates them).
         student_vocab: Vs; every teacher id used must be below it.
         ignore_index: label of unlabelled positions.
+        alignment: ``"next"`` (entry j predicts token j + 1), ``"current"`` (token j) or
+            ``"auto"`` (:func:`detect_alignment`; said in one INFO line, refused when unclear).
 
     Attributes:
         num_rows: rows of the file.
+        alignment: the alignment read (``"next"`` or ``"current"``).
         fingerprint: :func:`kd.stored_logits.dataset_fingerprint` of its rows.
 
     Raises:
         KDUserError: missing file or column, lengths that do not match, a labelled position
-            without an entry or with fewer than ``k``, non-finite values, repeated or
-            out-of-vocabulary ids.
+            without an entry or with fewer than ``k``, non-finite or positive values, repeated,
+            negative or out-of-vocabulary ids, an alignment the rows cannot tell.
     """
 
     def __init__(
