@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from kd import _torchtune as tt
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, one_line
 from kd.hf.tokenization import ChatRoleError
 
 
@@ -146,6 +147,12 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool, key: str = "dataset
     from kd.config.instantiate import build_component
 
     def one(dotted: str, sub: Any) -> Dataset:
+        empty = _empty_data_file(sub)
+        if empty is not None:
+            raise KDUserError(
+                f"{dotted}: {one_line(empty)} has no examples (it is empty); point "
+                f"{dotted}.data_files at a file with examples"
+            )
         fix = f"check {dotted}.source, {dotted}.data_files and its rows"
         return build_component(dotted, sub, tokenizer, trust=trust, fix=fix)
 
@@ -156,6 +163,34 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool, key: str = "dataset
         return tt.ConcatDataset(parts)
     except ValueError as e:  # packed and unpacked datasets mixed
         raise KDUserError(f"{key}: {e}; set packed alike in every entry") from e
+
+
+# Data files up to this size are read to see whether they hold only blank lines.
+_BLANK_CHECK_BYTES = 1 << 16
+
+
+def _empty_data_file(node: Any) -> str | None:
+    """The first local ``data_files`` entry of a dataset node that holds nothing but
+    whitespace (Hugging Face's json and csv builders raise StopIteration or "corresponds to no
+    data" on it), else None."""
+    from omegaconf import DictConfig, ListConfig
+
+    files = node.get("data_files") if isinstance(node, DictConfig | dict) else None
+    if isinstance(files, str):
+        files = [files]
+    if not isinstance(files, ListConfig | list):
+        return None
+    for name in files:
+        path = Path(str(name)).expanduser()
+        try:
+            size = path.stat().st_size if path.is_file() else None
+            if size == 0 or (
+                size is not None and size <= _BLANK_CHECK_BYTES and not path.read_bytes().strip()
+            ):
+                return str(path)
+        except OSError:
+            continue  # the builder reports an unreadable file
+    return None
 
 
 class PretokenizedDataset(Dataset):

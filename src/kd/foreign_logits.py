@@ -9,7 +9,8 @@ top-k with the interface of :class:`kd.stored_logits.TeacherLogitsReader`, rows 
 
 Files: Parquet (``*.parquet``), Arrow IPC as Hugging Face ``datasets.save_to_disk`` writes it
 (``*.arrow``), or JSON lines (``*.jsonl`` / ``*.json``, one object per line); a folder is every
-such file in it, in name order. Columns (one row per sequence, per-position lists):
+such file in it, in name order, or, for a ``save_to_disk`` folder (axolotl preprocess), the
+files its ``state.json`` lists (a ``DatasetDict``: its ``train`` split). Columns (one row per sequence, per-position lists):
 
 * both: ``input_ids`` (list<int>, required), ``labels`` (list<int>, optional: every position
   labelled when absent; ``-100`` = unlabelled).
@@ -18,7 +19,9 @@ such file in it, in name order. Columns (one row per sequence, per-position list
   rows, ``logprobs``) (list<list<float>>). With ``m`` target positions for ``n`` tokens the
   targets cover the last ``m`` positions (axolotl pads them at the front); entry ``j`` is the
   teacher's distribution at position ``j``, the prediction of token ``j + 1``, as axolotl's
-  trainer consumes it (it shifts only the labels). ``target_mask`` is not read (axolotl sets it
+  main branch consumes it (it shifts only the labels), or, in axolotl 0.19's files and raw
+  vLLM prompt log-probs, the prediction of token ``j`` (``teacher_logits.alignment``:
+  ``next`` / ``current``; ``auto`` decides from the rows, :func:`detect_alignment`). ``target_mask`` is not read (axolotl sets it
   from the unshifted label, one position after kd's labelled positions; kd masks by the shifted
   labels as everywhere).
 * ``distillkit`` (raw rows of ``distillkit.compression.LogprobCompressor.decompress_to_sparse``):
@@ -36,6 +39,8 @@ top-k, known only for log-probs at the run's temperature; with re-tempering it i
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +51,16 @@ import torch
 from kd.errors import KDUserError, brief
 from kd.stored_logits import dataset_fingerprint, labelled_positions, row_hash
 
-__all__ = ["FORMATS", "ForeignLogitsReader", "pretokenized_rows", "read_rows"]
+__all__ = [
+    "FORMATS",
+    "Alignment",
+    "ForeignLogitsReader",
+    "detect_alignment",
+    "pretokenized_rows",
+    "read_rows",
+]
+
+log = logging.getLogger(__name__)
 
 FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
     # format: (ids column, value columns in order of preference)
@@ -60,12 +74,52 @@ _UNSUPPORTED = {
 }
 _SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 KEY = "teacher_logits.path"
+ALIGNMENT_KEY = "teacher_logits.alignment"
+# A stored log-prob above this is not one (fp16 rounds log 1 = 0 to at most this).
+_MAX_LOGPROB = 1e-3
+
+
+def _saved_dataset_files(path: Path, key: str) -> list[Path] | None:
+    """The Arrow files of a Hugging Face ``save_to_disk`` folder (axolotl preprocess writes one),
+    in the order its ``state.json`` lists them; a ``DatasetDict`` folder gives its ``train``
+    split (or its only one). None for any other folder."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        if "train" in splits or len(splits) == 1:
+            return _saved_dataset_files(path / ("train" if "train" in splits else splits[0]), key)
+        raise KDUserError(
+            f"{key}: {path} holds the splits {', '.join(splits) or '(none)'}; point {key} at "
+            "the split folder to train on"
+        )
+    state = path / "state.json"
+    if not state.is_file():
+        return None
+    try:
+        names = [str(f["filename"]) for f in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KDUserError(
+            f"{key}: {state} is not a datasets save_to_disk state ({brief(e)}); point {key} at "
+            "the folder Dataset.save_to_disk (axolotl preprocess) wrote, or at its .arrow files"
+        ) from e
+    files = [path / n for n in names]
+    bad = next(
+        (n for n, f in zip(names, files, strict=True) if Path(n).name != n or not f.is_file()), None
+    )
+    if bad is not None or not files:
+        raise KDUserError(
+            f"{key}: {state} lists {bad!r}, which is not a file in {path}; save the dataset "
+            f"again (Dataset.save_to_disk) or point {key} at its .arrow files"
+        )
+    return files
 
 
 def _files(path: Path, key: str) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
+        saved = _saved_dataset_files(path, key)
+        if saved is not None:
+            return saved
         files = sorted(p for p in path.iterdir() if p.suffix in _SUFFIXES and p.is_file())
         if files:
             return files
@@ -161,6 +215,7 @@ def pretokenized_rows(
     cols = read_rows(
         path, columns=("input_ids", "labels") if has_labels else ("input_ids",), key=key
     )
+    _check_token_ids(cols["input_ids"], path, key)
     rows = []
     for i, tokens in enumerate(cols["input_ids"]):
         labels = cols["labels"][i] if has_labels else list(tokens)
@@ -179,6 +234,164 @@ def pretokenized_rows(
             ) from e
         rows.append(row)
     return rows
+
+
+def _check_token_ids(input_ids: list[Any], path: Path, key: str = KEY) -> None:
+    """Refuse a row whose ``input_ids`` hold a negative id (no token has one)."""
+    for i, tokens in enumerate(input_ids):
+        bad = next((t for t in tokens or [] if isinstance(t, int) and t < 0), None)
+        if bad is not None:
+            raise KDUserError(
+                f"{key}: row {i} of {path} holds the negative token id {bad} in input_ids; "
+                "token ids are >= 0: write the tokenizer's ids (padding is not stored)"
+            )
+
+
+# Evidence needed to decide an alignment: top-1 agreements (and this many times the other
+# alignment's), or row pairs of which (nearly) all point one way.
+_MIN_AGREEMENTS, _AGREEMENT_RATIO = 8, 3
+_MIN_PAIRS, _PAIR_SHARE = 4, 0.9
+_MAX_DETECT_ENTRIES, _MAX_DETECT_ROWS = 50_000, 4096
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What the rows say about which token a file's entry ``j`` predicts.
+
+    Attributes:
+        alignment: ``"next"`` (entry j predicts token j + 1), ``"current"`` (token j), or None
+            when the evidence is unclear.
+        entries: entries whose top-1 id was compared with the tokens.
+        agree_next: of those, entries whose top-1 is the following token.
+        agree_current: entries whose top-1 is the token at their own position.
+        pairs: pairs of rows sharing a prefix whose entries at the first differing token were
+            compared (a distribution that predicts that token has not seen it, so it is the same
+            in both rows under ``current``, and differs under ``next``).
+        pairs_equal: of those, pairs whose entries there are equal.
+    """
+
+    alignment: str | None
+    entries: int
+    agree_next: int
+    agree_current: int
+    pairs: int
+    pairs_equal: int
+
+    def describe(self) -> str:
+        """One clause with the evidence."""
+        return (
+            f"the teacher's top-1 is the next token at {self.agree_next} and the same token at "
+            f"{self.agree_current} of {self.entries} entries; {self.pairs_equal} of {self.pairs} "
+            "rows sharing a prefix have equal entries where they part"
+        )
+
+
+def _entry(ids: Any, values: Any) -> list[tuple[float, int]] | None:
+    """An entry's ``(value, id)`` pairs, largest first; None when empty, padding or malformed."""
+    try:
+        pairs = sorted(
+            ((float(v), int(t)) for v, t in zip(values or [], ids or [], strict=True)),
+            reverse=True,
+        )
+    except (TypeError, ValueError):
+        return None  # the row reader refuses it with the row and position
+    if not pairs or not math.isfinite(pairs[0][0]):
+        return None
+    return pairs
+
+
+def _same_entry(a: list[tuple[float, int]], b: list[tuple[float, int]]) -> bool:
+    q = min(len(a), len(b), 8)
+    return all(
+        ta == tb and abs(va - vb) <= 0.05 + 0.02 * abs(va)
+        for (va, ta), (vb, tb) in zip(a[:q], b[:q], strict=True)
+    )
+
+
+def _decide(first: str, second: str, a: int, b: int) -> str | None:
+    """``first`` when ``a`` is clearly the larger count, ``second`` when ``b`` is, else None."""
+    if a >= _MIN_AGREEMENTS and a >= _AGREEMENT_RATIO * b:
+        return first
+    if b >= _MIN_AGREEMENTS and b >= _AGREEMENT_RATIO * a:
+        return second
+    return None
+
+
+def detect_alignment(
+    input_ids: Sequence[Sequence[int]],
+    ids: Sequence[Any],
+    values: Sequence[Any],
+    *,
+    front_padded: bool,
+) -> Alignment:
+    """Which token the entries of a top-k file predict, from the rows themselves.
+
+    Two signals, each of which may be silent: a teacher worth distilling puts its top-1 on the
+    token that follows far more often than on the token it has just seen (``agree_next`` vs
+    ``agree_current``); and two rows sharing a prefix have equal entries at the first token
+    where they part exactly when that entry was computed before seeing it (``current``), which
+    holds for any teacher, trained or not. A signal that decides is taken; none, or two that
+    disagree, leave ``alignment`` None.
+
+    Args:
+        input_ids: every row's token ids.
+        ids: every row's per-entry top-k ids.
+        values: every row's per-entry values.
+        front_padded: axolotl's layout (the ``m`` entries cover the last ``m`` tokens); else
+            DistillKit's (the first ``m``).
+    """
+
+    def base(n: int, m: int) -> int:  # the token position of entry 0
+        return n - m if front_padded else 0
+
+    entries = agree_next = agree_current = 0
+    for tokens, row_ids, row_values in zip(input_ids, ids, values, strict=True):
+        tokens, row_ids, row_values = tokens or [], row_ids or [], row_values or []
+        first = base(len(tokens), len(row_ids))
+        for e, (pid, pval) in enumerate(zip(row_ids, row_values, strict=False)):
+            j = first + e
+            entry = _entry(pid, pval)
+            if entry is None or not 0 <= j < len(tokens) - 1:
+                continue
+            entries += 1
+            agree_next += entry[0][1] == tokens[j + 1]
+            agree_current += entry[0][1] == tokens[j]
+        if entries >= _MAX_DETECT_ENTRIES:
+            break
+    pairs = pairs_equal = 0
+    order = sorted(
+        range(min(len(input_ids), _MAX_DETECT_ROWS)), key=lambda r: list(input_ids[r] or [])
+    )
+    for ra, rb in zip(order, order[1:], strict=False):
+        ta, tb = list(input_ids[ra] or []), list(input_ids[rb] or [])
+        split = next((j for j, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
+        if not split:
+            continue  # identical prefixes to the end, or parting at the first token
+        found = []
+        for r, t in ((ra, ta), (rb, tb)):
+            row_ids, row_values = ids[r] or [], values[r] or []
+            e = split - base(len(t), len(row_ids))
+            ok = 0 <= e < min(len(row_ids), len(row_values))
+            found.append(_entry(row_ids[e], row_values[e]) if ok else None)
+        if found[0] is not None and found[1] is not None:
+            pairs += 1
+            pairs_equal += _same_entry(found[0], found[1])
+    by_top1 = _decide("next", "current", agree_next, agree_current)
+    by_prefix = None
+    if pairs >= _MIN_PAIRS:
+        if pairs_equal >= _PAIR_SHARE * pairs:
+            by_prefix = "current"
+        elif pairs - pairs_equal >= _PAIR_SHARE * pairs:
+            by_prefix = "next"
+    decided = {by_top1, by_prefix} - {None}
+    return Alignment(
+        decided.pop() if len(decided) == 1 else None,
+        entries,
+        agree_next,
+        agree_current,
+        pairs,
+        pairs_equal,
+    )
 
 
 @dataclass
@@ -204,15 +417,18 @@ class ForeignLogitsReader:
         max_seq_len: ``tokenizer.max_seq_len`` (rows are truncated as the dataset truncates them).
         student_vocab: Vs; every teacher id used must be below it.
         ignore_index: label of unlabelled positions.
+        alignment: ``"next"`` (entry j predicts token j + 1), ``"current"`` (token j) or
+            ``"auto"`` (:func:`detect_alignment`; said in one INFO line, refused when unclear).
 
     Attributes:
         num_rows: rows of the file.
+        alignment: the alignment read (``"next"`` or ``"current"``).
         fingerprint: :func:`kd.stored_logits.dataset_fingerprint` of its rows.
 
     Raises:
         KDUserError: missing file or column, lengths that do not match, a labelled position
-            without an entry or with fewer than ``k``, non-finite values, repeated or
-            out-of-vocabulary ids.
+            without an entry or with fewer than ``k``, non-finite or positive values, repeated,
+            negative or out-of-vocabulary ids, an alignment the rows cannot tell.
     """
 
     def __init__(
@@ -225,6 +441,7 @@ class ForeignLogitsReader:
         max_seq_len: int | None,
         student_vocab: int,
         ignore_index: int = -100,
+        alignment: str = "auto",
     ):
         self.path = Path(path).expanduser()
         self.k = k
@@ -233,6 +450,31 @@ class ForeignLogitsReader:
         values_col = next((c for c in value_cols if c in present), value_cols[0])
         columns = ["input_ids", ids_col, values_col] + (["labels"] if "labels" in present else [])
         cols = read_rows(self.path, columns=columns, key=KEY)
+        _check_token_ids(cols["input_ids"], self.path)
+        if alignment == "auto":
+            evidence = detect_alignment(
+                cols["input_ids"], cols[ids_col], cols[values_col], front_padded=format == "axolotl"
+            )
+            if evidence.alignment is None:
+                raise KDUserError(
+                    f"{ALIGNMENT_KEY}: cannot tell which token the entries of {self.path} "
+                    f"predict ({evidence.describe()}); set {ALIGNMENT_KEY} to next (entry j "
+                    "predicts token j + 1: kd, axolotl main) or current (entry j predicts token "
+                    "j: axolotl 0.19, raw vLLM prompt log-probs)"
+                )
+            log.info(
+                "%s: %s is read with %s=%s, detected: %s (set %s to override)",
+                KEY,
+                self.path,
+                ALIGNMENT_KEY,
+                evidence.alignment,
+                evidence.describe(),
+                ALIGNMENT_KEY,
+            )
+            alignment = evidence.alignment
+        self.alignment = alignment
+        # The entry of kd's position j (which predicts token j + 1) is entry j + shift.
+        self._shift = 1 if alignment == "current" else 0
         self.rows: list[_Row] = []
         for i, tokens in enumerate(cols["input_ids"]):
             try:
@@ -292,8 +534,9 @@ class ForeignLogitsReader:
                 f"{where} has {len(ids)} positions of {ids_col} for {n_all} input_ids; "
                 "there is at most one per token"
             )
-        # axolotl pads its targets at the front, DistillKit's cover the first positions.
-        offset = n_all - len(ids) if format == "axolotl" else 0
+        # axolotl pads its targets at the front, DistillKit's cover the first positions; under
+        # the `current` alignment the entry one further on holds position j's distribution.
+        offset = (n_all - len(ids) if format == "axolotl" else 0) - self._shift
         n = n_all if max_seq_len is None else min(n_all, int(max_seq_len))
         lab = torch.tensor([int(x) for x in labels[:n]], dtype=torch.int64)
         positions = labelled_positions(lab, ignore_index)
@@ -302,7 +545,9 @@ class ForeignLogitsReader:
             j = int(positions[(sel < 0) | (sel >= len(ids))][0])
             raise KDUserError(
                 f"{where}: labelled position {j} has no entry in {ids_col} ({len(ids)} "
-                f"positions for {n_all} tokens); the file's rows and targets do not line up"
+                f"positions for {n_all} tokens, read with {ALIGNMENT_KEY}={self.alignment}); "
+                "the file's rows and targets do not line up: check the file, or set "
+                f"{ALIGNMENT_KEY} to the tool's convention"
             )
         top_ids, top_lp = self._topk(ids, values, sel.tolist(), where, ids_col)
         if top_ids.numel() and int(top_ids.max()) >= student_vocab:
@@ -343,7 +588,14 @@ class ForeignLogitsReader:
             if torch.isnan(v).any() or (v == float("inf")).any() or not torch.isfinite(v).any():
                 raise KDUserError(
                     f"{where}: position {j} holds non-finite values ({v.tolist()[:4]}...); "
-                    "the teacher file is damaged"
+                    "the teacher file is damaged, or its entries are read at the wrong position "
+                    f"(set {ALIGNMENT_KEY} to the tool's convention)"
+                )
+            if float(v.max()) > _MAX_LOGPROB:
+                raise KDUserError(
+                    f"{where}: position {j} holds a positive log-prob ({float(v.max()):.4g}); "
+                    "log-probs are <= 0: write log_softmax of the teacher's logits, not the "
+                    "logits or probabilities"
                 )
             top, order = torch.topk(v, k)
             chosen = torch.tensor(pid, dtype=torch.int64)[order]

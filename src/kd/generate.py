@@ -257,7 +257,16 @@ def _check_device(device: str) -> None:
             )
 
 
-def _check_options(max_new_tokens: int, temperature: float) -> None:
+# torch.manual_seed takes a 64-bit unsigned seed.
+_MAX_SEED = 2**64 - 1
+
+
+def _check_options(max_new_tokens: int, temperature: float, seed: int = 0) -> None:
+    if not 0 <= seed <= _MAX_SEED:
+        raise KDUserError(
+            f"--seed: {seed} is not a seed (torch takes 64 bits); pass an integer from 0 to "
+            f"{_MAX_SEED}"
+        )
     if max_new_tokens < 1:
         raise KDUserError(
             f"--max-new-tokens: {max_new_tokens} generates nothing; pass a number >= 1"
@@ -267,6 +276,21 @@ def _check_options(max_new_tokens: int, temperature: float) -> None:
             f"--temperature: {temperature} is not a temperature; pass 0 (greedy) or a positive "
             "number such as 0.7"
         )
+
+
+def _check_prompt(prompt: str) -> None:
+    """Refuse a prompt that is not text: bytes of another encoding than UTF-8 reach Python's
+    ``sys.argv`` as lone surrogates (``\udcff``), which no tokenizer encodes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])  # surrogateescape keeps byte b as U+DC00 + b
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise KDUserError(
+            f"--prompt: the prompt is not UTF-8 text ({what} at character {e.start}); pass "
+            "UTF-8 (convert it, e.g. iconv -f latin1 -t utf-8, or set the terminal's locale to "
+            "UTF-8)"
+        ) from None
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool) -> list[int]:
@@ -280,8 +304,10 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool) -
             (with the tokenizer's usual special tokens, such as a BOS).
 
     Raises:
-        KDUserError: ``chat`` and the tokenizer has no chat template; the prompt encodes to nothing.
+        KDUserError: ``chat`` and the tokenizer has no chat template; the prompt is not UTF-8
+            text or encodes to nothing.
     """
+    _check_prompt(prompt)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise KDUserError(
@@ -329,7 +355,7 @@ def generate(
         KDUserError: a bad option or folder (see :func:`load_model`), or a prompt plus
             ``max_new_tokens`` longer than the model's ``max_position_embeddings``.
     """
-    _check_options(max_new_tokens, temperature)
+    _check_options(max_new_tokens, temperature, seed)
     model, tokenizer = load_model(model_dir, device=device)
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -395,7 +421,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kd generate``: print the generated text on stdout."""
-    _check_options(args.max_new_tokens, args.temperature)  # before the slow imports
+    _check_options(args.max_new_tokens, args.temperature, args.seed)  # before the slow imports
+    _check_prompt(args.prompt)
     # torchao (imported by peft and transformers) warns about its C++ extensions when torch is
     # newer than its wheel; generation does not use them.
     logging.getLogger("torchao").setLevel(logging.ERROR)

@@ -9,13 +9,15 @@ interface (``log_dict(payload, step)``, ``close()``): :class:`StdoutLogger` (def
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
 import resource
 import sys
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +201,34 @@ class WandBLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def build_quietly(build: Callable[[], Any]) -> Any:
+    """``build()``; when it fails, the half-built object is released here, silently.
+
+    A logger whose ``__init__`` raised still gets its ``__del__`` called when the error's
+    traceback lets it go; torchtune's ``DiskLogger.__del__`` then closes a file it never opened
+    and Python prints "Exception ignored in ... AttributeError" after kd's one error line. Its
+    frames are cleared here, under a hook that drops such noise, so it is collected now.
+
+    Raises:
+        KDUserError: whatever ``build`` raised.
+    """
+    try:
+        return build()
+    except KDUserError as e:
+        hook = sys.unraisablehook
+        sys.unraisablehook = lambda unraisable: None
+        try:
+            cause = e.__cause__
+            while cause is not None:
+                with contextlib.suppress(RuntimeError):  # a frame still running stays
+                    traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ if cause.__cause__ is not cause else None
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        raise
 
 
 class GuardedLogger:

@@ -38,7 +38,13 @@ from kd.checkpoint.layout import (
     MARKER_FILE,
     load_checkpoint_config,
 )
-from kd.checkpoint.store import find_latest_checkpoint, recover_interrupted_saves
+from kd.checkpoint.resume import check_resume_compatible, schedule_of
+from kd.checkpoint.store import (
+    final_step,
+    find_latest_checkpoint,
+    newest_step_folder,
+    recover_interrupted_saves,
+)
 from kd.errors import KDUserError, brief
 from kd.metrics import JsonlWriter, trim_jsonl
 
@@ -388,6 +394,43 @@ def find_resume(output_dir: Path, *, resume: bool, overwrite: bool) -> ResumePoi
     return ResumePoint(found, saved, seed if isinstance(seed, int) else None)
 
 
+def completed_run(output_dir: Path, *, config_yaml: str) -> Path | None:
+    """``output_dir/final/`` when the run this config resumes has already finished, else None.
+
+    Finished: ``final/`` is complete (:func:`kd.checkpoint.store.final_step`), no step folder is
+    newer than it, and its config snapshot asks for the same schedule (``epochs``,
+    ``max_steps_per_epoch``; a run resumed with more epochs trains on). Said in one line on the
+    ``kd`` logger; nothing is read beyond the markers and snapshots, nothing written.
+
+    Raises:
+        KDUserError: the config differs from the finished run's in a key that must match.
+    """
+    step = final_step(output_dir)
+    if step is None:
+        return None
+    newest = newest_step_folder(output_dir)
+    if newest is not None and newest > step:
+        return None  # final/ of an earlier run; this run's steps went further
+    final = Path(output_dir) / FINAL_DIRNAME
+    try:
+        saved = load_checkpoint_config(final)
+        same_schedule = schedule_of(saved) == schedule_of(config_yaml)
+    except Exception:  # noqa: BLE001 - an unreadable snapshot: let the resume path report it
+        return None
+    if not same_schedule:
+        return None
+    check_resume_compatible(saved, config_yaml, checkpoint=final)
+    logger.info(
+        "resume_from_checkpoint: the run in %s is already complete (%s, step %d); nothing to "
+        "train. To train further, raise epochs; to start over, set "
+        "resume_from_checkpoint=false with overwrite_output_dir=true",
+        output_dir,
+        final,
+        step,
+    )
+    return final
+
+
 def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> OutputDirLock:
     """Lock ``output_dir`` for this run before anything is written, then, under the lock (so no
     other run can interleave), put back what a killed save moved aside, check the folder again and
@@ -488,9 +531,14 @@ def write_metrics_row(metrics: JsonlWriter, row: dict[str, Any], *, output_dir: 
     try:
         metrics.write(row)
     except OSError as e:
+        then = (
+            "(the earlier rows and checkpoints are kept; resume_from_checkpoint=true continues)"
+            if has_complete_step(output_dir)
+            else "(no step checkpoint was saved yet, so nothing resumes: rerun with "
+            "overwrite_output_dir=true once there is room)"
+        )
         raise KDUserError(
             f"output_dir: cannot write the step {row['step']} row of "
             f"{metrics.path} ({e.strerror or brief(e)}); free disk space under "
-            f"{output_dir} or set output_dir to a disk with room (the earlier rows and "
-            "checkpoints are kept; resume_from_checkpoint=true continues)"
+            f"{output_dir} or set output_dir to a disk with room {then}"
         ) from e

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from kd import outputs
-from kd.metrics import GuardedLogger
+from kd.metrics import GuardedLogger, build_quietly
 from kd.run_context import RunContext
 
 __all__ = ["RunLog"]
@@ -32,7 +32,7 @@ class RunLog:
     ):
         self.output_dir = output_dir
         self.logger = GuardedLogger(
-            ctx.build("metric_logger", fix="fix the logger's arguments"),
+            build_quietly(lambda: ctx.build("metric_logger", fix="fix the logger's arguments")),
             target=ctx.node("metric_logger").get("_component_"),
         )
         self.logger.log_config(OmegaConf.create(config_yaml))

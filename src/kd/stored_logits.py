@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from kd import folders
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path, sha256_file
 
 __all__ = [
@@ -445,7 +445,41 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
             f"{KEY}: {folder} has format version {manifest.get('version')}, this kd reads "
             f"{FORMAT_VERSION}; rerun kd run teacher_logits into a new folder"
         )
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise KDUserError(
+            f"{KEY}: {path} {problem} (edited or damaged); restore the file kd run "
+            "teacher_logits wrote, or rerun it into a new folder"
+        )
     return manifest
+
+
+# Manifest fields the reader computes with, and their least value.
+_MANIFEST_INTS = {"k": 1, "world_size": 1, "rows_per_shard": 1, "rows_per_group": 1, "num_rows": 0}
+
+
+def _is_int(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _manifest_problem(manifest: Mapping[str, Any]) -> str | None:
+    """What is wrong with a manifest's fields (None: nothing): each number the reader computes
+    with an integer in range, each shard a plain file name with an integer size."""
+    for name, least in _MANIFEST_INTS.items():
+        if name not in manifest:
+            return f"has no {name!r}"
+        if not _is_int(manifest[name], least):
+            return f"has {name}={one_line(repr(manifest[name]))[:40]}, not an integer >= {least}"
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        return "has no list of shards"
+    for entry in shards:
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"lists the shard {one_line(repr(name))[:60]}, not a file name"
+        if not _is_int(entry.get("size"), 0):
+            return f"gives shard {name} the size {one_line(repr(entry.get('size')))[:40]}"
+    return None
 
 
 def shard_done(path: Path, rows: Sequence[int], entry: Mapping[str, Any] | None) -> bool:
@@ -601,6 +635,22 @@ class TeacherLogitsReader:
         self.rows_per_shard = int(manifest["rows_per_shard"])
         self.rows_per_group = int(manifest["rows_per_group"])
         self.num_rows = int(manifest["num_rows"])
+        layout = [
+            name
+            for rank in range(self.world_size)
+            for name, _ in rank_shards(
+                self.num_rows,
+                world_size=self.world_size,
+                rank=rank,
+                rows_per_shard=self.rows_per_shard,
+            )
+        ]
+        if sorted(layout) != sorted(entry["name"] for entry in manifest["shards"]):
+            raise KDUserError(
+                f"{KEY}: {self.folder / MANIFEST_FILE} lists other shards than its num_rows, "
+                "world_size and rows_per_shard give (edited or damaged); restore the file kd run "
+                "teacher_logits wrote, or rerun it into a new folder"
+            )
         for entry in manifest["shards"]:
             path = self.folder / entry["name"]
             if not path.is_file():
@@ -639,21 +689,28 @@ class TeacherLogitsReader:
                 "teacher_logits --config <this config> (it rewrites only what is missing)"
             ) from e
         k = self.k
-        records = [
-            _Record(
-                h,
-                int(n),
-                np.asarray(i, dtype=np.int32).reshape(-1, k),
-                np.asarray(lp, dtype=np.float16).reshape(-1, k),
-            )
-            for h, n, i, lp in zip(
-                table.column("row_hash").to_pylist(),
-                table.column("num_tokens").to_pylist(),
-                table.column("ids").to_numpy(zero_copy_only=False),
-                table.column("logprobs").to_numpy(zero_copy_only=False),
-                strict=True,
-            )
-        ]
+        try:
+            records = [
+                _Record(
+                    h,
+                    int(n),
+                    np.asarray(i, dtype=np.int32).reshape(-1, k),
+                    np.asarray(lp, dtype=np.float16).reshape(-1, k),
+                )
+                for h, n, i, lp in zip(
+                    table.column("row_hash").to_pylist(),
+                    table.column("num_tokens").to_pylist(),
+                    table.column("ids").to_numpy(zero_copy_only=False),
+                    table.column("logprobs").to_numpy(zero_copy_only=False),
+                    strict=True,
+                )
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise KDUserError(
+                f"{KEY}: shard {path} does not hold rows of k={k} entries ({brief(e)}); its "
+                f"{MANIFEST_FILE} was edited, or the shard replaced: restore them, or rerun kd "
+                "run teacher_logits into a new folder"
+            ) from e
         per = self.rows_per_group
         for g in groups:
             part = records[(g - first) * per : (g - first + 1) * per]
@@ -715,7 +772,13 @@ class TeacherLogitsReader:
                     "so rerun kd run teacher_logits with this config into a new folder"
                 )
             positions = labelled_positions(labels[i, :n], ignore_index)
-            assert positions.numel() == rec.ids.shape[0], (row, positions.numel(), rec.ids.shape)
+            if positions.numel() != rec.ids.shape[0]:
+                raise KDUserError(
+                    f"{KEY}: {self.folder} holds {rec.ids.shape[0]} positions of k={self.k} "
+                    f"entries for dataset row {int(row)}, which has {positions.numel()} labelled "
+                    f"ones; its {MANIFEST_FILE} (k) was edited: restore it, or rerun kd run "
+                    "teacher_logits into a new folder"
+                )
             ids[i, positions] = torch.from_numpy(rec.ids[:, :k].astype(np.int64))
             logprobs[i, positions] = torch.from_numpy(rec.logprobs[:, :k].copy())
         return ids, logprobs

@@ -30,6 +30,7 @@ from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
 
 __all__ = [
     "LossSettings",
+    "build_lr_scheduler",
     "build_optimizer",
     "MicroStepResult",
     "StepStats",
@@ -348,13 +349,18 @@ def build_optimizer(
         if run.optimizer.in_cpu
         else ctx.build("optimizer", trainable, fix="fix the optimizer's arguments")
     )
-    scheduler = ctx.build(
+    return optimizer, build_lr_scheduler(ctx, optimizer, num_training_steps)
+
+
+def build_lr_scheduler(ctx: Any, optimizer: torch.optim.Optimizer, num_training_steps: int) -> Any:
+    """The configured ``lr_scheduler`` over ``optimizer`` for ``num_training_steps`` steps (None
+    without one)."""
+    return ctx.build(
         "lr_scheduler",
         optimizer,
         fix="fix the scheduler's arguments",
         num_training_steps=num_training_steps,
     )
-    return optimizer, scheduler
 
 
 def skip_or_stop(

@@ -878,7 +878,14 @@ def _foreign(tmp: Path, cfg: dict, fmt: str = "axolotl", *, k: int = 2, **edit: 
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cfg.pop("teacher_model"), cfg.pop("teacher_checkpointer")
     cfg["dataset"] = {"_component_": "kd.data.pretokenized_dataset", "data_files": str(path)}
-    cfg["teacher_logits"] = {"path": str(path), "format": fmt, "k": k, "tail": "renorm"}
+    # The rows' top-1 is each token itself, which auto-detection reads as `current`: named.
+    cfg["teacher_logits"] = {
+        "path": str(path),
+        "format": fmt,
+        "k": k,
+        "tail": "renorm",
+        "alignment": "next",
+    }
     return path
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import safetensors.torch
 import torch
 from conftest import (
     STUDENT,
@@ -142,7 +144,8 @@ def test_foreign_file_trains_like_kds_store(assets, foreign, kd_store, tmp_path,
 
     settings = {"path": path, "k": K, "tail": "renorm", "format": fmt}
     if fmt == "axolotl":
-        settings["source_temperature"] = T_GEN
+        # Targets from the first label on, of a random teacher: no evidence, so named.
+        settings.update(source_temperature=T_GEN, alignment="next")
     rows = _train(
         assets,
         tmp_path,
@@ -167,10 +170,17 @@ def test_foreign_reader_aligns_with_kds_store(assets, foreign, kd_store):
     ids, lp = stored_logits.TeacherLogitsReader(kd_store).batch(
         picked, batch["tokens"], batch["labels"], k=K
     )
-    for fmt, alpha in (("axolotl", T_GEN), ("distillkit", 1.0)):
+    for fmt, alpha, alignment in (("axolotl", T_GEN, "next"), ("distillkit", 1.0, "auto")):
         reader = ForeignLogitsReader(
-            foreign[fmt], format=fmt, k=K, alpha=alpha, max_seq_len=64, student_vocab=288
+            foreign[fmt],
+            format=fmt,
+            k=K,
+            alpha=alpha,
+            max_seq_len=64,
+            student_vocab=288,
+            alignment=alignment,
         )
+        assert reader.alignment == "next"
         assert reader.num_rows == 64
         fids, flp = reader.batch(picked, batch["tokens"], batch["labels"], k=K)
         assert torch.equal(fids, ids)
@@ -239,3 +249,228 @@ def test_precompute_lock(tmp_path):
     assert stored_logits.acquire_lock(folder) == lock
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     stored_logits.release_lock(lock)
+
+
+# ----------------------------------------------------------------- alignment (issue 23 item 6)
+GENERATED = 8  # teacher-generated tokens per row: a distillation set the teacher wrote
+
+
+@pytest.fixture(scope="module")
+def shifted(assets, tmp_path_factory) -> dict[str, Path]:
+    """32 rows of a prompt and the tiny teacher's greedy completion (labelled), and the teacher's
+    top-STORED log-probs over its own 320-entry vocabulary in two layouts: kd's convention
+    (``next``: entry j predicts token j + 1) as a JSON-lines file, and axolotl 0.19's (``current``:
+    entry j predicts token j, front-padded with -inf) as a datasets save_to_disk folder."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("shifted")
+    # The tiny teacher, sharpened (lm_head x 30) so that a misread position shows in the loss.
+    sharp = tmp / "teacher"
+    shutil.copytree(assets["teacher"], sharp)
+    weights = safetensors.torch.load_file(sharp / "model.safetensors")
+    weights["lm_head.weight"] *= 30
+    safetensors.torch.save_file(weights, sharp / "model.safetensors", metadata={"format": "pt"})
+    teacher = AutoModelForCausalLM.from_pretrained(sharp, dtype=torch.float32).eval()
+    kd_rows, old_rows = [], []
+    for row in _rows(assets)[:32]:
+        first = next(j for j in range(len(row["labels"]) - 1) if row["labels"][j + 1] != -100)
+        tokens = row["tokens"][: first + 1]
+        with torch.no_grad():
+            for _ in range(GENERATED):
+                tokens.append(int(teacher(torch.tensor(tokens)[None]).logits[0, -1].argmax()))
+            lp = torch.log_softmax(teacher(torch.tensor(tokens)[None]).logits[0], dim=-1)
+        labels = [-100] * (first + 1) + tokens[first + 1 :]
+        values, ids = lp.topk(STORED, dim=-1)
+        kd_rows.append(
+            {
+                "input_ids": tokens,
+                "labels": labels,
+                "target_token_ids": ids[first:].tolist(),
+                "target_logprobs": values[first:].tolist(),
+            }
+        )
+        # entry t = the distribution that predicts token t (position t - 1's), from t = first on.
+        old_rows.append(
+            {
+                "input_ids": tokens,
+                "labels": labels,
+                "target_token_ids": ids[first - 1 : -1].tolist(),
+                "target_logprobs": values[first - 1 : -1].tolist(),
+                "target_mask": [[int(x != -100)] * STORED for x in labels[first:]],
+            }
+        )
+    kd_file = tmp / "next.jsonl"
+    kd_file.write_text("".join(json.dumps(r) + "\n" for r in kd_rows))
+    datasets.Dataset.from_list(old_rows).save_to_disk(str(tmp / "axolotl_0_19"))
+    return {"next": kd_file, "current": tmp / "axolotl_0_19", "teacher": sharp}
+
+
+def _as_teacher(teacher: Path, tmp: Path):
+    def edit(cfg):
+        cfg["model"] = builder(TEACHER)
+        cfg["checkpointer"] = checkpointer_node(teacher, tmp / "tt")
+        del cfg["teacher_model"], cfg["teacher_checkpointer"]
+
+    return edit
+
+
+def _shifted_run(assets, teacher: Path, tmp: Path, name: str, path: Path, **settings):
+    return _train(
+        assets,
+        tmp,
+        name,
+        _as_teacher(teacher, tmp),
+        teacher_logits={"path": str(path), "k": K, "tail": "bucket", **settings},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": str(path)},
+        max_steps_per_epoch=2,
+    )
+
+
+def test_axolotl_0_19_file_is_read_at_its_alignment(assets, shifted, tmp_path, caplog):
+    """student = teacher (tail bucket: the top-k and the rest exactly): kd's own store of the
+    rows gives KD ~ 0; axolotl 0.19's shifted file
+    (a save_to_disk folder) is detected as `current` and trains to the same losses; read as
+    `next` (the explicit key overrides the detection) its loss is far larger."""
+    store = tmp_path / "store"
+    cfg = make_config(
+        assets,
+        tmp_path / "pre",
+        teacher_logits={"path": str(store), "k": K},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": str(shifted["next"])},
+    )
+    cfg["model"] = builder(TEACHER)
+    cfg["checkpointer"] = checkpointer_node(shifted["teacher"], tmp_path / "tt")
+    cfg["teacher_checkpointer"] = checkpointer_node(shifted["teacher"], tmp_path / "tt")
+    pre = write_config(tmp_path / "pre.yaml", cfg)
+    assert cli.main(["run", "teacher_logits", "--config", str(pre)]) == 0
+    reference = _train(
+        assets,
+        tmp_path,
+        "kd_store",
+        _as_teacher(shifted["teacher"], tmp_path),
+        teacher_logits={"path": str(store), "k": K, "tail": "bucket"},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": str(shifted["next"])},
+        max_steps_per_epoch=2,
+    )
+    assert abs(reference[0]["kd_loss"]) < 1e-4  # step 1: the student is the teacher
+    with caplog.at_level("INFO", logger="kd"):
+        detected = _shifted_run(
+            assets, shifted["teacher"], tmp_path, "auto", shifted["current"], format="axolotl"
+        )
+    assert "teacher_logits.alignment=current, detected" in caplog.text
+    _assert_same_losses_abs(reference, detected)
+    forced = _shifted_run(
+        assets,
+        shifted["teacher"],
+        tmp_path,
+        "forced",
+        shifted["current"],
+        format="axolotl",
+        alignment="next",
+    )
+    assert forced[0]["kd_loss"] > 1, forced[0]  # >> 1e-4
+    # kd's convention in an axolotl file is detected as `next` and trains like the store too.
+    kd_layout = _shifted_run(
+        assets, shifted["teacher"], tmp_path, "next", shifted["next"], format="axolotl"
+    )
+    _assert_same_losses_abs(reference, kd_layout)
+
+
+def _assert_same_losses_abs(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) >= 2
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-3)
+        assert rb["ce_loss"] == pytest.approx(ra["ce_loss"], rel=1e-4)
+        assert rb["kd_loss"] == pytest.approx(ra["kd_loss"], abs=2e-3)
+        assert rb["num_tokens"] == ra["num_tokens"]
+
+
+def test_unclear_alignment_is_refused_with_the_fix(assets, foreign, tmp_path, capsys):
+    """The random tiny teacher's axolotl file (targets from the first label on) gives no
+    evidence either way: one line naming the key and both values, exit 2, nothing written."""
+    path = str(foreign["axolotl"])
+    cfg = make_config(
+        assets,
+        tmp_path / "run",
+        teacher_logits={"path": path, "k": K, "tail": "renorm", "format": "axolotl"},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": path},
+    )
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    assert cli.main(["run", "kd", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = next(x for x in err.splitlines() if x.startswith("kd: error:"))
+    assert "teacher_logits.alignment: cannot tell which token" in line
+    assert "set teacher_logits.alignment to next" in line and "or current" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------ bad rows (issue 23 item 5)
+def _bad_file(foreign, tmp: Path, fmt: str, edit) -> Path:
+    """The fixture's file of ``fmt`` with its first row edited, as JSON lines."""
+    source = foreign[fmt]
+    rows = (
+        pq.read_table(source).to_pylist()
+        if source.suffix == ".parquet"
+        else [json.loads(x) for x in source.read_text().splitlines()]
+    )
+    edit(rows[0])
+    path = tmp / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _negative_id(row):
+    row["input_ids"][3] = -5
+
+
+def _positive_logprob(row):
+    values = row.get("logprobs") or row.get("top_values")
+    p = len(row["labels"]) - 3  # a labelled position (its next label is not -100)
+    assert row["labels"][p + 1] != -100
+    e = p - (len(row["input_ids"]) - len(values)) if "logprobs" in row else p
+    values[e] = [abs(v) + 1.0 for v in values[e]]  # logits, not log-probs
+
+
+@pytest.mark.parametrize("fmt", ["axolotl", "distillkit"])
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_negative_id, "holds the negative token id -5 in input_ids; token ids are >= 0"),
+        (_positive_logprob, "holds a positive log-prob"),
+    ],
+)
+def test_bad_foreign_rows_are_refused(assets, foreign, tmp_path, capsys, fmt, edit, expected):
+    path = str(_bad_file(foreign, tmp_path, fmt, edit))
+    cfg = make_config(
+        assets,
+        tmp_path / "run",
+        teacher_logits={"path": path, "k": K, "format": fmt, "alignment": "next"},
+        dataset={"_component_": "kd.data.pretokenized_dataset", "data_files": path},
+    )
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    assert cli.main(["run", "kd", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert "row 0 of" in line and expected in line, line
+
+
+def test_saved_dataset_dict_folder_reads_its_train_split(foreign, tmp_path):
+    """axolotl preprocess / save_to_disk folders load as they are: a DatasetDict's train split;
+    a folder of several splits names them."""
+    import datasets
+
+    from kd.foreign_logits import pretokenized_rows
+
+    rows = pq.read_table(foreign["axolotl"]).to_pylist()
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:5])).save_to_disk(tmp_path / "dd")
+    read = pretokenized_rows(tmp_path / "dd", max_seq_len=None)
+    assert [r["tokens"] for r in read] == [r["input_ids"] for r in rows[:5]]
+    two = datasets.DatasetDict(
+        a=datasets.Dataset.from_list(rows[:2]), b=datasets.Dataset.from_list(rows[2:4])
+    )
+    two.save_to_disk(tmp_path / "two")
+    with pytest.raises(KDUserError, match="holds the splits a, b; point dataset at the split"):
+        pretokenized_rows(tmp_path / "two", max_seq_len=None)

@@ -258,6 +258,24 @@ CASES = {
         "--temperature: -1.0 is not a temperature",
         "pass 0 (greedy)",
     ),
+    "non_utf8_prompt": (
+        lambda m, t: m,
+        ["--prompt", os.fsdecode(b"12\xff+30")],  # what sys.argv holds for a latin-1 byte
+        "--prompt: the prompt is not UTF-8 text (byte 0xff at character 2)",
+        "pass UTF-8",
+    ),
+    "seed_past_64_bits": (
+        lambda m, t: m,
+        ["--temperature", "0.8", "--seed", str(2**64)],
+        f"--seed: {2**64} is not a seed",
+        f"pass an integer from 0 to {2**64 - 1}",
+    ),
+    "negative_seed": (
+        lambda m, t: m,
+        ["--seed", "-1"],
+        "--seed: -1 is not a seed",
+        "pass an integer from 0",
+    ),
     "bad_weights": (
         lambda m, t: _junk_weights(broken(m, t / "x")),
         [],
@@ -314,3 +332,12 @@ def test_bad_merged_weights_name_the_folder(lora_folders, tmp_path, capsys):
     assert main(["generate", "--model", str(folder), "--prompt", PROMPT]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"kd: error: --model: transformers cannot load the model in {folder} (")
+
+
+def test_seed_past_2_63_samples(model_dir, capsys):
+    """A seed in torch's upper half (2**63 .. 2**64 - 1) samples like any other, reproducibly."""
+    argv = ["generate", "--model", str(model_dir), "--prompt", PROMPT, "--temperature", "0.8"]
+    assert main([*argv, "--seed", str(2**63), "--max-new-tokens", "4"]) == 0
+    first = capsys.readouterr().out
+    assert main([*argv, "--seed", str(2**63), "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out == first

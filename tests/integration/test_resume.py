@@ -335,3 +335,91 @@ def test_sgd_without_state_resumes_bit_identical(assets, tmp_path, monkeypatch):
     assert run_cli(config, "resume_from_checkpoint=true") == 0
     assert_bit_identical(ref, out)
     assert_same_metrics(ref, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume says what changed (issue 23 item 9)
+# ---------------------------------------------------------------------------------------------
+def test_resume_of_a_finished_run_says_already_complete(assets, reference, tmp_path, capsys):
+    """resume_from_checkpoint=true on a finished run: one line, exit 0, no step trained, final/
+    and metrics.jsonl untouched (byte for byte, mtimes too)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    before = snapshot(out)
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "kd: error" not in captured.err
+    (line,) = [x for x in captured.err.splitlines() if "already complete" in x]
+    assert f"the run in {out} is already complete" in line and "step 8" in line
+    assert "step " not in captured.out  # no metric row: nothing trained
+    assert snapshot(out) == before
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == mtimes
+
+
+def test_resume_with_more_epochs_and_a_cosine_schedule_is_refused(
+    assets, reference, tmp_path, capsys
+):
+    """epochs 2 -> 3 stretches the cosine over 12 steps: the lr of step 9 would jump."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out))
+    before = snapshot(out)
+    assert run_cli(config, "resume_from_checkpoint=true", "epochs=3") == 2
+    (error,) = _errors(capsys)
+    assert error.startswith(
+        "kd: error: epochs: the schedule jumps on resume (epochs 2 -> 3: 8 -> 12"
+    )
+    assert "resume with epochs=2, or start a new run" in error
+    assert snapshot(out) == before
+
+
+def test_resume_with_more_epochs_and_a_constant_lr_continues(assets, tmp_path, capsys):
+    """Without a scheduler the schedule stays continuous: one line says what changed, and the
+    run trains epoch 3 from step 8 to 12."""
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", trajectory_config(assets, out, lr_scheduler=None))
+    assert run_cli(config) == 0
+    capsys.readouterr()
+    assert run_cli(config, "resume_from_checkpoint=true", "epochs=3") == 0
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "resume_from_checkpoint: epochs" in x]
+    assert "epochs 2 -> 3: 8 -> 12 steps, continuing from step 8" in line
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
+    assert checkpoint.read_checkpoint_marker(out / "final")["step"] == 12
+
+
+def test_resume_with_a_moved_identical_model_folder(assets, tmp_path, capsys):
+    """The student, teacher and tokenizer folders moved (same files): the resume is accepted, as
+    the message promises (paths may change), and says so; a moved folder whose config.json
+    differs from the checkpoint's copy is refused, naming the key."""
+    here = {k: tmp_path / "a" / v.name for k, v in assets.items()}
+    for key, src in assets.items():
+        (shutil.copytree if src.is_dir() else shutil.copyfile)(src, here[key])
+    out = tmp_path / "run"
+    cfg = trajectory_config(here, out, epochs=1)
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    assert run_cli(config) == 0
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / checkpoint.step_dirname(4))  # newest: step 2
+    (tmp_path / "a").rename(tmp_path / "b")
+    moved = {k: tmp_path / "b" / v.name for k, v in assets.items()}
+    config = write_config(tmp_path / "moved.yaml", trajectory_config(moved, out, epochs=1))
+    capsys.readouterr()
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    err = capsys.readouterr().err
+    assert "kd: error" not in err
+    assert f"checkpointer.checkpoint_dir moved from {here['student']} to {moved['student']}" in err
+    assert checkpoint.read_checkpoint_marker(out / "final")["step"] == 4
+    # Another student config in the moved folder: not the same model.
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / checkpoint.step_dirname(4))
+    (tmp_path / "b").rename(tmp_path / "c")
+    other = {k: tmp_path / "c" / v.name for k, v in assets.items()}
+    hf_config = other["student"] / "config.json"
+    hf_config.write_text(hf_config.read_text().replace("{", '{"note": "edited",', 1))
+    config = write_config(tmp_path / "other.yaml", trajectory_config(other, out, epochs=1))
+    assert run_cli(config, "resume_from_checkpoint=true") == 2
+    errors = _errors(capsys)
+    assert any(e.startswith("kd: error: checkpointer.checkpoint_dir: ") for e in errors), errors

@@ -282,3 +282,51 @@ def test_no_teacher_model_is_loaded_from_a_store(assets, full_store, tmp_path, m
         f"teacher_logits.k={FULL_K}",
     )
     assert loaded == ["model"]
+
+
+# ------------------------------------------------------- hand-edited manifests (issue 23 item 5)
+def _edit_k(m):
+    m["k"] = 4  # still an integer: the rows of 8 entries are refused when read
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: m.pop("k"), "manifest.json has no 'k' (edited or damaged)"),
+        (lambda m: m.update(k="8"), "manifest.json has k='8', not an integer >= 1"),
+        (lambda m: m.update(k=8.5), "manifest.json has k=8.5, not an integer >= 1"),
+        (lambda m: m.update(world_size=0), "has world_size=0, not an integer >= 1"),
+        (lambda m: m["shards"][0].update(name=7), "lists the shard 7, not a file name"),
+        (
+            lambda m: m["shards"][0].update(name="../rank00000-00000.parquet"),
+            "lists the shard '../rank00000-00000.parquet', not a file name",
+        ),
+        (lambda m: m.update(world_size=2), "lists other shards than its num_rows, world_size"),
+        (_edit_k, "(k) was edited: restore it"),
+    ],
+)
+def test_hand_edited_manifest_is_refused_in_one_line(
+    assets, store, tmp_path, capsys, edit, expected
+):
+    """kd run kd on a store whose manifest.json was edited: one line naming the file and what
+    is wrong in it, exit 2, no traceback (was: KeyError, ZeroDivisionError, AssertionError)."""
+    edited = tmp_path / "logits"
+    shutil.copytree(store, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    edit(manifest)
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    config = write_config(
+        tmp_path / "c.yaml",
+        make_config(
+            assets,
+            tmp_path / "run",
+            teacher_logits={"path": str(edited), "k": 4},
+            max_steps_per_epoch=1,
+        ),
+    )
+    assert cli.main(["run", "kd", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert "teacher_logits.path: " in line and expected in line, line
+    assert "rerun" in line

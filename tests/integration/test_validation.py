@@ -191,3 +191,22 @@ def test_two_ranks_give_the_validation_metrics_of_one_device(assets, heldout, tm
             assert two[key] == pytest.approx(one[key], abs=1e-6, rel=0), (one["step"], key)
     marker = json.loads((tmp_path / "w2" / "best" / "kd_checkpoint.json").read_text())
     assert marker["best"]["metric"] == "val_top1_agreement"
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"], ids=["zero_bytes", "blank_lines"])
+def test_empty_validation_file_says_so(assets, tmp_path, capsys, content):
+    """An empty validation data file: one line naming the key and the file (was: Hugging Face's
+    StopIteration quoted as the builder's failure), exit 2, nothing written."""
+    empty = tmp_path / "heldout.jsonl"
+    empty.write_text(content)
+    out = tmp_path / "run"
+    cfg = make_config(assets, out, validation=_validation(empty), max_steps_per_epoch=1)
+    assert _run(cfg, tmp_path / "c.yaml") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "StopIteration" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert line == (
+        f"kd: error: validation.dataset: {empty} has no examples (it is empty); point "
+        "validation.dataset.data_files at a file with examples"
+    )
+    assert not out.exists() or not any(out.iterdir())

@@ -293,6 +293,9 @@ def test_write_metrics_row_on_a_full_disk(tmp_path: Path, monkeypatch) -> None:
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    # With a complete step checkpoint, resume continues (a marker is what makes one complete).
+    (out / "step_000004").mkdir()
+    (out / "step_000004" / checkpoint.MARKER_FILE).write_text("{}")
     monkeypatch.setattr(os, "write", full)
     with pytest.raises(KDUserError) as e:
         outputs.write_metrics_row(writer, {"step": 5}, output_dir=out)
@@ -300,4 +303,22 @@ def test_write_metrics_row_on_a_full_disk(tmp_path: Path, monkeypatch) -> None:
         f"output_dir: cannot write the step 5 row of {out / 'metrics.jsonl'} (No space left on "
         f"device); free disk space under {out} or set output_dir to a disk with room (the earlier "
         "rows and checkpoints are kept; resume_from_checkpoint=true continues)"
+    )
+
+
+def test_full_disk_before_the_first_checkpoint_offers_no_resume(tmp_path, monkeypatch) -> None:
+    """Issue 23: at step 1 nothing resumes; the message says how to start over instead."""
+    out = tmp_path / "run"
+    writer = outputs.open_metrics(out, config_yaml="", resume_step=None)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(KDUserError) as e:
+        outputs.write_metrics_row(writer, {"step": 1}, output_dir=out)
+    assert "resume_from_checkpoint" not in str(e.value)
+    assert str(e.value).endswith(
+        "(no step checkpoint was saved yet, so nothing resumes: rerun with "
+        "overwrite_output_dir=true once there is room)"
     )

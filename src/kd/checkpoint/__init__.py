@@ -68,7 +68,12 @@ from kd.checkpoint.recipe_state import (
     load_recipe_state,
     restore_rng_state,
 )
-from kd.checkpoint.resume import check_resume_compatible, check_resume_position, config_hash
+from kd.checkpoint.resume import (
+    check_resume_compatible,
+    check_resume_position,
+    check_schedule_change,
+    config_hash,
+)
 from kd.checkpoint.store import (
     find_latest_checkpoint,
     recover_interrupted_saves,
@@ -89,6 +94,7 @@ __all__ = [
     "capture_rng_state",
     "check_resume_compatible",
     "check_resume_position",
+    "check_schedule_change",
     "check_weights_only",
     "checkpoint_config_problems",
     "config_hash",

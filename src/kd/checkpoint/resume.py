@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, read_checkpoint_marker
+from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, HF_CONFIG_FILE, read_checkpoint_marker
 from kd.config import schema
 from kd.errors import KDUserError
+
+logger = logging.getLogger("kd")
 
 # Leaves inside checkpointer nodes that name where to write, not what to train.
 _CHECKPOINTER_OUTPUT_LEAVES = frozenset(
@@ -77,6 +83,66 @@ def _saved_config_hash(ckpt: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Files up to this size are compared by content when a path moved (configs, tokenizers).
+_HASHED_BYTES = 16 << 20
+
+
+# Keys whose folder's config.json or tokenizer files every student checkpoint holds a copy of.
+_COPIED_INTO_CHECKPOINTS = frozenset({"checkpointer", "model", "tokenizer"})
+
+
+def _identity(path: Path) -> Any:
+    """What a file or folder holds, for telling a moved copy from another one: a file's size
+    (and sha256 when small); a folder's regular files by name with the same."""
+    from kd.fileio import sha256_file
+
+    def one(p: Path) -> tuple[int, str | None]:
+        size = p.stat().st_size
+        return size, sha256_file(p) if size <= _HASHED_BYTES else None
+
+    if path.is_file():
+        return one(path)
+    return sorted((p.name, *one(p)) for p in path.iterdir() if p.is_file())
+
+
+def _moved(key: str, before: Any, now: Any, checkpoint: Path | None) -> bool:
+    """Whether a must-match path value changed only because its file or folder moved.
+
+    The same contents (:func:`_identity`) at both paths; or, the old path gone, a new one of the
+    same name and kind whose contents agree with the copies the checkpoint keeps of the student's
+    folder (its config.json and tokenizer files); a moved teacher folder, of which the checkpoint
+    keeps nothing, is taken by its name. Said on the ``kd`` logger.
+    """
+    if not (isinstance(before, str) and isinstance(now, str) and "/" in before + now):
+        return False
+    old, new = Path(before).expanduser(), Path(now).expanduser()
+    try:
+        if not new.exists() or old.name != new.name:
+            return False
+        if old.exists():
+            same = old.is_dir() == new.is_dir() and _identity(old) == _identity(new)
+        else:
+            kept = (
+                checkpoint / (HF_CONFIG_FILE if new.is_dir() else new.name)
+                if checkpoint is not None and key.split(".")[0] in _COPIED_INTO_CHECKPOINTS
+                else None
+            )
+            inside = new / HF_CONFIG_FILE if new.is_dir() else new
+            same = (
+                kept is None
+                or not kept.is_file()
+                or not inside.is_file()
+                or _identity(kept) == _identity(inside)
+            )
+    except OSError:
+        return False
+    if same:
+        logger.info(
+            "resume_from_checkpoint: %s moved from %s to %s (the same files)", key, old, new
+        )
+    return same
+
+
 def check_resume_compatible(
     saved_config_yaml: str, current_config_yaml: str, *, checkpoint: Path | None = None
 ) -> None:
@@ -102,7 +168,7 @@ def check_resume_compatible(
     problems = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, missing), current.get(key, missing)
-        if a != b:
+        if a != b and not _moved(key, a, b, checkpoint):
             a_s = "unset" if a is missing else repr(a)
             b_s = "unset" if b is missing else repr(b)
             problems.append(f"{key}: {a_s} in the checkpoint, {b_s} now")
@@ -138,3 +204,98 @@ def check_resume_position(ckpt: Path, *, steps_per_epoch: int) -> None:
             f"{marker['epoch']}, which does not fit epochs of {steps_per_epoch} steps; "
             "resume with the max_steps_per_epoch the run started with"
         )
+
+
+# The keys that set how many steps a run has (its schedule's length).
+SCHEDULE_KEYS = ("epochs", "max_steps_per_epoch")
+
+
+def schedule_of(cfg_yaml: str) -> dict[str, Any]:
+    """``epochs`` and ``max_steps_per_epoch`` of a config snapshot (the schema's default when a
+    key is absent)."""
+    cfg = OmegaConf.create(cfg_yaml)
+    return {k: cfg.get(k, schema.TOP_LEVEL[k].default) for k in SCHEDULE_KEYS}
+
+
+def _lr_after(make_scheduler: Callable[[Any, int], Any], total_steps: int, step: int) -> float:
+    """The learning rate (of a base lr of 1) a scheduler built for ``total_steps`` steps gives
+    after ``step`` steps, on a one-parameter optimizer."""
+    import torch
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = make_scheduler(optimizer, total_steps)
+    if scheduler is None:  # lr_scheduler: null
+        return 1.0
+    with warnings.catch_warnings():  # scheduler.step() without optimizer.step(): intended
+        warnings.simplefilter("ignore")
+        for _ in range(step):
+            scheduler.step()
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def check_schedule_change(
+    saved_config_yaml: str,
+    current_config_yaml: str,
+    *,
+    checkpoint: Path,
+    total_steps: Callable[[int, int | None], int],
+    make_scheduler: Callable[[Any, int], Any] | None,
+) -> str | None:
+    """Say in one line how a resumed run's schedule changed, or refuse a change that jumps.
+
+    A resumed run whose ``epochs`` or ``max_steps_per_epoch`` differ from the checkpoint's has
+    another number of steps. It proceeds when every changed key may change on resume (the
+    schema's policy) and the learning rate of the next step is what the checkpoint's schedule
+    gives (no scheduler, or one whose shape does not depend on the number of steps); a cosine
+    stretched over more steps would jump, so it is refused.
+
+    Args:
+        saved_config_yaml: the checkpoint's ``config.yaml``.
+        current_config_yaml: this run's resolved config.
+        checkpoint: the step checkpoint resumed from (its marker gives the step).
+        total_steps: ``(epochs, max_steps_per_epoch) -> steps`` of this run's data and ranks.
+        make_scheduler: ``(optimizer, num_training_steps) -> scheduler`` of this run's
+            ``lr_scheduler`` (None, or returning None: no scheduler).
+
+    Returns:
+        The line said (logged on the ``kd`` logger), or None when nothing changed.
+
+    Raises:
+        KDUserError: a changed key that must match, or a learning rate that would jump.
+    """
+    before, now = schedule_of(saved_config_yaml), schedule_of(current_config_yaml)
+    changed = [k for k in SCHEDULE_KEYS if before[k] != now[k]]
+    if not changed:
+        return None
+    what = ", ".join(f"{k} {before[k]} -> {now[k]}" for k in changed)
+    fixed = [k for k in changed if not _may_change([k])]
+    restore = " and ".join(f"{k}={'null' if before[k] is None else before[k]}" for k in changed)
+    if fixed:
+        raise KDUserError(
+            f"{fixed[0]}: changed on resume ({what}), and it must match the checkpoint; resume "
+            f"with {restore}, or set output_dir to a new folder"
+        )
+    step = int(read_checkpoint_marker(checkpoint)["step"])
+    old_total = total_steps(before["epochs"], before["max_steps_per_epoch"])
+    new_total = total_steps(now["epochs"], now["max_steps_per_epoch"])
+    if step > new_total:
+        raise KDUserError(
+            f"{changed[0]}: the checkpoint {checkpoint} is at step {step}, past the {new_total} "
+            f"steps of this run ({what}); resume with {restore}"
+        )
+    if make_scheduler is not None and old_total != new_total:
+        lr_before = _lr_after(make_scheduler, old_total, step)
+        lr_now = _lr_after(make_scheduler, new_total, step)
+        if not math.isclose(lr_before, lr_now, rel_tol=1e-6, abs_tol=1e-12):
+            raise KDUserError(
+                f"{changed[0]}: the schedule jumps on resume ({what}: {old_total} -> {new_total} "
+                f"steps; lr_scheduler gives step {step + 1} {lr_before:.4g} x lr before, "
+                f"{lr_now:.4g} x lr now); resume with {restore}, or start a new run in a new "
+                "output_dir"
+            )
+    line = (
+        f"resume_from_checkpoint: {what}: {old_total} -> {new_total} steps, continuing from step "
+        f"{step} with the learning rate the checkpoint's schedule gives"
+    )
+    logger.info("%s", line)
+    return line

@@ -336,6 +336,30 @@ def _problem_with(ckpt: Path) -> str | None:
     return None
 
 
+def final_step(output_dir: Path) -> int | None:
+    """The step of ``output_dir/final/`` when it is complete (its marker readable, every file it
+    lists in place with its size, the config snapshot and the model among them), else None.
+    Sizes only: a finished run's weights are not hashed again to say it is finished."""
+    final = Path(output_dir) / FINAL_DIRNAME
+    try:
+        step, files = _read_marker(final)
+    except (OSError, ValueError):
+        return None
+    if CONFIG_SNAPSHOT_FILE not in files or not {MODEL_FILE, MODEL_INDEX_FILE} & set(files):
+        return None
+    for name, entry in files.items():
+        path = final / name
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            return None
+    return step
+
+
+def newest_step_folder(output_dir: Path) -> int | None:
+    """The step of the newest ``step_*`` folder (complete or not), or None."""
+    steps = _step_dirs(Path(output_dir))
+    return steps[-1][0] if steps else None
+
+
 def find_latest_checkpoint(output_dir: Path) -> Path | None:
     """The newest complete, intact ``step_*`` folder in output_dir, or None.
 

@@ -278,3 +278,45 @@ def _restore(
     if rank0:
         log.info("resumed from %s at step %d", ckpt, progress.global_step)
     return progress
+
+
+def _first_nonfinite(model: torch.nn.Module) -> tuple[int, str | None]:
+    """How many of ``model``'s parameters hold a NaN or inf on any rank, and the first such name
+    this rank sees (None when its shards are finite)."""
+    first = None
+    local = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            data = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(data).all()):
+                local += 1
+                first = first or name
+    count = distributed.all_reduce_sum(torch.tensor([local], dtype=torch.int64))
+    return int(count.item()), first
+
+
+def check_loaded_weights_finite(loaded: dict[str, tuple[torch.nn.Module | None, Path]]) -> None:
+    """Blame a non-finite first step on the weights file when the weights were loaded so.
+
+    Called when the first step of a process has a non-finite loss or gradient norm, before any
+    optimizer step: NaN or inf in a model's weights then came from the files it was loaded from,
+    and no learning rate would help. Collective under torchrun (every rank calls it).
+
+    Args:
+        loaded: per config key (``model``, ``teacher_model``), the model (None: not loaded) and
+            the folder its weights were read from.
+
+    Raises:
+        KDUserError: a model holds NaN or inf; names the key, the folder and a parameter.
+    """
+    for key, (model, folder) in loaded.items():
+        if model is None:
+            continue
+        count, name = _first_nonfinite(model)
+        if count:
+            which = f", e.g. {name}" if name is not None else ""
+            raise KDUserError(
+                f"{key}: {count} weight tensors hold NaN or inf as loaded from {folder}{which}, "
+                "before any optimizer step, so every loss is non-finite; the weights file is "
+                "damaged: export or download it again (the learning rate is not the cause)"
+            )

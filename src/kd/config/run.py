@@ -128,6 +128,15 @@ class TeacherLogitsSettings:
         min_exclusive=0,
         resume=MUST_MATCH,
     )
+    alignment: str = setting(
+        "teacher_logits.alignment",
+        "auto",
+        "axolotl / distillkit: which token the file's entry j predicts: next (token j + 1: kd, "
+        "axolotl main), current (token j: axolotl 0.19, raw vLLM prompt log-probs) or auto "
+        "(detected from the rows, refused when unclear)",
+        choices=("auto", "next", "current"),
+        resume=MUST_MATCH,
+    )
     rows_per_shard: int = setting(
         "teacher_logits.rows_per_shard",
         1024,

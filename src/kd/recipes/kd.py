@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from kd import checkpoint, data, distributed, evaluate, models, on_policy, outputs, train
 from kd.checkpoint.run_checkpointer import RunCheckpointer
-from kd.checkpoint.training import Progress, StudentSource
+from kd.checkpoint.training import Progress, StudentSource, check_loaded_weights_finite
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
@@ -94,6 +94,8 @@ class KDRecipe:
         self.validator: evaluate.Validator | None = None
         self.on_policy: on_policy.OnPolicyBatches | None = None
         self.log: RunLog | None = None  # rank 0's metric sinks
+        self.complete = False  # resume found the run already finished (preload)
+        self.found: outputs.ResumePoint | None = None
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -118,7 +120,8 @@ class KDRecipe:
         self.tokenizer = ctx.tokenizer()
         teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
         self.facts = ctx.inspect_models(self.tokenizer, read=("model", *teacher_reads))
-        self._check_resume()
+        if self._check_resume():
+            return  # already complete: said on the kd logger; load() and train() do nothing
         self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         if run.on_policy is not None:
             on_policy.check_prompts(self.dataset, key="dataset")
@@ -128,22 +131,40 @@ class KDRecipe:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
             )
-        self.steps_per_epoch = data.steps_per_epoch(
+        self.steps_per_epoch = self._steps_per_epoch(run.max_steps_per_epoch)
+        self.total_steps = self.steps_per_epoch * run.epochs
+        found = self.found
+        if found is not None:
+            checkpoint.check_schedule_change(
+                found.config_yaml,
+                run.yaml,
+                checkpoint=found.checkpoint,
+                total_steps=lambda epochs, max_steps: epochs * self._steps_per_epoch(max_steps),
+                make_scheduler=lambda opt, n: train.build_lr_scheduler(self.ctx, opt, n),
+            )
+            checkpoint.check_resume_position(found.checkpoint, steps_per_epoch=self.steps_per_epoch)
+
+    def _steps_per_epoch(self, max_steps: int | None) -> int:
+        run = self.run
+        return data.steps_per_epoch(
             len(self.dataset),
             batch_size=run.batch_size,
             world_size=self.world.world_size,
             grad_accum=run.optimizer.grad_accum,
-            max_steps=run.max_steps_per_epoch,
+            max_steps=max_steps,
         )
-        self.total_steps = self.steps_per_epoch * run.epochs
-        if self.resume_from is not None:
-            checkpoint.check_resume_position(self.resume_from, steps_per_epoch=self.steps_per_epoch)
 
-    def _check_resume(self) -> None:
-        """output_dir free of other runs, and the checkpoint to resume from (None: fresh)."""
+    def _check_resume(self) -> bool:
+        """output_dir free of other runs, and the checkpoint to resume from (None: fresh).
+        True when the run to resume has already finished (``final/`` complete)."""
         outputs.check_not_in_use(self.output_dir)
         ckpt = self.run.checkpoint
-        found = outputs.find_resume(self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
+        if ckpt.resume and outputs.completed_run(self.output_dir, config_yaml=self.run.yaml):
+            self.complete = True
+            return True
+        found = self.found = outputs.find_resume(
+            self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite
+        )
         self.resume_from = found.checkpoint if found is not None else None
         if found is not None:
             if self.run.seed is None and found.seed is not None:
@@ -152,6 +173,7 @@ class KDRecipe:
             checkpoint.check_resume_compatible(
                 found.config_yaml, self.run.yaml, checkpoint=found.checkpoint
             )
+        return False
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
@@ -264,7 +286,7 @@ class KDRecipe:
         (a signal after the last step waits for the final save) or when early stopping says so."""
         grad_accum, start_epoch = self.run.optimizer.grad_accum, self.epoch
         done_in_epoch = self.global_step - start_epoch * self.steps_per_epoch
-        bad_steps = 0
+        bad_steps, first_step = 0, self.global_step + 1
         saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         every = self.run.checkpoint.save_every_n_steps
         bar = tqdm(
@@ -291,6 +313,8 @@ class KDRecipe:
                     )
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
+                        if step == first_step:  # no step applied yet: were they loaded so?
+                            self._check_loaded_weights()
                         train.skip_or_stop(
                             stats,
                             step=step,
@@ -410,6 +434,13 @@ class KDRecipe:
             rows=rows.tolist() if rows is not None else None,
         )
 
+    def _check_loaded_weights(self) -> None:
+        """A non-finite first step: blame weights that were loaded as NaN or inf on their files."""
+        folder = self.resume_from or self.facts.sources["model"].folder
+        check_loaded_weights_finite({"model": (self.student, folder)})
+        if self.teacher is not None:
+            self.teacher.check_loaded()
+
     def validate(self) -> evaluate.ValStats:
         """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the
         followed metric improved. Collective when distributed."""
@@ -523,8 +554,9 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe = KDRecipe(run, world=distributed.init_distributed(torch.device(run.device).type))
     try:
         recipe.preload()
-        recipe.load()
-        recipe.train()
+        if not recipe.complete:
+            recipe.load()
+            recipe.train()
     except BaseException:
         try:
             recipe.cleanup(failing=True)

@@ -92,6 +92,11 @@ class Teacher(Protocol):
         """Free what one batch needed and the next does not (a sharded teacher's gathered
         parameters). Collective when distributed. Default: nothing to free."""
 
+    def check_loaded(self) -> None:
+        """Called when the first training step is non-finite before any optimizer step: raise
+        :class:`kd.errors.KDUserError` naming the files when what the teacher loaded explains it
+        (NaN or inf weights). Default: nothing loaded to blame."""
+
     def look_ahead(
         self, batches: Iterator[dict[str, torch.Tensor]]
     ) -> Iterator[dict[str, torch.Tensor]]:

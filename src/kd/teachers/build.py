@@ -78,7 +78,7 @@ class ModelTeacherSource:
             lambda m, shard: prepare_teacher(m, shard=shard),
             run_dir=run_dir,
         )
-        return ModelTeacher(model)
+        return ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
 
 
 class StoredTeacherSource:
@@ -112,6 +112,7 @@ class StoredTeacherSource:
                 alpha=1.0 if source_t is None else source_t / run.loss.temperature,
                 max_seq_len=run.max_seq_len,
                 student_vocab=facts.student_vocab,
+                alignment=settings.alignment,
             )
             if reader.fingerprint != fingerprint:
                 raise KDUserError(

@@ -7,6 +7,8 @@ log-probs of.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -22,16 +24,23 @@ class ModelTeacher(Teacher):
 
     Args:
         model: the decoder, as :func:`kd.prepare.prepare_teacher` leaves it.
+        folder: where its weights were read from (named when they hold NaN or inf).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, folder: Path | None = None):
         self.model = model
+        self.folder = folder
         self.generator: nn.Module | None = model
 
     def signal(self, batch: TeacherInput) -> LogitsSignal:
         with torch.no_grad():
             hidden = self.model(batch.tokens)  # [b, s, d_t]
         return LogitsSignal(hidden=hidden, model=self.model)
+
+    def check_loaded(self) -> None:
+        from kd.checkpoint.training import check_loaded_weights_finite
+
+        check_loaded_weights_finite({"teacher_model": (self.model, self.folder or Path())})
 
     def release(self) -> None:
         # Free the sharded teacher's gathered root (norm + output) before the backward peaks.
