@@ -941,6 +941,61 @@ def teacher_logits_precompute_without_teacher(assets, tmp, cfg):
     return ["run", "teacher_logits", "--config", "{cfg}"], "teacher_model: null, but kd run"
 
 
+# --- issue 23: folders that ask to run code or lead outside, config.json fields, usability -----
+def _student_copy(assets: dict, tmp: Path, cfg: dict) -> Path:
+    """A copy of the student's folder as the run's ``kd.hf.causal_lm`` student."""
+    import shutil
+
+    folder = tmp / "student_copy"
+    shutil.copytree(assets["student"], folder)
+    _hf_student(assets, cfg, path=str(folder))
+    return folder
+
+
+def model_folder_asks_for_its_own_code(assets, tmp, cfg):
+    """the student's config.json has `auto_map` and a `custom.py` beside it"""
+    folder = _student_copy(assets, tmp, cfg)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "custom.Model"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(f"open({str(tmp / 'pwned')!r}, 'w')\n")
+    return _validate(), "auto_map"
+
+
+def tokenizer_file_links_out_of_its_folder(assets, tmp, cfg):
+    """a file of the student's folder is a link to `../secret`"""
+    folder = _student_copy(assets, tmp, cfg)
+    (tmp / "secret").write_text("not the model's")
+    (folder / "notes.txt").symlink_to(tmp / "secret")
+    return _validate(), "notes.txt"
+
+
+def index_names_a_file_outside_the_folder(assets, tmp, cfg):
+    """`model.safetensors.index.json` maps a weight to `../outside/x.safetensors`"""
+    folder = _student_copy(assets, tmp, cfg)
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "../outside/x.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return _validate(), "../outside/x.safetensors"
+
+
+def config_json_field_not_a_number(assets, tmp, cfg):
+    """the student's config.json says `max_position_embeddings: "abc"`"""
+    folder = _student_copy(assets, tmp, cfg)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = "abc"
+    (folder / "config.json").write_text(json.dumps(config))
+    return _validate(), "max_position_embeddings is 'abc'"
+
+
+def top_level_key_of_a_section(assets, tmp, cfg):
+    """`eval_every_n_steps=10` (a key of `validation:` written at the top level)"""
+    return _run("eval_every_n_steps=10"), "validation.every_n_steps"
+
+
+def component_not_a_string(assets, tmp, cfg):
+    return _run("optimizer._component_=5"), "not a string"
+
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -1071,6 +1126,12 @@ CASES: list[Case] = [
     teacher_logits_foreign_bucket_retempered,
     teacher_logits_foreign_other_dataset,
     teacher_logits_precompute_locked,
+    model_folder_asks_for_its_own_code,
+    tokenizer_file_links_out_of_its_folder,
+    index_names_a_file_outside_the_folder,
+    config_json_field_not_a_number,
+    top_level_key_of_a_section,
+    component_not_a_string,
 ]
 
 
