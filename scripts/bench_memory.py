@@ -127,7 +127,7 @@ def write_markdown(rows: list[dict], path: str, command: str, total_s: float) ->
         "",
         "Each row is a built-in template with overrides, at the real model sizes. **Estimate** is the",
         "closed form `kd plan` uses (`kd.memory.estimate`, microseconds, no torch). **Trace** runs the",
-        "recipe's real training step (`kd.train.micro_step`: student forward, teacher forward without",
+        "recipe's real training step (`kd.training.train.micro_step`: student forward, teacher forward without",
         "autograd, fused loss, backward; then the optimizer step) for the full-size torchtune",
         "modules under `FakeTensorMode` with torch's `MemTracker` (`kd plan --trace`), in the steady",
         "state (optimizer states exist). Both are *allocated* bytes per device, without the runtime",

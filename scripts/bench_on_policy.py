@@ -4,7 +4,7 @@ docs/on_policy_benchmark.md.
 Three measurements:
 
 1. **Generation throughput** at 128 new tokens after 32-token prompts, batch 1 and 8, on two tiny
-   random-init Qwen2 shapes (the demo's student, and a 4x wider one): :func:`kd.on_policy.rollout`
+   random-init Qwen2 shapes (the demo's student, and a 4x wider one): :func:`kd.training.on_policy.rollout`
    (the KV cache) against a loop that recomputes the whole sequence every token through the same
    sampler (same per-row generators: the tokens must come out identical), and, as library
    reference points, torchtune's ``generate`` with and without ``local_kv_cache`` and
@@ -76,8 +76,9 @@ def _methods(tt_model: Any, hf_model: Any, prompt: Any, seed: int) -> dict[str, 
     """Each method samples ``new`` tokens after ``prompt`` (no stop token) and returns them."""
     import torch
 
-    from kd import models, on_policy
+    from kd import models
     from kd._torchtune import generate_tokens, local_kv_cache
+    from kd.training import on_policy
 
     b = prompt.shape[0]
     prompts = on_policy.Prompts(
@@ -602,7 +603,7 @@ def write_doc(report: dict, doc: Path) -> None:
         "(wall-clock rates are in report.json). "
         "*recompute the prefix* is the peer: a loop that runs the whole sequence through the "
         "model for every new token, through kd's sampler with the same per-row generators as "
-        "`kd.on_policy.rollout`; the torchtune and transformers rows are the libraries' own "
+        "`kd.training.on_policy.rollout`; the torchtune and transformers rows are the libraries' own "
         "`generate` on the same weights, as reference points (transformers' sampler and "
         "torchtune's differ from kd's, so only their speed compares).",
         "",
@@ -742,7 +743,7 @@ def write_doc(report: dict, doc: Path) -> None:
         "What the runs show about the mechanics, whichever way the numbers go:",
         "",
         "- kd's on-policy prompt is the tokens before a row's last labelled span, plus the "
-        "assistant header when the chat format labels it (`kd.on_policy.assistant_header`; "
+        "assistant header when the chat format labels it (`kd.training.on_policy.assistant_header`; "
         f"torchtune's Qwen2.5 format labels it: {demo['header_tokens']} tokens here), as TRL's "
         "`GKDTrainer` puts the generation prompt in the prompt. On a sampled micro-batch the "
         "header is then never a target, so an lmbda-1 student never learns to write it (the "

@@ -13,7 +13,7 @@ with ``teacher_logits.path``):
 3. **Quality**: ``kd demo``'s task. The demo trains a teacher and an online-KD student (forward KL,
    kd_ratio 0.9, 160 steps); here the same student config trains from the teacher's stored top-32
    (tail bucket and renorm) with the same steps, seed and batches, and all are evaluated on the
-   512 held-out examples with ``kd.evaluate`` (the demo's own numbers).
+   512 held-out examples with ``kd.training.evaluate`` (the demo's own numbers).
 
     python scripts/bench_stored_logits.py --work /tmp/kd_stored      # ~10 min on 2 cores
 """
@@ -284,7 +284,7 @@ def write_doc(report: dict) -> None:
         "`kd demo`'s KD student config (forward KL, kd_ratio 0.9, T=1, 160 steps over 64 "
         "examples), trained once with the online teacher (the demo's own run) and once from the "
         f"teacher's stored top-{QUALITY_K} of 288 entries per position, each tail treatment; same "
-        "seed, initial weights and batches. Held-out: the demo's 512 examples through `kd.evaluate`.",
+        "seed, initial weights and batches. Held-out: the demo's 512 examples through `kd.training.evaluate`.",
         "",
         "| model | held-out loss | vs online KD | greedy exact match | KL to teacher |",
         "|---|---|---|---|---|",

@@ -4,7 +4,7 @@ Two backends build the models: torchtune builders (``TransformerDecoder``, loade
 checkpointers, all imported via :mod:`kd._torchtune`) and transformers (any causal LM of a local
 Hugging Face folder, :mod:`kd.hf.model`), each behind one adapter (:mod:`kd.backends`). The
 functions here take either and call the adapter :func:`kd.backends.backend_of` picks,
-so the recipe, :mod:`kd.prepare`, :mod:`kd.distributed` and the memory tracers never ask which
+so the recipe, :mod:`kd.training.prepare`, :mod:`kd.training.distributed` and the memory tracers never ask which
 backend built a model. The recipes run the decoders *without* their output projection
 (:func:`set_hidden_output`) and hand the final-norm hidden states plus the projection weight
 (:func:`output_weight`) to the fused loss, so no full-vocab logits tensor is built.

@@ -29,7 +29,7 @@ from conftest import STUDENT, builder, make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 import kd.checkpoint
-import kd.train
+import kd.training.train
 from kd import checkpoint, cli
 
 RUN = ["run", "kd_single_device"]
@@ -1233,7 +1233,7 @@ def test_table_in_docs_lists_every_case():
 
 def _nan_at_step(monkeypatch, step: int, accumulation: int) -> None:
     """The first micro-batch of optimizer step ``step`` gets a NaN loss (so NaN gradients)."""
-    original = kd.train.compute_loss
+    original = kd.training.train.compute_loss
     calls = {"n": 0}
 
     def compute_loss(*args, **kwargs):
@@ -1243,7 +1243,7 @@ def _nan_at_step(monkeypatch, step: int, accumulation: int) -> None:
             loss = loss * float("nan")
         return loss, ce, kd_term
 
-    monkeypatch.setattr(kd.train, "compute_loss", compute_loss)
+    monkeypatch.setattr(kd.training.train, "compute_loss", compute_loss)
 
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_checkpoints(

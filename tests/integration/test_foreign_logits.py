@@ -1,4 +1,4 @@
-"""Other tools' top-k teacher files (issue 15 item 3, kd.foreign_logits): axolotl's KD dataset
+"""Other tools' top-k teacher files (issue 15 item 3, kd.teachers.foreign_logits): axolotl's KD dataset
 fields and DistillKit's raw rows, written from the tiny teacher's real logits, train to the same
 losses as kd's own store of the same teacher (tail renorm); a store whose vocab is below the
 student's trains like the online teacher (the KD softmax over the shared entries); two
@@ -26,8 +26,9 @@ from conftest import (
     write_config,
 )
 
-from kd import cli, stored_logits
+from kd import cli
 from kd.errors import KDUserError
+from kd.teachers import stored_logits
 
 K = 8
 STORED = 12  # entries per position in the foreign files (k <= stored)
@@ -162,7 +163,7 @@ def test_foreign_file_trains_like_kds_store(assets, foreign, kd_store, tmp_path,
 def test_foreign_reader_aligns_with_kds_store(assets, foreign, kd_store):
     """Batch by batch: the same ids, and after renormalisation the same log-probs."""
     from kd import _torchtune as tt
-    from kd.foreign_logits import ForeignLogitsReader
+    from kd.teachers.foreign_logits import ForeignLogitsReader
 
     rows = _rows(assets)
     picked = [0, 5, 33, 63]
@@ -462,7 +463,7 @@ def test_saved_dataset_dict_folder_reads_its_train_split(foreign, tmp_path):
     a folder of several splits names them."""
     import datasets
 
-    from kd.foreign_logits import pretokenized_rows
+    from kd.teachers.foreign_logits import pretokenized_rows
 
     rows = pq.read_table(foreign["axolotl"]).to_pylist()
     datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:5])).save_to_disk(tmp_path / "dd")

@@ -4,7 +4,7 @@ same global batch, through the command a user types (``kd run --nproc_per_node 2
 The student samples its completions while sharded (FSDP2 gathers each layer per decoding step), so
 every rank must run the same number of decoding steps; each row draws from its own generator
 (seed, epoch, row), so the same rows sample the same tokens on 1 or 2 ranks. Every launch records
-each rank's rollouts (a ``sitecustomize`` wraps :func:`kd.on_policy.rollout`) so the tests check
+each rank's rollouts (a ``sitecustomize`` wraps :func:`kd.training.on_policy.rollout`) so the tests check
 the sampled tokens themselves, not only the losses they lead to. fp32, shuffle off.
 """
 
@@ -29,8 +29,9 @@ from test_distributed import (
     _assert_same_files,
 )
 
-from kd import cli, on_policy
+from kd import cli
 from kd.testing import run_launch
+from kd.training import on_policy
 
 STEPS = 3
 ON_POLICY = {"lmbda": 1.0, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
@@ -68,7 +69,7 @@ from collections.abc import Callable
 {inspect.getsource(_recording)}
 
 if "RANK" in os.environ:
-    from kd import on_policy
+    from kd.training import on_policy
 
     on_policy.rollout = _recording(
         on_policy.rollout,

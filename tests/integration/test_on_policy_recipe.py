@@ -14,7 +14,7 @@ import torch
 from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
-import kd.on_policy
+import kd.training.on_policy
 from kd import checkpoint, cli, models
 
 RECIPE = ["run", "kd"]
@@ -53,13 +53,13 @@ def run(tmp_path: Path, name: str, assets: dict, *overrides: str, **top) -> Path
 def sampling_vocabs(monkeypatch) -> list[int]:
     """The vocabulary size of each model that samples (student 288, teacher 320), in order."""
     seen: list[int] = []
-    original = kd.on_policy.rollout
+    original = kd.training.on_policy.rollout
 
     def spy(model, *args, **kwargs):
         seen.append(models.vocab_size(model))
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(kd.on_policy, "rollout", spy)
+    monkeypatch.setattr(kd.training.on_policy, "rollout", spy)
     return seen
 
 

@@ -22,7 +22,8 @@ from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 import kd.checkpoint.training
-from kd import checkpoint, cli, outputs
+from kd import checkpoint, cli
+from kd.training import outputs
 
 RUN = ["run", "kd_single_device"]
 

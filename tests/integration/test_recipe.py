@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from kd import cli, models
 from kd.config import load_config, validate_config
 from kd.config.run import run_config
-from kd.distributed import WorldInfo
 from kd.recipes.kd import KDRecipe
+from kd.training.distributed import WorldInfo
 
 REQUIRED_METRICS = {
     "step",

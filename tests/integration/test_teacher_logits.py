@@ -1,5 +1,5 @@
 """Stored teacher logits (issue 15): `kd run teacher_logits` writes the teacher's top-k log-probs
-(kd.stored_logits), resumes byte for byte after a failure, refuses another config's store; the
+(kd.teachers.stored_logits), resumes byte for byte after a failure, refuses another config's store; the
 reader returns them aligned with the shifted labels and refuses damaged or foreign stores."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, write_config
 
 from kd import _torchtune as tt
-from kd import cli, stored_logits
+from kd import cli
 from kd.errors import KDUserError
-from kd.train import shift_labels
+from kd.teachers import stored_logits
+from kd.training.train import shift_labels
 
 K = 8
 ROWS_PER_SHARD = 16  # 64 rows: 4 shards
@@ -262,7 +263,7 @@ def test_training_from_store_without_teacher_nodes_resumes_exactly(
 def test_no_teacher_model_is_loaded_from_a_store(assets, full_store, tmp_path, monkeypatch):
     """With teacher_logits the run's teacher is the store: RunContext.load_model (the one way a
     model is loaded) sees the student only; with a teacher model it sees both."""
-    from kd.run_context import RunContext
+    from kd.training.run_context import RunContext
 
     loaded = []
     original = RunContext.load_model

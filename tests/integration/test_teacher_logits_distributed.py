@@ -14,7 +14,8 @@ import torch
 from conftest import make_config, read_metrics, write_config
 from test_distributed import _RANK0_ONLY_GUARD, COMPARED, TOL, _assert_same_files
 
-from kd import cli, stored_logits
+from kd import cli
+from kd.teachers import stored_logits
 from kd.testing import run_launch
 
 K = 8

@@ -748,7 +748,7 @@ def test_restore_training_checkpoint_blames_a_damaged_state_on_the_checkpoint(
     tmp_path: Path, monkeypatch
 ) -> None:
     from kd.checkpoint import training
-    from kd.distributed import WorldInfo
+    from kd.training.distributed import WorldInfo
 
     ckpt = tmp_path / "step_000004"
     args = dict(

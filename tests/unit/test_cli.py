@@ -15,8 +15,7 @@ from conftest import make_config, write_config
 from test_config import tiny_config, write
 
 import kd
-from kd import registry
-from kd.cli import main, run_recipe
+from kd.cli import main, registry, run_recipe
 from kd.errors import KDUserError
 
 
@@ -126,7 +125,7 @@ def test_help_everywhere(capsys):
 
 def test_cli_modules_do_not_import_torch():
     code = (
-        "import sys, kd.cli, kd.registry, kd.config; kd.cli.main(['ls']); kd.cli.main(['--help']); "
+        "import sys, kd.cli, kd.cli.registry, kd.config; kd.cli.main(['ls']); kd.cli.main(['--help']); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(

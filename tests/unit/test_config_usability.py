@@ -14,8 +14,7 @@ from conftest import make_config, write_config
 from test_config import tiny_config, write
 from test_fast_errors import kd_main_subprocess
 
-from kd import registry
-from kd.cli import main
+from kd.cli import main, registry
 
 
 @pytest.fixture

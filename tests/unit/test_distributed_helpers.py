@@ -1,4 +1,4 @@
-"""kd.distributed helpers at world size 1 (the N-rank paths run in tests/integration)."""
+"""kd.training.distributed helpers at world size 1 (the N-rank paths run in tests/integration)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kd import distributed
-from kd.distributed import WorldInfo
+from kd.training import distributed
+from kd.training.distributed import WorldInfo
 
 ONE = WorldInfo(world_size=1, rank=0, local_rank=0)
 

@@ -1,4 +1,4 @@
-"""kd.evaluate: token-weighted held-out metrics against a hand computation with kd.losses on full
+"""kd.training.evaluate: token-weighted held-out metrics against a hand computation with kd.losses on full
 logits, for any batch size; the training loss's definitions; the rank shards; the best tracker."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from conftest import tiny_hidden_decoder
 
 from kd import _torchtune as tt
-from kd import data, evaluate, losses, models, train
+from kd import data, losses, models
 from kd.config.run import LossSettings
+from kd.training import evaluate, train
 
 VOCAB_S, VOCAB_T = 64, 80  # the teacher's padded vocab is larger, as Qwen2.5-14B vs 3B
 

@@ -1,5 +1,5 @@
 """Memory planner: the evaluation phase (a validation batch between steps) against the traced
-``kd.evaluate`` batch, its place in the plan, and ``kd run``'s refusal when only it does not fit."""
+``kd.training.evaluate`` batch, its place in the plan, and ``kd run``'s refusal when only it does not fit."""
 
 from __future__ import annotations
 

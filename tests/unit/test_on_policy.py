@@ -1,4 +1,4 @@
-"""kd.on_policy (GKD): the loss on sampled sequences against TRL's GKDTrainer, prompts, the sampler,
+"""kd.training.on_policy (GKD): the loss on sampled sequences against TRL's GKDTrainer, prompts, the sampler,
 rollout against torchtune's and transformers' own generation, and the training batch."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import torch
 from conftest import tiny_hidden_decoder
 
 from kd import _torchtune as tt
-from kd import models, on_policy, train
+from kd import models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
-from kd.on_policy import Completions, Prompts
-from kd.prepare import prepare_student
 from kd.testing import TinyModel, write_tiny_model
+from kd.training import on_policy, train
+from kd.training.on_policy import Completions, Prompts
+from kd.training.prepare import prepare_student
 
 IGN = -100
 PAD = 0

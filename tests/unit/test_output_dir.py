@@ -1,4 +1,4 @@
-"""kd.outputs: the output_dir lock, what counts as another run's outputs, moving them aside; and
+"""kd.training.outputs: the output_dir lock, what counts as another run's outputs, moving them aside; and
 kd.checkpoint.recover_interrupted_saves (a save killed between its two renames)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kd import checkpoint, outputs
+from kd import checkpoint
 from kd.errors import KDUserError
+from kd.training import outputs
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -58,7 +59,7 @@ def test_lock_left_by_a_killed_process_is_free(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, sys
-        from kd import outputs
+        from kd.training import outputs
         outputs.lock_output_dir({str(out)!r})
         print("locked", flush=True)
         sys.stdin.read()

@@ -1,4 +1,4 @@
-"""kd.registry against what ships: every recipe imports and has ``recipe_main``, every built-in
+"""kd.cli.registry against what ships: every recipe imports and has ``recipe_main``, every built-in
 config resolves, loads and validates, unknown names point at the closest one, and ``kd ls`` lists
 them all."""
 
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kd import registry
-from kd.cli import main
+from kd.cli import main, registry
 from kd.config import load_config, validate_config
 from kd.errors import KDUserError
 
@@ -34,7 +33,7 @@ def test_something_is_registered():
     for alias in ("kd_single_device", "kd_distributed"):
         assert importlib.import_module(registry.find_recipe(alias).module).recipe_main is main_fn
     assert len(CONFIGS) >= 5  # the shipped Qwen2.5 / Llama 3.x configs
-    assert registry.configs_dir() == Path(registry.__file__).parent / "configs"
+    assert registry.configs_dir() == Path(registry.__file__).parents[1] / "configs"  # kd/configs
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.name)

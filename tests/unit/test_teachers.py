@@ -1,5 +1,5 @@
 """The teacher interface (kd.teachers) and the backend adapters (kd.backends): every kind of
-teacher answers through one protocol, a new kind plugs in without touching kd.train, and no module
+teacher answers through one protocol, a new kind plugs in without touching kd.training.train, and no module
 outside the adapters asks which library built a model."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_hidden_decoder
 
-from kd import backends, models, train
+from kd import backends, models
 from kd.teachers import (
     FileTeacher,
     FixedTopKTeacher,
@@ -23,6 +23,7 @@ from kd.teachers import (
     TopKSignal,
     as_teacher,
 )
+from kd.training import train
 
 IGN = -100
 SRC = Path(__file__).resolve().parents[2] / "src" / "kd"

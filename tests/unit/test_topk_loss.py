@@ -8,7 +8,7 @@ from conftest import tiny_hidden_decoder
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kd.losses as losses
-from kd import models, train
+from kd import models
 from kd.losses import (
     DIVERGENCES,
     ce_loss,
@@ -17,6 +17,7 @@ from kd.losses import (
     fused_linear_topk_kd_loss,
     kd_loss,
 )
+from kd.training import train
 
 IGN = -100
 FORWARD_TYPES = ("forward_kl", "jsd", "tvd", "skew_forward_kl", "skew_reverse_kl")

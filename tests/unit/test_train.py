@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import tiny_hidden_decoder
 
-from kd import models, train
+from kd import models
+from kd.training import train
 
 
 def _batch(b: int = 2, s: int = 10, vocab: int = 60, seed: int = 1):

@@ -127,5 +127,5 @@ class Backend(Protocol):
     ) -> Any:
         """A context manager whose value ``forward(x, start)`` runs positions ``start ..
         start + len(x)`` of a ``[b, total]`` left-padded sequence with a KV cache
-        (:func:`kd.on_policy.rollout`)."""
+        (:func:`kd.training.on_policy.rollout`)."""
         ...

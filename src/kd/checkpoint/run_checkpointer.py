@@ -20,7 +20,7 @@ from kd.checkpoint.training import (
     save_best_checkpoint,
     save_training_checkpoint,
 )
-from kd.distributed import WorldInfo
+from kd.training.distributed import WorldInfo
 
 __all__ = ["RunCheckpointer"]
 

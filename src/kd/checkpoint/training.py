@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from kd import distributed
 from kd.backends import backend_named
 from kd.checkpoint.layout import BEST_DIRNAME, RECIPE_STATE_FILE
 from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, restore_rng_state
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
-from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
+from kd.training import distributed
+from kd.training.distributed import WorldInfo
 
 log = logging.getLogger("kd")
 
@@ -60,7 +60,7 @@ class Progress:
         epoch: the epoch the next step belongs to.
         seed: the run's seed.
         validation: the best validation value so far and the evaluations since it improved
-            (:meth:`kd.evaluate.BestTracker.state_dict`); empty without validation and when
+            (:meth:`kd.training.evaluate.BestTracker.state_dict`); empty without validation and when
             restored from a checkpoint written before kd had it.
     """
 

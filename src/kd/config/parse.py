@@ -27,10 +27,10 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kd.cli.registry import find_config
 from kd.config import schema
 from kd.config.compat import apply_compat
 from kd.errors import KDUserError, one_line
-from kd.registry import find_config
 
 _KEY_RE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)*$")
 

@@ -65,7 +65,7 @@ DIVERGENCES: tuple[str, ...] = (
 # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
 IGNORE_INDEX = -100
 
-# The validation metrics (kd.evaluate.ValStats.metrics) and the direction that is better.
+# The validation metrics (kd.training.evaluate.ValStats.metrics) and the direction that is better.
 VAL_METRICS: dict[str, str] = {
     "val_loss": "min",
     "val_ce_loss": "min",
@@ -86,7 +86,7 @@ def _has(section: str) -> Any:
 
 @settings
 class TeacherLogitsSettings:
-    """Stored teacher top-k log-probs (``teacher_logits:``; :mod:`kd.stored_logits`):
+    """Stored teacher top-k log-probs (``teacher_logits:``; :mod:`kd.teachers.stored_logits`):
     ``kd run teacher_logits`` writes them, ``kd run kd`` then trains from them without the
     teacher."""
 
@@ -287,7 +287,7 @@ def _seq_len_source(cfg: DictConfig) -> str:
 @settings
 class MemorySettings:
     """The memory plan's inputs that are not model shapes (``memory:`` section; the budget is
-    resolved by :func:`kd.device.resolve_budget`)."""
+    resolved by :func:`kd.training.device.resolve_budget`)."""
 
     budget_gib: float | None = setting(
         "memory.budget_gib",
@@ -467,7 +467,7 @@ class ValidationSettings:
 
 @settings
 class OnPolicySettings:
-    """On-policy distillation (``on_policy:``; :mod:`kd.on_policy`), GKD's knobs as TRL names
+    """On-policy distillation (``on_policy:``; :mod:`kd.training.on_policy`), GKD's knobs as TRL names
     them: with probability lmbda a micro-batch trains on the student's own completions of its
     prompts (drawn once per micro-batch, the same on every rank), scored by the teacher."""
 

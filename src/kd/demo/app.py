@@ -38,7 +38,7 @@ def train(config_path: Path) -> None:
     Raises:
         KDUserError: the run failed.
     """
-    from kd.launch import run_recipe
+    from kd.cli.launch import run_recipe
     from kd.recipes.kd_single_device import recipe_main
 
     log = logging.getLogger("kd")

@@ -1,7 +1,7 @@
 """Held-out evaluation of the demo's models: loss, next-letter accuracy, greedy exact match, curves.
 
 The held-out loss, the divergence to the teacher and the top-1 agreement come from
-:func:`kd.evaluate.evaluate`, the code that computes ``validation:`` metrics during training (fed
+:func:`kd.training.evaluate.evaluate`, the code that computes ``validation:`` metrics during training (fed
 by :func:`kd.data.build_eval_loader`, as the recipe feeds it); only the letter accuracies are the
 demo's own.
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kd.config.run import LossSettings
-    from kd.evaluate import ValStats
+    from kd.training.evaluate import ValStats
 
 # Held-out examples per evaluation batch (the numbers do not depend on it).
 EVAL_BATCH_SIZE = 64
@@ -57,7 +57,7 @@ class EvalResult:
 
 @contextlib.contextmanager
 def _hidden_output(*modules: nn.Module | None) -> Iterator[None]:
-    """The models return final-norm hidden states inside (what :mod:`kd.evaluate` takes, as the
+    """The models return final-norm hidden states inside (what :mod:`kd.training.evaluate` takes, as the
     recipe prepares them), logits again after."""
     from kd import models
 
@@ -87,11 +87,11 @@ class HeldOut:
         from kd import _torchtune as tt
         from kd import data
         from kd.config import instantiate
-        from kd.train import shift_labels
+        from kd.training.train import shift_labels
 
         self.tokenizer = instantiate(OmegaConf.create(tokenizer_cfg), key="tokenizer")
         dataset = instantiate(OmegaConf.create(dataset_cfg), self.tokenizer, key="dataset")
-        # The held-out batches of kd.evaluate, as the recipe's validation reads them.
+        # The held-out batches of kd.training.evaluate, as the recipe's validation reads them.
         self.loader = data.build_eval_loader(
             dataset,
             batch_size=EVAL_BATCH_SIZE,
@@ -136,7 +136,7 @@ class HeldOut:
     def validation(
         self, model: nn.Module, teacher: nn.Module | None, *, settings: LossSettings
     ) -> ValStats:
-        """``kd.evaluate``'s metrics of ``model`` (against ``teacher``) on the held-out set: what
+        """``kd.training.evaluate``'s metrics of ``model`` (against ``teacher``) on the held-out set: what
         ``validation:`` would log for them during training.
 
         Args:
@@ -146,7 +146,7 @@ class HeldOut:
         """
         import torch
 
-        from kd.evaluate import evaluate
+        from kd.training.evaluate import evaluate
 
         with _hidden_output(model, teacher):
             return evaluate(

@@ -178,7 +178,7 @@ def print_table(result: DemoResult, plan: DemoPlan) -> None:
         "student and the teacher: (ce - kd) / (ce - teacher)"
     )
     say(
-        "held-out loss, KL to teacher and top-1 = teacher are kd.evaluate's val_ce_loss, "
+        "held-out loss, KL to teacher and top-1 = teacher are kd.training.evaluate's val_ce_loss, "
         "val_kd_loss and val_top1_agreement (what validation: logs during training)"
     )
     say("")

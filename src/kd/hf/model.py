@@ -334,7 +334,7 @@ def has_plain_output(model: nn.Module) -> bool:
 def _hidden_forward(self: nn.Module, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     # The decoder without the output projection: final-norm hidden states [b, s, d]. Called
     # through the CausalLM's own __call__, so FSDP's hooks on the root still run. Generation
-    # (kd.on_policy) passes attention_mask, position_ids and a cache that the decoder fills.
+    # (kd.training.on_policy) passes attention_mask, position_ids and a cache that the decoder fills.
     kwargs.setdefault("use_cache", False)
     return self.get_decoder()(input_ids=tokens, **kwargs).last_hidden_state
 

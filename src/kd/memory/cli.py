@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from kd.commands import add_target_arguments, resolve_target
+from kd.cli.commands import add_target_arguments, resolve_target
 from kd.errors import KDUserError, brief, one_line
 
 _EPILOG = """\
@@ -138,10 +138,10 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
-    from kd.device import resolve_budget
     from kd.memory.estimate import estimate
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
+    from kd.training.device import resolve_budget
 
     t0 = time.perf_counter()
     if getattr(args, "compare_stored_logits", None) is not None:

@@ -1,6 +1,6 @@
 """Closed-form peak memory of one KD training step: pure arithmetic on shapes and knobs.
 
-What one optimizer step of ``kd.train`` allocates on one device, phase by phase
+What one optimizer step of ``kd.training.train`` allocates on one device, phase by phase
 (:func:`estimate` composes them; each term lives in the module of its job):
 
 * the **resident** terms (:mod:`kd.memory.resident`): weights, adapters, buffers, gradients,

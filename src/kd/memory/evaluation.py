@@ -1,5 +1,5 @@
 """The evaluation phase of the memory estimate (only with ``validation:``): what stays resident
-between steps plus one validation batch through ``kd.evaluate.token_sums``.
+between steps plus one validation batch through ``kd.training.evaluate.token_sums``.
 
 Pure arithmetic, no torch.
 """
@@ -11,7 +11,7 @@ from kd.memory.knobs import TrainKnobs
 from kd.memory.shapes import ModelShape
 from kd.memory.training_step import Components, between_steps
 
-# kd.evaluate.token_sums, per chunk of n labelled rows: fp32 [n, V] buffers. The student's logits
+# kd.training.evaluate.token_sums, per chunk of n labelled rows: fp32 [n, V] buffers. The student's logits
 # and cross-entropy's log-softmax; with a teacher, both models' logits plus, at the teacher's
 # log-softmax, the student's log-probs, the output and its clamped copy (and the tempered input when
 # T != 1); then, the logits freed, both log-probs and the divergence's temporaries: exp, difference
@@ -20,7 +20,7 @@ _EVAL_DIVERGENCE_BUFFERS: dict[str, int] = {"jsd": 4, "skew_forward_kl": 4, "ske
 
 
 def eval_chunk_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnobs) -> int:
-    """Peak of one chunk of ``kd.evaluate.token_sums`` beyond the labelled hidden states."""
+    """Peak of one chunk of ``kd.training.evaluate.token_sums`` beyond the labelled hidden states."""
     assert k.eval_batch is not None
     n = min(k.loss_chunk_size, k.eval_batch * k.seq_len)
     vs = student.vocab_size

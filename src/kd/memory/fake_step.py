@@ -2,7 +2,7 @@
 
 :mod:`kd.memory.trace` (one device, MemTracker) and :mod:`kd.memory.trace_fsdp` (rank 0 of N
 FSDP2 ranks, FSDPMemTracker) build a run's models on fake CPU tensors, prepare them as the
-recipe does (:mod:`kd.prepare`), and run one micro-step plus the optimizer step inside a tracker;
+recipe does (:mod:`kd.training.prepare`), and run one micro-step plus the optimizer step inside a tracker;
 this module holds what both do: the fake models, optimizer and batch of a RunConfig
 (:func:`build_fake_step`), the phase recorder (:func:`trace_step_phases`) and its tracker
 helpers, and the context managers that make torchtune, transformers and torchao run on fake
@@ -28,7 +28,7 @@ from kd.errors import KDUserError
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
 
 if TYPE_CHECKING:
-    from kd.prepare import ShardSpec
+    from kd.training.prepare import ShardSpec
 
 
 @dataclass
@@ -278,7 +278,7 @@ class FakeStep:
     """Everything one traced training step runs on (fake tensors).
 
     Attributes:
-        student: the prepared student (:func:`kd.prepare.prepare_student`).
+        student: the prepared student (:func:`kd.training.prepare.prepare_student`).
         teacher: the prepared teacher, or None.
         trainable: the student's parameters that require grad.
         optimizer: over ``trainable``, states primed; None when the optimizer is not traced.
@@ -287,7 +287,7 @@ class FakeStep:
         num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all
             ranks).
         teacher_topk: stored teacher logits ``(ids [b, s, k] int64, logprobs [b, s, k] float16)``
-            as the recipe passes them to ``kd.train.micro_step``; None with an online teacher or
+            as the recipe passes them to ``kd.training.train.micro_step``; None with an online teacher or
             none.
         knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the
             micro-batch, the validation batch and the on-policy sampling the trace runs.
@@ -353,7 +353,7 @@ def build_fake_step(
     from kd import models
     from kd.config import instantiate
     from kd.memory.plan import inputs_from_run
-    from kd.prepare import prepare_student, prepare_teacher
+    from kd.training.prepare import prepare_student, prepare_teacher
 
     knobs = inputs_from_run(run).knobs
     b, s = knobs.batch_size, knobs.seq_len
@@ -398,7 +398,7 @@ def build_fake_step(
 
 
 class _Evaluation(nn.Module):
-    """:func:`kd.evaluate.batch_sums` as a module call.
+    """:func:`kd.training.evaluate.batch_sums` as a module call.
 
     The trackers refuse a second top-level call of a module (they take it for the next training
     iteration); the evaluation calls the models again after the step, and the output projection
@@ -411,7 +411,7 @@ class _Evaluation(nn.Module):
         self.models = (student, teacher)
 
     def forward(self, batch: dict[str, torch.Tensor], settings: Any) -> torch.Tensor:
-        from kd import evaluate
+        from kd.training import evaluate
 
         student, teacher = self.models
         device = batch["tokens"].device
@@ -421,15 +421,15 @@ class _Evaluation(nn.Module):
 def trace_evaluation(mt: Any, step: FakeStep, *, settings: Any, eval_batch: int) -> dict[str, int]:
     """One validation batch as the recipe evaluates it between steps, inside tracker ``mt``.
 
-    The gradients are gone (``kd.train.optimizer_step`` sets them to None; so does this, for a
+    The gradients are gone (``kd.training.train.optimizer_step`` sets them to None; so does this, for a
     trace without a traced optimizer); the student is in eval mode and both models run under
-    ``no_grad`` through :func:`kd.evaluate.batch_sums`, the function :func:`kd.evaluate.evaluate`
+    ``no_grad`` through :func:`kd.training.evaluate.batch_sums`, the function :func:`kd.training.evaluate.evaluate`
     calls per batch (fake tensors keep every position: every one labelled, the worst case).
 
     Args:
         mt: the tracker, entered, holding the step's models and optimizer.
         step: the traced step (:func:`build_fake_step`); its optimizer step has run.
-        settings: ``kd.train.LossSettings``.
+        settings: ``kd.training.train.LossSettings``.
         eval_batch: sequences of the validation batch.
 
     Returns:
@@ -487,7 +487,7 @@ def fake_friendly_kv_cache() -> Iterator[None]:
 
 
 class _Rollout(nn.Module):
-    """:func:`kd.on_policy.rollout` as a module call (the trackers accept the model's many calls
+    """:func:`kd.training.on_policy.rollout` as a module call (the trackers accept the model's many calls
     nested in it; see :class:`_Evaluation`)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -495,7 +495,7 @@ class _Rollout(nn.Module):
         self.models = (model,)
 
     def forward(self, prompts: Any, **kwargs: Any) -> Any:
-        from kd import on_policy
+        from kd.training import on_policy
 
         return on_policy.rollout(self.models[0], prompts, **kwargs)
 
@@ -507,7 +507,7 @@ def trace_generation(
 
     Each model of ``generation.models`` samples ``generation.new_tokens`` tokens after a fake
     batch of left-padded prompts ``[b, s - new_tokens]`` (``b, s`` of the step's micro-batch:
-    prompt and completion fill ``tokenizer.max_seq_len``) through :func:`kd.on_policy.rollout`
+    prompt and completion fill ``tokenizer.max_seq_len``) through :func:`kd.training.on_policy.rollout`
     (prefill with the KV cache, then one token per step; every step runs, since fake tensors
     cannot tell where a completion stops). The gradients are gone (the previous step's
     ``optimizer_step`` set them to None). Sampling uses one CPU generator per row with the
@@ -522,7 +522,8 @@ def trace_generation(
     Returns:
         ``{model}_generation`` -> tracker category -> bytes at that model's sampling peak.
     """
-    from kd import models, on_policy
+    from kd import models
+    from kd.training import on_policy
 
     for p in step.trainable:
         p.grad = None
@@ -559,7 +560,7 @@ def trace_generation(
             )
             del prompts, done
             if name == "teacher":
-                from kd import distributed
+                from kd.training import distributed
 
                 distributed.reshard(model)  # the recipe frees the teacher's gathered root
             out[f"{name}_generation"] = take_phase_peak(mt)
@@ -651,12 +652,12 @@ def trace_step_phases(
         mt: a MemTracker or FSDPMemTracker already tracking ``step``'s models and tensors.
         step: the models, optimizer and micro-batch (:func:`build_fake_step`).
         run: the run configuration (its loss settings and ``clip_grad_norm``).
-        grad_scale: ``kd.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
+        grad_scale: ``kd.training.train.micro_step``'s ``grad_scale`` (the world size under FSDP2).
 
     Returns:
         Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
     """
-    from kd import train
+    from kd.training import train
 
     rec = _PhaseRecorder(mt)
     hooks = [step.student.register_forward_hook(rec.after_forward("student"))]

@@ -151,7 +151,7 @@ def unfused_loss_bytes(
 
 @dataclass(frozen=True)
 class LossHead:
-    """The loss head of one micro-step (``kd.train.compute_loss``'s choice of path).
+    """The loss head of one micro-step (``kd.training.train.compute_loss``'s choice of path).
 
     Attributes:
         peak: forward peak beyond its inputs (logits, chunk temporaries, gradients it holds).

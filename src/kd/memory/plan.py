@@ -496,7 +496,7 @@ def check_memory(
     Args:
         run: the run configuration.
         world_size: ranks (per-rank plan).
-        budget_gib: the resolved budget per device (:func:`kd.device.resolve_budget`); None when
+        budget_gib: the resolved budget per device (:func:`kd.training.device.resolve_budget`); None when
             unknown (the plan is then made but cannot be over budget).
         config_name: the config as given (for the table).
 

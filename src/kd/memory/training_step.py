@@ -229,7 +229,7 @@ def backward_phase(
 
 def between_steps(resident: Components, *, in_flight: int, buffers: int) -> Components:
     """What stays on the device between optimizer steps: the resident components without
-    gradients (``kd.train.optimizer_step`` sets them to None) or stored logits, the FSDP2 units
+    gradients (``kd.training.train.optimizer_step`` sets them to None) or stored logits, the FSDP2 units
     ``in_flight`` and ``buffers`` in place of the training micro-batch's."""
     return dict(resident, gradients=0, stored_logits=0, fsdp_in_flight=in_flight, buffers=buffers)
 

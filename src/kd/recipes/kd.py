@@ -48,20 +48,21 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from kd import checkpoint, data, distributed, evaluate, models, on_policy, outputs, train
+from kd import checkpoint, data, models
 from kd.checkpoint.run_checkpointer import RunCheckpointer
 from kd.checkpoint.training import Progress, StudentSource, check_loaded_weights_finite
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
-from kd.distributed import WorldInfo
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan
 from kd.metrics import PhaseTimer, peak_memory_gib
-from kd.prepare import prepare_student
-from kd.run_context import RunContext
-from kd.run_log import RunLog
-from kd.signals import GracefulStop, launch_command, resume_hint
 from kd.teachers import Teacher, TeacherInput
 from kd.teachers.build import teacher_source
+from kd.training import distributed, evaluate, on_policy, outputs, train
+from kd.training.distributed import WorldInfo
+from kd.training.prepare import prepare_student
+from kd.training.run_context import RunContext
+from kd.training.run_log import RunLog
+from kd.training.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
 
@@ -72,8 +73,8 @@ class KDRecipe:
     Phases: :meth:`preload` (checks, no weight, nothing written), :meth:`load` (weights, optimizer,
     resume state, outputs), :meth:`train` (the loop; one optimizer step is :meth:`train_step`).
     It holds a teacher (:mod:`kd.teachers`: a model, a file of top-k log-probs...), a student, a
-    validator (:class:`kd.evaluate.Validator`), an on-policy sampler
-    (:class:`kd.on_policy.OnPolicyBatches`) and a checkpointer
+    validator (:class:`kd.training.evaluate.Validator`), an on-policy sampler
+    (:class:`kd.training.on_policy.OnPolicyBatches`) and a checkpointer
     (:class:`kd.checkpoint.run_checkpointer.RunCheckpointer`), and never asks which kind of
     teacher it holds.
     """
@@ -413,7 +414,7 @@ class KDRecipe:
         sampled: dict[str, tuple[int, int]],
     ) -> TeacherInput:
         """Micro-batch ``index`` as the step trains on it: the dataset's rows, or (on-policy)
-        completions sampled by :class:`kd.on_policy.OnPolicyBatches`."""
+        completions sampled by :class:`kd.training.on_policy.OnPolicyBatches`."""
         if self.on_policy is not None:
             made = self.on_policy.inputs(
                 batch,
@@ -567,6 +568,6 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from kd.launch import run_recipe
+    from kd.cli.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 
-from kd.launch import run_recipe
+from kd.cli.launch import run_recipe
 from kd.recipes.kd import recipe_main
 
 __all__ = ["recipe_main"]

@@ -18,7 +18,7 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
     - The student's weights are never read (its config gives the vocabulary ``min(Vs, Vt)``).
     - Under torchrun rank r takes rows r, r + W, ... and writes its own shards; the teacher is
       sharded with FSDP2 as in ``kd run kd``.
-    - Atomic and resumable (:mod:`kd.stored_logits`): a killed run rerun with the same config
+    - Atomic and resumable (:mod:`kd.teachers.stored_logits`): a killed run rerun with the same config
       skips complete shards and writes byte-identical files; a folder holding the store of
       another config is refused.
 """
@@ -39,13 +39,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kd import _torchtune as tt
-from kd import data, distributed, models, stored_logits
+from kd import data, models
 from kd.config.run import RunConfig, run_config
-from kd.distributed import WorldInfo
 from kd.errors import KDUserError
-from kd.prepare import prepare_teacher
-from kd.run_context import RunContext
-from kd.teachers import ModelTeacher, TeacherInput
+from kd.teachers import ModelTeacher, TeacherInput, stored_logits
+from kd.training import distributed
+from kd.training.distributed import WorldInfo
+from kd.training.prepare import prepare_teacher
+from kd.training.run_context import RunContext
 
 log = logging.getLogger("kd")
 
@@ -336,6 +337,6 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from kd.launch import run_recipe
+    from kd.cli.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

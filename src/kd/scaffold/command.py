@@ -124,10 +124,10 @@ def _print_plan(config: Path) -> tuple[bool, bool]:
     Returns:
         Whether the plan fits, and (when it does not) whether a searched setting fits.
     """
-    from kd.commands import resolve_target
-    from kd.device import resolve_budget
+    from kd.cli.commands import resolve_target
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
+    from kd.training.device import resolve_budget
 
     args = argparse.Namespace(config=str(config), overrides=[], budget_gib=None, world_size=None)
     target = resolve_target(args, for_plan=True)
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     """
     dest = _config_out(args.config_out, force=args.force)
     if args.budget_gib is not None:
-        from kd.commands import budget_flag
+        from kd.cli.commands import budget_flag
 
         budget_flag(args.budget_gib)
     output_dir = _output_dir(args.output_dir)

@@ -5,7 +5,7 @@ tool's top-k file, and whatever comes next: a served model, several teachers, hi
 targets) implements :class:`Teacher`. The recipe holds one and calls it; it never asks which kind
 it holds. A teacher answers a :class:`TeacherInput` (a micro-batch) with a :class:`TeacherSignal`,
 and the signal owns the divergence between itself and the student (:meth:`TeacherSignal.loss`), so
-a new kind of signal brings its own loss without a branch in :mod:`kd.train`.
+a new kind of signal brings its own loss without a branch in :mod:`kd.training.train`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TeacherSignal(Protocol):
             student: the student decoder (its output projection turns ``student_hidden`` into
                 logits, chunk by chunk when the loss is fused).
             student_hidden: ``[b, s, d_s]`` the student's final-norm hidden states.
-            labels: ``[b, s]`` shifted labels (:func:`kd.train.shift_labels`).
+            labels: ``[b, s]`` shifted labels (:func:`kd.training.train.shift_labels`).
             settings: the loss settings.
         """
         ...

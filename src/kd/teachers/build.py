@@ -18,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kd import foreign_logits, models, stored_logits
+from kd import models
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
-from kd.prepare import prepare_teacher
-from kd.run_context import ModelFacts, RunContext
+from kd.teachers import foreign_logits, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
+from kd.training.prepare import prepare_teacher
+from kd.training.run_context import ModelFacts, RunContext
 
 __all__ = ["ModelTeacherSource", "StoredTeacherSource", "TeacherSource", "teacher_source"]
 

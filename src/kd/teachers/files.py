@@ -1,7 +1,7 @@
 """Teachers read from files of top-k log-probs: kd's own store and other tools' files.
 
-Both readers (:class:`kd.stored_logits.TeacherLogitsReader`, kd's Parquet store;
-:class:`kd.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
+Both readers (:class:`kd.teachers.stored_logits.TeacherLogitsReader`, kd's Parquet store;
+:class:`kd.teachers.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
 :class:`TeacherLogitsFile`, the one reader interface; :class:`FileTeacher` turns either into a
 :class:`kd.teachers.Teacher`.
 """

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kd import distributed
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.signals import LogitsSignal
+from kd.training import distributed
 
 __all__ = ["ModelTeacher", "as_teacher"]
 
@@ -23,7 +23,7 @@ class ModelTeacher(Teacher):
     """A prepared teacher decoder (frozen, hidden-output mode, possibly FSDP2-sharded).
 
     Args:
-        model: the decoder, as :func:`kd.prepare.prepare_teacher` leaves it.
+        model: the decoder, as :func:`kd.training.prepare.prepare_teacher` leaves it.
         folder: where its weights were read from (named when they hold NaN or inf).
     """
 
@@ -49,6 +49,6 @@ class ModelTeacher(Teacher):
 
 def as_teacher(teacher: object) -> object:
     """``teacher`` as a :class:`kd.teachers.Teacher`: a bare decoder becomes a
-    :class:`ModelTeacher` (the library functions of :mod:`kd.train` and :mod:`kd.evaluate` take
+    :class:`ModelTeacher` (the library functions of :mod:`kd.training.train` and :mod:`kd.training.evaluate` take
     either), a teacher or None is returned as it is."""
     return ModelTeacher(teacher) if isinstance(teacher, nn.Module) else teacher

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kd import distributed, models
+from kd import models
 from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
-from kd.distributed import WorldInfo
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
 from kd.teachers import Teacher
+from kd.training import distributed
+from kd.training.distributed import WorldInfo
 
 __all__ = [
     "Completions",

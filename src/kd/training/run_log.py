@@ -9,9 +9,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from kd import outputs
 from kd.metrics import GuardedLogger, build_quietly
-from kd.run_context import RunContext
+from kd.training import outputs
+from kd.training.run_context import RunContext
 
 __all__ = ["RunLog"]
 

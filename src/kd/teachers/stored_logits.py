@@ -18,7 +18,7 @@ One Parquet row per dataset row; columns:
 * ``num_tokens`` (int32): the row's length (tokens after truncation to ``max_seq_len``).
 * ``ids`` (list<int32>): ``n_labelled * k`` token ids, the teacher's top-k by value, descending,
   at each labelled position in order (position ``j`` is labelled when the shifted label
-  ``labels[j + 1]`` is not ``ignore_index``; :func:`kd.train.shift_labels`).
+  ``labels[j + 1]`` is not ``ignore_index``; :func:`kd.training.train.shift_labels`).
 * ``logprobs`` (list<halffloat>): the matching ``log_softmax(z_t / T)`` over the teacher's first
   ``vocab = min(Vs, Vt)`` entries (the :mod:`kd.losses` convention), T the run's temperature.
 

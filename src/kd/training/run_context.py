@@ -17,14 +17,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from kd import checkpoint, data, models, outputs, stored_logits
+from kd import checkpoint, data, models
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
-from kd.device import check_device, resolve_budget
-from kd.distributed import WorldInfo
 from kd.errors import KDUserError
 from kd.memory.plan import MemoryPlan, check_memory
-from kd.prepare import ShardSpec, materialize, shard_spec
+from kd.teachers import stored_logits
+from kd.training import outputs
+from kd.training.device import check_device, resolve_budget
+from kd.training.distributed import WorldInfo
+from kd.training.prepare import ShardSpec, materialize, shard_spec
 
 log = logging.getLogger("kd")
 
@@ -228,12 +230,12 @@ class RunContext:
     ) -> nn.Module:
         """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
         by ``prepare`` (and sharded when distributed: rank 0 alone reads the files,
-        :func:`kd.prepare.materialize`), compiled when ``compile`` is set.
+        :func:`kd.training.prepare.materialize`), compiled when ``compile`` is set.
 
         Args:
             key: ``model`` or ``teacher_model``.
             source: its weights (:meth:`inspect_models`).
-            prepare: :func:`kd.prepare.prepare_student` or :func:`kd.prepare.prepare_teacher`
+            prepare: :func:`kd.training.prepare.prepare_student` or :func:`kd.training.prepare.prepare_teacher`
                 with the recipe's flags.
             run_dir: the run's output_dir, when a torchtune checkpointer's own ``output_dir``
                 must exist (``kd run kd``); None leaves it alone.

@@ -333,7 +333,7 @@ def build_optimizer(
     with ``optimizer_in_cpu``) and the LR scheduler (None without ``lr_scheduler``).
 
     Args:
-        ctx: the run (:class:`kd.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
+        ctx: the run (:class:`kd.training.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
         student: the prepared student.
         num_training_steps: optimizer steps of the whole run (the schedule's length).
     """

@@ -30,21 +30,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kd import __version__
-from kd.errors import KDUserError, one_line
-from kd.launch import (
+from kd.cli.launch import (
     debug_requested,
     is_rank_zero,
     print_error,
     run_recipe,
     split_config_args,
 )
+from kd.errors import KDUserError, one_line
 
 __all__ = ["is_rank_zero", "main", "run_recipe"]
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kd.registry import Recipe
+    from kd.cli.registry import Recipe
 
 # Optional subcommands written elsewhere: (module, name). Each module defines
 # add_parser(subparsers) and run(args) -> int | None.
@@ -100,7 +100,7 @@ def _version_line() -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from kd.registry import list_configs, list_recipes
+    from kd.cli.registry import list_configs, list_recipes
 
     recipes = list_recipes()
     rows: list[tuple[str, str]] = []
@@ -123,7 +123,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from kd.registry import configs_dir, list_configs
+    from kd.cli.registry import configs_dir, list_configs
 
     name = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
     builtin = list_configs()
@@ -181,11 +181,11 @@ def _cp_destination(destination: str, file_name: str) -> Path:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     """``kd validate``: exactly the pre-load phase of ``kd run`` (:meth:`KDRecipe.preload`)."""
-    from kd.commands import resolve_target
+    from kd.cli.commands import resolve_target
 
     target = resolve_target(args)  # a config mistake answers here, before torch is imported
-    from kd.distributed import WorldInfo
     from kd.recipes.kd import KDRecipe
+    from kd.training.distributed import WorldInfo
 
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
@@ -366,7 +366,7 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
 
 
 def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool) -> int:
-    from kd.registry import find_recipe
+    from kd.cli.registry import find_recipe
 
     if not tokens or tokens[0] in ("-h", "--help"):
         if not tokens:
@@ -408,7 +408,7 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    from kd.registry import recipe_lines
+    from kd.cli.registry import recipe_lines
 
     parser = _Parser(
         prog="kd",
@@ -450,7 +450,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="check a config (keys, types, files, components, memory plan) without loading weights",
         description="Check a config completely without loading any weight.",
     )
-    from kd.commands import add_target_arguments
+    from kd.cli.commands import add_target_arguments
 
     add_target_arguments(validate)
     validate.set_defaults(func=_cmd_validate)
@@ -535,7 +535,3 @@ def _commands(parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, argparse._SubParsersAction):
             return list(action.choices)
     return []
-
-
-if __name__ == "__main__":
-    sys.exit(main())

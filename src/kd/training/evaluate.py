@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from kd import distributed, losses, models
+from kd import losses, models
 from kd.config.run import LossSettings, ValidationSettings
 from kd.config.schema import VAL_METRICS
 from kd.teachers import Teacher, TeacherInput, TeacherSignal, as_teacher
-from kd.train import shift_labels
+from kd.training import distributed
+from kd.training.train import shift_labels
 
 __all__ = ["BestTracker", "ValStats", "Validator", "batch_sums", "evaluate", "token_sums"]
 
@@ -112,7 +113,7 @@ def token_sums(
         teacher: the teacher (a :class:`kd.teachers.Teacher` or a bare decoder), or None (then
             the divergence and agreement sums are 0).
         tokens: ``[b, s]`` input ids.
-        labels: ``[b, s]`` shifted labels (:func:`kd.train.shift_labels`).
+        labels: ``[b, s]`` shifted labels (:func:`kd.training.train.shift_labels`).
         settings: the loss settings (divergence, temperature, chunk size, ignore index).
 
     Returns:
@@ -256,7 +257,7 @@ def evaluate(
 
     Collective when distributed: every rank calls it with its own share of the set
     (:func:`kd.data.build_eval_loader`), with the same number of batches. Both models must be in
-    hidden-output mode, as :mod:`kd.prepare` leaves them.
+    hidden-output mode, as :mod:`kd.training.prepare` leaves them.
 
     Args:
         student: the student decoder (put in eval mode for the evaluation, then back).

@@ -3,7 +3,7 @@
 The recipe (one device and N ranks) and the memory traces (``kd plan --trace``, one device and
 FSDP2) prepare their models here, so the step a trace measures is the step the recipe runs. The
 order is fixed: LoRA trainable flags, activation checkpointing, hidden-output mode, train/eval
-mode and gradients, then FSDP2 sharding (:func:`kd.distributed.shard_model` wraps the existing
+mode and gradients, then FSDP2 sharding (:func:`kd.training.distributed.shard_model` wraps the existing
 parameters and modules, so it comes last).
 
 Building and loading stay with the caller: at world size 1 the recipe prepares the model it
@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kd import distributed, models
+from kd import models
 from kd.config.run import FSDPSettings
-from kd.distributed import WorldInfo
+from kd.training import distributed
+from kd.training.distributed import WorldInfo
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How to shard a model with FSDP2: the arguments of :func:`kd.distributed.shard_model`.
+    """How to shard a model with FSDP2: the arguments of :func:`kd.training.distributed.shard_model`.
 
     Attributes:
         device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
