@@ -217,6 +217,37 @@ class TeacherLogitsSettings:
 
 
 @dataclass(frozen=True)
+class TeacherServerSettings:
+    """A served teacher (``teacher_server:``; :mod:`kd.teachers.served`).
+
+    Attributes:
+        url: the server's base URL (``http://host:port``).
+        api: ``vllm`` or ``sglang``: the protocol spoken.
+        model: the served model's name, checked against the server.
+        top_k: log-probs asked per position.
+        tail: ``bucket`` or ``renorm`` (as ``teacher_logits.tail``).
+        timeout: seconds per request before a retry.
+        retries: retries of a request (timeouts, connection errors, 5xx).
+        backoff: backoff factor of the retries, seconds.
+        concurrency: requests in flight at once.
+        prefetch: micro-batches asked ahead of training.
+        token_env: the environment variable holding the API token (None: no token).
+    """
+
+    url: str
+    api: str
+    model: str
+    top_k: int
+    tail: str = "bucket"
+    timeout: float = 60.0
+    retries: int = 5
+    backoff: float = 1.0
+    concurrency: int = 8
+    prefetch: int = 4
+    token_env: str | None = None
+
+
+@dataclass(frozen=True)
 class OnPolicySettings:
     """On-policy distillation (``on_policy:``; :mod:`kd.on_policy`), GKD's knobs as TRL names them.
 
@@ -271,6 +302,7 @@ class RunConfig:
         trust_remote_components: allow any importable ``_component_`` target, not only what
             each key may build (:mod:`kd.config.allowlist`).
         yaml: the resolved config as YAML (the snapshot checkpoints store).
+        teacher_server: the served teacher (None: ``teacher_server: null``).
     """
 
     loss: LossSettings
@@ -298,6 +330,7 @@ class RunConfig:
     max_bad_steps: int
     trust_remote_components: bool
     yaml: str
+    teacher_server: TeacherServerSettings | None = None
 
     @property
     def has_teacher(self) -> bool:
@@ -376,6 +409,25 @@ def _teacher_logits(cfg: DictConfig) -> TeacherLogitsSettings | None:
         source_temperature=None
         if node.source_temperature is None
         else float(node.source_temperature),
+    )
+
+
+def _teacher_server(cfg: DictConfig) -> TeacherServerSettings | None:
+    node = cfg.get("teacher_server")
+    if node is None:
+        return None
+    return TeacherServerSettings(
+        url=str(node.url).rstrip("/"),
+        api=str(node.api),
+        model=str(node.model),
+        top_k=int(node.top_k),
+        tail=str(node.tail),
+        timeout=float(node.timeout),
+        retries=int(node.retries),
+        backoff=float(node.backoff),
+        concurrency=int(node.concurrency),
+        prefetch=int(node.prefetch),
+        token_env=None if node.token_env is None else str(node.token_env),
     )
 
 
@@ -475,4 +527,5 @@ def run_config(cfg: DictConfig) -> RunConfig:
         max_bad_steps=int(cfg.max_bad_steps),
         trust_remote_components=bool(cfg.trust_remote_components),
         yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        teacher_server=_teacher_server(cfg),
     )

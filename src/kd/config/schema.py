@@ -278,6 +278,15 @@ TOP_LEVEL: dict[str, Key] = {
         "null = the teacher runs online",
         resume=MUST_MATCH,
     ),
+    "teacher_server": Key(
+        None,
+        node=True,
+        nullable=True,
+        help="a served teacher (vLLM or SGLang) answering top-k log-probs over HTTP: {url, api, "
+        "model, top_k, tail, timeout, retries, backoff, concurrency, prefetch, token_env}; in "
+        "place of teacher_model and teacher_checkpointer; null = no served teacher",
+        resume=MUST_MATCH,
+    ),
     "on_policy": Key(
         None,
         node=True,
@@ -485,6 +494,94 @@ TEACHER_LOGITS: dict[str, Key] = {
     ),
 }
 
+# Keys of the `teacher_server:` section (kd.teachers.served).
+TEACHER_SERVER: dict[str, Key] = {
+    "url": Key(
+        MISSING,
+        _STR,
+        "the server's base URL (http://host:port), without /v1",
+        resume=MAY_CHANGE,
+    ),
+    "api": Key(
+        "vllm",
+        _STR,
+        "the server's protocol: vllm (POST /v1/completions, prompt_logprobs) or sglang (POST "
+        "/generate, input_top_logprobs)",
+        choices=("vllm", "sglang"),
+        resume=MAY_CHANGE,
+    ),
+    "model": Key(
+        MISSING,
+        _STR,
+        "the served model's name (vLLM --served-model-name or the model path); checked against "
+        "the server before training",
+        resume=MUST_MATCH,
+    ),
+    "top_k": Key(
+        20,
+        _INT,
+        "teacher log-probs asked per position (vLLM caps it at --max-logprobs, default 20)",
+        min=1,
+        max=4096,
+        resume=MUST_MATCH,
+    ),
+    "tail": Key(
+        "bucket",
+        _STR,
+        "the teacher mass outside the top-k: one tail bucket, or renormalise the top-k (needed "
+        "with temperature != 1: the server answers at temperature 1)",
+        choices=("bucket", "renorm"),
+        resume=MUST_MATCH,
+    ),
+    "timeout": Key(
+        60.0,
+        _NUM,
+        "seconds one request may take before it is retried",
+        min_exclusive=0,
+        resume=MAY_CHANGE,
+    ),
+    "retries": Key(
+        5,
+        _INT,
+        "retries of a request that timed out, could not connect or got a 5xx (with backoff); "
+        "then the run saves a checkpoint and stops",
+        min=0,
+        resume=MAY_CHANGE,
+    ),
+    "backoff": Key(
+        1.0,
+        _NUM,
+        "backoff factor of the retries in seconds (waits grow as backoff x 2^n, at most 60 s)",
+        min=0,
+        resume=MAY_CHANGE,
+    ),
+    "concurrency": Key(
+        8,
+        _INT,
+        "requests in flight at once (one per row)",
+        min=1,
+        max=256,
+        resume=MAY_CHANGE,
+    ),
+    "prefetch": Key(
+        4,
+        _INT,
+        "micro-batches asked ahead of training (0 = ask when training needs them); each holds "
+        "[b, s, k] ids and log-probs in host memory",
+        min=0,
+        max=256,
+        resume=MAY_CHANGE,
+    ),
+    "token_env": Key(
+        None,
+        _STR,
+        "the environment variable holding the server's API token (sent as a Bearer token); "
+        "null = no token. The token itself never goes in the config",
+        nullable=True,
+        resume=MAY_CHANGE,
+    ),
+}
+
 # Keys of the `on_policy:` section (kd.on_policy; TRL GKDConfig's names and defaults).
 ON_POLICY: dict[str, Key] = {
     "lmbda": Key(
@@ -537,6 +634,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "keep_best": KEEP_BEST,
     "early_stopping": EARLY_STOPPING,
     "teacher_logits": TEACHER_LOGITS,
+    "teacher_server": TEACHER_SERVER,
     "on_policy": ON_POLICY,
 }
 

@@ -86,6 +86,7 @@ from kd.run_context import RunContext
 from kd.signals import GracefulStop, launch_command, resume_hint
 from kd.teachers import Teacher, TeacherInput
 from kd.teachers.build import teacher_source
+from kd.teachers.served import save_if_teacher_down
 
 log = logging.getLogger("kd")
 
@@ -624,6 +625,7 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.load()
         recipe.train()
     except BaseException:
+        save_if_teacher_down(recipe)  # a served teacher that stayed down: save, then stop
         try:
             recipe.cleanup(failing=True)
         except Exception as e:  # noqa: BLE001 - the first error is the one to report
