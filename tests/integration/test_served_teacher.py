@@ -128,7 +128,8 @@ def test_retries_5xx_and_timeouts_then_answers(server, teacher_fn, tokenizer):
 # ------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def stored_run(assets, tmp_path_factory) -> Path:
-    """KD from kd's store of the same teacher's top-k (k = K): the reference."""
+    """KD from kd's store of the same teacher's top-k (k = K): the reference (the store is
+    ``<run>/../logits``)."""
     tmp = tmp_path_factory.mktemp("stored")
     store = {"path": str(tmp / "logits"), "k": K}
     pre = write_yaml(tmp / "pre.yaml", make_config(assets, tmp / "pre", teacher_logits=store))
@@ -254,3 +255,66 @@ def test_plan_counts_no_teacher_weights_and_states_the_prefetch(assets, server, 
     assert "teacher: served top-8 log-probs of tiny-teacher" in out
     assert "no teacher weights" in out and "prefetch buffer 6 micro-batches ahead" in out
     assert "params (frozen)" not in out
+
+
+def test_teacher_logits_fills_a_store_from_the_server(
+    assets, stored_run, server, tmp_path, monkeypatch
+):
+    """kd run teacher_logits with teacher_server writes the store the local teacher writes
+    (same rows, ids and float16 log-probs); kd run kd with the same config trains from the store
+    without asking the server."""
+    import pyarrow.parquet as pq
+
+    from kd import stored_logits
+
+    config = served_config(assets, tmp_path, "fill", server.url)
+    store = tmp_path / "served_logits"
+    fill = [f"teacher_logits.path={store}", f"teacher_logits.k={K}"]
+    assert cli.main(["run", "teacher_logits", "--config", str(config), *fill]) == 0
+    local = stored_run.parent / "logits"
+    ours, theirs = stored_logits.read_manifest(store), stored_logits.read_manifest(local)
+    assert ours["complete"] and ours["teacher"]["component"] == "teacher_server vllm tiny-teacher"
+    for key in ("num_rows", "k", "vocab", "dataset_fingerprint", "tokenizer_sha256"):
+        assert ours[key] == theirs[key], key
+    for name in (s["name"] for s in theirs["shards"]):
+        a, b = pq.read_table(store / name), pq.read_table(local / name)
+        for column in ("row", "row_hash", "num_tokens", "ids"):
+            assert a.column(column).to_pylist() == b.column(column).to_pylist(), column
+        lp_a = torch.tensor([x for r in a.column("logprobs").to_pylist() for x in r])
+        lp_b = torch.tensor([x for r in b.column("logprobs").to_pylist() for x in r])
+        torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=2e-3)
+    asked = server.requests
+    assert run(config, *fill) == 0
+    assert server.requests == asked  # the store teaches
+    assert_same_steps(stored_run, tmp_path / "fill")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["on_policy.seq_kd=true"], "on_policy.seq_kd: samples the teacher's completions"),
+        (["temperature=2"], "teacher_server.tail: bucket needs the teacher mass"),
+        (["teacher_server.url=127.0.0.1:8000"], "is not an http:// or https:// URL"),
+        (["teacher_server.api=tgi"], "teacher_server.api"),
+    ],
+)
+def test_config_mistakes_of_a_served_teacher_are_refused(
+    assets, tmp_path, capsys, overrides, expected
+):
+    config = served_config(assets, tmp_path, "cfg", "http://127.0.0.1:9")
+    capsys.readouterr()
+    assert cli.main(["validate", "--config", str(config), *overrides]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_validation_needs_the_full_distribution(assets, tmp_path, capsys):
+    cfg = make_config(
+        assets,
+        tmp_path / "val",
+        teacher_server={"url": "http://127.0.0.1:9", "model": "m"},
+        validation={"dataset": make_config(assets, tmp_path)["dataset"]},
+    )
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    capsys.readouterr()
+    assert cli.main(["validate", "--config", str(write_yaml(tmp_path / "v.yaml", cfg))]) == 2
+    assert "validation: needs a teacher's full distribution" in capsys.readouterr().err

@@ -491,14 +491,6 @@ def _check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None
     drop = "remove teacher_model and teacher_checkpointer (the server is the teacher)"
     if data.get("teacher_model") is not None:
         problems.append(Problem("teacher_model", f"is set beside teacher_server; {drop}"))
-    if isinstance(data.get("teacher_logits"), dict):
-        problems.append(
-            Problem(
-                "teacher_logits",
-                "is set beside teacher_server; train from one teacher: remove teacher_logits "
-                "(or teacher_server to train from the store)",
-            )
-        )
     url = node.get("url")
     if isinstance(url, str) and not url.startswith(("http://", "https://")):
         problems.append(
@@ -508,7 +500,9 @@ def _check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None
                 "the server's base URL, e.g. http://127.0.0.1:8000",
             )
         )
-    if isinstance(data.get("validation"), dict):
+    if isinstance(data.get("validation"), dict) and not isinstance(
+        data.get("teacher_logits"), dict
+    ):
         problems.append(
             Problem(
                 "validation",

@@ -430,7 +430,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
 def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:
     """The table's line of a served teacher: no weights, and the host memory of its prefetch."""
     s = run.teacher_server
-    if s is None:
+    if s is None or run.teacher_logits is not None:  # beside a store, the store teaches
         return None
     from kd.teachers.served import prefetch_bytes
 

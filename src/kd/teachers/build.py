@@ -2,10 +2,11 @@
 
 :func:`teacher_source` reads the config once and returns what the run's teacher is made from:
 
-* ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
-  :mod:`kd.teachers.served`);
 * ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
   file; ``teacher_model``, if set, only identifies the teacher the store came from);
+* else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
+  :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
+  (``kd run teacher_logits``), not asked by ``kd run kd``;
 * else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
 * else None: plain fine-tuning.
 
@@ -62,10 +63,10 @@ class TeacherSource(Protocol):
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source (see the module docstring), or None without a teacher."""
+    if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
+        return StoredTeacherSource(run)
     if run.teacher_server is not None:
         return ServedTeacherSource(run)
-    if run.teacher_logits is not None:
-        return StoredTeacherSource(run)
     if run.components["teacher_model"] is not None:
         return ModelTeacherSource()
     return None

@@ -51,6 +51,7 @@ __all__ = [
     "TeacherUnavailable",
     "check_server",
     "prefetch_bytes",
+    "served_identity",
     "save_if_teacher_down",
 ]
 
@@ -390,6 +391,18 @@ def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
         if any(t is not None for t in answer.texts)
         else "it returned no token texts, so the tokenizers were not compared",
     )
+
+
+def served_identity(settings: TeacherServerSettings) -> dict[str, Any]:
+    """A served teacher's identity in a store's manifest (as
+    :func:`kd.stored_logits.teacher_identity` gives a local one's): its protocol and model name;
+    the URL stands where a local teacher's folder does (a moved server is the same teacher)."""
+    return {
+        "component": f"teacher_server {settings.api} {settings.model}",
+        "folder": settings.url,
+        "files": [],
+        "config_sha256": None,
+    }
 
 
 def prefetch_bytes(settings: TeacherServerSettings, *, batch_size: int, seq_len: int) -> int:
