@@ -427,9 +427,14 @@ def save_if_teacher_down(recipe: Any) -> None:
 
     latest = find_latest_checkpoint(recipe.output_dir)
     saved = latest is not None and latest.name.split("_")[-1].lstrip("0") == str(recipe.global_step)
-    path = latest if saved else recipe.save(final=False)
+    if saved or recipe.world.distributed:
+        # Saving is collective: a rank whose server failed alone cannot ask the others to save.
+        path = latest
+    else:
+        path = recipe.save(final=False)
     if path is not None:
         err.args = (
-            f"{err.args[0]}; stopped after step {recipe.global_step} and saved {path} "
-            "(resume_from_checkpoint=true continues from it)",
+            f"{err.args[0]}; stopped after step {recipe.global_step}; "
+            f"{'saved' if not recipe.world.distributed or saved else 'the newest checkpoint is'} "
+            f"{path} (resume_from_checkpoint=true continues from it)",
         )
