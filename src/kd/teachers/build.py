@@ -65,7 +65,7 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source (see the module docstring), or None without a teacher."""
     if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
         return StoredTeacherSource(run)
-    if run.teacher_server is not None:
+    if getattr(run, "teacher_server", None) is not None:  # a RunConfig always has it
         return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
         return ModelTeacherSource()

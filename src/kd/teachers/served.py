@@ -174,12 +174,12 @@ class TeacherClient:
             raise TeacherUnavailable(
                 f"{_KEY}.url: {url} did not answer after {s.retries} retries over "
                 f"{time.monotonic() - start:.0f} s ({brief(e, 160)}); start the server (or raise "
-                f"{_KEY}.timeout / {_KEY}.retries), then resume"
+                f"{_KEY}.timeout / {_KEY}.retries) and run again"
             ) from e
         if response.status_code in _RETRY_STATUS:
             raise TeacherUnavailable(
                 f"{_KEY}.url: {url} answered HTTP {response.status_code} after {s.retries} "
-                f"retries ({one_line(response.text[:160])}); fix the server, then resume"
+                f"retries ({one_line(response.text[:160])}); fix the server and run again"
             )
         if response.status_code != 200:
             text = response.text[:300]
