@@ -185,25 +185,29 @@ def test_faults_during_training_lose_nothing(assets, stored_run, server, tmp_pat
     assert_same_steps(stored_run, tmp_path / "faults")
 
 
-def test_a_server_killed_mid_run_saves_stops_and_resumes(
-    assets, stored_run, teacher_fn, tokenizer, tmp_path, capsys
+@pytest.mark.parametrize(
+    ("fault", "line"),
+    [("kill", "did not answer after 2 retries"), ("garbage", "gave a malformed answer")],
+)
+def test_a_server_failing_mid_run_saves_stops_and_resumes(
+    fault, line, assets, stored_run, teacher_fn, tokenizer, tmp_path, capsys
 ):
-    """The server dies during step 2: the run saves step 1, stops with exit 2 and one line;
-    with the server back, resume finishes the run as if nothing happened."""
+    """The server dies (or answers garbage) during step 2: the run saves step 1, stops with
+    exit 2 and one line; with the server back, resume finishes the run as if nothing happened."""
     with _server(teacher_fn, tokenizer) as s:
         port = s.port
-        s.faults.extend([""] * (1 + 8 + 3) + ["kill"])  # the probe, step 1, 3 rows of step 2
-        config = served_config(assets, tmp_path, "killed", s.url, retries=2, prefetch=0)
+        s.faults.extend([""] * (1 + 8 + 3) + [fault])  # the probe, step 1, 3 rows of step 2
+        config = served_config(assets, tmp_path, "failed", s.url, retries=2, prefetch=0)
         capsys.readouterr()
         assert run(config) == 2
     err = errors(capsys.readouterr().err)
-    assert len(err) == 1 and "did not answer after 2 retries" in err[0], err
+    assert len(err) == 1 and line in err[0], err
     assert "stopped after step 1; saved" in err[0] and "step_000001" in err[0]
-    assert (tmp_path / "killed" / "step_000001").is_dir()
-    assert not (tmp_path / "killed" / "final").exists()
+    assert (tmp_path / "failed" / "step_000001").is_dir()
+    assert not (tmp_path / "failed" / "final").exists()
     with _server(teacher_fn, tokenizer, port=port):
         assert run(config, "resume_from_checkpoint=true") == 0
-    assert_same_steps(stored_run, tmp_path / "killed")
+    assert_same_steps(stored_run, tmp_path / "failed")
 
 
 def test_on_policy_completions_are_scored_by_the_server(assets, server, tmp_path):

@@ -48,6 +48,7 @@ from kd.teachers.signals import TopKSignal
 __all__ = [
     "ServedTeacher",
     "TeacherClient",
+    "TeacherStopped",
     "TeacherUnavailable",
     "check_server",
     "prefetch_bytes",
@@ -62,8 +63,13 @@ _BACKOFF_MAX = 60.0
 _KEY = "teacher_server"
 
 
-class TeacherUnavailable(KDUserError):
-    """The served teacher stayed down (every retry failed): the run saves and stops."""
+class TeacherStopped(KDUserError):
+    """The served teacher cannot answer a batch (it refused the request, or its answer is
+    malformed): training saves the steps completed and stops (:func:`save_if_teacher_down`)."""
+
+
+class TeacherUnavailable(TeacherStopped):
+    """The served teacher stayed down (every retry failed)."""
 
 
 def _retemper(logprobs: np.ndarray, alpha: float) -> np.ndarray:
@@ -185,7 +191,7 @@ class TeacherClient:
             text = response.text[:300]
             k = int((body or {}).get("prompt_logprobs", (body or {}).get("top_logprobs_num", 0)))
             fix = self.protocol.refusal_fix(response.status_code, text, k)
-            raise KDUserError(
+            raise TeacherStopped(
                 f"{_KEY}: {url} refused the request with HTTP {response.status_code} "
                 f"({one_line(text)}); "
                 + (fix or f"check {_KEY}.url, {_KEY}.api and {_KEY}.model against the server")
@@ -213,7 +219,7 @@ class TeacherClient:
             )
         except BadAnswer as e:
             lengths = ", ".join(str(len(r)) for r in rows[:4])
-            raise KDUserError(
+            raise TeacherStopped(
                 f"{_KEY}: {self.settings.url}{self.protocol.path} gave a malformed answer: {e} "
                 f"(request: {len(rows)} row(s) of {lengths} tokens, {k} log-probs per position); "
                 f"check {_KEY}.api matches the server ({self.settings.api} now)"
@@ -414,14 +420,15 @@ def prefetch_bytes(settings: TeacherServerSettings, *, batch_size: int, seq_len:
 
 def save_if_teacher_down(recipe: Any) -> None:
     """Inside the recipe's ``except`` block: when the error on its way out is
-    :class:`TeacherUnavailable` and the student is loaded, save a step checkpoint of the steps
+    :class:`TeacherStopped` (the server stayed down, refused a request or answered something
+    malformed) and the student is loaded, save a step checkpoint of the steps
     completed (the failed step is repeated on resume) and add where it is to the error's line.
 
     Args:
         recipe: the :class:`kd.recipes.kd.KDRecipe` that failed.
     """
     err = sys.exc_info()[1]
-    if not isinstance(err, TeacherUnavailable) or not hasattr(recipe, "checkpointer"):
+    if not isinstance(err, TeacherStopped) or not hasattr(recipe, "checkpointer"):
         return
     from kd.checkpoint import find_latest_checkpoint
 
