@@ -625,7 +625,7 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.load()
         recipe.train()
     except BaseException:
-        save_if_teacher_down(recipe)  # a served teacher that stayed down: save, then stop
+        save_if_teacher_down(recipe)  # a served teacher that stopped: save, then stop
         try:
             recipe.cleanup(failing=True)
         except Exception as e:  # noqa: BLE001 - the first error is the one to report

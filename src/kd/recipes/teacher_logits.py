@@ -109,8 +109,7 @@ class TeacherLogitsRecipe:
         if run.components["teacher_model"] is None and run.teacher_server is None:
             raise KDUserError(
                 "teacher_model: null, but kd run teacher_logits runs the teacher; set "
-                "teacher_model (and its checkpointer) to the teacher of the KD run, or "
-                "teacher_server to a server of it"
+                "teacher_model (and its checkpointer) to the teacher of the KD run"
             )
         if run.teacher_server is not None and run.loss.temperature != 1.0:
             raise KDUserError(

@@ -3,6 +3,8 @@
 * :class:`ModelTeacher`: a local model of either backend (:mod:`kd.teachers.model`).
 * :class:`FileTeacher`: top-k log-probs from kd's store or another tool's file
   (:mod:`kd.teachers.files`).
+* :class:`kd.teachers.served.ServedTeacher`: top-k log-probs from a vLLM or SGLang server
+  (:mod:`kd.teachers.served`, imported on its own: it needs an HTTP client).
 
 The recipe gets its teacher from :mod:`kd.teachers.build` (the one place the config's choice of
 teacher is read) and never asks which kind it holds.

@@ -438,7 +438,11 @@ def save_if_teacher_down(recipe: Any) -> None:
         # Saving is collective: a rank whose server failed alone cannot ask the others to save.
         path = latest
     else:
-        path = recipe.save(final=False)
+        try:
+            path = recipe.save(final=False)
+        except Exception as e:  # noqa: BLE001 - the teacher's error is the one to report
+            log.warning("saving after the teacher stopped failed: %s", brief(e))
+            path = latest
     if path is not None:
         err.args = (
             f"{err.args[0]}; stopped after step {recipe.global_step}; "
