@@ -162,4 +162,12 @@ def test_divergences_are_one_list():
 
 def test_teacher_logits_settings_keep_their_fields():
     fields = [f.name for f in dataclasses.fields(TeacherLogitsSettings)]
-    assert fields == ["path", "k", "tail", "format", "source_temperature", "rows_per_shard"]
+    assert fields == [
+        "path",
+        "k",
+        "tail",
+        "format",
+        "source_temperature",
+        "alignment",
+        "rows_per_shard",
+    ]

@@ -169,7 +169,9 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
 
     def run(teacher_model, teacher_logits):
         return SimpleNamespace(
-            teacher_logits=teacher_logits, components={"teacher_model": teacher_model}
+            teacher_logits=teacher_logits,
+            teacher_server=None,
+            components={"teacher_model": teacher_model},
         )
 
     logits = SimpleNamespace(path=tmp_path, k=4, tail="bucket", format="kd")

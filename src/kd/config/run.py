@@ -146,6 +146,101 @@ class TeacherLogitsSettings:
     )
 
 
+def _server_url(cfg: DictConfig, raw: Any) -> str:
+    return str(raw).rstrip("/")
+
+
+@settings
+class TeacherServerSettings:
+    """A served teacher (``teacher_server:``; :mod:`kd.teachers.served`): top-k log-probs over
+    HTTP from vLLM or SGLang, in place of ``teacher_model`` and ``teacher_checkpointer``."""
+
+    url: str = setting(
+        "teacher_server.url",
+        MISSING,
+        "the server's base URL (http://host:port), without /v1",
+        read=_server_url,
+        resume=MAY_CHANGE,
+    )
+    api: str = setting(
+        "teacher_server.api",
+        "vllm",
+        "the server's protocol: vllm (POST /v1/completions, prompt_logprobs) or sglang (POST "
+        "/generate, input_top_logprobs)",
+        choices=("vllm", "sglang"),
+        resume=MAY_CHANGE,
+    )
+    model: str = setting(
+        "teacher_server.model",
+        MISSING,
+        "the served model's name (vLLM --served-model-name or the model path); checked against "
+        "the server before training",
+        resume=MUST_MATCH,
+    )
+    top_k: int = setting(
+        "teacher_server.top_k",
+        20,
+        "teacher log-probs asked per position (vLLM caps it at --max-logprobs, default 20)",
+        min=1,
+        max=4096,
+        resume=MUST_MATCH,
+    )
+    tail: str = setting(
+        "teacher_server.tail",
+        "bucket",
+        "the teacher mass outside the top-k: one tail bucket, or renormalise the top-k (needed "
+        "with temperature != 1: the server answers at temperature 1)",
+        choices=("bucket", "renorm"),
+        resume=MUST_MATCH,
+    )
+    timeout: float = setting(
+        "teacher_server.timeout",
+        60.0,
+        "seconds one request may take before it is retried",
+        min_exclusive=0,
+        resume=MAY_CHANGE,
+    )
+    retries: int = setting(
+        "teacher_server.retries",
+        5,
+        "retries of a request that timed out, could not connect or got a 5xx (with backoff); "
+        "then the run saves a checkpoint and stops",
+        min=0,
+        resume=MAY_CHANGE,
+    )
+    backoff: float = setting(
+        "teacher_server.backoff",
+        1.0,
+        "backoff factor of the retries in seconds (waits grow as backoff x 2^n, at most 60 s)",
+        min=0,
+        resume=MAY_CHANGE,
+    )
+    concurrency: int = setting(
+        "teacher_server.concurrency",
+        8,
+        "requests in flight at once (one per row)",
+        min=1,
+        max=256,
+        resume=MAY_CHANGE,
+    )
+    prefetch: int = setting(
+        "teacher_server.prefetch",
+        4,
+        "micro-batches asked ahead of training (0 = ask when training needs them); each holds "
+        "[b, s, k] ids and log-probs in host memory",
+        min=0,
+        max=256,
+        resume=MAY_CHANGE,
+    )
+    token_env: str | None = setting(
+        "teacher_server.token_env",
+        None,
+        "the environment variable holding the server's API token (sent as a Bearer token); "
+        "null = no token. The token itself never goes in the config",
+        resume=MAY_CHANGE,
+    )
+
+
 @settings
 class LossSettings:
     """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
@@ -523,7 +618,7 @@ class RunConfig:
 
     Groups: ``loss``, ``optimizer``, ``memory``, ``fsdp``, ``checkpoint``; ``lora`` (None for a
     full fine-tune), ``validation`` (None without ``validation:``), ``teacher_logits`` (None:
-    the teacher runs online), ``on_policy`` (None: the dataset's completions only).
+    the teacher runs online), ``teacher_server`` (None: no served teacher), ``on_policy`` (None: the dataset's completions only).
     ``components``: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
     component such as ``teacher_model: null``; ``dataset`` may be a list of nodes, torchtune's
     concatenated datasets, see :func:`kd.data.build_dataset`). ``yaml``: the resolved config as
@@ -539,6 +634,7 @@ class RunConfig:
     lora: LoraSettings | None = group(_is_lora)
     validation: ValidationSettings | None = group(_has("validation"))
     teacher_logits: TeacherLogitsSettings | None = group(_has("teacher_logits"))
+    teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH

@@ -148,6 +148,14 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("teacher_logits", "logits", "topk", "stored", "offline"),
     ),
+    "teacher_server": Section(
+        "a served teacher (vLLM or SGLang) answering top-k log-probs over HTTP: {url, api, "
+        "model, top_k, tail, timeout, retries, backoff, concurrency, prefetch, token_env}; in "
+        "place of teacher_model and teacher_checkpointer; null = no served teacher",
+        MUST_MATCH,
+        optional=True,
+        words=("teacher_server", "server", "served", "vllm", "sglang"),
+    ),
     "on_policy": Section(
         "on-policy distillation (GKD): {lmbda, max_new_tokens, temperature, top_p, seq_kd}; "
         "with probability lmbda a micro-batch trains on the student's own completions of its "
@@ -190,6 +198,7 @@ VALIDATION = SECTIONS["validation"]
 KEEP_BEST = SECTIONS["keep_best"]
 EARLY_STOPPING = SECTIONS["early_stopping"]
 TEACHER_LOGITS = SECTIONS["teacher_logits"]
+TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).

@@ -32,6 +32,7 @@ from kd.config.checks.features import (
     check_on_policy,
     check_output_dir,
     check_teacher_logits,
+    check_teacher_server,
     check_validation,
 )
 from kd.config.checks.keys import (
@@ -125,6 +126,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     if isinstance(data.get("teacher_logits"), dict):
         # Training from stored teacher logits needs no teacher (the precompute does: it says so).
         optional |= {"teacher_model", "teacher_checkpointer"}
+    if isinstance(data.get("teacher_server"), dict):
+        optional |= {"teacher_model", "teacher_checkpointer"}  # the server is the teacher
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
@@ -137,6 +140,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_teacher(data, problems)
     check_validation(data, problems)
     check_teacher_logits(data, problems)
+    check_teacher_server(data, problems)
     check_on_policy(data, problems)
     check_output_dir(data, problems)
     check_device(data, problems)

@@ -43,6 +43,8 @@ class PlanInputs:
         seq_len_source: which key set the planned sequence length (for the table).
         config_name: the config as given (for the table).
         overrides: the command-line overrides (the fit search appends to them).
+        teacher_line: what the table says of a teacher that is neither a model nor a store (a
+            served teacher), or None.
     """
 
     student: ModelShape
@@ -54,6 +56,7 @@ class PlanInputs:
     student_component: str = ""
     optimizer_keys: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
+    teacher_line: str | None = None
 
 
 @dataclass
@@ -169,7 +172,9 @@ class MemoryPlan:
         )
         if inp.teacher is not None:
             lines.append(f"  teacher {inp.teacher.name}: {e.teacher_params:,} params (frozen)")
-        if k.stored_topk is not None:
+        if inp.teacher_line is not None:
+            lines.append(f"  teacher: {inp.teacher_line}")
+        elif k.stored_topk is not None:
             lines.append(
                 f"  teacher: stored top-{k.stored_topk} log-probs (teacher_logits), no teacher "
                 "weights or forward"
@@ -391,7 +396,9 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         reduce_dtype_bytes=4 if run.fsdp.reduce_dtype == "fp32" else 2,
         reserve_bytes=None if reserve is None else int(reserve * GIB),
         eval_batch=run.validation.batch_size if run.validation is not None else None,
-        stored_topk=run.teacher_logits.k if run.teacher_logits is not None else None,
+        stored_topk=run.teacher_logits.k
+        if run.teacher_logits is not None
+        else (run.teacher_server.top_k if run.teacher_server is not None else None),
         generation=generation_knobs(run.on_policy, teacher=teacher is not None),
     )
     if student.lora is not None and student.lora.use_dora:
@@ -411,6 +418,22 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         student_component=str(model.get("_component_", "")) if model is not None else "",
         optimizer_keys=tuple(str(key) for key in run.optimizer.node),
         notes=notes,
+        teacher_line=_served_teacher_line(run, seq_len=int(seq)),
+    )
+
+
+def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:
+    """The table's line of a served teacher: no weights, and the host memory of its prefetch."""
+    s = run.teacher_server
+    if s is None or run.teacher_logits is not None:  # beside a store, the store teaches
+        return None
+    from kd.teachers.served import prefetch_bytes
+
+    buffer = prefetch_bytes(s, batch_size=run.batch_size, seq_len=seq_len)
+    return (
+        f"served top-{s.top_k} log-probs of {s.model} ({s.api} at {s.url}), no teacher weights "
+        f"or forward; prefetch buffer {s.prefetch} micro-batches ahead, {buffer / 2**20:.1f} MiB "
+        "of host memory"
     )
 
 

@@ -55,7 +55,7 @@ from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan
 from kd.metrics import PhaseTimer, peak_memory_gib
-from kd.teachers import Teacher, TeacherInput
+from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
 from kd.training import distributed, evaluate, on_policy, outputs, train
 from kd.training.distributed import WorldInfo
@@ -309,9 +309,13 @@ class KDRecipe:
                     batches = self.teacher.look_ahead(batches)
                 for _ in range(skip, self.steps_per_epoch):
                     step = self.global_step + 1
-                    stats = self.train_step(
-                        data.next_micro_batches(batches, count=grad_accum, step=step)
-                    )
+                    try:
+                        stats = self.train_step(
+                            data.next_micro_batches(batches, count=grad_accum, step=step)
+                        )
+                    except TeacherStopped as e:  # the teacher cannot answer: save, then stop
+                        bar.close()
+                        raise self._saved_after(e, saved) from e.__cause__
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
                         if step == first_step:  # no step applied yet: were they loaded so?
@@ -433,6 +437,26 @@ class KDRecipe:
             tokens=batch["tokens"],
             labels=batch["labels"],
             rows=rows.tolist() if rows is not None else None,
+        )
+
+    def _saved_after(
+        self, err: TeacherStopped, saved: tuple[int, Path | None] | None
+    ) -> TeacherStopped:
+        """The teacher stopped answering: save the steps completed (unless this step was just
+        saved; the failed step is repeated on resume) and say where in the error's one line.
+        Under torchrun saving is collective and only this rank's teacher failed, so the line
+        names the newest checkpoint instead."""
+        path = saved[1] if saved and saved[0] == self.global_step else None
+        if path is None and not self.world.distributed:
+            path = self.save(final=False)
+        if path is None:
+            path = checkpoint.find_latest_checkpoint(self.output_dir)
+        if path is None:
+            return err
+        return type(err)(
+            f"{err}; stopped after step {self.global_step}; "
+            f"{'the newest checkpoint is' if self.world.distributed else 'saved'} {path} "
+            "(resume_from_checkpoint=true continues from it)"
         )
 
     def _check_loaded_weights(self) -> None:

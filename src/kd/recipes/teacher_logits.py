@@ -16,6 +16,10 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
       refused (recompute).
     - ``teacher_logits.rows_per_shard``: rows per Parquet shard (the unit of resume).
     - The student's weights are never read (its config gives the vocabulary ``min(Vs, Vt)``).
+    - ``teacher_server:`` in place of ``teacher_model``: a vLLM or SGLang server answers the
+      top-``teacher_logits.k`` log-probs (:mod:`kd.teachers.served`; temperature 1, ids in the
+      student's vocabulary); the store is the same, and ``kd run kd`` with the same config then
+      trains from it without asking the server again.
     - Under torchrun rank r takes rows r, r + W, ... and writes its own shards; the teacher is
       sharded with FSDP2 as in ``kd run kd``.
     - Atomic and resumable (:mod:`kd.teachers.stored_logits`): a killed run rerun with the same config
@@ -43,6 +47,7 @@ from kd import data, models
 from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError
 from kd.teachers import ModelTeacher, TeacherInput, stored_logits
+from kd.teachers.served import ServedTeacher, TeacherClient, check_server, served_identity
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
 from kd.training.prepare import prepare_teacher
@@ -65,6 +70,15 @@ def output_sections(run: RunConfig) -> dict[str, Any]:
     ckpt = plain("teacher_checkpointer")
     if isinstance(ckpt, dict):
         ckpt = {k: v for k, v in ckpt.items() if k not in _OUTPUT_LEAVES}
+    served = run.teacher_server
+    if served is not None:  # what the server computes: its model (not where it listens)
+        return {
+            "teacher_server": {"api": served.api, "model": served.model},
+            "tokenizer": plain("tokenizer"),
+            "dataset": plain("dataset"),
+            "dtype": run.dtype,
+            "temperature": run.loss.temperature,
+        }
     return {
         "teacher_model": plain("teacher_model"),
         "teacher_checkpointer": ckpt,
@@ -93,10 +107,16 @@ class TeacherLogitsRecipe:
                 "teacher_logits: null; set teacher_logits.path=DIR, the folder the teacher's "
                 "top-k log-probs are written to"
             )
-        if run.components["teacher_model"] is None:
+        if run.components["teacher_model"] is None and run.teacher_server is None:
             raise KDUserError(
                 "teacher_model: null, but kd run teacher_logits runs the teacher; set "
                 "teacher_model (and its checkpointer) to the teacher of the KD run"
+            )
+        if run.teacher_server is not None and run.loss.temperature != 1.0:
+            raise KDUserError(
+                f"temperature: {run.loss.temperature:g}, but a teacher_server answers at "
+                "temperature 1 and the store holds the full distribution's top-k at the run's "
+                "temperature; set temperature=1, or use teacher_model for this store"
             )
         if settings.format != "kd":
             raise KDUserError(
@@ -117,9 +137,11 @@ class TeacherLogitsRecipe:
         ctx.check_device()
         self.tokenizer = ctx.tokenizer()
         # The student's weights are never read: its config gives the vocabulary min(Vs, Vt).
-        facts = ctx.inspect_models(self.tokenizer, read=("teacher_model",))
+        served = run.teacher_server
+        facts = ctx.inspect_models(self.tokenizer, read=() if served else ("teacher_model",))
         self.facts = facts
-        teacher_vocab = facts.teacher_vocab
+        # A server's ids beyond the student's vocabulary are refused: Vt counts as Vs.
+        teacher_vocab = facts.student_vocab if served else facts.teacher_vocab
         assert teacher_vocab is not None
         vocab = facts.shared_vocab
         if self.settings.k > vocab:
@@ -132,8 +154,14 @@ class TeacherLogitsRecipe:
             stored_logits.row_hash(ex["tokens"], ex["labels"])
             for ex in (self.dataset[i] for i in range(len(self.dataset)))
         ]
+        self.client: TeacherClient | None = None
+        if served is not None:
+            self.client = TeacherClient(served, vocab=facts.student_vocab)
+            check_server(self.client, self.tokenizer, k=self.settings.k)
         self.spec = stored_logits.StoreSpec(
-            teacher=ctx.teacher_identity(facts.sources["teacher_model"]),
+            teacher=served_identity(served)
+            if served is not None
+            else ctx.teacher_identity(facts.sources["teacher_model"]),
             config_sha256=_sections_sha256(run),
             tokenizer_sha256=stored_logits.files_sha256(
                 models.tokenizer_files(ctx.node("tokenizer"))
@@ -198,8 +226,21 @@ class TeacherLogitsRecipe:
         counts[self.world.rank] = len(self.batches)
         # Every rank runs as many teacher forwards as the busiest one (FSDP2 collectives).
         self.steps = int(distributed.all_reduce_sum(counts).max())
-        self.teacher: ModelTeacher | None = None
+        self.teacher: ModelTeacher | ServedTeacher | None = None
         if self.steps == 0:
+            return
+        if self.client is not None:
+            served = self.run.teacher_server
+            assert served is not None
+            self.teacher = ServedTeacher(
+                self.client,
+                k=self.spec.k,
+                tail="bucket",
+                temperature=1.0,
+                device=torch.device("cpu"),
+                concurrency=served.concurrency,
+                prefetch=0,
+            )
             return
         # The precompute's teacher is the KD run's teacher (not compiled: one pass over the data).
         model = self.ctx.load_model(
@@ -282,6 +323,8 @@ class TeacherLogitsRecipe:
         [n_labelled * k] int32, logprobs [n_labelled * k] float16)``."""
         examples = [self.dataset[r] for r in rows]
         batch = collate(examples)
+        if isinstance(self.teacher, ServedTeacher):
+            return self._served(examples, batch)
         assert self.teacher is not None
         signal = self.teacher.signal(TeacherInput(batch["tokens"].to(self.device)))
         spec, chunk = self.spec, self.run.loss.chunk_size
@@ -302,6 +345,21 @@ class TeacherLogitsRecipe:
             flat_lps = torch.cat(lps).flatten() if lps else torch.zeros(0, dtype=torch.float16)
             out.append((n, flat_ids.numpy(), flat_lps.numpy()))
         self.teacher.release()
+        return out
+
+    def _served(
+        self, examples: list[dict[str, Any]], batch: dict[str, torch.Tensor]
+    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """:meth:`_forward` with a served teacher: its top-k at the labelled positions."""
+        assert self.teacher is not None
+        signal = self.teacher.signal(TeacherInput(batch["tokens"], labels=batch["labels"]))
+        out = []
+        for b, ex in enumerate(examples):
+            n = len(ex["tokens"])
+            positions = stored_logits.labelled_positions(batch["labels"][b, :n])
+            ids = signal.ids[b, positions].to(torch.int32).flatten()  # [n_labelled * k]
+            lps = signal.logprobs[b, positions].to(torch.float16).flatten()
+            out.append((n, ids.numpy(), lps.numpy()))
         return out
 
     def _write(self, name: str, rows: list[int], results: list[tuple[Any, ...]]) -> None:

@@ -3,12 +3,14 @@
 * :class:`ModelTeacher`: a local model of either backend (:mod:`kd.teachers.model`).
 * :class:`FileTeacher`: top-k log-probs from kd's store or another tool's file
   (:mod:`kd.teachers.files`).
+* :class:`kd.teachers.served.ServedTeacher`: top-k log-probs from a vLLM or SGLang server
+  (:mod:`kd.teachers.served`, imported on its own: it needs an HTTP client).
 
 The recipe gets its teacher from :mod:`kd.teachers.build` (the one place the config's choice of
 teacher is read) and never asks which kind it holds.
 """
 
-from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
+from kd.teachers.base import Teacher, TeacherInput, TeacherSignal, TeacherStopped
 from kd.teachers.files import FileTeacher, FixedTopKTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher, as_teacher
 from kd.teachers.signals import LogitsSignal, TopKSignal
@@ -22,6 +24,7 @@ __all__ = [
     "TeacherInput",
     "TeacherLogitsFile",
     "TeacherSignal",
+    "TeacherStopped",
     "TopKSignal",
     "as_teacher",
 ]

@@ -18,8 +18,15 @@ import torch
 from torch import nn
 
 from kd.config.run import LossSettings
+from kd.errors import KDUserError
 
-__all__ = ["Teacher", "TeacherInput", "TeacherSignal"]
+__all__ = ["Teacher", "TeacherInput", "TeacherSignal", "TeacherStopped"]
+
+
+class TeacherStopped(KDUserError):
+    """A teacher cannot answer a batch mid-run (a served model stayed down, refused a request or
+    answered something malformed): the recipe saves the steps completed, then stops with this
+    one line (exit 2); resume continues from the save."""
 
 
 @dataclass(frozen=True)

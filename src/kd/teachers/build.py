@@ -4,6 +4,9 @@
 
 * ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
   file; ``teacher_model``, if set, only identifies the teacher the store came from);
+* else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
+  :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
+  (``kd run teacher_logits``), not asked by ``kd run kd``;
 * else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
 * else None: plain fine-tuning.
 
@@ -25,10 +28,17 @@ from kd.teachers import foreign_logits, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
+from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
 from kd.training.run_context import ModelFacts, RunContext
 
-__all__ = ["ModelTeacherSource", "StoredTeacherSource", "TeacherSource", "teacher_source"]
+__all__ = [
+    "ModelTeacherSource",
+    "ServedTeacherSource",
+    "StoredTeacherSource",
+    "TeacherSource",
+    "teacher_source",
+]
 
 
 class TeacherSource(Protocol):
@@ -54,8 +64,10 @@ class TeacherSource(Protocol):
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source (see the module docstring), or None without a teacher."""
-    if run.teacher_logits is not None:
+    if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
         return StoredTeacherSource(run)
+    if run.teacher_server is not None:
+        return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
         return ModelTeacherSource()
     return None
@@ -149,4 +161,38 @@ class StoredTeacherSource:
             vocab=self.vocab,
             tail=self.settings.tail,
             device=ctx.device,
+        )
+
+
+class ServedTeacherSource:
+    """``teacher_server:``: a vLLM or SGLang server answers the teacher's top-k log-probs."""
+
+    reads: tuple[str, ...] = ()
+    needs_rows = False
+
+    def __init__(self, run: RunConfig):
+        assert run.teacher_server is not None
+        self.run = run
+        self.settings = run.teacher_server
+        self.client: TeacherClient | None = None
+
+    def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        """The server answers, serves ``teacher_server.model``, gives ``top_k`` log-probs and
+        decodes a probe as the student's tokenizer does (:func:`kd.teachers.served.check_server`)."""
+        client = TeacherClient(self.settings, vocab=facts.student_vocab)
+        check_server(client, ctx.tokenizer(), k=self.settings.top_k)
+        self.client = client
+
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ServedTeacher:
+        assert self.client is not None, "check() reaches the server"
+        s = self.settings
+        return ServedTeacher(
+            self.client,
+            k=s.top_k,
+            tail=s.tail,
+            temperature=self.run.loss.temperature,
+            device=ctx.device,
+            concurrency=s.concurrency,
+            prefetch=s.prefetch,
+            ignore_index=self.run.loss.ignore_index,
         )

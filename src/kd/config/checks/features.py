@@ -46,6 +46,60 @@ def check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
+def check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None:
+    """A served teacher replaces the teacher's nodes and answers top-k log-probs at
+    temperature 1: what needs a local teacher's full distribution or its sampling is refused."""
+    node = data.get("teacher_server")
+    if not isinstance(node, dict):
+        return
+    drop = "remove teacher_model and teacher_checkpointer (the server is the teacher)"
+    if data.get("teacher_model") is not None:
+        problems.append(Problem("teacher_model", f"is set beside teacher_server; {drop}"))
+    url = node.get("url")
+    if isinstance(url, str) and not url.startswith(("http://", "https://")):
+        problems.append(
+            Problem(
+                "teacher_server.url",
+                f"{fmt(url[:80])} is not an http:// or https:// URL; set teacher_server.url to "
+                "the server's base URL, e.g. http://127.0.0.1:8000",
+            )
+        )
+    if isinstance(data.get("validation"), dict) and not isinstance(
+        data.get("teacher_logits"), dict
+    ):
+        problems.append(
+            Problem(
+                "validation",
+                "needs a teacher's full distribution (val_kd_loss, val_top1_agreement), which a "
+                "served teacher's top-k does not give; remove validation, or use teacher_model",
+            )
+        )
+    on_policy = data.get("on_policy")
+    if isinstance(on_policy, dict) and on_policy.get("seq_kd"):
+        problems.append(
+            Problem(
+                "on_policy.seq_kd",
+                "samples the teacher's completions, but kd only scores with a served teacher; "
+                "set on_policy.seq_kd=false (the student's completions are scored by the server)",
+            )
+        )
+    temperature = data.get("temperature", 1.0)
+    if (
+        node.get("tail", "bucket") == "bucket"
+        and isinstance(temperature, (int, float))
+        and not isinstance(temperature, bool)
+        and float(temperature) != 1.0
+    ):
+        problems.append(
+            Problem(
+                "teacher_server.tail",
+                f"bucket needs the teacher mass outside the top-k at temperature "
+                f"{fmt(temperature)}, but the server answers at temperature 1 (kd re-tempers the "
+                "top-k); set teacher_server.tail=renorm, or temperature=1",
+            )
+        )
+
+
 def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
     """On-policy distillation needs a teacher that runs (it scores sequences that exist only
     during training) and room in ``tokenizer.max_seq_len`` for the completions."""
@@ -60,7 +114,11 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                 "stored logits hold); remove on_policy, or set teacher_logits to null",
             )
         )
-    elif "teacher_model" in data and data["teacher_model"] is None:
+    elif (
+        "teacher_model" in data
+        and data["teacher_model"] is None
+        and not isinstance(data.get("teacher_server"), dict)
+    ):
         problems.append(
             Problem(
                 "on_policy",

@@ -140,9 +140,8 @@ def model_folder_problems(data: dict[str, Any]) -> list[Problem]:
         named = f"{key}.{arg}"
         try:
             fields = folders.read_config_json(folder, key=named)
-        except (KDUserError, OSError, ValueError):  # the folder and path checks report it
+            path = Path(folder).expanduser() / folders.CONFIG_JSON
+        except (KDUserError, OSError, ValueError, RuntimeError):  # the path checks report it
             continue
-        problems += config_json_problems(
-            named, Path(folder).expanduser() / folders.CONFIG_JSON, fields
-        )
+        problems += config_json_problems(named, path, fields)
     return problems

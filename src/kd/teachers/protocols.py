@@ -1,0 +1,258 @@
+"""The two HTTP protocols a served teacher speaks: vLLM's and SGLang's, token ids in, top-k out.
+
+Each protocol builds the JSON body of one request for a batch of rows (token id lists, never
+text) and reads the answer back into, per row, the top-k ``(ids, logprobs)`` of every position
+after the first: entry ``i`` (``i >= 1``) is the teacher's distribution of token ``i`` given the
+tokens before it. Anything else in an answer (a missing or null position, a row of the wrong
+length, fewer than k entries, a NaN or positive log-prob, an id outside the vocabulary) is refused
+with the row and the position, never patched.
+
+* vLLM (``POST /v1/completions``): ``prompt`` as id lists, ``max_tokens: 1``, ``prompt_logprobs:
+  k``. ``choices[r].prompt_logprobs`` has one entry per prompt token; the first is null; each
+  other is a dict keyed by token id (a string) of ``{logprob, rank, decoded_token}`` holding the
+  top-k and also the actual prompt token when it ranks below k, so entries are sorted by rank and
+  the first k kept (never the first k keys). The server's ``--max-logprobs`` (default 20) caps k.
+  The values are the model's own log-softmax (temperature 1) under the default
+  ``--logprobs-mode raw_logprobs``; kd re-tempers the top-k itself.
+* SGLang (``POST /generate``): ``input_ids``, ``return_logprob: true``, ``logprob_start_len: 0``,
+  ``top_logprobs_num: k``, ``sampling_params.max_new_tokens: 0``. ``meta_info.input_top_logprobs``
+  has one entry per input token (the first null or empty), each a list of ``[logprob, id, text]``
+  triples.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["PROTOCOLS", "BadAnswer", "RowTopK", "ServerProtocol", "SGLangProtocol", "VLLMProtocol"]
+
+# A log-prob this far above 0 is float rounding of a certain token, kept as 0; more is refused.
+_POSITIVE_SLACK = 1e-4
+
+
+class BadAnswer(ValueError):
+    """A server answer that is not what the protocol promises (the message names where)."""
+
+
+@dataclass
+class RowTopK:
+    """One row's answer.
+
+    Attributes:
+        ids: ``[n - 1, k]`` int64: the top-k ids of positions ``1 .. n - 1``, by rank.
+        logprobs: ``[n - 1, k]`` float32, the matching log-probs (descending).
+        texts: the server's text of each actual prompt token ``1 .. n - 1`` (None where it
+            gave none): the vocabulary probe compares them with the student's tokenizer.
+    """
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    texts: list[str | None]
+
+
+class ServerProtocol(Protocol):
+    """How one kind of server is asked for top-k log-probs of prompts."""
+
+    name: str
+    path: str
+    models_path: str
+
+    def body(self, model: str, rows: Sequence[Sequence[int]], k: int) -> dict[str, Any]:
+        """The JSON body asking for the top-k log-probs of every position of ``rows``."""
+        ...
+
+    def parse(
+        self, answer: Any, rows: Sequence[Sequence[int]], k: int, vocab: int
+    ) -> list[RowTopK]:
+        """The answer read back, one :class:`RowTopK` per row; :class:`BadAnswer` otherwise."""
+        ...
+
+    def served_models(self, answer: Any) -> list[str]:
+        """The model names the models endpoint lists."""
+        ...
+
+    def refusal_fix(self, status: int, text: str, k: int) -> str | None:
+        """A fix for a refused request (HTTP 4xx) this protocol knows, or None."""
+        ...
+
+
+def _logprob(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadAnswer(f"{where}: log-prob {value!r} is not a number")
+    x = float(value)
+    if math.isnan(x) or x == math.inf:
+        raise BadAnswer(f"{where}: log-prob {x} is not finite")
+    if x > _POSITIVE_SLACK:
+        raise BadAnswer(f"{where}: log-prob {x} is positive")
+    return min(x, 0.0)
+
+
+def _token_id(value: Any, vocab: int, where: str) -> int:
+    try:
+        i = int(value)
+    except (TypeError, ValueError):
+        raise BadAnswer(f"{where}: token id {value!r} is not an integer") from None
+    if isinstance(value, bool) or isinstance(value, float) or not 0 <= i < vocab:
+        raise BadAnswer(f"{where}: token id {value!r} is outside the vocabulary 0..{vocab - 1}")
+    return i
+
+
+def _rows_of(answer: list[Any], rows: Sequence[Sequence[int]], what: str) -> None:
+    if len(answer) != len(rows):
+        raise BadAnswer(f"{what}: {len(answer)} answers for {len(rows)} rows")
+
+
+def _positions(entries: Any, row: Sequence[int], where: str) -> list[Any]:
+    """The entries of positions 1 .. n - 1, the first (null) one checked and dropped."""
+    if not isinstance(entries, list):
+        raise BadAnswer(f"{where}: no per-position log-probs (got {type(entries).__name__})")
+    if len(entries) != len(row):
+        raise BadAnswer(f"{where}: {len(entries)} positions for a prompt of {len(row)} tokens")
+    if entries and entries[0]:
+        raise BadAnswer(f"{where}: position 0 holds log-probs (it has no context; null expected)")
+    return entries[1:]
+
+
+class VLLMProtocol:
+    """vLLM's OpenAI-compatible completions server with ``prompt_logprobs``."""
+
+    name = "vllm"
+    path = "/v1/completions"
+    models_path = "/v1/models"
+
+    def body(self, model: str, rows: Sequence[Sequence[int]], k: int) -> dict[str, Any]:
+        return {
+            "model": model,
+            "prompt": [list(map(int, r)) for r in rows],
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "prompt_logprobs": int(k),
+        }
+
+    def parse(
+        self, answer: Any, rows: Sequence[Sequence[int]], k: int, vocab: int
+    ) -> list[RowTopK]:
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list):
+            raise BadAnswer("the answer holds no choices list")
+        _rows_of(choices, rows, "choices")
+        try:
+            ordered = sorted(choices, key=lambda c: int(c.get("index", 0)))
+        except (AttributeError, TypeError, ValueError):
+            raise BadAnswer("a choice has no integer index") from None
+        out = []
+        for r, (choice, row) in enumerate(zip(ordered, rows, strict=True)):
+            entries = _positions(choice.get("prompt_logprobs"), row, f"row {r}")
+            out.append(self._row(entries, row, k, vocab, r))
+        return out
+
+    def _row(self, entries: list[Any], row: Sequence[int], k: int, vocab: int, r: int) -> RowTopK:
+        n = len(entries)
+        ids = np.zeros((n, k), dtype=np.int64)
+        lps = np.zeros((n, k), dtype=np.float32)
+        texts: list[str | None] = []
+        for j, entry in enumerate(entries, start=1):
+            where = f"row {r} position {j}"
+            if not isinstance(entry, dict) or not entry:
+                raise BadAnswer(f"{where}: missing (got {entry!r:.60})")
+            ranked = []
+            for key, value in entry.items():
+                if not isinstance(value, dict):
+                    raise BadAnswer(f"{where}: entry {key!r} is not an object")
+                rank = value.get("rank")
+                if isinstance(rank, bool) or not isinstance(rank, int):
+                    raise BadAnswer(f"{where}: entry {key!r} has no integer rank")
+                lp = _logprob(value.get("logprob"), where)
+                ranked.append((rank, -lp, _token_id(key, vocab, where), lp))
+            ranked.sort()
+            if len(ranked) < k or ranked[k - 1][0] > k:
+                raise BadAnswer(f"{where}: {len(ranked)} entries hold fewer than the top {k}")
+            for c, (_, _, tid, lp) in enumerate(ranked[:k]):
+                ids[j - 1, c], lps[j - 1, c] = tid, lp
+            actual = entry.get(str(int(row[j])))
+            texts.append(actual.get("decoded_token") if isinstance(actual, dict) else None)
+        return RowTopK(ids, lps, texts)
+
+    def served_models(self, answer: Any) -> list[str]:
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list):
+            return []
+        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+
+    def refusal_fix(self, status: int, text: str, k: int) -> str | None:
+        if "logprobs" in text.lower() and ("max" in text.lower() or "greater" in text.lower()):
+            return (
+                f"the server caps the log-probs per position below teacher_server.top_k={k}; "
+                f"start vLLM with --max-logprobs {k} (its default is 20), or set "
+                "teacher_server.top_k to the server's cap"
+            )
+        return None
+
+
+class SGLangProtocol:
+    """SGLang's native ``/generate`` endpoint with input log-probs."""
+
+    name = "sglang"
+    path = "/generate"
+    models_path = "/get_model_info"
+
+    def body(self, model: str, rows: Sequence[Sequence[int]], k: int) -> dict[str, Any]:
+        return {
+            "input_ids": [list(map(int, r)) for r in rows],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": int(k),
+            "return_text_in_logprobs": True,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        }
+
+    def parse(
+        self, answer: Any, rows: Sequence[Sequence[int]], k: int, vocab: int
+    ) -> list[RowTopK]:
+        items = answer if isinstance(answer, list) else [answer]
+        _rows_of(items, rows, "answers")
+        out = []
+        for r, (item, row) in enumerate(zip(items, rows, strict=True)):
+            meta = item.get("meta_info") if isinstance(item, dict) else None
+            if not isinstance(meta, dict):
+                raise BadAnswer(f"row {r}: no meta_info")
+            entries = _positions(meta.get("input_top_logprobs"), row, f"row {r}")
+            actual = meta.get("input_token_logprobs")
+            texts: list[str | None] = [None] * len(entries)
+            if isinstance(actual, list) and len(actual) == len(row):
+                texts = [t[2] if isinstance(t, list) and len(t) > 2 else None for t in actual[1:]]
+            n = len(entries)
+            ids = np.zeros((n, k), dtype=np.int64)
+            lps = np.zeros((n, k), dtype=np.float32)
+            for j, entry in enumerate(entries, start=1):
+                where = f"row {r} position {j}"
+                if not isinstance(entry, list) or len(entry) < k:
+                    raise BadAnswer(f"{where}: fewer than the top {k} (got {entry!r:.60})")
+                ranked = []
+                for triple in entry:
+                    if not isinstance(triple, list) or len(triple) < 2:
+                        raise BadAnswer(f"{where}: {triple!r:.60} is not [logprob, id, text]")
+                    lp = _logprob(triple[0], where)
+                    ranked.append((-lp, _token_id(triple[1], vocab, where), lp))
+                ranked.sort()
+                for c, (_, tid, lp) in enumerate(ranked[:k]):
+                    ids[j - 1, c], lps[j - 1, c] = tid, lp
+            out.append(RowTopK(ids, lps, texts))
+        return out
+
+    def served_models(self, answer: Any) -> list[str]:
+        if not isinstance(answer, dict):
+            return []
+        names = [answer.get("model_path"), answer.get("served_model_name")]
+        return [str(n) for n in names if n]
+
+    def refusal_fix(self, status: int, text: str, k: int) -> str | None:
+        return None
+
+
+PROTOCOLS: dict[str, ServerProtocol] = {"vllm": VLLMProtocol(), "sglang": SGLangProtocol()}

@@ -1,0 +1,411 @@
+"""A served teacher: a vLLM or SGLang server answers the teacher's top-k log-probs over HTTP.
+
+``teacher_server:`` in place of ``teacher_model`` / ``teacher_checkpointer``. Requests carry
+token ids, never text (:mod:`kd.teachers.protocols`), one row per request, ``concurrency`` in
+flight. :meth:`ServedTeacher.look_ahead` asks for the next ``prefetch`` micro-batches while the
+student trains on this one, so a step waits for the server (its ``time_teacher_s``) only when the
+server is slower than training; rows made during training (on-policy completions) are asked when
+the step needs them.
+
+Requests that time out, cannot connect or get a 5xx are retried with exponential backoff
+(urllib3's ``Retry``); a server that stays down raises :class:`TeacherUnavailable`, after which
+the recipe saves a step checkpoint and stops with exit status 2
+(:class:`kd.teachers.TeacherStopped`): resuming repeats the step that could not finish. A malformed answer is refused with the row, the
+position and the request, never patched.
+
+Alignment: kd's :class:`~kd.teachers.TopKSignal` position ``j`` holds the distribution predicting
+token ``j + 1`` (the shifted labels); a server's entry ``i`` is the distribution of token ``i``
+given the tokens before it, so signal position ``j`` is the server's entry ``j + 1``. Log-probs
+are kept as float16, as kd's store holds them, so a served answer and a stored one teach alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from kd.config.run import TeacherServerSettings
+from kd.errors import KDUserError, brief, one_line
+from kd.teachers.base import Teacher, TeacherInput, TeacherStopped
+from kd.teachers.protocols import PROTOCOLS, BadAnswer, RowTopK
+from kd.teachers.signals import TopKSignal
+
+__all__ = [
+    "ServedTeacher",
+    "TeacherClient",
+    "TeacherStopped",
+    "TeacherUnavailable",
+    "check_server",
+    "prefetch_bytes",
+    "served_identity",
+]
+
+log = logging.getLogger("kd")
+
+_RETRY_STATUS = (500, 502, 503, 504)
+_BACKOFF_MAX = 60.0
+_KEY = "teacher_server"
+
+
+class TeacherUnavailable(TeacherStopped):
+    """The served teacher stayed down (every retry failed)."""
+
+
+def _retemper(logprobs: np.ndarray, alpha: float) -> np.ndarray:
+    """``alpha log p - logsumexp_k(alpha log p)`` per position; unchanged for alpha = 1."""
+    if alpha == 1.0:
+        return logprobs
+    scaled = logprobs.astype(np.float64) * alpha
+    top = scaled.max(axis=-1, keepdims=True)
+    lse = top + np.log(np.exp(scaled - top).sum(axis=-1, keepdims=True))
+    return (scaled - lse).astype(np.float32)
+
+
+class _DaemonPool:
+    """A fixed set of daemon worker threads running submitted calls in order (a process that
+    stops while requests to a dead server are being retried does not wait for them, as it
+    would for :class:`concurrent.futures.ThreadPoolExecutor`'s workers)."""
+
+    def __init__(self, workers: int):
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._threads = [
+            threading.Thread(target=self._work, name=f"kd-teacher-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+class TeacherClient:
+    """Asks one server for top-k log-probs of token id rows; thread-safe (a session per thread).
+
+    Args:
+        settings: ``teacher_server:``.
+        vocab: ids at or above it are refused (the student's vocabulary).
+    """
+
+    def __init__(self, settings: TeacherServerSettings, *, vocab: int):
+        self.settings = settings
+        self.vocab = vocab
+        self.protocol = PROTOCOLS[settings.api]
+        self._local = threading.local()
+        self._headers = {"Content-Type": "application/json"}
+        if settings.token_env is not None:
+            token = os.environ.get(settings.token_env, "")
+            if not token:
+                raise KDUserError(
+                    f"teacher_server.token_env: the environment variable {settings.token_env} is "
+                    "not set or empty; export it with the server's API token, or set "
+                    "teacher_server.token_env to null for a server without one"
+                )
+            self._headers["Authorization"] = f"Bearer {token}"
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            s = self.settings
+            retry = Retry(
+                total=s.retries,
+                connect=s.retries,
+                read=s.retries,
+                status=s.retries,
+                backoff_factor=s.backoff,
+                backoff_max=_BACKOFF_MAX,
+                status_forcelist=_RETRY_STATUS,
+                allowed_methods=frozenset({"GET", "POST"}),
+                raise_on_status=False,
+            )
+            session = requests.Session()
+            session.mount("http://", HTTPAdapter(max_retries=retry))
+            session.mount("https://", HTTPAdapter(max_retries=retry))
+            self._local.session = session
+        return session
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer of one request, retried; :class:`TeacherUnavailable` when the server
+        stays down, :class:`KDUserError` when it refuses the request."""
+        s = self.settings
+        url = f"{s.url}{path}"
+        start = time.monotonic()
+        try:
+            response = self._session().request(
+                method, url, json=body, headers=self._headers, timeout=s.timeout
+            )
+        except requests.RequestException as e:
+            raise TeacherUnavailable(
+                f"{_KEY}.url: {url} did not answer after {s.retries} retries over "
+                f"{time.monotonic() - start:.0f} s ({brief(e, 160)}); start the server (or raise "
+                f"{_KEY}.timeout / {_KEY}.retries) and run again"
+            ) from e
+        if response.status_code in _RETRY_STATUS:
+            raise TeacherUnavailable(
+                f"{_KEY}.url: {url} answered HTTP {response.status_code} after {s.retries} "
+                f"retries ({one_line(response.text[:160])}); fix the server and run again"
+            )
+        if response.status_code != 200:
+            text = response.text[:300]
+            k = int((body or {}).get("prompt_logprobs", (body or {}).get("top_logprobs_num", 0)))
+            fix = self.protocol.refusal_fix(response.status_code, text, k)
+            raise TeacherStopped(
+                f"{_KEY}: {url} refused the request with HTTP {response.status_code} "
+                f"({one_line(text)}); "
+                + (fix or f"check {_KEY}.url, {_KEY}.api and {_KEY}.model against the server")
+            )
+        try:
+            return response.json()
+        except ValueError as e:
+            raise BadAnswer(f"the answer is not JSON ({one_line(response.text[:80])!r})") from e
+
+    def models(self) -> list[str]:
+        """The model names the server lists."""
+        return self.protocol.served_models(self._call("GET", self.protocol.models_path))
+
+    def topk(self, rows: Sequence[Sequence[int]], k: int) -> list[RowTopK]:
+        """The top-k of every position after the first of each row (one request).
+
+        Raises:
+            TeacherUnavailable: the server stayed down.
+            KDUserError: it refused the request, or answered something malformed.
+        """
+        body = self.protocol.body(self.settings.model, rows, k)
+        try:
+            return self.protocol.parse(
+                self._call("POST", self.protocol.path, body), rows, k, self.vocab
+            )
+        except BadAnswer as e:
+            lengths = ", ".join(str(len(r)) for r in rows[:4])
+            raise TeacherStopped(
+                f"{_KEY}: {self.settings.url}{self.protocol.path} gave a malformed answer: {e} "
+                f"(request: {len(rows)} row(s) of {lengths} tokens, {k} log-probs per position); "
+                f"check {_KEY}.api matches the server ({self.settings.api} now)"
+            ) from None
+
+
+def _key(tokens: torch.Tensor) -> str:
+    """A micro-batch's identity: its token ids (on-policy rows differ from the dataset's)."""
+    data = tokens.detach().cpu().contiguous()
+    return hashlib.sha1(str(tuple(data.shape)).encode() + data.numpy().tobytes()).hexdigest()
+
+
+def _lengths(tokens: torch.Tensor, labels: torch.Tensor | None, ignore_index: int) -> list[int]:
+    """Tokens of each row the teacher must see: through the last labelled token (the
+    distributions after it teach nothing); the whole row without labels."""
+    b, s = tokens.shape
+    if labels is None:
+        return [s] * b
+    out = []
+    for row in labels.cpu():
+        labelled = torch.nonzero(row != ignore_index).flatten()
+        out.append(int(labelled[-1]) + 1 if labelled.numel() else 0)
+    return out
+
+
+class ServedTeacher(Teacher):
+    """The teacher of a server: top-k log-probs asked ahead of training.
+
+    Args:
+        client: the checked client.
+        k: log-probs per position (``teacher_server.top_k``).
+        tail: ``teacher_server.tail``.
+        temperature: the run's temperature (the server answers at 1; the top-k is re-tempered).
+        device: where the student trains.
+        concurrency: requests in flight.
+        prefetch: micro-batches asked ahead.
+        ignore_index: label of unlabelled positions.
+    """
+
+    def __init__(
+        self,
+        client: TeacherClient,
+        *,
+        k: int,
+        tail: str,
+        temperature: float,
+        device: torch.device,
+        concurrency: int,
+        prefetch: int,
+        ignore_index: int = -100,
+    ):
+        self.client = client
+        self.k = k
+        self.tail = tail
+        self.alpha = 1.0 / float(temperature)
+        self.device = device
+        self.prefetch = prefetch
+        self.ignore_index = ignore_index
+        self.pool = _DaemonPool(concurrency)
+        # Asked micro-batches by token key, oldest first; bounded (see _remember).
+        self._pending: OrderedDict[str, list[Future[RowTopK]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ asking
+    def _submit(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> list[Future[RowTopK]]:
+        """One request per row (through its last labelled token), queued on the pool."""
+        futures: list[Future[RowTopK]] = []
+        for row, n in zip(tokens.cpu(), _lengths(tokens, labels, self.ignore_index), strict=True):
+            if n < 2:  # no position with context: nothing to ask
+                empty = RowTopK(
+                    np.zeros((0, self.k), np.int64), np.zeros((0, self.k), np.float32), []
+                )
+                done: Future[RowTopK] = Future()
+                done.set_result(empty)
+                futures.append(done)
+                continue
+            ids = row[:n].tolist()
+            futures.append(self.pool.submit(lambda ids=ids: self.client.topk([ids], self.k)[0]))
+        return futures
+
+    def _remember(self, key: str, futures: list[Future[RowTopK]]) -> None:
+        with self._lock:
+            self._pending[key] = futures
+            # Batches asked but never used (an on-policy step trained on completions instead).
+            while len(self._pending) > 2 * max(self.prefetch, 1) + 8:
+                _, dropped = self._pending.popitem(last=False)
+                for f in dropped:
+                    f.cancel()
+
+    def look_ahead(
+        self, batches: Iterator[dict[str, torch.Tensor]]
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches, each asked ``prefetch`` micro-batches before it is trained on."""
+        if self.prefetch == 0:
+            yield from batches
+            return
+        window: list[dict[str, torch.Tensor]] = []
+        for batch in batches:
+            self._remember(
+                _key(batch["tokens"]), self._submit(batch["tokens"], batch.get("labels"))
+            )
+            window.append(batch)
+            if len(window) > self.prefetch:
+                yield window.pop(0)
+        yield from window
+
+    # ------------------------------------------------------------ answering
+    def signal(self, batch: TeacherInput) -> TopKSignal:
+        key = _key(batch.tokens)
+        with self._lock:
+            futures = self._pending.pop(key, None)
+        if futures is None:  # not asked ahead: on-policy completions, or prefetch 0
+            futures = self._submit(batch.tokens, batch.labels)
+        b, s = batch.tokens.shape
+        ids = torch.zeros(b, s, self.k, dtype=torch.int64)  # [b, s, k]
+        logprobs = torch.zeros(b, s, self.k, dtype=torch.float16)  # [b, s, k]
+        try:
+            for i, future in enumerate(futures):
+                row = future.result()
+                n = row.ids.shape[0]
+                # Signal position j is the server's entry j + 1 (row.ids[j]).
+                ids[i, :n] = torch.from_numpy(row.ids)
+                lps = _retemper(row.logprobs, self.alpha)
+                logprobs[i, :n] = torch.from_numpy(lps.astype(np.float16))
+        except BaseException:
+            self.close()  # the run stops: drop every queued request
+            raise
+        return TopKSignal(
+            ids=ids.to(self.device), logprobs=logprobs.to(self.device), vocab=None, tail=self.tail
+        )
+
+    def close(self) -> None:
+        """Stop asking: queued requests are dropped, those in flight end with the process."""
+        with self._lock:
+            for futures in self._pending.values():
+                for f in futures:
+                    f.cancel()
+            self._pending.clear()
+        self.pool.shutdown()
+
+
+def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
+    """Before training: the server answers, serves the configured model, accepts ``k`` log-probs
+    per position, and its tokenizer decodes a probe's ids as the student's does.
+
+    Raises:
+        KDUserError: the first problem, one line naming the key and the fix.
+    """
+    from kd.models import TOKENIZER_PROBE
+
+    s = client.settings
+    served = client.models()
+    if served and s.model not in served:
+        raise KDUserError(
+            f"{_KEY}.model: the server at {s.url} serves {', '.join(served[:3])}, not {s.model}; "
+            f"set {_KEY}.model={served[0]}, or start the server with the teacher you meant"
+        )
+    ids = [int(i) for i in tokenizer.encode(TOKENIZER_PROBE, add_bos=False, add_eos=False)]
+    (answer,) = client.topk([ids], k)  # also: k accepted, ids in the vocabulary, finite values
+    for j, text in enumerate(answer.texts, start=1):
+        ours = tokenizer.decode([ids[j]])
+        if text is not None and text.strip() != ours.strip():
+            raise KDUserError(
+                f"{_KEY}: the server's tokenizer is not the student's: probe token {ids[j]} is "
+                f"{text!r} there and {ours!r} here (tokenizer); serve a teacher that shares the "
+                "student's tokenizer"
+            )
+    log.info(
+        "teacher_server: %s (%s at %s) answers top-%d log-probs; %s",
+        s.model,
+        s.api,
+        s.url,
+        k,
+        "its tokenizer decodes the probe as the student's"
+        if any(t is not None for t in answer.texts)
+        else "it returned no token texts, so the tokenizers were not compared",
+    )
+
+
+def served_identity(settings: TeacherServerSettings) -> dict[str, Any]:
+    """A served teacher's identity in a store's manifest (as
+    :func:`kd.teachers.stored_logits.teacher_identity` gives a local one's): its protocol and model name;
+    the URL stands where a local teacher's folder does (a moved server is the same teacher)."""
+    return {
+        "component": f"teacher_server {settings.api} {settings.model}",
+        "folder": settings.url,
+        "files": [],
+        "config_sha256": None,
+    }
+
+
+def prefetch_bytes(settings: TeacherServerSettings, *, batch_size: int, seq_len: int) -> int:
+    """Host memory of the answers asked ahead: ``prefetch + 1`` micro-batches of ``[b, s, k]``
+    int64 ids and float32 log-probs (the parsed rows) plus the float16 signal."""
+    per = batch_size * seq_len * settings.top_k * (8 + 4 + 8 + 2)
+    return (settings.prefetch + 1) * per

@@ -1,0 +1,348 @@
+"""A test teacher server: vLLM's and SGLang's log-prob protocols over a real (tiny) model.
+
+Written from the protocols as the servers document them (:mod:`kd.teachers.protocols`): vLLM's
+``POST /v1/completions`` with ``prompt_logprobs`` (the first entry null, each other a dict keyed
+by token id as a string holding the top-k *and* the actual prompt token when it ranks below k,
+that token first) and ``GET /v1/models``; SGLang's ``POST /generate`` (``input_top_logprobs`` of
+``[logprob, id, text]`` triples, ``input_token_logprobs``) and ``GET /get_model_info``. It
+refuses more log-probs than ``max_logprobs`` as vLLM does (``--max-logprobs``).
+
+It listens on 127.0.0.1 only, on a port of its own; requests are served by a bounded loop
+(``max_requests``, ``lifetime_s``) in a daemon thread, so a test that forgets it cannot leave it
+running. ``faults`` injects failures request by request (tests and ``scripts/``), and
+:meth:`TeacherTestServer.kill` stops it as a crashed server would (connections refused).
+
+Example::
+
+    with TeacherTestServer(logprobs_fn, api="vllm", model_name="tiny") as server:
+        ...  # teacher_server.url = server.url
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FAULTS", "TeacherTestServer", "model_logprobs"]
+
+# What faults may hold, one per POST request, in order:
+#   "500": answer HTTP 500; "hang": sleep hang_s before answering (a client timeout);
+#   "garbage": a 200 whose body is not JSON; "nan" / "positive" / "unknown_id": one bad value;
+#   "drop": one position missing; "kill": stop the server now (the request is not answered).
+FAULTS = ("500", "hang", "garbage", "nan", "positive", "unknown_id", "drop", "kill")
+
+
+def model_logprobs(model_dir: Path, tiny: Any, scratch: Path, *, vocab: int) -> Callable:
+    """``ids -> [n, vocab]`` fp32 log-softmax of a tiny model written by :mod:`kd.testing`: row
+    ``i`` is the distribution of token ``i + 1`` given ``ids[: i + 1]``, over the first ``vocab``
+    entries (a served model whose vocabulary is its tokenizer's).
+
+    Args:
+        model_dir: the model's HF folder.
+        tiny: its :class:`kd.testing.TinyModel` shape.
+        scratch: an empty folder for the checkpointer.
+        vocab: entries the softmax runs over.
+    """
+    from kd import models
+    from kd.testing import load_tiny_model
+
+    decoder = load_tiny_model(model_dir, tiny, scratch)
+    models.set_hidden_output(decoder)
+
+    @torch.no_grad()
+    def fn(ids: Sequence[int]) -> torch.Tensor:
+        hidden = decoder(torch.tensor([list(ids)]))[0]  # [n, d]
+        logits = models.logits_from_hidden(decoder, hidden)  # [n, V]
+        return torch.log_softmax(logits[:, :vocab].float(), dim=-1)
+
+    return fn
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+    def _send(self, status: int, payload: Any, *, raw: bytes | None = None) -> None:
+        body = raw if raw is not None else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        owner = self.server.owner
+        if not owner.authorized(self.headers.get("Authorization")):
+            self._send(401, {"error": "Unauthorized"})
+        elif owner.api == "vllm" and self.path == "/v1/models":
+            entry = {"id": owner.model_name, "object": "model", "max_model_len": 4096}
+            self._send(200, {"object": "list", "data": [entry]})
+        elif owner.api == "sglang" and self.path == "/get_model_info":
+            self._send(200, {"model_path": owner.model_name, "is_generation": True})
+        else:
+            self._send(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        owner = self.server.owner
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        owner.count(body)
+        fault = owner.next_fault()
+        if fault == "kill":
+            owner.kill()
+            self.close_connection = True
+            return
+        if fault == "500":
+            self._send(500, {"error": "Internal Server Error"})
+            return
+        if fault == "hang":
+            time.sleep(owner.hang_s)
+        if fault == "garbage":
+            self._send(200, None, raw=b"<html>502 Bad Gateway</html>")
+            return
+        if not owner.authorized(self.headers.get("Authorization")):
+            self._send(401, {"error": "Unauthorized"})
+            return
+        route = {"vllm": "/v1/completions", "sglang": "/generate"}[owner.api]
+        if self.path != route:
+            self._send(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            status, payload = (owner.vllm if owner.api == "vllm" else owner.sglang)(body, fault)
+        except Exception as e:  # noqa: BLE001 - a server answers 500 on its own errors
+            status, payload = 500, {"error": f"{type(e).__name__}: {e}"}
+        self._send(status, payload)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: TeacherTestServer
+
+
+class TeacherTestServer:
+    """A vLLM- or SGLang-protocol server of ``logprobs_fn``'s log-probs on 127.0.0.1.
+
+    Args:
+        logprobs_fn: ``ids -> [n, V]`` log-probs (:func:`model_logprobs`).
+        api: ``vllm`` or ``sglang``.
+        model_name: the name it serves (vLLM ``--served-model-name``).
+        decode: ``id -> text`` (the texts vLLM's ``decoded_token`` and SGLang's triples carry);
+            None: no texts.
+        max_logprobs: the most log-probs per position it gives (vLLM ``--max-logprobs``).
+        token: the Bearer token it requires (None: none).
+        port: the port to listen on (0: any free one).
+        hang_s: how long a ``"hang"`` fault sleeps.
+        max_requests: requests it serves before it stops by itself.
+        lifetime_s: seconds it serves before it stops by itself.
+    """
+
+    def __init__(
+        self,
+        logprobs_fn: Callable[[Sequence[int]], torch.Tensor],
+        *,
+        api: str = "vllm",
+        model_name: str = "tiny-teacher",
+        decode: Callable[[int], str] | None = None,
+        max_logprobs: int = 20,
+        token: str | None = None,
+        port: int = 0,
+        hang_s: float = 2.0,
+        max_requests: int = 100_000,
+        lifetime_s: float = 900.0,
+    ):
+        assert api in ("vllm", "sglang"), api
+        self.logprobs_fn = logprobs_fn
+        self.api = api
+        self.model_name = model_name
+        self.decode = decode
+        self.max_logprobs = max_logprobs
+        self.token = token
+        self.hang_s = hang_s
+        self.max_requests = max_requests
+        self.lifetime_s = lifetime_s
+        self.faults: collections.deque[str] = collections.deque()
+        self.requests = 0  # POST requests received
+        self.prompts: list[list[int]] = []  # every prompt asked, in order of arrival
+        self._lock = threading.Lock()
+        self._model_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._httpd = _HTTPServer(("127.0.0.1", port), _Handler)
+        self._httpd.owner = self
+        self._httpd.timeout = 0.1
+        self.port = int(self._httpd.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._serve, name="kd-test-server", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> TeacherTestServer:
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        deadline = time.monotonic() + self.lifetime_s
+        served = 0
+        try:
+            while not self._stopped.is_set() and time.monotonic() < deadline:
+                if served >= self.max_requests:
+                    break
+                self._httpd.handle_request()
+                served += 1
+        finally:
+            self._httpd.server_close()
+
+    def kill(self) -> None:
+        """Stop serving at once, as a crashed server (new connections are refused)."""
+        self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> TeacherTestServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+    # ------------------------------------------------------------ requests
+    def authorized(self, header: str | None) -> bool:
+        return self.token is None or header == f"Bearer {self.token}"
+
+    def count(self, body: Any) -> None:
+        prompts = body.get("prompt", body.get("input_ids")) if isinstance(body, dict) else None
+        with self._lock:
+            self.requests += 1
+            if isinstance(prompts, list) and prompts and isinstance(prompts[0], list):
+                self.prompts.extend([list(p) for p in prompts])
+            elif isinstance(prompts, list):
+                self.prompts.append(list(prompts))
+
+    def next_fault(self) -> str | None:
+        with self._lock:
+            return self.faults.popleft() if self.faults else None
+
+    def _table(self, ids: list[int]) -> torch.Tensor:
+        with self._model_lock:
+            return self.logprobs_fn(ids)
+
+    def _text(self, token: int) -> str | None:
+        if self.decode is None:
+            return None
+        try:
+            return self.decode(token)
+        except Exception:  # noqa: BLE001 - an id the tokenizer has no text for (padded vocab)
+            return ""
+
+    def _positions(self, ids: list[int], k: int, fault: str | None) -> list[list[tuple]]:
+        """Per position 1 .. n-1: the top-k ``(id, logprob, rank)`` plus the actual token's
+        ``(id, logprob, rank)`` first; the fault, if any, applied to the middle position."""
+        table = self._table(ids)  # [n, V]: row i predicts token i + 1
+        out = []
+        for i in range(1, len(ids)):
+            row = table[i - 1]
+            values, top = torch.topk(row, k)
+            actual = ids[i]
+            rank = int((row > row[actual]).sum()) + 1
+            entries = [(actual, float(row[actual]), rank)]
+            entries += [
+                (int(t), float(v), r + 1)
+                for r, (v, t) in enumerate(zip(values, top, strict=True))
+                if int(t) != actual
+            ]
+            out.append(entries)
+        if fault in ("nan", "positive", "unknown_id") and out:
+            j = len(out) // 2
+            tid, lp, rank = out[j][-1]
+            out[j][-1] = {
+                "nan": (tid, math.nan, rank),
+                "positive": (tid, 0.5, rank),
+                "unknown_id": (10**7, lp, rank),
+            }[fault]
+        return out
+
+    def vllm(self, body: dict[str, Any], fault: str | None) -> tuple[int, Any]:
+        if body.get("model") != self.model_name:
+            message = f"The model `{body.get('model')}` does not exist."
+            return 404, {"object": "error", "message": message, "type": "NotFoundError"}
+        k = int(body.get("prompt_logprobs") or 0)
+        if k > self.max_logprobs:
+            message = (
+                f"Requested prompt logprobs of {k}, which is greater than max allowed: "
+                f"{self.max_logprobs}"
+            )
+            return 400, {"object": "error", "message": message, "type": "BadRequestError"}
+        prompts = body["prompt"]
+        prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
+        choices = []
+        for index, ids in enumerate(prompts):
+            entries: list[Any] = [None]
+            for position in self._positions(ids, k, fault):
+                entries.append(
+                    {
+                        str(t): {"logprob": lp, "rank": rank, "decoded_token": self._text(t)}
+                        for t, lp, rank in position
+                    }
+                )
+            if fault == "drop":
+                del entries[len(entries) // 2]
+            choices.append(
+                {
+                    "index": index,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_logprobs": entries,
+                }
+            )
+        tokens = sum(len(p) for p in prompts)
+        usage = {"prompt_tokens": tokens, "completion_tokens": len(prompts)}
+        return 200, {
+            "id": f"cmpl-{self.requests}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def sglang(self, body: dict[str, Any], fault: str | None) -> tuple[int, Any]:
+        k = int(body.get("top_logprobs_num") or 0)
+        prompts = body["input_ids"]
+        single = not (prompts and isinstance(prompts[0], list))
+        prompts = [prompts] if single else prompts
+        out = []
+        for index, ids in enumerate(prompts):
+            positions = self._positions(ids, k, fault)
+            table: list[Any] = [None]
+            for p in positions:
+                # The top-k by rank: the actual token is among them only when it ranks in.
+                top = sorted(p[1:] if p[0][2] > k else [*p[1:], p[0]], key=lambda e: e[2])
+                table.append([[lp, t, self._text(t)] for t, lp, _ in top])
+            actual = [[None, ids[0], self._text(ids[0])]] + [
+                [p[0][1], p[0][0], self._text(p[0][0])] for p in positions
+            ]
+            if fault == "drop":
+                del table[len(table) // 2]
+            meta = {
+                "id": f"req-{self.requests}-{index}",
+                "prompt_tokens": len(ids),
+                "completion_tokens": 0,
+                "finish_reason": {"type": "length", "length": 0},
+                "input_token_logprobs": actual,
+                "input_top_logprobs": table,
+                "output_token_logprobs": [],
+                "output_top_logprobs": [],
+            }
+            out.append({"text": "", "meta_info": meta})
+        return 200, out[0] if single else out
