@@ -24,3 +24,14 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's live process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True

@@ -145,25 +145,6 @@ TORCHTUNE = TORCHTUNE_BACKEND.name  # WeightsSource.backend of each
 TRANSFORMERS = TRANSFORMERS_BACKEND.name
 
 
-def weights_source(
-    model: nn.Module,
-    *,
-    model_key: str,
-    model_node: Mapping[str, Any],
-    ckpt_key: str,
-    ckpt_node: Mapping[str, Any],
-) -> WeightsSource:
-    """The :class:`WeightsSource` of a built model: its own folder for the transformers backend,
-    its checkpointer's for a torchtune builder.
-
-    Raises:
-        KDUserError: a Hugging Face folder without config.json or without safetensors weights.
-    """
-    return backend_of(model).weights_source(
-        model, model_key=model_key, model_node=model_node, ckpt_key=ckpt_key, ckpt_node=ckpt_node
-    )
-
-
 def check_teacher_tokenizer(
     teacher: WeightsSource | None,
     tokenizer_node: Mapping[str, Any],

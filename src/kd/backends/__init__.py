@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kd.backends.base import Backend, WeightsSource
+from kd.backends.base import CHECKPOINTER_OF, Backend, WeightsSource
 from kd.backends.torchtune import TorchtuneBackend
 from kd.backends.transformers import TransformersBackend
 from kd.hf.model import is_hf_model
 
 __all__ = [
     "BACKENDS",
+    "CHECKPOINTER_OF",
     "Backend",
     "TORCHTUNE",
     "TRANSFORMERS",

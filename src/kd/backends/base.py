@@ -16,7 +16,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["Backend", "WeightsSource"]
+from kd.config.run import CHECKPOINTER_OF
+
+__all__ = ["CHECKPOINTER_OF", "Backend", "WeightsSource"]
 
 
 @dataclass(frozen=True)
@@ -92,15 +94,10 @@ class Backend(Protocol):
     def max_seq_len(self, model: nn.Module) -> int | None: ...
 
     def weights_source(
-        self,
-        model: nn.Module,
-        *,
-        model_key: str,
-        model_node: Mapping[str, Any],
-        ckpt_key: str,
-        ckpt_node: Mapping[str, Any],
+        self, model: nn.Module, *, key: str, node: Mapping[str, Any], ckpt_node: Mapping[str, Any]
     ) -> WeightsSource:
-        """Where a built model's weights are (its folder, or its checkpointer's)."""
+        """Where a built model's weights are: its own folder (``node`` of model key ``key``), or
+        its checkpointer's (``ckpt_node``, of key :data:`CHECKPOINTER_OF` ``[key]``)."""
         ...
 
     def load_weights(

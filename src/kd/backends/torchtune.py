@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kd import _torchtune as tt
-from kd.backends.base import WeightsSource
+from kd.backends.base import CHECKPOINTER_OF, WeightsSource
 from kd.errors import KDUserError, brief
 
 __all__ = ["TorchtuneBackend", "load_checkpointer_weights", "load_weights"]
@@ -154,16 +154,10 @@ class TorchtuneBackend:
         return value if isinstance(value, int) else None
 
     def weights_source(
-        self,
-        model: nn.Module,
-        *,
-        model_key: str,
-        model_node: Mapping[str, Any],
-        ckpt_key: str,
-        ckpt_node: Mapping[str, Any],
+        self, model: nn.Module, *, key: str, node: Mapping[str, Any], ckpt_node: Mapping[str, Any]
     ) -> WeightsSource:
         return WeightsSource(
-            ckpt_key,
+            CHECKPOINTER_OF[key],
             "checkpoint_dir",
             Path(str(ckpt_node.get("checkpoint_dir"))).expanduser(),
             ckpt_node.get("checkpoint_files"),

@@ -60,19 +60,11 @@ class TransformersBackend:
         return hf.max_seq_len(model)
 
     def weights_source(
-        self,
-        model: nn.Module,
-        *,
-        model_key: str,
-        model_node: Mapping[str, Any],
-        ckpt_key: str,
-        ckpt_node: Mapping[str, Any],
+        self, model: nn.Module, *, key: str, node: Mapping[str, Any], ckpt_node: Mapping[str, Any]
     ) -> WeightsSource:
-        folder = Path(str(model_node["path"])).expanduser()
-        files = [p.name for p in hf.weight_files(folder, key=model_key)]
-        return WeightsSource(
-            model_key, "path", folder, files, self.name, str(model.config.model_type)
-        )
+        folder = Path(str(node["path"])).expanduser()
+        files = [p.name for p in hf.weight_files(folder, key=key)]
+        return WeightsSource(key, "path", folder, files, self.name, str(model.config.model_type))
 
     def load_weights(
         self, model: nn.Module, source: WeightsSource, build_checkpointer: Callable[[], Any]

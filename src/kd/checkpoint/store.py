@@ -33,7 +33,7 @@ from kd.checkpoint.layout import (
 from kd.checkpoint.recipe_state import check_weights_only, encode_tensor_subclasses
 from kd.checkpoint.resume import config_hash
 from kd.errors import KDUserError
-from kd.fileio import fsync_path, sha256_file
+from kd.fileio import fsync_path, pid_alive, sha256_file
 
 logger = logging.getLogger("kd")
 
@@ -75,23 +75,13 @@ def _describe_files(folder: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stale_tmp(output_dir: Path) -> list[Path]:
     """``.tmp_*`` folders left by killed saves (not those of another live process)."""
     stale = []
     for p in sorted(output_dir.glob(_TMP_PREFIX + "*")):
         m = re.search(r"_(\d+)$", p.name)
         pid = int(m.group(1)) if m else None
-        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+        if pid is not None and pid != os.getpid() and pid_alive(pid):
             continue
         stale.append(p)
     return stale

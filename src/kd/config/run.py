@@ -34,6 +34,10 @@ from kd.config.declare import (
     settings,
 )
 
+# The checkpointer key of each model key (torchtune builders only: a Hugging Face model's folder
+# is its checkpoint).
+CHECKPOINTER_OF: dict[str, str] = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
+
 # Nodes built with `_component_` (kept as read-only config nodes: the builders take their keys).
 COMPONENT_KEYS: tuple[str, ...] = (
     "model",

@@ -56,7 +56,7 @@ import torch
 
 from kd import folders
 from kd.errors import KDUserError, brief, one_line
-from kd.fileio import fsync_path, sha256_file
+from kd.fileio import fsync_path, pid_alive, sha256_file
 
 __all__ = [
     "FORMAT",
@@ -313,16 +313,6 @@ def write_shard(
     _replace_synced(tmp, path)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
 def acquire_lock(folder: Path) -> Path:
     """Take ``folder/.lock`` (``O_CREAT | O_EXCL``; it records this pid and host) so that two
     precomputes never write into one folder at once.
@@ -349,7 +339,7 @@ def acquire_lock(folder: Path) -> Path:
                 pid, owner_host = int(owner["pid"]), str(owner["host"])
             except (OSError, ValueError, KeyError, TypeError):
                 pid, owner_host = None, None
-            if owner_host == host and pid is not None and not _pid_alive(pid):
+            if owner_host == host and pid is not None and not pid_alive(pid):
                 path.unlink(missing_ok=True)  # stale: its precompute was killed
                 continue
             who = f"process {pid} on {owner_host}" if pid is not None else "an unknown process"

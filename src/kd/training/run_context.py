@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from kd import checkpoint, data, models
+from kd.backends import CHECKPOINTER_OF, backend_of
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
@@ -30,11 +31,7 @@ from kd.training.prepare import ShardSpec, materialize, shard_spec
 
 log = logging.getLogger("kd")
 
-__all__ = ["CHECKPOINTER_OF", "ModelFacts", "RunContext"]
-
-# The checkpointer of each model key (torchtune builders only: a Hugging Face model's folder is
-# its checkpoint).
-CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
+__all__ = ["ModelFacts", "RunContext"]
 
 
 @dataclass(frozen=True)
@@ -168,13 +165,9 @@ class RunContext:
         )
 
     def weights_source(self, key: str, model: nn.Module) -> models.WeightsSource:
-        ckpt_key = CHECKPOINTER_OF[key]
-        return models.weights_source(
-            model,
-            model_key=key,
-            model_node=self.node(key),
-            ckpt_key=ckpt_key,
-            ckpt_node=self.node(ckpt_key),
+        """Where the built model of ``key`` reads its weights from (its folder or checkpointer)."""
+        return backend_of(model).weights_source(
+            model, key=key, node=self.node(key), ckpt_node=self.node(CHECKPOINTER_OF[key])
         )
 
     def teacher_identity(self, source: models.WeightsSource) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from typing import Any
 from kd import folders
 from kd.config import schema
 from kd.config.checks.components import component_values
-from kd.config.checks.teacher import CHECKPOINTER_OF, is_hf_model_node
-from kd.config.run import DATASET_KEYS
+from kd.config.checks.teacher import is_hf_model_node
+from kd.config.run import CHECKPOINTER_OF, DATASET_KEYS
 from kd.config.schema import Problem
 
 FILE_SOURCES: frozenset[str] = frozenset({"json", "csv", "text", "parquet", "arrow"})

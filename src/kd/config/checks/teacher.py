@@ -7,10 +7,10 @@ from typing import Any
 
 from kd.config import schema
 from kd.config.checks.values import fmt
+from kd.config.run import CHECKPOINTER_OF
 from kd.config.schema import Problem
 
 # Model key -> its checkpointer key (torchtune builders; a Hugging Face model's folder is its own).
-CHECKPOINTER_OF = {"model": "checkpointer", "teacher_model": "teacher_checkpointer"}
 
 
 HF_MODEL_PREFIX = "kd.hf."
