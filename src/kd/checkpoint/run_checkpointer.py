@@ -8,11 +8,13 @@ settings, the config snapshot, ``keep_last_n``, the ranks) so the recipe says on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kd.checkpoint.store import find_latest_checkpoint
 from kd.checkpoint.training import (
     Progress,
     StudentSource,
@@ -20,6 +22,7 @@ from kd.checkpoint.training import (
     save_best_checkpoint,
     save_training_checkpoint,
 )
+from kd.errors import KDUserError
 from kd.training.distributed import WorldInfo
 
 __all__ = ["RunCheckpointer"]
@@ -107,4 +110,30 @@ class RunCheckpointer:
             lr_scheduler=lr_scheduler,
             source=self.source,
             world=self.world,
+        )
+
+    def save_on_stop(
+        self,
+        err: KDUserError,
+        *,
+        step: int,
+        just_saved: Path | None,
+        save: Callable[..., Path | None],
+    ) -> KDUserError:
+        """A run that must stop mid-step (a teacher that stopped answering): save the steps
+        completed (``save(final=False)``, unless step ``step`` was just saved in ``just_saved``;
+        the failed step is repeated on resume) and return ``err`` with where in its one line.
+        Under torchrun saving is collective and only this rank failed, so the line names the
+        newest checkpoint instead."""
+        path = just_saved
+        if path is None and not self.world.distributed:
+            path = save(final=False)
+        if path is None:
+            path = find_latest_checkpoint(self.output_dir)
+        if path is None:
+            return err
+        verb = "the newest checkpoint is" if self.world.distributed else "saved"
+        return type(err)(
+            f"{err}; stopped after step {step}; {verb} {path} "
+            "(resume_from_checkpoint=true continues from it)"
         )

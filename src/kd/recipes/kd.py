@@ -121,8 +121,12 @@ class KDRecipe:
         self.tokenizer = ctx.tokenizer()
         teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
         self.facts = ctx.inspect_models(self.tokenizer, read=("model", *teacher_reads))
-        if self._check_resume():
-            return  # already complete: said on the kd logger; load() and train() do nothing
+        start = outputs.resume_point(self.output_dir, run)
+        if start is None:
+            self.complete = True  # already finished (said on the kd logger): nothing to do
+            return
+        self.run, self.found = run, found = start
+        self.resume_from = found.checkpoint if found is not None else None
         self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         if run.on_policy is not None:
             on_policy.check_prompts(self.dataset, key="dataset")
@@ -132,49 +136,21 @@ class KDRecipe:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
             )
-        self.steps_per_epoch = self._steps_per_epoch(run.max_steps_per_epoch)
+
+        def steps(max_steps: int | None) -> int:
+            return ctx.steps_per_epoch(len(self.dataset), max_steps)
+
+        self.steps_per_epoch = steps(run.max_steps_per_epoch)
         self.total_steps = self.steps_per_epoch * run.epochs
-        found = self.found
-        if found is not None:
+        if found is not None:  # the schedule goes on where the checkpoint left it
             checkpoint.check_schedule_change(
                 found.config_yaml,
                 run.yaml,
                 checkpoint=found.checkpoint,
-                total_steps=lambda epochs, max_steps: epochs * self._steps_per_epoch(max_steps),
-                make_scheduler=lambda opt, n: train.build_lr_scheduler(self.ctx, opt, n),
+                total_steps=lambda epochs, max_steps: epochs * steps(max_steps),
+                make_scheduler=lambda opt, n: train.build_lr_scheduler(ctx, opt, n),
             )
             checkpoint.check_resume_position(found.checkpoint, steps_per_epoch=self.steps_per_epoch)
-
-    def _steps_per_epoch(self, max_steps: int | None) -> int:
-        run = self.run
-        return data.steps_per_epoch(
-            len(self.dataset),
-            batch_size=run.batch_size,
-            world_size=self.world.world_size,
-            grad_accum=run.optimizer.grad_accum,
-            max_steps=max_steps,
-        )
-
-    def _check_resume(self) -> bool:
-        """output_dir free of other runs, and the checkpoint to resume from (None: fresh).
-        True when the run to resume has already finished (``final/`` complete)."""
-        outputs.check_not_in_use(self.output_dir)
-        ckpt = self.run.checkpoint
-        if ckpt.resume and outputs.completed_run(self.output_dir, config_yaml=self.run.yaml):
-            self.complete = True
-            return True
-        found = self.found = outputs.find_resume(
-            self.output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite
-        )
-        self.resume_from = found.checkpoint if found is not None else None
-        if found is not None:
-            if self.run.seed is None and found.seed is not None:
-                # seed: null draws a fresh seed per process; the run being resumed drew its own.
-                self.run = self.run.with_seed(found.seed)
-            checkpoint.check_resume_compatible(
-                found.config_yaml, self.run.yaml, checkpoint=found.checkpoint
-            )
-        return False
 
     # ------------------------------------------------------------ 2. weights and state
     def load(self) -> None:
@@ -315,7 +291,10 @@ class KDRecipe:
                         )
                     except TeacherStopped as e:  # the teacher cannot answer: save, then stop
                         bar.close()
-                        raise self._saved_after(e, saved) from e.__cause__
+                        just_saved = saved[1] if saved and saved[0] == self.global_step else None
+                        raise self.checkpointer.save_on_stop(
+                            e, step=self.global_step, just_saved=just_saved, save=self.save
+                        ) from e.__cause__
                     if not stats.stepped or not math.isfinite(stats.loss):
                         bad_steps += 1
                         if step == first_step:  # no step applied yet: were they loaded so?
@@ -437,26 +416,6 @@ class KDRecipe:
             tokens=batch["tokens"],
             labels=batch["labels"],
             rows=rows.tolist() if rows is not None else None,
-        )
-
-    def _saved_after(
-        self, err: TeacherStopped, saved: tuple[int, Path | None] | None
-    ) -> TeacherStopped:
-        """The teacher stopped answering: save the steps completed (unless this step was just
-        saved; the failed step is repeated on resume) and say where in the error's one line.
-        Under torchrun saving is collective and only this rank's teacher failed, so the line
-        names the newest checkpoint instead."""
-        path = saved[1] if saved and saved[0] == self.global_step else None
-        if path is None and not self.world.distributed:
-            path = self.save(final=False)
-        if path is None:
-            path = checkpoint.find_latest_checkpoint(self.output_dir)
-        if path is None:
-            return err
-        return type(err)(
-            f"{err}; stopped after step {self.global_step}; "
-            f"{'the newest checkpoint is' if self.world.distributed else 'saved'} {path} "
-            "(resume_from_checkpoint=true continues from it)"
         )
 
     def _check_loaded_weights(self) -> None:

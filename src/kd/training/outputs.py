@@ -542,3 +542,27 @@ def write_metrics_row(metrics: JsonlWriter, row: dict[str, Any], *, output_dir: 
             f"{metrics.path} ({e.strerror or brief(e)}); free disk space under "
             f"{output_dir} or set output_dir to a disk with room {then}"
         ) from e
+
+
+def resume_point(output_dir: Path, run: Any) -> tuple[Any, ResumePoint | None] | None:
+    """Where a run starts: ``(run, checkpoint)`` with the checkpoint to resume from (None: a
+    fresh run), or None when the run to resume has already finished (``final/`` complete:
+    :func:`completed_run` says so). output_dir must not be in use by another run; a resumed
+    run's config must be compatible with the checkpoint's, and with ``seed: null`` it takes the
+    resumed run's seed.
+
+    Args:
+        output_dir: the run's folder.
+        run: the :class:`kd.config.run.RunConfig`.
+    """
+    check_not_in_use(output_dir)
+    ckpt = run.checkpoint
+    if ckpt.resume and completed_run(output_dir, config_yaml=run.yaml):
+        return None
+    found = find_resume(output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
+    if found is not None:
+        if run.seed is None and found.seed is not None:
+            # seed: null draws a fresh seed per process; the run being resumed drew its own.
+            run = run.with_seed(found.seed)
+        check_resume_compatible(found.config_yaml, run.yaml, checkpoint=found.checkpoint)
+    return run, found

@@ -211,6 +211,18 @@ class RunContext:
             )
         return dataset
 
+    def steps_per_epoch(self, num_rows: int, max_steps: int | None) -> int:
+        """Optimizer steps per epoch over ``num_rows`` rows on this world size, at most
+        ``max_steps`` (``max_steps_per_epoch``)."""
+        run = self.run
+        return data.steps_per_epoch(
+            num_rows,
+            batch_size=run.batch_size,
+            world_size=self.world.world_size,
+            grad_accum=run.optimizer.grad_accum,
+            max_steps=max_steps,
+        )
+
     # ------------------------------------------------------------ loading
     def load_model(
         self,
