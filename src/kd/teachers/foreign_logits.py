@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from kd.errors import KDUserError, brief
+from kd.teachers import distillkit_compressed
 from kd.teachers.stored_logits import dataset_fingerprint, labelled_positions, row_hash
 
 __all__ = [
@@ -67,9 +68,10 @@ FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
     "axolotl": ("target_token_ids", ("target_logprobs", "logprobs")),
     "distillkit": ("token_ids", ("top_values",)),
 }
+# DistillKit's compressed columns (decoded by kd.teachers.distillkit_compressed).
+_COMPRESSED = ("compressed_logprobs", "bytepacked_indices")
 # Compressed rows kd does not decode, and what they are.
 _UNSUPPORTED = {
-    "compressed_logprobs": "DistillKit's compressed rows (compressed_logprobs / bytepacked_indices)",
     "packed_indices": "DistillKit's legacy compressed rows (packed_indices / exact_values / coeffs)",
 }
 _SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
@@ -179,6 +181,8 @@ def read_rows(path: Path | str, *, columns: Sequence[str], key: str) -> dict[str
 
 
 def _fix(column: str, present: Sequence[str]) -> str:
+    if _COMPRESSED[0] in present:
+        return "these are DistillKit's compressed rows: set teacher_logits.format to distillkit"
     for marker, what in _UNSUPPORTED.items():
         if marker in present:
             return (
@@ -448,8 +452,12 @@ class ForeignLogitsReader:
         ids_col, value_cols = FORMATS[format]
         present = _column_names(self.path, KEY)
         values_col = next((c for c in value_cols if c in present), value_cols[0])
-        columns = ["input_ids", ids_col, values_col] + (["labels"] if "labels" in present else [])
+        compressed = format == "distillkit" and ids_col not in present and _COMPRESSED[0] in present
+        wanted = _COMPRESSED if compressed else (ids_col, values_col)
+        columns = ["input_ids", *wanted] + (["labels"] if "labels" in present else [])
         cols = read_rows(self.path, columns=columns, key=KEY)
+        if compressed:
+            _decode_compressed(cols, self.path)
         _check_token_ids(cols["input_ids"], self.path)
         if alignment == "auto":
             evidence = detect_alignment(
@@ -637,6 +645,22 @@ class ForeignLogitsReader:
             ids[i, rec.positions] = rec.ids[:, :k]
             logprobs[i, rec.positions] = rec.logprobs[:, :k]
         return ids, logprobs
+
+
+def _decode_compressed(cols: dict[str, list[Any]], path: Path) -> None:
+    """Replace DistillKit's compressed columns in ``cols`` by the raw ``token_ids`` /
+    ``top_values`` they hold (:mod:`kd.teachers.distillkit_compressed`, with the
+    ``compression_config.yaml`` beside the rows)."""
+    cfg = distillkit_compressed.load_config(path, KEY)
+    cols["token_ids"], cols["top_values"] = [], []
+    for i, (lp, ids) in enumerate(
+        zip(cols.pop(_COMPRESSED[0]), cols.pop(_COMPRESSED[1]), strict=True)
+    ):
+        row_ids, row_values = distillkit_compressed.decode_rows(
+            lp, ids, cfg, f"{KEY}: row {i} of {path}"
+        )
+        cols["token_ids"].append(row_ids)
+        cols["top_values"].append(row_values)
 
 
 def _retemper(logprobs: torch.Tensor, alpha: float) -> torch.Tensor:
