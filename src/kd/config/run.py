@@ -119,7 +119,8 @@ class TeacherLogitsSettings:
         "teacher_logits.format",
         "kd",
         "what path holds: kd's store (kd run teacher_logits), axolotl's top-k KD dataset "
-        "(target_token_ids / target_logprobs) or DistillKit's raw rows (token_ids / top_values); "
+        "(target_token_ids / target_logprobs) or DistillKit's rows (token_ids / top_values, or "
+        "compressed with compression_config.yaml beside them); "
         "the foreign files train with dataset kd.data.pretokenized_dataset of the same file",
         choices=("kd", "axolotl", "distillkit"),
         resume=MUST_MATCH,

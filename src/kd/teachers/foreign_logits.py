@@ -26,7 +26,10 @@ files its ``state.json`` lists (a ``DatasetDict``: its ``train`` split). Columns
   labels as everywhere).
 * ``distillkit`` (raw rows of ``distillkit.compression.LogprobCompressor.decompress_to_sparse``):
   ``token_ids`` and ``top_values`` (list<list<...>>), covering the first ``m`` positions
-  (``m = n - 1`` from vLLM's prompt log-probs, whose first position is empty, or ``n``).
+  (``m = n - 1`` from vLLM's prompt log-probs, whose first position is empty, or ``n``); or,
+  without ``token_ids``, its compressed ``compressed_logprobs`` / ``bytepacked_indices``,
+  decoded into those by :mod:`kd.teachers.distillkit_compressed` with the
+  ``compression_config.yaml`` beside the rows (the legacy ``packed_indices`` rows are refused).
 
 Values: per position the entries are sorted by value and the first ``k`` kept; they are taken as
 log-probs at ``source_temperature`` (None: the run's temperature). Under ``tail: renorm`` logits
@@ -187,7 +190,8 @@ def _fix(column: str, present: Sequence[str]) -> str:
         if marker in present:
             return (
                 f"kd reads raw top-k rows, not {what}; decompress them with DistillKit's "
-                "LogprobCompressor.decompress_to_sparse and write token_ids / top_values"
+                "LogprobCompressor.decompress_to_sparse and write token_ids / top_values "
+                "(docs/stored_logits.md)"
             )
     if column == "input_ids":
         return (
