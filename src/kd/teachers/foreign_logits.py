@@ -184,7 +184,7 @@ def read_rows(path: Path | str, *, columns: Sequence[str], key: str) -> dict[str
 
 
 def _fix(column: str, present: Sequence[str]) -> str:
-    if _COMPRESSED[0] in present:
+    if _COMPRESSED[0] in present and column not in _COMPRESSED:
         return "these are DistillKit's compressed rows: set teacher_logits.format to distillkit"
     for marker, what in _UNSUPPORTED.items():
         if marker in present:
