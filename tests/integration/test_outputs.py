@@ -278,10 +278,10 @@ _KILLED_IN_FINAL_SAVE = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import kd.checkpoint.training as training
+    import kd.checkpoint.hf_folder as hf_folder
     from kd import cli
 
-    original = training.save_hf_model
+    original = hf_folder.save_hf_model
 
     def slow_final_save(dest, *args, **kwargs):
         original(dest, *args, **kwargs)
@@ -289,7 +289,7 @@ _KILLED_IN_FINAL_SAVE = textwrap.dedent(
             Path(sys.argv[1]).write_text(str(dest))  # the weights are written, the marker is not
             time.sleep(300)
 
-    training.save_hf_model = slow_final_save
+    hf_folder.save_hf_model = slow_final_save
     sys.exit(cli.main(sys.argv[2:]))
     """
 )
