@@ -22,8 +22,6 @@ import torch
 from torch import nn
 
 from kd import folders as kd_folders
-from kd.backends import TORCHTUNE as TORCHTUNE_BACKEND
-from kd.backends import TRANSFORMERS as TRANSFORMERS_BACKEND
 from kd.backends import WeightsSource, backend_named, backend_of
 
 # Re-exported: the torchtune backend's loading, as kd.models always offered it.
@@ -139,10 +137,6 @@ def set_buffers(
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
         module._buffers[leaf] = value.to(device)
-
-
-TORCHTUNE = TORCHTUNE_BACKEND.name  # WeightsSource.backend of each
-TRANSFORMERS = TRANSFORMERS_BACKEND.name
 
 
 def check_teacher_tokenizer(

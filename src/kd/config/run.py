@@ -295,10 +295,6 @@ class LossSettings:
         lambda cfg: str(raw_value(cfg, "teacher_logits.tail", TeacherLogitsSettings.tail)),
         default=TeacherLogitsSettings.tail,
     )
-    # An offline teacher's shared vocabulary min(Vs, Vt): the student's KD softmax runs over its
-    # first topk_vocab entries, as with the online teacher (None: all Vs). The recipe sets it
-    # from the store's manifest.
-    topk_vocab: int | None = derived(lambda cfg: None, default=None)
 
 
 @settings

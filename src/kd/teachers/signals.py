@@ -90,7 +90,7 @@ class LogitsSignal:
 class TopKSignal:
     """Top-k ``ids [b, s, k]`` (int64) and ``logprobs [b, s, k]`` per position, aligned with the
     shifted labels; ``vocab`` is the vocabulary they were taken over (the student's softmax runs
-    over the same first ``vocab`` entries); ``tail`` how the mass outside the top-k is treated
+    over the same first ``vocab`` entries; None: all of the student's); ``tail`` how the mass outside the top-k is treated
     (``teacher_logits.tail``)."""
 
     ids: torch.Tensor
@@ -118,7 +118,7 @@ class TopKSignal:
             self.logprobs,
             labels,
             tail=self.tail if self.tail is not None else settings.topk_tail,
-            vocab=self.vocab if self.vocab is not None else settings.topk_vocab,
+            vocab=self.vocab,
             **fused_kd_settings(settings),
         )
 
