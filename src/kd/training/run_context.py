@@ -76,6 +76,7 @@ class RunContext:
         if world.distributed and self.device.type == "cuda":
             self.device = torch.device("cuda", world.local_rank)
         self.dtype = models.DTYPES[run.dtype]
+        self._tokenizer: Any = None
 
     def build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         """The component of config key ``key`` (allow-listed ``_component_``), called with
@@ -95,11 +96,13 @@ class RunContext:
         check_device(self.run.device)
 
     def tokenizer(self) -> Any:
-        """The run's tokenizer, its files checked and a test text encoded."""
-        return models.checked_tokenizer(
-            lambda: self.build("tokenizer", fix="check the tokenizer files and arguments"),
-            models.tokenizer_files(self.node("tokenizer")),
-        )
+        """The run's tokenizer, its files checked and a test text encoded (built once)."""
+        if self._tokenizer is None:
+            self._tokenizer = models.checked_tokenizer(
+                lambda: self.build("tokenizer", fix="check the tokenizer files and arguments"),
+                models.tokenizer_files(self.node("tokenizer")),
+            )
+        return self._tokenizer
 
     def inspect_models(self, tokenizer: Any, *, read: Sequence[str]) -> ModelFacts:
         """Build the models on the meta device and check what needs no weight.
