@@ -181,6 +181,8 @@ class KDRecipe:
         if self.teacher_source is not None:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
         self.student = self._load_model("model")
+        if self.teacher is not None:
+            self.teacher.bind_student(self.student)
         self.optimizer, self.lr_scheduler = train.build_optimizer(
             self.ctx, self.student, num_training_steps=self.total_steps
         )

@@ -95,6 +95,12 @@ class Teacher(Protocol):
         autograd."""
         ...
 
+    def bind_student(self, student: nn.Module) -> None:
+        """Called once the student is loaded and prepared (LoRA, activation checkpointing,
+        sharding), before the optimizer is built and before a resume restores it: a teacher
+        made from the student itself (self-distillation) or one that reads the student's own
+        layers (hidden-state targets) takes what it needs here. Default: nothing."""
+
     def release(self) -> None:
         """Free what one batch needed and the next does not (a sharded teacher's gathered
         parameters). Collective when distributed. Default: nothing to free."""
