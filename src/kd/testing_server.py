@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import math
@@ -30,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["FAULTS", "TeacherTestServer", "model_logprobs"]
@@ -65,6 +67,23 @@ def model_logprobs(model_dir: Path, tiny: Any, scratch: Path, *, vocab: int) -> 
         return torch.log_softmax(logits[:, :vocab].float(), dim=-1)
 
     return fn
+
+
+def _flatten(meta: dict[str, Any], table: list[Any]) -> None:
+    """SGLang's base64 form of ``meta``: the input top-k (``table``, triples per position, the
+    first null) as flat float32 / int32 arrays and per-position counts; the actual tokens'
+    log-probs as a float32 array (no texts)."""
+    entries = [e for position in table[1:] for e in position]
+    actual = meta.pop("input_token_logprobs")
+    del meta["input_top_logprobs"]
+    meta["input_top_logprobs_val_b64"] = _b64([e[0] for e in entries], "<f4")
+    meta["input_top_logprobs_idx_b64"] = _b64([e[1] for e in entries], "<i4")
+    meta["input_top_logprobs_k"] = [0] + [len(position) for position in table[1:]]
+    meta["input_token_logprobs_val_b64"] = _b64([a[0] or 0.0 for a in actual], "<f4")
+
+
+def _b64(values: list[Any], dtype: str) -> str:
+    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -146,6 +165,8 @@ class TeacherTestServer:
         hang_s: how long a ``"hang"`` fault sleeps.
         max_requests: requests it serves before it stops by itself.
         lifetime_s: seconds it serves before it stops by itself.
+        sglang_base64: SGLang answers in its flat base64 form (``return_logprobs_in_base64``):
+            ``input_top_logprobs_val_b64`` / ``_idx_b64`` / ``_k`` in place of the triples.
     """
 
     def __init__(
@@ -161,6 +182,7 @@ class TeacherTestServer:
         hang_s: float = 2.0,
         max_requests: int = 100_000,
         lifetime_s: float = 900.0,
+        sglang_base64: bool = False,
     ):
         assert api in ("vllm", "sglang"), api
         self.logprobs_fn = logprobs_fn
@@ -172,6 +194,7 @@ class TeacherTestServer:
         self.hang_s = hang_s
         self.max_requests = max_requests
         self.lifetime_s = lifetime_s
+        self.sglang_base64 = sglang_base64
         self.faults: collections.deque[str] = collections.deque()
         self.requests = 0  # POST requests received
         self.prompts: list[list[int]] = []  # every prompt asked, in order of arrival
@@ -344,5 +367,7 @@ class TeacherTestServer:
                 "output_token_logprobs": [],
                 "output_top_logprobs": [],
             }
+            if self.sglang_base64:
+                _flatten(meta, table)
             out.append({"text": "", "meta_info": meta})
         return 200, out[0] if single else out

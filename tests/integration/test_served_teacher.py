@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, read_metrics, tiny_model
@@ -81,6 +82,45 @@ def test_client_reads_each_protocols_top_k_aligned_with_the_model(api, teacher_f
     torch.testing.assert_close(torch.from_numpy(row.logprobs), values, rtol=0, atol=1e-6)
     # The probe texts are the actual tokens'.
     assert row.texts == [tokenizer.decode([t]) for t in ids[1:]]
+
+
+def test_sglangs_flat_base64_form_reads_as_its_triples(teacher_fn, tokenizer):
+    """SGLang's ``return_logprobs_in_base64`` answer (flat float32 / int32 arrays and per-position
+    counts) gives the same top-k as its triples."""
+    ids = tokenizer.encode("12+30=42 and 7+5=12", add_bos=False, add_eos=False)
+    rows = []
+    for flat in (False, True):
+        with _server(teacher_fn, tokenizer, api="sglang", sglang_base64=flat) as s:
+            client = TeacherClient(_settings(s.url, api="sglang"), vocab=STUDENT["vocab"])
+            rows.append(client.topk([ids], K)[0])
+    triples, flat_row = rows
+    assert np.array_equal(triples.ids, flat_row.ids)
+    assert np.array_equal(triples.logprobs, flat_row.logprobs)
+    assert flat_row.texts == [None] * (len(ids) - 1)  # the flat form carries no texts
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda m: m.update(input_top_logprobs_k=m["input_top_logprobs_k"][1:]), "one count"),
+        (lambda m: m.update(input_top_logprobs_val_b64="%%%"), "not valid base64"),
+        (
+            lambda m: m.update(input_top_logprobs_idx_b64=m["input_top_logprobs_idx_b64"][:16]),
+            "for 3 ids",
+        ),
+        (lambda m: m["input_top_logprobs_k"].__setitem__(0, 1), "position 0"),
+    ],
+)
+def test_a_malformed_flat_base64_answer_is_refused(edit, where, teacher_fn, tokenizer):
+    from kd.teachers.protocols import PROTOCOLS, BadAnswer
+
+    ids = tokenizer.encode("12+30=42", add_bos=False, add_eos=False)
+    with _server(teacher_fn, tokenizer, api="sglang", sglang_base64=True) as s:
+        status, answer = s.sglang({"input_ids": ids, "top_logprobs_num": K}, None)
+    assert status == 200
+    edit(answer["meta_info"])
+    with pytest.raises(BadAnswer, match=where):
+        PROTOCOLS["sglang"].parse(answer, [ids], K, STUDENT["vocab"])
 
 
 def _settings(url: str, **kw) -> TeacherServerSettings:

@@ -22,6 +22,8 @@ with the row and the position, never patched.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -194,6 +196,58 @@ class VLLMProtocol:
         return None
 
 
+# SGLang's flat form of the input top-k (``return_logprobs_in_base64``): every position's
+# log-probs as one base64 float32 little-endian array, the ids as one int32 array, and the
+# entries per position (0 for the first, which has no context).
+_B64_VALUES = "input_top_logprobs_val_b64"
+_B64_IDS = "input_top_logprobs_idx_b64"
+_B64_COUNTS = "input_top_logprobs_k"
+
+
+def _b64_array(meta: dict[str, Any], key: str, dtype: str, where: str) -> np.ndarray:
+    value = meta.get(key)
+    if not isinstance(value, str):
+        raise BadAnswer(f"{where}: {key} is not a base64 string (got {type(value).__name__})")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadAnswer(f"{where}: {key} is not valid base64") from None
+    width = np.dtype(dtype).itemsize
+    if len(raw) % width:
+        raise BadAnswer(f"{where}: {key} holds {len(raw)} bytes, not whole {dtype} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _flat_positions(meta: dict[str, Any], row: Sequence[int], where: str) -> list[Any]:
+    """The flat base64 form read back as the triples' ``[[logprob, id], ...]`` per position
+    ``1 .. n - 1`` (then checked as they are)."""
+    values = _b64_array(meta, _B64_VALUES, "<f4", where)
+    ids = _b64_array(meta, _B64_IDS, "<i4", where)
+    if values.size != ids.size:
+        raise BadAnswer(f"{where}: {values.size} log-probs for {ids.size} ids")
+    counts = meta.get(_B64_COUNTS)
+    if counts is None:  # no counts: the same number at every position with context
+        per, extra = divmod(values.size, max(len(row) - 1, 1))
+        if extra or len(row) < 2:
+            raise BadAnswer(
+                f"{where}: {values.size} flat entries do not divide over {len(row) - 1} positions"
+            )
+        counts = [0] + [per] * (len(row) - 1)
+    if not isinstance(counts, list) or len(counts) != len(row):
+        raise BadAnswer(f"{where}: {_B64_COUNTS} does not give one count per prompt token")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise BadAnswer(f"{where}: {_B64_COUNTS} holds something other than counts")
+    if counts and counts[0]:
+        raise BadAnswer(f"{where}: position 0 holds log-probs (it has no context; 0 expected)")
+    if sum(counts) != values.size:
+        raise BadAnswer(f"{where}: {_B64_COUNTS} adds up to {sum(counts)}, not {values.size}")
+    ends = np.cumsum(counts)
+    return [
+        [[float(v), int(i)] for v, i in zip(values[e - c : e], ids[e - c : e], strict=True)]
+        for c, e in zip(counts[1:], ends[1:], strict=True)
+    ]
+
+
 class SGLangProtocol:
     """SGLang's native ``/generate`` endpoint with input log-probs."""
 
@@ -221,7 +275,10 @@ class SGLangProtocol:
             meta = item.get("meta_info") if isinstance(item, dict) else None
             if not isinstance(meta, dict):
                 raise BadAnswer(f"row {r}: no meta_info")
-            entries = _positions(meta.get("input_top_logprobs"), row, f"row {r}")
+            if _B64_VALUES in meta:
+                entries = _flat_positions(meta, row, f"row {r}")
+            else:
+                entries = _positions(meta.get("input_top_logprobs"), row, f"row {r}")
             actual = meta.get("input_token_logprobs")
             texts: list[str | None] = [None] * len(entries)
             if isinstance(actual, list) and len(actual) == len(row):
