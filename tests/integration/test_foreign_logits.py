@@ -231,7 +231,7 @@ def test_precompute_lock(tmp_path):
     lock = stored_logits.acquire_lock(folder)
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     # Held by a live process (this one): refused, one line.
-    with pytest.raises(KDUserError, match="is being written by another kd run teacher_logits"):
+    with pytest.raises(KDUserError, match="is being written by another kd run"):
         stored_logits.acquire_lock(folder)
     stored_logits.release_lock(lock)
     assert not lock.exists()

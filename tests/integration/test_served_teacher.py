@@ -363,3 +363,58 @@ def test_validation_needs_the_full_distribution(assets, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["validate", "--config", str(write_yaml(tmp_path / "v.yaml", cfg))]) == 2
     assert "validation: needs a teacher's full distribution" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- write-through
+def test_write_through_keeps_every_answer_and_later_runs_read_it(
+    assets, stored_run, teacher_fn, tokenizer, tmp_path
+):
+    """teacher_server.store keeps the server's answers while kd run kd trains: shards whose
+    rows were all answered are written, a rerun reads them instead of asking, kd run
+    teacher_logits finishes the store (only the missing shards), and then a run needs no
+    server at all. Every run equals training from the local teacher's store."""
+    from kd.teachers import stored_logits
+
+    store = tmp_path / "kept"
+    through = {"store": str(store), "store_rows_per_shard": 8}
+    with _server(teacher_fn, tokenizer) as s:
+        first = served_config(assets, tmp_path, "first", s.url, **through)
+        assert run(first) == 0
+        asked_first = s.requests
+        assert asked_first == 1 + 24  # the probe, then the rows of 3 steps (none asked ahead)
+        # 3 steps of 8 rows in order (shuffle false): rows 0..23, shards 0..2 are whole.
+        manifest = stored_logits.read_manifest(store)
+        assert manifest is not None and not manifest["complete"]
+        written = sorted(p.name for p in store.glob("*.parquet"))
+        assert written == [stored_logits.shard_name(0, i) for i in range(3)]
+        again = served_config(assets, tmp_path, "again", s.url, **through)
+        assert run(again) == 0
+        assert s.requests == asked_first + 1  # the probe only: the store answered every row
+        fill = [
+            f"teacher_logits.path={store}",
+            f"teacher_logits.k={K}",
+            "teacher_logits.rows_per_shard=8",
+        ]
+        assert cli.main(["run", "teacher_logits", "--config", str(again), *fill]) == 0
+        assert s.requests == asked_first + 1 + 1 + (64 - 24)  # its probe, the 40 rows missing
+    assert stored_logits.read_manifest(store)["complete"]
+    dead = served_config(assets, tmp_path, "serverless", "http://127.0.0.1:9", **through)
+    assert run(dead) == 0  # the complete store teaches; the server is neither asked nor needed
+    for name in ("first", "again", "serverless"):
+        assert_same_steps(stored_run, tmp_path / name)
+
+
+def test_write_through_mistakes_are_refused(assets, tmp_path, capsys):
+    config = served_config(
+        assets, tmp_path, "wt", "http://127.0.0.1:9", store=str(tmp_path / "kept"), tail="renorm"
+    )
+    capsys.readouterr()
+    assert cli.main(["validate", "--config", str(config), "temperature=2"]) == 2
+    assert "teacher_server.store: temperature is 2" in capsys.readouterr().err
+    both = [f"teacher_logits.path={tmp_path / 'other'}"]
+    assert cli.main(["validate", "--config", str(config), *both]) == 2
+    assert "beside teacher_logits.path" in capsys.readouterr().err
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert cli.main(["validate", "--config", str(config)]) == 2
+    assert "holds other files (notes.txt)" in capsys.readouterr().err

@@ -237,6 +237,23 @@ class TeacherServerSettings:
         max=256,
         resume=MAY_CHANGE,
     )
+    store: Path | None = setting(
+        "teacher_server.store",
+        None,
+        "write-through: a folder of kd's store (the format of kd run teacher_logits) that keeps "
+        "every answer, so a rerun, a resume or a later epoch reads it instead of asking; once "
+        "complete the server is not needed. One process, temperature 1. null = keep nothing",
+        resume=MAY_CHANGE,
+    )
+    store_rows_per_shard: int = setting(
+        "teacher_server.store_rows_per_shard",
+        64,
+        "write-through: dataset rows per shard of teacher_server.store; a shard is written once "
+        "all its rows were answered (kd run teacher_logits finishes the store with the same "
+        "teacher_logits.rows_per_shard)",
+        min=1,
+        resume=MAY_CHANGE,
+    )
     token_env: str | None = setting(
         "teacher_server.token_env",
         None,

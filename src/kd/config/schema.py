@@ -150,7 +150,7 @@ _SECTIONS: dict[str, Section] = {
     ),
     "teacher_server": Section(
         "a served teacher (vLLM or SGLang) answering top-k log-probs over HTTP: {url, api, "
-        "model, top_k, tail, timeout, retries, backoff, concurrency, prefetch, token_env}; in "
+        "model, top_k, tail, timeout, retries, backoff, concurrency, prefetch, store, store_rows_per_shard, token_env}; in "
         "place of teacher_model and teacher_checkpointer; null = no served teacher",
         MUST_MATCH,
         optional=True,

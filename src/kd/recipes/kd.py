@@ -37,6 +37,7 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -282,7 +283,9 @@ class KDRecipe:
                 self.sampler.set_epoch(epoch)
                 skip = done_in_epoch if epoch == start_epoch else 0
                 self.sampler.skip = skip * grad_accum * self.run.batch_size
-                batches = iter(self.loader)
+                # Exactly the micro-batches this epoch trains on (a teacher that asks ahead
+                # never asks for one that max_steps_per_epoch cuts off).
+                batches = itertools.islice(self.loader, (self.steps_per_epoch - skip) * grad_accum)
                 if self.teacher is not None:  # a slow teacher starts on the next batches early
                     batches = self.teacher.look_ahead(batches)
                 for _ in range(skip, self.steps_per_epoch):
@@ -512,7 +515,7 @@ class KDRecipe:
             )
 
     def cleanup(self, *, failing: bool = False) -> None:
-        """Close the metric sinks and leave the process group.
+        """Close the metric sinks and the teacher, and leave the process group.
 
         Args:
             failing: an error is on its way out; a logger's failure to close is then only logged,
@@ -529,6 +532,8 @@ class KDRecipe:
                 raise
             log.warning("%s", e)
         finally:
+            if self.teacher is not None:
+                self.teacher.close()
             if self.lock is not None:
                 self.lock.release()
             distributed.destroy()

@@ -30,8 +30,6 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import sys
 from pathlib import Path
@@ -39,15 +37,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kd import _torchtune as tt
-from kd import data, models
+from kd import data
 from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError
-from kd.teachers import ModelTeacher, TeacherInput, stored_logits
-from kd.teachers.served import ServedTeacher, TeacherClient, check_server, served_identity
+from kd.teachers import ModelTeacher, TeacherInput, store_folder, stored_logits
+from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
 from kd.training.prepare import prepare_teacher
@@ -56,37 +54,6 @@ from kd.training.run_context import RunContext
 log = logging.getLogger("kd")
 
 KEY = "teacher_logits.path"
-# Leaves of a checkpointer node that name where to write, not what the teacher computes.
-_OUTPUT_LEAVES = ("output_dir", "recipe_checkpoint", "resume_from_checkpoint")
-
-
-def output_sections(run: RunConfig) -> dict[str, Any]:
-    """The config sections that change the teacher's outputs (hashed into the manifest)."""
-
-    def plain(key: str) -> Any:
-        node = run.components[key]
-        return OmegaConf.to_container(node, resolve=True) if node is not None else None
-
-    ckpt = plain("teacher_checkpointer")
-    if isinstance(ckpt, dict):
-        ckpt = {k: v for k, v in ckpt.items() if k not in _OUTPUT_LEAVES}
-    served = run.teacher_server
-    if served is not None:  # what the server computes: its model (not where it listens)
-        return {
-            "teacher_server": {"api": served.api, "model": served.model},
-            "tokenizer": plain("tokenizer"),
-            "dataset": plain("dataset"),
-            "dtype": run.dtype,
-            "temperature": run.loss.temperature,
-        }
-    return {
-        "teacher_model": plain("teacher_model"),
-        "teacher_checkpointer": ckpt,
-        "tokenizer": plain("tokenizer"),
-        "dataset": plain("dataset"),
-        "dtype": run.dtype,
-        "temperature": run.loss.temperature,
-    }
 
 
 class TeacherLogitsRecipe:
@@ -158,58 +125,17 @@ class TeacherLogitsRecipe:
         if served is not None:
             self.client = TeacherClient(served, vocab=facts.student_vocab)
             check_server(self.client, self.tokenizer, k=self.settings.k)
-        self.spec = stored_logits.StoreSpec(
-            teacher=served_identity(served)
-            if served is not None
-            else ctx.teacher_identity(facts.sources["teacher_model"]),
-            config_sha256=_sections_sha256(run),
-            tokenizer_sha256=stored_logits.files_sha256(
-                models.tokenizer_files(ctx.node("tokenizer"))
-            ),
-            temperature=float(run.loss.temperature),
+        self.spec = store_folder.store_spec(
+            run,
+            ctx,
+            facts,
             k=self.settings.k,
-            vocab=vocab,
-            teacher_vocab=teacher_vocab,
-            max_seq_len=run.max_seq_len,
-            dataset_fingerprint=stored_logits.dataset_fingerprint(self.hashes),
-            num_rows=len(self.dataset),
+            hashes=self.hashes,
             world_size=self.world.world_size,
             rows_per_shard=self.settings.rows_per_shard,
         )
-        self.manifest = self._check_folder()
+        self.manifest = store_folder.check_store_folder(self.folder, self.spec, key=KEY)
         self.todo, self.done = self._todo()
-
-    def _check_folder(self) -> dict[str, Any] | None:
-        """The store already in the folder (to resume), or None; refuses anything else."""
-        folder = self.folder
-        if folder.exists() and not folder.is_dir():
-            raise KDUserError(f"{KEY}: {folder} is a file; set {KEY} to a folder")
-        manifest = stored_logits.read_manifest(folder)
-        if manifest is None:
-            others = (
-                [
-                    p.name
-                    for p in folder.iterdir()
-                    if not p.name.startswith(".tmp_") and p.name != stored_logits.LOCK_FILE
-                ]
-                if folder.is_dir()
-                else []
-            )
-            if others:
-                raise KDUserError(
-                    f"{KEY}: {folder} holds other files ({', '.join(sorted(others)[:3])}) and "
-                    f"no teacher-logits manifest; set {KEY} to a new or empty folder"
-                )
-            return None
-        differ = stored_logits.spec_differences(manifest, self.spec)
-        if differ:
-            what = "the teacher logits" if manifest.get("complete") else "an unfinished precompute"
-            raise KDUserError(
-                f"{KEY}: {folder} already holds {what} of another config (its "
-                f"{', '.join(differ)} differ); set {KEY} to a new folder, or delete {folder} "
-                "to replace it"
-            )
-        return manifest
 
     # ------------------------------------------------------------ 2. the teacher
     def load(self) -> None:
@@ -217,7 +143,9 @@ class TeacherLogitsRecipe:
         unless every rank's shards are complete."""
         distributed.barrier()
         if self.world.is_rank_zero:
-            self._start_folder()
+            self.lock = store_folder.start_store_folder(
+                self.folder, self.spec, self.manifest, key=KEY
+            )
         bs = self.run.batch_size
         self.batches = [
             (name, rows[i : i + bs]) for name, rows in self.todo for i in range(0, len(rows), bs)
@@ -250,21 +178,6 @@ class TeacherLogitsRecipe:
             compile=False,
         )
         self.teacher = ModelTeacher(model)
-
-    def _start_folder(self) -> None:
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise KDUserError(
-                f"{KEY}: cannot create {self.folder} ({e.strerror or e}); set {KEY} to a folder "
-                "you can write to"
-            ) from e
-        # One precompute per folder (before a stale temporary file of a live writer is removed).
-        self.lock = stored_logits.acquire_lock(self.folder)
-        for stale in self.folder.glob(".tmp_*"):  # a killed writer's half file
-            stale.unlink()
-        if self.manifest is None:
-            stored_logits.write_manifest(self.folder, self.spec, None)
 
     # ------------------------------------------------------------ 3. the shards
     def _todo(self) -> tuple[list[tuple[str, list[int]]], int]:
@@ -356,10 +269,10 @@ class TeacherLogitsRecipe:
         out = []
         for b, ex in enumerate(examples):
             n = len(ex["tokens"])
-            positions = stored_logits.labelled_positions(batch["labels"][b, :n])
-            ids = signal.ids[b, positions].to(torch.int32).flatten()  # [n_labelled * k]
-            lps = signal.logprobs[b, positions].to(torch.float16).flatten()
-            out.append((n, ids.numpy(), lps.numpy()))
+            ids, lps = store_folder.row_entries(
+                batch["labels"][b, :n], signal.ids[b], signal.logprobs[b]
+            )
+            out.append((n, ids, lps))
         return out
 
     def _write(self, name: str, rows: list[int], results: list[tuple[Any, ...]]) -> None:
@@ -371,11 +284,6 @@ class TeacherLogitsRecipe:
             ids=[r[1] for r in results],
             logprobs=[r[2] for r in results],
         )
-
-
-def _sections_sha256(run: RunConfig) -> str:
-    text = json.dumps(output_sections(run), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def recipe_main(cfg: DictConfig) -> None:

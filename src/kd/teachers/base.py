@@ -101,6 +101,10 @@ class Teacher(Protocol):
         made from the student itself (self-distillation) or one that reads the student's own
         layers (hidden-state targets) takes what it needs here. Default: nothing."""
 
+    def close(self) -> None:
+        """Let go of what the teacher holds for the run (connections, worker threads, a store's
+        lock); called once when the run ends, also when it fails. Default: nothing held."""
+
     def release(self) -> None:
         """Free what one batch needed and the next does not (a sharded teacher's gathered
         parameters). Collective when distributed. Default: nothing to free."""

@@ -18,19 +18,24 @@ config keys; the recipe does not change.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kd import models
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
-from kd.teachers import foreign_logits, stored_logits
+from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
 from kd.training.run_context import ModelFacts, RunContext
+
+log = logging.getLogger("kd")
+
+_STORE = "teacher_server.store"
 
 __all__ = [
     "ModelTeacherSource",
@@ -64,6 +69,13 @@ class TeacherSource(Protocol):
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source (see the module docstring), or None without a teacher."""
+    served = run.teacher_server
+    if run.teacher_logits is not None and served is not None and served.store is not None:
+        raise KDUserError(
+            f"teacher_server.store: {served.store} beside teacher_logits.path "
+            f"{run.teacher_logits.path}: train from one store; set teacher_server.store=null "
+            "(train from teacher_logits.path), or teacher_logits=null (write through the server)"
+        )
     if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
         return StoredTeacherSource(run)
     if run.teacher_server is not None:
@@ -165,27 +177,89 @@ class StoredTeacherSource:
 
 
 class ServedTeacherSource:
-    """``teacher_server:``: a vLLM or SGLang server answers the teacher's top-k log-probs."""
+    """``teacher_server:``: a vLLM or SGLang server answers the teacher's top-k log-probs.
+
+    With ``teacher_server.store`` every answer is also kept in kd's store (write-through,
+    :class:`kd.teachers.store_folder.WriteThroughStore`); a store already complete answers the
+    whole run and the server is not asked (nor needed).
+    """
 
     reads: tuple[str, ...] = ()
-    needs_rows = False
 
     def __init__(self, run: RunConfig):
         assert run.teacher_server is not None
         self.run = run
         self.settings = run.teacher_server
         self.client: TeacherClient | None = None
+        self.needs_rows = self.settings.store is not None  # the store is indexed by row
+        self.spec: stored_logits.StoreSpec | None = None
+        self.manifest: dict[str, Any] | None = None
+        self.hashes: list[str] = []
+        self.lengths: list[int] = []
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
-        """The server answers, serves ``teacher_server.model``, gives ``top_k`` log-probs and
-        decodes a probe as the student's tokenizer does (:func:`kd.teachers.served.check_server`)."""
+        """The store (write-through), then the server unless the store is complete: it answers,
+        serves ``teacher_server.model``, gives ``top_k`` log-probs and decodes a probe as the
+        student's tokenizer does (:func:`kd.teachers.served.check_server`)."""
+        if self.settings.store is not None:
+            self._check_store(ctx, facts, dataset)
+            if self.manifest is not None and self.manifest.get("complete"):
+                log.info(
+                    "%s: %s is complete; the run reads it and does not ask the server",
+                    _STORE,
+                    self.settings.store,
+                )
+                return
         client = TeacherClient(self.settings, vocab=facts.student_vocab)
         check_server(client, ctx.tokenizer(), k=self.settings.top_k)
         self.client = client
 
-    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ServedTeacher:
-        assert self.client is not None, "check() reaches the server"
+    def _check_store(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        run, store = self.run, self.settings.store
+        assert store is not None
+        if ctx.world.world_size > 1:
+            raise KDUserError(
+                f"{_STORE}: write-through runs on one process, this run has "
+                f"{ctx.world.world_size}; fill the store first with kd run --nproc_per_node "
+                f"{ctx.world.world_size} teacher_logits --config <this config> "
+                f"teacher_logits.path={store} teacher_logits.k={self.settings.top_k}, then "
+                f"train with teacher_logits.path={store}"
+            )
+        if run.loss.temperature != 1.0:
+            raise KDUserError(
+                f"{_STORE}: temperature is {run.loss.temperature:g}, but a store keeps the "
+                "server's answers at temperature 1; set temperature=1, or "
+                f"{_STORE}=null"
+            )
+        rows = [dataset[i] for i in range(len(dataset))]
+        self.hashes = [stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows]
+        self.lengths = [len(ex["tokens"]) for ex in rows]
+        self.spec = store_folder.store_spec(
+            run,
+            ctx,
+            facts,
+            k=self.settings.top_k,
+            hashes=self.hashes,
+            world_size=1,
+            rows_per_shard=self.settings.store_rows_per_shard,
+        )
+        self.manifest = store_folder.check_store_folder(store, self.spec, key=_STORE)
+
+    def load(
+        self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None
+    ) -> ServedTeacher | FileTeacher:
         s = self.settings
+        store: store_folder.WriteThroughStore | None = None
+        if s.store is not None:
+            assert self.spec is not None, "check() opens the store"
+            if self.manifest is not None and self.manifest.get("complete"):
+                reader = stored_logits.TeacherLogitsReader(s.store, key=_STORE)
+                return FileTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
+            lock = store_folder.start_store_folder(s.store, self.spec, self.manifest, key=_STORE)
+            store = store_folder.WriteThroughStore(
+                s.store, self.spec, self.hashes, key=_STORE, lock=lock
+            )
+        assert self.client is not None, "check() reaches the server"
         return ServedTeacher(
             self.client,
             k=s.top_k,
@@ -195,4 +269,6 @@ class ServedTeacherSource:
             concurrency=s.concurrency,
             prefetch=s.prefetch,
             ignore_index=self.run.loss.ignore_index,
+            store=store,
+            lengths=self.lengths,
         )

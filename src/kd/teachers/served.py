@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import requests
@@ -238,6 +238,37 @@ def _lengths(tokens: torch.Tensor, labels: torch.Tensor | None, ignore_index: in
     return out
 
 
+class AnswerStore(Protocol):
+    """Where a served teacher's answers are kept and read back (write-through;
+    :class:`kd.teachers.store_folder.WriteThroughStore`)."""
+
+    def holds(self, rows: Sequence[int]) -> bool:
+        """Whether every one of these dataset rows is answered here."""
+        ...
+
+    def batch(
+        self, rows: Sequence[int], tokens: torch.Tensor, labels: torch.Tensor, *, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept top-k of a batch of held rows: ``[b, s, k]`` ids and log-probs."""
+        ...
+
+    def add(
+        self,
+        rows: Sequence[int],
+        labels: torch.Tensor,
+        ids: torch.Tensor,
+        logprobs: torch.Tensor,
+        *,
+        lengths: Sequence[int],
+    ) -> None:
+        """Keep a batch's answers (``[b, s, k]``, aligned with the shifted labels)."""
+        ...
+
+    def close(self) -> None:
+        """Stop keeping (the answers not written yet are dropped; they are asked again)."""
+        ...
+
+
 class ServedTeacher(Teacher):
     """The teacher of a server: top-k log-probs asked ahead of training.
 
@@ -250,6 +281,9 @@ class ServedTeacher(Teacher):
         concurrency: requests in flight.
         prefetch: micro-batches asked ahead.
         ignore_index: label of unlabelled positions.
+        store: write-through (``teacher_server.store``): batches of dataset rows it holds are
+            answered from it, and every answer to such a batch is kept in it; None: none.
+        lengths: each dataset row's length (tokens), with ``store``.
     """
 
     def __init__(
@@ -263,6 +297,8 @@ class ServedTeacher(Teacher):
         concurrency: int,
         prefetch: int,
         ignore_index: int = -100,
+        store: AnswerStore | None = None,
+        lengths: Sequence[int] = (),
     ):
         self.client = client
         self.k = k
@@ -275,6 +311,12 @@ class ServedTeacher(Teacher):
         # Asked micro-batches by token key, oldest first; bounded (see _remember).
         self._pending: OrderedDict[str, list[Future[RowTopK]]] = OrderedDict()
         self._lock = threading.Lock()
+        self.store = store
+        self.lengths = lengths
+
+    def _stored(self, rows: Any) -> bool:
+        """Whether the store answers a batch of these dataset rows (None: rows made in training)."""
+        return self.store is not None and rows is not None and self.store.holds(rows)
 
     # ------------------------------------------------------------ asking
     def _submit(self, tokens: torch.Tensor, labels: torch.Tensor | None) -> list[Future[RowTopK]]:
@@ -311,9 +353,9 @@ class ServedTeacher(Teacher):
             return
         window: list[dict[str, torch.Tensor]] = []
         for batch in batches:
-            self._remember(
-                _key(batch["tokens"]), self._submit(batch["tokens"], batch.get("labels"))
-            )
+            if not self._stored(batch.get("rows")):
+                tokens = batch["tokens"]
+                self._remember(_key(tokens), self._submit(tokens, batch.get("labels")))
             window.append(batch)
             if len(window) > self.prefetch:
                 yield window.pop(0)
@@ -321,6 +363,24 @@ class ServedTeacher(Teacher):
 
     # ------------------------------------------------------------ answering
     def signal(self, batch: TeacherInput) -> TopKSignal:
+        store, rows = self.store, batch.rows
+        if store is not None and rows is not None and batch.labels is not None:
+            if store.holds(rows):
+                ids, logprobs = store.batch(rows, batch.tokens, batch.labels, k=self.k)
+                return self._signal(ids, logprobs)
+            signal = self._ask(batch)
+            lengths = [self.lengths[int(r)] for r in rows]
+            store.add(rows, batch.labels, signal.ids, signal.logprobs, lengths=lengths)
+            return signal
+        return self._ask(batch)
+
+    def _signal(self, ids: torch.Tensor, logprobs: torch.Tensor) -> TopKSignal:
+        return TopKSignal(
+            ids=ids.to(self.device), logprobs=logprobs.to(self.device), vocab=None, tail=self.tail
+        )
+
+    def _ask(self, batch: TeacherInput) -> TopKSignal:
+        """The server's answer to ``batch`` (asked ahead, or now)."""
         key = _key(batch.tokens)
         with self._lock:
             futures = self._pending.pop(key, None)
@@ -340,9 +400,7 @@ class ServedTeacher(Teacher):
         except BaseException:
             self.close()  # the run stops: drop every queued request
             raise
-        return TopKSignal(
-            ids=ids.to(self.device), logprobs=logprobs.to(self.device), vocab=None, tail=self.tail
-        )
+        return self._signal(ids, logprobs)
 
     def close(self) -> None:
         """Stop asking: queued requests are dropped, those in flight end with the process."""
@@ -352,6 +410,8 @@ class ServedTeacher(Teacher):
                     f.cancel()
             self._pending.clear()
         self.pool.shutdown()
+        if self.store is not None:
+            self.store.close()
 
 
 def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:

@@ -64,6 +64,7 @@ __all__ = [
     "LOCK_FILE",
     "MANIFEST_FILE",
     "ROWS_PER_GROUP",
+    "Record",
     "StoreSpec",
     "TeacherLogitsReader",
     "acquire_lock",
@@ -175,9 +176,18 @@ _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(StoreSpec))
 
 
 def spec_differences(stored: Mapping[str, Any], spec: StoreSpec) -> list[str]:
-    """The :class:`StoreSpec` fields in which a manifest differs from ``spec``."""
+    """The :class:`StoreSpec` fields in which a manifest differs from ``spec`` (the teacher by
+    what identifies it: a moved folder or server is the same teacher)."""
     ours = spec.to_json()
-    return [name for name in _SPEC_FIELDS if stored.get(name) != ours[name]]
+    return [
+        name
+        for name in _SPEC_FIELDS
+        if (
+            _teacher_key(stored.get(name)) != _teacher_key(ours[name])
+            if name == "teacher"
+            else stored.get(name) != ours[name]
+        )
+    ]
 
 
 def teacher_identity(component: str, folder: Path, files: Any) -> dict[str, Any]:
@@ -313,7 +323,7 @@ def write_shard(
     _replace_synced(tmp, path)
 
 
-def acquire_lock(folder: Path) -> Path:
+def acquire_lock(folder: Path, *, key: str = KEY) -> Path:
     """Take ``folder/.lock`` (``O_CREAT | O_EXCL``; it records this pid and host) so that two
     precomputes never write into one folder at once.
 
@@ -344,13 +354,13 @@ def acquire_lock(folder: Path) -> Path:
                 continue
             who = f"process {pid} on {owner_host}" if pid is not None else "an unknown process"
             raise KDUserError(
-                f"{KEY}: {folder} is being written by another kd run teacher_logits ({who}, "
+                f"{key}: {folder} is being written by another kd run ({who}, "
                 f"{path}); wait for it to finish, or delete {path} if no such run is alive"
             ) from None
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps({"pid": os.getpid(), "host": host}) + "\n")
         return path
-    raise KDUserError(f"{KEY}: cannot take {path}; delete it and rerun")
+    raise KDUserError(f"{key}: cannot take {path}; delete it and rerun")
 
 
 def release_lock(path: Path) -> None:
@@ -577,7 +587,7 @@ def _describe(teacher: Mapping[str, Any]) -> str:
 
 
 @dataclass
-class _Record:
+class Record:
     row_hash: str
     num_tokens: int
     ids: np.ndarray  # [n_labelled, K] int32
@@ -598,13 +608,36 @@ class TeacherLogitsReader:
     Args:
         folder: the store (``teacher_logits.path``).
         cache_bytes: memory for decoded rows.
+        partial: a store still being written, of this spec: no manifest is required and only
+            the shards the writer says are in place are read
+            (:class:`kd.teachers.store_folder.WriteThroughStore`).
+        key: the config key errors name.
 
     Raises:
         KDUserError: no store, an incomplete one, a missing or truncated shard.
     """
 
-    def __init__(self, folder: Path, *, cache_bytes: int = CACHE_BYTES):
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        cache_bytes: int = CACHE_BYTES,
+        partial: StoreSpec | None = None,
+        key: str = KEY,
+    ):
         self.folder = Path(folder)
+        self.key = key
+        self._files: dict[str, Any] = {}
+        self._cache: OrderedDict[tuple[str, int], list[Record]] = OrderedDict()
+        self._cached_bytes = 0
+        self._cache_limit = cache_bytes
+        if partial is not None:  # being written (kd.teachers.store_folder): its written shards
+            self.manifest = partial.to_json()
+            self.k, self.world_size = partial.k, partial.world_size
+            self.rows_per_shard, self.num_rows = partial.rows_per_shard, partial.num_rows
+            self.rows_per_group = ROWS_PER_GROUP
+            self._whole_shards = True
+            return
         manifest = read_manifest(self.folder)
         redo = (
             "rerun kd run teacher_logits --config <this config> (it rewrites only what is missing)"
@@ -651,14 +684,10 @@ class TeacherLogitsReader:
                     f"{KEY}: shard {path} has {size} bytes, the manifest says {entry['size']} "
                     f"(truncated or overwritten); {redo}"
                 )
-        self._files: dict[str, Any] = {}
-        self._cache: OrderedDict[tuple[str, int], list[_Record]] = OrderedDict()
-        self._cached_bytes = 0
-        self._cache_limit = cache_bytes
         file_bytes = sum(int(entry["size"]) for entry in manifest["shards"])
         self._whole_shards = file_bytes * _DECODED_PER_FILE_BYTE <= cache_bytes
 
-    def _records(self, name: str, group: int) -> list[_Record]:
+    def _records(self, name: str, group: int) -> list[Record]:
         import pyarrow.parquet as pq
 
         key = (name, group)
@@ -675,13 +704,13 @@ class TeacherLogitsReader:
             table = shard.read_row_groups(groups)
         except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ...
             raise KDUserError(
-                f"{KEY}: shard {path} is damaged ({brief(e)}); delete it and rerun kd run "
+                f"{self.key}: shard {path} is damaged ({brief(e)}); delete it and rerun kd run "
                 "teacher_logits --config <this config> (it rewrites only what is missing)"
             ) from e
         k = self.k
         try:
             records = [
-                _Record(
+                Record(
                     h,
                     int(n),
                     np.asarray(i, dtype=np.int32).reshape(-1, k),
@@ -697,7 +726,7 @@ class TeacherLogitsReader:
             ]
         except (KeyError, TypeError, ValueError) as e:
             raise KDUserError(
-                f"{KEY}: shard {path} does not hold rows of k={k} entries ({brief(e)}); its "
+                f"{self.key}: shard {path} does not hold rows of k={k} entries ({brief(e)}); its "
                 f"{MANIFEST_FILE} was edited, or the shard replaced: restore them, or rerun kd "
                 "run teacher_logits into a new folder"
             ) from e
@@ -711,11 +740,11 @@ class TeacherLogitsReader:
             self._cached_bytes -= sum(r.ids.nbytes + r.logprobs.nbytes for r in dropped)
         return self._cache[key]
 
-    def record(self, row: int) -> _Record:
+    def record(self, row: int) -> Record:
         """The stored entry of dataset row ``row``."""
         if not 0 <= row < self.num_rows:
             raise KDUserError(
-                f"{KEY}: dataset row {row} is beyond the {self.num_rows} rows of {self.folder}; "
+                f"{self.key}: dataset row {row} is beyond the {self.num_rows} rows of {self.folder}; "
                 "rerun kd run teacher_logits with this config"
             )
         name, pos = _locate(row, world_size=self.world_size, rows_per_shard=self.rows_per_shard)
@@ -757,14 +786,14 @@ class TeacherLogitsReader:
             n = rec.num_tokens
             if n > s or row_hash(tokens[i, :n], labels[i, :n]) != rec.row_hash:
                 raise KDUserError(
-                    f"{KEY}: dataset row {int(row)} differs from the row the teacher's logits in "
+                    f"{self.key}: dataset row {int(row)} differs from the row the teacher's logits in "
                     f"{self.folder} were computed on (its hash); the data or tokenizer changed, "
                     "so rerun kd run teacher_logits with this config into a new folder"
                 )
             positions = labelled_positions(labels[i, :n], ignore_index)
             if positions.numel() != rec.ids.shape[0]:
                 raise KDUserError(
-                    f"{KEY}: {self.folder} holds {rec.ids.shape[0]} positions of k={self.k} "
+                    f"{self.key}: {self.folder} holds {rec.ids.shape[0]} positions of k={self.k} "
                     f"entries for dataset row {int(row)}, which has {positions.numel()} labelled "
                     f"ones; its {MANIFEST_FILE} (k) was edited: restore it, or rerun kd run "
                     "teacher_logits into a new folder"
