@@ -118,6 +118,11 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         owner.count(body)
         fault = owner.next_fault()
+        prompts = body.get("prompt", body.get("input_ids")) if isinstance(body, dict) else None
+        if owner.refused and isinstance(prompts, list):
+            rows = prompts if prompts and isinstance(prompts[0], list) else [prompts]
+            if any(tuple(r) in owner.refused for r in rows):
+                fault = "500"
         if fault == "kill":
             owner.kill()
             self.close_connection = True
@@ -167,6 +172,10 @@ class TeacherTestServer:
         lifetime_s: seconds it serves before it stops by itself.
         sglang_base64: SGLang answers in its flat base64 form (``return_logprobs_in_base64``):
             ``input_top_logprobs_val_b64`` / ``_idx_b64`` / ``_k`` in place of the triples.
+
+    Attributes:
+        refused: prompts answered with HTTP 500 every time they are asked (a server that fails
+            for some rows only, e.g. one rank's).
     """
 
     def __init__(
@@ -195,6 +204,7 @@ class TeacherTestServer:
         self.max_requests = max_requests
         self.lifetime_s = lifetime_s
         self.sglang_base64 = sglang_base64
+        self.refused: set[tuple[int, ...]] = set()
         self.faults: collections.deque[str] = collections.deque()
         self.requests = 0  # POST requests received
         self.prompts: list[list[int]] = []  # every prompt asked, in order of arrival

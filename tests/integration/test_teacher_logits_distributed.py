@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from kd.testing import run_launch
 K = 8
 
 
-def _launch(recipe: str, cfg_path: Path) -> None:
+def _launch(recipe: str, cfg_path: Path, *, expect: int = 0) -> subprocess.CompletedProcess[str]:
     guard = cfg_path.parent / f"{cfg_path.stem}_guard"
     guard.mkdir(exist_ok=True)
     (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD)
@@ -29,7 +30,8 @@ def _launch(recipe: str, cfg_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", recipe]
     proc = run_launch([*cmd, "--config", str(cfg_path)], env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
 
 
 def _store_config(assets, root: Path, name: str) -> Path:
@@ -97,3 +99,39 @@ def test_training_from_a_store_on_two_ranks_equals_one_device(assets, stores, tm
         for key in COMPARED:
             assert y[key] == pytest.approx(x[key], abs=TOL, rel=0), (x["step"], key)
     _assert_same_files(tmp_path / "single" / "final", tmp_path / "pair" / "final")
+
+
+@pytest.mark.slow
+def test_a_server_failing_one_rank_stops_every_rank_with_a_save(assets, tmp_path):
+    """Under torchrun the server fails for one rank's rows only: every rank stops at the same
+    micro-batch, they save step 1 together, the line names the failing rank; with the server
+    answering again, resume finishes the run."""
+    from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, tiny_model
+    from torchtune.datasets import instruct_dataset
+
+    from kd.config.instantiate import instantiate
+    from kd.testing import tokenizer_node
+    from kd.testing_server import TeacherTestServer, model_logprobs
+
+    tok = instantiate(tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN), key="tokenizer")
+    fn = model_logprobs(assets["teacher"], tiny_model(TEACHER), tmp_path, vocab=STUDENT["vocab"])
+    row = instruct_dataset(tok, source="json", data_files=str(assets["data"]), split="train")[17]
+    labelled = [i for i, x in enumerate(row["labels"]) if x != -100]
+    # Rank 1's rows are 1, 3, 5, ... (no shuffle): row 17 is in its first micro-batch of step 2.
+    with TeacherTestServer(fn, decode=lambda t: tok.decode([t])) as server:
+        server.refused.add(tuple(row["tokens"][: labelled[-1] + 1]))
+        section = {"url": server.url, "model": "tiny-teacher", "top_k": K, "retries": 1}
+        section.update(backoff=0, prefetch=0, timeout=20)
+        cfg = make_config(assets, tmp_path / "pair", batch_size=4, teacher_server=section)
+        del cfg["teacher_model"], cfg["teacher_checkpointer"]
+        config = write_config(tmp_path / "pair.yaml", cfg)
+        proc = _launch("kd", config, expect=2)
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("kd: error:")]
+        assert lines and "rank 1: teacher_server.url" in lines[0], proc.stderr[-3000:]
+        assert "stopped after step 1; saved" in lines[0] and "step_000001" in lines[0]
+        assert (tmp_path / "pair" / "step_000001").is_dir()
+        server.refused.clear()
+        cfg["resume_from_checkpoint"] = True
+        _launch("kd", write_config(tmp_path / "pair.yaml", cfg))
+    assert [r["step"] for r in read_metrics(tmp_path / "pair")] == [1, 2, 3]
+    assert (tmp_path / "pair" / "final").is_dir()

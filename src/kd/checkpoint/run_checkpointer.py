@@ -123,16 +123,18 @@ class RunCheckpointer:
         """A run that must stop mid-step (a teacher that stopped answering): save the steps
         completed (``save(final=False)``, unless step ``step`` was just saved in ``just_saved``;
         the failed step is repeated on resume) and return ``err`` with where in its one line.
-        Under torchrun saving is collective and only this rank failed, so the line names the
-        newest checkpoint instead."""
+        Under torchrun saving is collective: it happens when every rank stopped at the same
+        point (``err.collective``, :class:`kd.teachers.TeacherStopped`); otherwise only this
+        rank failed, and the line names the newest checkpoint instead."""
+        together = not self.world.distributed or bool(getattr(err, "collective", False))
         path = just_saved
-        if path is None and not self.world.distributed:
+        if path is None and together:
             path = save(final=False)
         if path is None:
             path = find_latest_checkpoint(self.output_dir)
         if path is None:
             return err
-        verb = "the newest checkpoint is" if self.world.distributed else "saved"
+        verb = "saved" if together else "the newest checkpoint is"
         return type(err)(
             f"{err}; stopped after step {step}; {verb} {path} "
             "(resume_from_checkpoint=true continues from it)"

@@ -26,7 +26,17 @@ __all__ = ["Teacher", "TeacherInput", "TeacherSignal", "TeacherStopped"]
 class TeacherStopped(KDUserError):
     """A teacher cannot answer a batch mid-run (a served model stayed down, refused a request or
     answered something malformed): the recipe saves the steps completed, then stops with this
-    one line (exit 2); resume continues from the save."""
+    one line (exit 2); resume continues from the save.
+
+    Args:
+        message: the line.
+        collective: under torchrun, every rank raised it at the same micro-batch (the teacher
+            agreed on it), so the ranks can save together; False: this rank alone may have.
+    """
+
+    def __init__(self, message: str, *, collective: bool = False):
+        super().__init__(message)
+        self.collective = collective
 
 
 @dataclass(frozen=True)

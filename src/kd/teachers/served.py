@@ -43,6 +43,7 @@ from kd.errors import KDUserError, brief, one_line
 from kd.teachers.base import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.protocols import PROTOCOLS, BadAnswer, RowTopK
 from kd.teachers.signals import TopKSignal
+from kd.training import distributed
 
 __all__ = [
     "ServedTeacher",
@@ -363,6 +364,33 @@ class ServedTeacher(Teacher):
 
     # ------------------------------------------------------------ answering
     def signal(self, batch: TeacherInput) -> TopKSignal:
+        """The batch's top-k (from the store when it holds the rows, else the server's).
+
+        Under torchrun the ranks agree after each batch whether every one of them got its
+        answer (one all-reduce of a flag; every rank asks its teacher for the same micro-batches):
+        when one rank's server failed, every rank stops here with that rank's line, so the
+        recipe's save is collective.
+        """
+        failure: TeacherStopped | None = None
+        try:
+            signal = self._answer(batch)
+        except TeacherStopped as e:
+            failure = e
+        if not distributed.is_distributed():
+            if failure is not None:
+                raise failure
+            return signal
+        if distributed.any_rank(failure is not None, device=self.device):
+            lines = distributed.all_gather_text(
+                str(failure) if failure else None, device=self.device
+            )
+            rank, line = next((r, x) for r, x in enumerate(lines) if x is not None)
+            raise TeacherStopped(
+                line if failure is not None else f"rank {rank}: {line}", collective=True
+            ) from failure
+        return signal
+
+    def _answer(self, batch: TeacherInput) -> TopKSignal:
         store, rows = self.store, batch.rows
         if store is not None and rows is not None and batch.labels is not None:
             if store.holds(rows):

@@ -113,6 +113,32 @@ def any_rank(flag: bool, *, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def is_distributed() -> bool:
+    """Whether this process is one rank of several (a process group is up)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_gather_text(
+    text: str | None, *, device: torch.device, limit: int = 2048
+) -> list[str | None]:
+    """Every rank's ``text`` (None where a rank has none), by rank; ``[text]`` at world size 1.
+    UTF-8 bytes in a tensor (nothing is pickled), cut at ``limit`` bytes."""
+    if not is_distributed():
+        return [text]
+    data = (text or "").encode()[:limit]
+    box = torch.zeros(limit + 1, dtype=torch.int64, device=device)
+    box[0] = len(data) if text is not None else -1
+    if data:
+        box[1 : 1 + len(data)] = torch.tensor(list(data), dtype=torch.int64)
+    out = [torch.empty_like(box) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, box)
+    texts: list[str | None] = []
+    for t in out:
+        n = int(t[0])
+        texts.append(None if n < 0 else bytes(t[1 : 1 + n].tolist()).decode(errors="replace"))
+    return texts
+
+
 def barrier() -> None:
     """Wait for every rank (no-op at world size 1)."""
     if dist.is_available() and dist.is_initialized():
