@@ -941,6 +941,34 @@ def teacher_logits_precompute_without_teacher(assets, tmp, cfg):
     return ["run", "teacher_logits", "--config", "{cfg}"], "teacher_model: null, but kd run"
 
 
+def _served(tmp: Path, cfg: dict, **section: Any) -> None:
+    """A served teacher (nothing listens at its URL) in place of the teacher's nodes."""
+    cfg.update(teacher_model=None, teacher_checkpointer=None)
+    cfg["teacher_server"] = {"url": "http://127.0.0.1:9", "model": "m", **section}
+
+
+def teacher_server_store_not_at_temperature_1(assets, tmp, cfg):
+    """`teacher_server.store` (write-through) with `temperature=2`"""
+    _served(tmp, cfg, store=str(tmp / "kept"), tail="renorm")
+    cfg["temperature"] = 2.0
+    return _validate(), "teacher_server.store: temperature is 2"
+
+
+def teacher_server_store_beside_teacher_logits(assets, tmp, cfg):
+    """`teacher_server.store` and `teacher_logits.path` both set"""
+    _served(tmp, cfg, store=str(tmp / "kept"))
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return _validate(), "beside teacher_logits.path"
+
+
+def teacher_server_store_of_other_files(assets, tmp, cfg):
+    """`teacher_server.store` names a folder of other files"""
+    _served(tmp, cfg, store=str(tmp / "kept"))
+    (tmp / "kept").mkdir()
+    (tmp / "kept" / "notes.txt").write_text("mine")
+    return _validate(), "holds other files (notes.txt)"
+
+
 # --- issue 23: folders that ask to run code or lead outside, config.json fields, usability -----
 def _student_copy(assets: dict, tmp: Path, cfg: dict) -> Path:
     """A copy of the student's folder as the run's ``kd.hf.causal_lm`` student."""
@@ -1120,6 +1148,9 @@ CASES: list[Case] = [
     on_policy_rows_without_prompt,
     teacher_logits_precompute_into_another_store,
     teacher_logits_precompute_without_teacher,
+    teacher_server_store_not_at_temperature_1,
+    teacher_server_store_beside_teacher_logits,
+    teacher_server_store_of_other_files,
     teacher_logits_foreign_missing_field,
     teacher_logits_foreign_k_larger_than_stored,
     teacher_logits_foreign_mismatched_lengths,

@@ -402,19 +402,3 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
     assert run(dead) == 0  # the complete store teaches; the server is neither asked nor needed
     for name in ("first", "again", "serverless"):
         assert_same_steps(stored_run, tmp_path / name)
-
-
-def test_write_through_mistakes_are_refused(assets, tmp_path, capsys):
-    config = served_config(
-        assets, tmp_path, "wt", "http://127.0.0.1:9", store=str(tmp_path / "kept"), tail="renorm"
-    )
-    capsys.readouterr()
-    assert cli.main(["validate", "--config", str(config), "temperature=2"]) == 2
-    assert "teacher_server.store: temperature is 2" in capsys.readouterr().err
-    both = [f"teacher_logits.path={tmp_path / 'other'}"]
-    assert cli.main(["validate", "--config", str(config), *both]) == 2
-    assert "beside teacher_logits.path" in capsys.readouterr().err
-    (tmp_path / "kept").mkdir()
-    (tmp_path / "kept" / "notes.txt").write_text("mine")
-    assert cli.main(["validate", "--config", str(config)]) == 2
-    assert "holds other files (notes.txt)" in capsys.readouterr().err
