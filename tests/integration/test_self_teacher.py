@@ -6,7 +6,6 @@ mistakes are one line each (exit 2)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -18,7 +17,7 @@ from conftest import MAX_SEQ_LEN, make_config, read_metrics, sigterm_at_step, wr
 from safetensors.torch import load_file
 
 from kd import cli, models
-from kd.testing import CHATML, hf_tokenizer_node, write_jsonl
+from kd.testing import hf_tokenizer_node, write_jsonl
 
 SEQ_LEN = 2 * MAX_SEQ_LEN  # room for the context
 CONTEXT = "Reference answer: {reference}. Reply with it."
@@ -242,7 +241,9 @@ def test_positions_map_for_any_context_padding_and_turns(assets, chat_file, tmp_
     rows = [0, 1, 2, 3, 4]
     examples = [dataset[r] for r in rows]
     rendered = [teacher.privileged.render(r) for r in rows]
-    assert len({len(t.tokens) - len(e["tokens"]) for t, e in zip(rendered, examples)}) > 1
+    assert (
+        len({len(t.tokens) - len(e["tokens"]) for t, e in zip(rendered, examples, strict=True)}) > 1
+    )
     for side in ("right", "left"):
         tokens, labels = padded(examples, side)
         signal = teacher.signal(TeacherInput(tokens, labels=labels, rows=rows))
@@ -252,7 +253,7 @@ def test_positions_map_for_any_context_padding_and_turns(assets, chat_file, tmp_
             assert [int(tokens[i, p]) for p in s_pos] == [row.tokens[q] for q in row.labelled]
             with teacher._as_teacher(recipe.student):
                 alone = recipe.student(torch.tensor([row.tokens]))[0]  # [s_t, d]
-            for p, q in zip(s_pos, row.labelled):
+            for p, q in zip(s_pos, row.labelled, strict=True):
                 torch.testing.assert_close(signal.hidden[i, p - 1], alone[q - 1], atol=1e-5, rtol=0)
     recipe.cleanup()
 
