@@ -370,3 +370,30 @@ def test_validate_reports_the_longest_teacher_input(assets, rows_file, tmp_path,
     said = [r.getMessage() for r in caplog.records if "longest teacher input" in r.getMessage()]
     assert len(said) == 1 and f"within tokenizer.max_seq_len {SEQ_LEN}" in said[0]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_plan_counts_no_teacher_weights_for_lora_and_the_copy_otherwise(
+    assets, rows_file, tmp_path, capsys, lora
+):
+    cfg = self_config(assets, tmp_path / "o", rows_file, lora=lora)
+    path = str(write_config(tmp_path / "c.yaml", cfg))
+    capsys.readouterr()
+    assert cli.main(["plan", "--config", path, "--json", "memory.reserve_gib=0"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    parts = plan["phase_components"]["forward"]
+    assert parts["teacher_forward"] > 0  # the teacher's own no-grad forward is planned
+    if lora:
+        assert parts["teacher_weights"] == 0
+    else:
+        assert parts["teacher_weights"] == parts["student_weights"] > 0
+        budget = f"{0.97 * plan['peak_gib']:.6f}"
+        assert (
+            cli.main(
+                ["plan", "--config", path, "--fit", "--budget-gib", budget, "memory.reserve_gib=0"]
+            )
+            == 1  # does not fit: the options follow
+        )
+        out = capsys.readouterr().out
+        assert "a frozen copy of the student's initial weights" in out
+        assert "a LoRA student" in out and "no frozen copy for the self teacher" in out
