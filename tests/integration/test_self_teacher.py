@@ -397,3 +397,33 @@ def test_plan_counts_no_teacher_weights_for_lora_and_the_copy_otherwise(
         out = capsys.readouterr().out
         assert "a frozen copy of the student's initial weights" in out
         assert "a LoRA student" in out and "no frozen copy for the self teacher" in out
+
+
+def test_kd_init_self_writes_a_config_that_runs(assets, rows_file, tmp_path, capsys):
+    """``kd init --self`` on one Hugging Face folder: the reference field becomes the context,
+    and ``kd run kd`` trains the written config unchanged."""
+    import shutil
+
+    from kd.testing import write_hf_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(assets["student"], folder)
+    write_hf_tokenizer(folder)
+    config = tmp_path / "self.yaml"
+    argv = ["init", "--self", "--student", str(folder), "--data", str(rows_file)]
+    argv += ["--output-dir", str(tmp_path / "out"), "--config-out", str(config), "--lora"]
+    assert cli.main([*argv, "--device", "cpu", "--max-seq-len", "128"]) == 0
+    assert "teacher: the student itself" in capsys.readouterr().out
+    written = config.read_text()
+    assert "teacher_model" not in written
+    assert 'context: "Reference: {reference}\\n"' in written
+    assert (
+        cli.main(["run", "kd", "--config", str(config), "max_steps_per_epoch=1", "batch_size=2"])
+        == 0
+    )
+    assert read_metrics(tmp_path / "out")[0]["kd_loss"] > 0
+    # --teacher beside --self, a context naming no field of the rows: one line each.
+    lines = error_lines(capsys, *argv, "--force", "--teacher", str(folder))
+    assert len(lines) == 1 and "--teacher: not with --self" in lines[0]
+    lines = error_lines(capsys, *argv, "--force", "--context", "{missing}")
+    assert len(lines) == 1 and "--context" in lines[0] and "'missing'" in lines[0]
