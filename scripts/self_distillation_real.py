@@ -214,7 +214,10 @@ def main() -> None:
                 for q, a in zip(train_q, answers, strict=True)
             ),
         )
-    held_answers = generate(model, held_q, persona=True, sample=True)
+    held = work / "held_out.json"
+    if not held.exists():
+        held.write_text(json.dumps(generate(model, held_q, persona=True, sample=True)))
+    held_answers = json.loads(held.read_text())
     gen_s = time.perf_counter() - t0
     config = work / "self.yaml"
     kd(
@@ -252,7 +255,12 @@ def main() -> None:
     ]
     runs = {
         "self-kd": ["kd_ratio=1.0"],
-        "ce": ["kd_ratio=0.0", "self_teacher=null", "teacher_model=null"],
+        "ce": [
+            "kd_ratio=0.0",
+            "self_teacher=null",
+            "teacher_model=null",
+            "teacher_checkpointer=null",
+        ],
     }
     results: dict[str, object] = {"steps": args.steps, "lr": args.lr, "persona": PERSONA}
     for name, extra in runs.items():

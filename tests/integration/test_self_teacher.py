@@ -427,3 +427,18 @@ def test_kd_init_self_writes_a_config_that_runs(assets, rows_file, tmp_path, cap
     assert len(lines) == 1 and "--teacher: not with --self" in lines[0]
     lines = error_lines(capsys, *argv, "--force", "--context", "{missing}")
     assert len(lines) == 1 and "--context" in lines[0] and "'missing'" in lines[0]
+
+
+def test_torchtune_tokenizer_renders_the_same_completion(assets, rows_file, tmp_path):
+    """torchtune's own tokenizer (qwen2_5_tokenizer, no chat template): the context's system
+    message leaves the completion's labels as the student's (its final eos stays masked as in
+    the student's rows), and an empty context is still exactly zero divergence."""
+    from kd.testing import tokenizer_node
+
+    for context, name in (("", "empty"), (CONTEXT, "ctx")):
+        cfg = self_config(
+            assets, tmp_path / name, rows_file, backend="tt", self_teacher={"context": context}
+        )
+        cfg["tokenizer"] = tokenizer_node(assets["tokenizer"], SEQ_LEN)
+        assert run(cfg, tmp_path / f"{name}.yaml", "max_steps_per_epoch=1") == 0
+        assert (read_metrics(tmp_path / name)[0]["kd_loss"] == 0.0) == (context == "")

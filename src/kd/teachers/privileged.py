@@ -134,7 +134,10 @@ class PrivilegedRows:
         self.header = list(header)
         self.key = key
         untruncated = copy.copy(tokenizer)
-        untruncated.max_seq_len = None
+        if getattr(tokenizer, "max_seq_len", None) is not None:
+            # A limit no row reaches, not None: torchtune's tokenizers mask the final eos
+            # whenever a limit is set (their truncate()), and the student's rows had one.
+            untruncated.max_seq_len = 1 << 30
         self.transform = tt.SFTTransform(model_transform=untruncated)
         self.rows: dict[int, TeacherRow] = {}
 
