@@ -19,6 +19,7 @@ with warnings.catch_warnings():
     from torchtune import training as tt_training
     from torchtune.data import Message, padded_collate_sft
     from torchtune.datasets import ConcatDataset
+    from torchtune.datasets._sft import SFTTransform
     from torchtune.generation import generate as generate_tokens
     from torchtune.generation import (
         get_causal_mask_from_padding_mask,
@@ -50,6 +51,7 @@ with warnings.catch_warnings():
     )
     from torchtune.modules.peft import (
         LoRALinear,
+        disable_adapter,
         get_adapter_params,
         get_adapter_state_dict,
         get_lora_module_names,
@@ -83,6 +85,7 @@ __all__ = [
     "ModelType",
     "ReverseKLLoss",
     "ReverseKLWithChunkedOutputLoss",
+    "SFTTransform",
     "SymmetricKLLoss",
     "SymmetricKLWithChunkedOutputLoss",
     "TORCHTUNE_VERSION",
@@ -91,6 +94,7 @@ __all__ = [
     "TransformerSelfAttentionLayer",
     "apply_selective_activation_checkpointing",
     "bytes_to_unicode",
+    "disable_adapter",
     "get_adapter_params",
     "get_adapter_state_dict",
     "generate_tokens",

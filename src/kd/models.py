@@ -98,6 +98,11 @@ def is_lora(model: nn.Module) -> bool:
     return backend_of(model).is_lora(model)
 
 
+def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """A context in which a LoRA model runs as its base model (adapters off)."""
+    return backend_of(model).adapters_disabled(model)
+
+
 def freeze(model: nn.Module) -> nn.Module:
     """Teacher mode: eval, no gradients anywhere."""
     model.eval()

@@ -9,6 +9,7 @@ other module asks which library a model comes from.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -85,6 +86,12 @@ class Backend(Protocol):
 
     def setup_lora_trainable(self, model: nn.Module) -> None:
         """Only the adapters train."""
+        ...
+
+    def adapters_disabled(self, model: nn.Module) -> AbstractContextManager[None]:
+        """A context in which ``model``'s LoRA adapters are switched off (its forward is the
+        base model's; the self teacher, :mod:`kd.teachers.self_teacher`); trainable flags are
+        the same after it."""
         ...
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int, int] | None:

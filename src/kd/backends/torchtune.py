@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,10 @@ class TorchtuneBackend:
 
     def is_lora(self, model: nn.Module) -> bool:
         return any(isinstance(m, tt.LoRALinear) for m in model.modules())
+
+    def adapters_disabled(self, model: nn.Module) -> AbstractContextManager[None]:
+        # torchtune's own switch (the DPO recipes' reference model): LoRALinear.disabled.
+        return tt.disable_adapter(model)
 
     def setup_lora_trainable(self, model: nn.Module) -> None:
         tt.set_trainable_params(model, tt.get_adapter_params(model))

@@ -4,6 +4,7 @@ builds, loads and adapts it; LoRA through peft)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class TransformersBackend:
 
     def setup_lora_trainable(self, model: nn.Module) -> None:
         hf.setup_lora_trainable(model)
+
+    def adapters_disabled(self, model: nn.Module) -> AbstractContextManager[None]:
+        return hf.adapters_disabled(model)
 
     def attention_shape(self, model: nn.Module) -> tuple[int, int, int] | None:
         return hf.attention_shape(model)

@@ -264,6 +264,39 @@ class TeacherServerSettings:
 
 
 @settings
+class SelfTeacherSettings:
+    """Self-distillation (``self_teacher:``; :mod:`kd.teachers.self_teacher`): the student is
+    its own teacher, seeing each row with a privileged context the student never sees, in place
+    of ``teacher_model`` and ``teacher_checkpointer``."""
+
+    context: str = setting(
+        "self_teacher.context",
+        "",
+        "the teacher's privileged context: a template over the row's fields ({reference} is the "
+        "row's reference field; {{ and }} are braces), e.g. a reference solution, a system prompt "
+        "or few-shot examples; empty = none (the teacher sees what the student sees)",
+        resume=MUST_MATCH,
+    )
+    place: str = setting(
+        "self_teacher.place",
+        "system",
+        "where the context goes: system (a system message before the conversation, joined to "
+        "the row's own) or user (before the text of the last user message)",
+        choices=("system", "user"),
+        resume=MUST_MATCH,
+    )
+    weights: str = setting(
+        "self_teacher.weights",
+        "initial",
+        "initial: the student's initial weights (a LoRA student with its adapters off, no copy; "
+        "a full fine-tune: a frozen copy loaded beside it); live: the student's current weights "
+        "(no copy, the teacher moves as the student learns)",
+        choices=("initial", "live"),
+        resume=MUST_MATCH,
+    )
+
+
+@settings
 class LossSettings:
     """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
 
@@ -636,7 +669,8 @@ class RunConfig:
 
     Groups: ``loss``, ``optimizer``, ``memory``, ``fsdp``, ``checkpoint``; ``lora`` (None for a
     full fine-tune), ``validation`` (None without ``validation:``), ``teacher_logits`` (None:
-    the teacher runs online), ``teacher_server`` (None: no served teacher), ``on_policy`` (None: the dataset's completions only).
+    the teacher runs online), ``teacher_server`` (None: no served teacher), ``self_teacher`` (None: no
+    self-distillation), ``on_policy`` (None: the dataset's completions only).
     ``components``: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
     component such as ``teacher_model: null``; ``dataset`` may be a list of nodes, torchtune's
     concatenated datasets, see :func:`kd.data.build_dataset`). ``yaml``: the resolved config as
@@ -653,6 +687,7 @@ class RunConfig:
     validation: ValidationSettings | None = group(_has("validation"))
     teacher_logits: TeacherLogitsSettings | None = group(_has("teacher_logits"))
     teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
+    self_teacher: SelfTeacherSettings | None = group(_has("self_teacher"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH

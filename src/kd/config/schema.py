@@ -156,6 +156,14 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("teacher_server", "server", "served", "vllm", "sglang"),
     ),
+    "self_teacher": Section(
+        "self-distillation: the student is its own teacher with a privileged context: "
+        "{context, place, weights}; in place of teacher_model and teacher_checkpointer; "
+        "null = none",
+        MUST_MATCH,
+        optional=True,
+        words=("self_teacher", "self", "self_distillation", "opsd", "context"),
+    ),
     "on_policy": Section(
         "on-policy distillation (GKD): {lmbda, max_new_tokens, temperature, top_p, seq_kd}; "
         "with probability lmbda a micro-batch trains on the student's own completions of its "
@@ -200,6 +208,7 @@ EARLY_STOPPING = SECTIONS["early_stopping"]
 TEACHER_LOGITS = SECTIONS["teacher_logits"]
 TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
+SELF_TEACHER = SECTIONS["self_teacher"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}

@@ -49,6 +49,7 @@ from kd.config.checks.paths import (
     lookup_problem,
     writable_dir_problem,
 )
+from kd.config.checks.self_teacher import check_self_teacher
 from kd.config.checks.teacher import check_teacher, hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
@@ -128,6 +129,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         optional |= {"teacher_model", "teacher_checkpointer"}
     if isinstance(data.get("teacher_server"), dict):
         optional |= {"teacher_model", "teacher_checkpointer"}  # the server is the teacher
+    if isinstance(data.get("self_teacher"), dict):
+        optional |= {"teacher_model", "teacher_checkpointer"}  # the student teaches itself
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
@@ -142,6 +145,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_teacher_logits(data, problems)
     check_teacher_server(data, problems)
     check_on_policy(data, problems)
+    check_self_teacher(data, problems)
     check_output_dir(data, problems)
     check_device(data, problems)
     check_component_targets(data, problems)

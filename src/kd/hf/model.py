@@ -16,9 +16,10 @@ Nothing is downloaded: a folder must hold ``config.json`` and the weights; the h
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,6 +354,27 @@ def logits_from_hidden(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def is_lora(model: nn.Module) -> bool:
     return any(".lora_A." in name for name, _ in model.named_parameters())
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """peft's adapters of ``model`` switched off (``BaseTunerLayer.enable_adapters``, what
+    ``PeftModel.disable_adapter`` calls; kd injects adapters without a ``PeftModel``). peft turns
+    the adapters' ``requires_grad`` off and back on; the flags are restored as they were."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    flags = {name: p.requires_grad for name, p in model.named_parameters() if ".lora_" in name}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for name, p in model.named_parameters():
+            if name in flags:
+                p.requires_grad_(flags[name])
 
 
 def setup_lora_trainable(model: nn.Module) -> None:

@@ -403,7 +403,13 @@ def suggestions(
     out: list[FitOption] = []
     if student.lora is None:
         lora, keys = lora_overrides(student, student_component)
-        found = _fitting(lora, teacher, knobs, **common) if keys else []
+        # A self teacher of a LoRA student is its base with adapters off: no copy.
+        lora_knobs = replace(knobs, teacher_bytes_per_param=0.0, self_teacher_copy=False)
+        found = (
+            _fitting(lora, teacher, lora_knobs if knobs.self_teacher_copy else knobs, **common)
+            if keys
+            else []
+        )
         if found:
             best = found[0]
             out.append(
@@ -411,7 +417,9 @@ def suggestions(
                     keys + best.overrides,
                     best.peak_bytes,
                     best.relative_time * 0.8,
-                    "suggestion: a LoRA student (trains adapters only; changes the result)"
+                    "suggestion: a LoRA student (trains adapters only; changes the result"
+                    + ("; no frozen copy for the self teacher" if knobs.self_teacher_copy else "")
+                    + ")"
                     + (f", with {best.description}" if best.description else ""),
                     suggestion=True,
                 )

@@ -80,6 +80,8 @@ class TrainKnobs:
         stored_topk: k of stored teacher logits (``teacher_logits.k``): the run trains from them,
             with no teacher model (``estimate``'s teacher is None); None: an online teacher or none.
         generation: on-policy sampling (``on_policy:``); None: no generation phase.
+        self_teacher_copy: the teacher is a frozen copy of the student (``self_teacher:`` with
+            a full fine-tune): a LoRA student would need no copy (its base is the teacher).
     """
 
     batch_size: int
@@ -102,6 +104,7 @@ class TrainKnobs:
     eval_batch: int | None = None
     stored_topk: int | None = None
     generation: GenerationKnobs | None = None
+    self_teacher_copy: bool = False
 
     @property
     def tokens(self) -> int:

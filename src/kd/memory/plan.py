@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -371,6 +371,8 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     if run.has_teacher:
         teacher, teacher_notes = _shape(run, "teacher_model", "teacher_checkpointer")
         notes += teacher_notes
+    elif run.self_teacher is not None:
+        teacher = replace(student, lora=None)  # the student's own forward, without grad
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -399,7 +401,11 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         stored_topk=run.teacher_logits.k
         if run.teacher_logits is not None
         else (run.teacher_server.top_k if run.teacher_server is not None else None),
-        generation=generation_knobs(run.on_policy, teacher=teacher is not None),
+        generation=generation_knobs(
+            run.on_policy, teacher=teacher is not None and run.self_teacher is None
+        ),
+        teacher_bytes_per_param=0.0 if _self_teacher_copy(run, student) is False else None,
+        self_teacher_copy=bool(_self_teacher_copy(run, student)),
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -418,7 +424,40 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         student_component=str(model.get("_component_", "")) if model is not None else "",
         optimizer_keys=tuple(str(key) for key in run.optimizer.node),
         notes=notes,
-        teacher_line=_served_teacher_line(run, seq_len=int(seq)),
+        teacher_line=_served_teacher_line(run, seq_len=int(seq))
+        or _self_teacher_line(run, student, seq_len=int(seq)),
+    )
+
+
+def _self_teacher_copy(run: RunConfig, student: ModelShape) -> bool | None:
+    """Whether a self teacher is a frozen copy of the student's weights (a full fine-tune
+    from its initial weights); False: the student itself (LoRA adapters off, or live weights);
+    None: no self teacher."""
+    s = run.self_teacher
+    if s is None:
+        return None
+    return student.lora is None and s.weights == "initial"
+
+
+def _self_teacher_line(run: RunConfig, student: ModelShape, *, seq_len: int) -> str | None:
+    """The table's line of a self teacher: which weights, and its longer input."""
+    copy = _self_teacher_copy(run, student)
+    if copy is None:
+        return None
+    longer = (
+        f"its input (prompt + context + completion) is at most {seq_len} tokens (kd validate "
+        "refuses longer rows), planned as the teacher forward and logits"
+    )
+    if not copy:
+        which = (
+            "the LoRA student with adapters off" if student.lora else "the student's live weights"
+        )
+        return f"self: {which}, no teacher weights; {longer}"
+    size = student.total_params() * (4 if run.dtype == "fp32" else 2) / GIB
+    return (
+        f"self: a frozen copy of the student's initial weights ({size:.2f} GiB; a LoRA student, "
+        f"whose teacher is its base with adapters off, or self_teacher.weights=live would "
+        f"remove it); {longer}"
     )
 
 

@@ -415,7 +415,8 @@ class KDRecipe:
                 sampled=sampled,
             )
             if made is not None:
-                return TeacherInput(tokens=made[0], labels=made[1])
+                source = batch["rows"].tolist()  # the rows whose prompts were completed
+                return TeacherInput(tokens=made[0], labels=made[1], source_rows=source)
         rows = batch.get("rows")
         return TeacherInput(
             tokens=batch["tokens"],

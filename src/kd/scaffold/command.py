@@ -37,6 +37,7 @@ from kd.scaffold.pairing import (
     reconcile_backends,
 )
 from kd.scaffold.render import about, render_config, write_config
+from kd.scaffold.self_teacher import context_template
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
@@ -52,7 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "tokenizer agreement check, and the memory plan for this device. Needs only config.json "
         "and the tokenizer files (the weights may still be downloading).",
     )
-    p.add_argument("--teacher", required=True, metavar="DIR", help="teacher model folder")
+    p.add_argument("--teacher", metavar="DIR", help="teacher model folder (not with --self)")
     p.add_argument("--student", required=True, metavar="DIR", help="student model folder")
     p.add_argument(
         "--data",
@@ -92,6 +93,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="memory.budget_gib (default: the device's memory)",
     )
     p.add_argument("--force", action="store_true", help="overwrite an existing --config-out")
+    p.add_argument(
+        "--self",
+        dest="self_teacher",
+        action="store_true",
+        help="self-distillation: no --teacher, the student is its own teacher with a privileged "
+        "context (docs/self_distillation.md)",
+    )
+    p.add_argument(
+        "--context",
+        metavar="TEMPLATE",
+        default=None,
+        help="with --self: the teacher's context, a template over the rows' fields "
+        "(default: a reference/context/solution field when the rows have one)",
+    )
     return p
 
 
@@ -145,13 +160,24 @@ def _print_plan(config: Path) -> tuple[bool, bool]:
     return False, any(not option.suggestion for option in plan.fit)
 
 
-def _choices(args: argparse.Namespace, output_dir: Path) -> tuple[ModelChoice, ModelChoice]:
-    """The teacher and the student, read and paired; neither may hold the output folder."""
+def _choices(args: argparse.Namespace, output_dir: Path) -> tuple[ModelChoice | None, ModelChoice]:
+    """The teacher (None with ``--self``) and the student, read and paired; neither may hold the
+    output folder."""
     backend: Backend = args.backend
     student = choose_model(Path(args.student), role="student", flag="--student", backend=backend)
+    if args.self_teacher:  # --self: the student is the only model
+        if args.teacher is not None:
+            raise KDUserError(
+                "--teacher: not with --self (the student is its own teacher); drop --teacher"
+            )
+        return None, student
+    if args.teacher is None:
+        raise KDUserError("--teacher: required (or --self for self-distillation)")
     teacher = choose_model(Path(args.teacher), role="teacher", flag="--teacher", backend=backend)
     teacher = reconcile_backends(teacher, student, backend=backend)
     for choice in (teacher, student):
+        if choice is None:
+            continue
         if output_dir == choice.folder or choice.folder in output_dir.parents:
             raise KDUserError(
                 f"--output-dir: {one_line(str(output_dir))} is inside the {choice.role} folder "
@@ -184,11 +210,14 @@ def run(args: argparse.Namespace) -> int:
     output_dir = _output_dir(args.output_dir)
     teacher, student = _choices(args, output_dir)
     data = detect_data_format(Path(args.data))
-    seq_len = max_seq_len(args.max_seq_len, teacher, student)
-    check = check_tokenizers(teacher, student, data)
+    context = context_template(args.context, data) if teacher is None else None
+    seq_len = max_seq_len(args.max_seq_len, teacher or student, student)
+    check = check_tokenizers(teacher or student, student, data)
     check_transformers_config(student, flag="--student")
-    check_transformers_config(teacher, flag="--teacher")
+    if teacher is not None:
+        check_transformers_config(teacher, flag="--teacher")
     text = render_config(
+        self_context=context,
         teacher=teacher,
         student=student,
         data=data,
@@ -202,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     pending = [
         key
         for key, choice in (("checkpointer", student), ("teacher_checkpointer", teacher))
-        if choice.torchtune is not None and not choice.weight_files
+        if choice is not None and choice.torchtune is not None and not choice.weight_files
     ]
     write_config(text, dest, weights_pending=pending)
     _print_summary(teacher, student, data, check, output_dir=output_dir, lora=args.lora)
@@ -213,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(
-    teacher: ModelChoice,
+    teacher: ModelChoice | None,
     student: ModelChoice,
     data: DataFormat,
     check: Any,
@@ -222,7 +251,7 @@ def _print_summary(
     lora: bool,
 ) -> None:
     """What kd init found: the models, the data, the tokenizer check and its notes."""
-    print(f"teacher: {about(teacher)}")
+    print(f"teacher: {about(teacher)}" if teacher else "teacher: the student itself (self_teacher)")
     print(f"student: {about(student, lora=lora)}")
     print(f"data:    {one_line(str(data.node['data_files']))}: {data.description}")
     print(f"tokenizers agree ({check.summary})")
@@ -234,7 +263,7 @@ def _print_summary(
             "template; kd.hf.tokenizer joins the messages as plain text"
         )
     for choice in (teacher, student):
-        if not choice.weight_files:
+        if choice is not None and not choice.weight_files:
             print(
                 f"note: {one_line(str(choice.folder))} holds no *.safetensors yet; kd run needs "
                 "the weights there"

@@ -72,7 +72,7 @@ _LORA_COMMENTS = {
 
 def render_config(
     *,
-    teacher: ModelChoice,
+    teacher: ModelChoice | None,
     student: ModelChoice,
     data: DataFormat,
     output_dir: Path,
@@ -81,6 +81,7 @@ def render_config(
     lora: bool,
     budget_gib: float | None = None,
     config_name: str = "my_kd.yaml",
+    self_context: str | None = None,
 ) -> str:
     """The commented YAML of a run: every model dimension set, the knobs users change commented.
 
@@ -97,11 +98,18 @@ def render_config(
         lora: a LoRA student (rank :data:`LORA_RANK` on q/v projections and the MLP).
         budget_gib: ``memory.budget_gib`` (None: the device's memory).
         config_name: the config file, for the commands in the header.
+        self_context: with ``teacher`` None, ``self_teacher.context`` (self-distillation).
     """
+    from kd.scaffold.self_teacher import self_section
+
+    if teacher is None:  # kd init --self: the student teaches itself
+        teacher_lines = self_section(self_context or "")
+    else:
+        teacher_lines = _model_section("teacher_model", "teacher_checkpointer", teacher, lora=False)
     dtype = "bf16" if device.startswith("cuda") else "fp32"
     return "\n".join(
         [
-            *_header(teacher, student, data, lora=lora, config_name=config_name),
+            *_header(teacher or student, student, data, lora=lora, config_name=config_name),
             _line(
                 "output_dir",
                 str(output_dir),
@@ -109,7 +117,7 @@ def render_config(
             ),
             "",
             *_model_section("model", "checkpointer", student, lora=lora),
-            *_model_section("teacher_model", "teacher_checkpointer", teacher, lora=False),
+            *teacher_lines,
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),

@@ -49,11 +49,14 @@ class TeacherInput:
             by ``(tokens, labels)``); None when the batch has none (a model teacher needs none).
         rows: the dataset index of each example (files of top-k log-probs are indexed by row);
             None for rows made during training (on-policy completions).
+        source_rows: for on-policy completions, the dataset row whose prompt each one completes
+            (a self teacher renders that row's privileged context); None otherwise.
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor | None = None
     rows: Sequence[int] | None = None
+    source_rows: Sequence[int] | None = None
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@
 * else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
   :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
   (``kd run teacher_logits``), not asked by ``kd run kd``;
+* else ``self_teacher:`` set -> :class:`SelfTeacherSource` (the student teaches itself with a
+  privileged context, :mod:`kd.teachers.self_teacher`);
 * else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
 * else None: plain fine-tuning.
 
@@ -22,13 +24,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kd import models
+from kd import data, models
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
+from kd.teachers.privileged import PrivilegedRows
+from kd.teachers.self_teacher import SelfTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
 from kd.training.run_context import ModelFacts, RunContext
@@ -39,6 +43,7 @@ _STORE = "teacher_server.store"
 
 __all__ = [
     "ModelTeacherSource",
+    "SelfTeacherSource",
     "ServedTeacherSource",
     "StoredTeacherSource",
     "TeacherSource",
@@ -80,6 +85,9 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
         return StoredTeacherSource(run)
     if run.teacher_server is not None:
         return ServedTeacherSource(run)
+    # getattr: test doubles of a RunConfig written before self_teacher existed lack it.
+    if getattr(run, "self_teacher", None) is not None:
+        return SelfTeacherSource(run)
     if run.components["teacher_model"] is not None:
         return ModelTeacherSource()
     return None
@@ -272,3 +280,58 @@ class ServedTeacherSource:
             store=store,
             lengths=self.lengths,
         )
+
+
+class SelfTeacherSource:
+    """``self_teacher:``: the student is its own teacher, seeing each row with a privileged
+    context (:mod:`kd.teachers.self_teacher`). No teacher weights are read for a LoRA student
+    or ``weights: live``; a full fine-tune with ``weights: initial`` loads a frozen copy of the
+    student's initial weights."""
+
+    reads: tuple[str, ...] = ()
+    needs_rows = True
+
+    def __init__(self, run: RunConfig):
+        assert run.self_teacher is not None
+        self.run = run
+        self.settings = run.self_teacher
+        self.rows: PrivilegedRows | None = None
+
+    def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
+        """Render every row with its context: a missing field (row number), a template that does
+        not render, a teacher input over ``tokenizer.max_seq_len`` (row number) or a completion
+        the context changes are one line; logs the longest teacher input."""
+        from kd.training.on_policy import assistant_header
+
+        tokenizer = ctx.tokenizer()
+        rows = PrivilegedRows(dataset, tokenizer, self.settings, header=assistant_header(tokenizer))
+        on_policy = self.run.on_policy
+        longest, row = rows.check(
+            max_seq_len=self.run.max_seq_len,
+            new_tokens=on_policy.max_new_tokens if on_policy is not None else None,
+        )
+        if ctx.world.is_rank_zero:
+            log.info(
+                "self_teacher: the longest teacher input (prompt + context + completion) is %d "
+                "tokens (row %d of %d)%s",
+                longest,
+                row,
+                len(dataset),
+                ""
+                if self.run.max_seq_len is None
+                else f", within tokenizer.max_seq_len {self.run.max_seq_len}",
+            )
+        self.rows = rows
+
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> SelfTeacher:
+        assert self.rows is not None, "check() renders the rows"
+        initial = self.settings.weights == "initial"
+        pad_id = data.pad_id_of(ctx.tokenizer())
+        if facts.lora or not initial:
+            # The student itself (bind_student), with its adapters off for the initial weights.
+            return SelfTeacher(self.rows, pad_id=pad_id, adapters_off=facts.lora and initial)
+        source = facts.sources["model"]
+        copy = ctx.load_model(
+            "model", source, lambda m, shard: prepare_teacher(m, shard=shard), run_dir=run_dir
+        )
+        return SelfTeacher(self.rows, pad_id=pad_id, model=copy, folder=source.folder)

@@ -118,6 +118,7 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
         "teacher_model" in data
         and data["teacher_model"] is None
         and not isinstance(data.get("teacher_server"), dict)
+        and not isinstance(data.get("self_teacher"), dict)
     ):
         problems.append(
             Problem(

@@ -56,6 +56,8 @@ def check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         return  # the stored logits teach; a teacher node, if any, only identifies them
     if isinstance(data.get("teacher_server"), dict):
         return  # the server teaches (check_teacher_server)
+    if isinstance(data.get("self_teacher"), dict):
+        return  # the student teaches itself (check_self_teacher)
     if "teacher_model" in data and data["teacher_model"] is None:
         ratio = data.get("kd_ratio")
         if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio != 0:
