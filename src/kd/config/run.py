@@ -246,6 +246,44 @@ class TeacherServerSettings:
     )
 
 
+COMBINES: tuple[str, ...] = ("weights", "mix", "route")
+
+
+def _members(cfg: DictConfig, raw: Any) -> tuple[Any, ...]:
+    return tuple(frozen_node(m) for m in raw) if isinstance(raw, (list, ListConfig)) else ()
+
+
+@settings
+class TeachersSettings:
+    """Several named teachers (``teachers:``; :mod:`kd.teachers.multi`), each an ordinary teacher
+    (its own ``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits`` or
+    ``teacher_server``), combined per example."""
+
+    combine: str = setting(
+        "teachers.combine",
+        "weights",
+        "weights: the weighted sum of per-teacher divergences; mix: one divergence to the "
+        "weighted mixture of the teachers' distributions; route: each row learns from the "
+        "teacher its route_field names (rows naming none: CE only)",
+        choices=COMBINES,
+        resume=MUST_MATCH,
+    )
+    route_field: str | None = setting(
+        "teachers.route_field",
+        None,
+        "the data row's field naming its teacher (combine: route)",
+        resume=MUST_MATCH,
+    )
+    members: tuple[Any, ...] = setting(
+        "teachers.members",
+        MISSING,
+        "the teachers: a list of {name, weight, teacher_model + teacher_checkpointer | "
+        "teacher_logits | teacher_server}",
+        read=_members,
+        resume=MUST_MATCH,
+    )
+
+
 @settings
 class LossSettings:
     """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
@@ -637,6 +675,7 @@ class RunConfig:
     teacher_logits: TeacherLogitsSettings | None = group(_has("teacher_logits"))
     teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
+    teachers: TeachersSettings | None = group(_has("teachers"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
     )

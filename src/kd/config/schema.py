@@ -164,6 +164,14 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("on_policy", "gkd", "generation", "gen"),
     ),
+    "teachers": Section(
+        "several named teachers: {combine (weights | mix | route), route_field, members: "
+        "[{name, weight, teacher_model + teacher_checkpointer | teacher_logits | "
+        "teacher_server}]}; in place of the top-level teacher keys; null = one teacher",
+        MUST_MATCH,
+        optional=True,
+        words=("teachers", "multi", "multi_teacher"),
+    ),
     "keep_best": Section(
         "keep output_dir/best/, the student of the best validation: {metric, mode}; "
         "needs validation",
@@ -200,6 +208,7 @@ EARLY_STOPPING = SECTIONS["early_stopping"]
 TEACHER_LOGITS = SECTIONS["teacher_logits"]
 TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
+TEACHERS = SECTIONS["teachers"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}

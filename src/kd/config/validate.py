@@ -52,6 +52,7 @@ from kd.config.checks.paths import (
 from kd.config.checks.teacher import check_teacher, hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
+from kd.config.teachers import check_teachers, member_problems
 from kd.errors import ConfigError
 
 # Re-exported: what other modules import from here.
@@ -98,7 +99,7 @@ def validate_config(
     assert isinstance(data, dict)
     problems = schema_problems(data, check_paths=check_paths)
     if not problems and check_components:
-        problems = component_problems(data)
+        problems = component_problems(data) + member_problems(data, component_problems)
     if problems:
         raise ConfigError(problems)
 
@@ -128,6 +129,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         optional |= {"teacher_model", "teacher_checkpointer"}
     if isinstance(data.get("teacher_server"), dict):
         optional |= {"teacher_model", "teacher_checkpointer"}  # the server is the teacher
+    if isinstance(data.get("teachers"), dict):
+        optional |= {"teacher_model", "teacher_checkpointer"}  # each member names its own
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
@@ -142,6 +145,9 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_teacher_logits(data, problems)
     check_teacher_server(data, problems)
     check_on_policy(data, problems)
+    check_teachers(data, problems)
+    if isinstance(data.get("teachers"), dict) and not problems:
+        problems += member_problems(data, lambda d: schema_problems(d, check_paths=check_paths))
     check_output_dir(data, problems)
     check_device(data, problems)
     check_component_targets(data, problems)
