@@ -179,3 +179,22 @@ def test_bad_teachers_one_line(assets, tmp_path, capsys, teachers, expected):
     err = capsys.readouterr().err
     assert expected in err, err
     assert "Traceback" not in err
+
+
+def _plan(cfg: dict, path: Path, capsys) -> dict:
+    import json
+
+    capsys.readouterr()
+    assert cli.main(["plan", "--config", str(write_config(path, cfg)), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_counts_every_local_teacher(assets, second_teacher, tmp_path, capsys):
+    out = tmp_path / "run"
+    one = _plan(make_config(assets, out), tmp_path / "one.yaml", capsys)
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    two = _plan(_multi(assets, out, {"members": members}), tmp_path / "two.yaml", capsys)
+    assert two["teacher"]["params"] == 2 * one["teacher"]["params"]
+    # the second teacher's fp32 weights are resident on top of the one-teacher peak
+    extra = 4 * one["teacher"]["params"] / 2**30
+    assert two["peak_gib"] == pytest.approx(one["peak_gib"] + extra, abs=2e-4)

@@ -14,12 +14,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from kd.config.checks.values import fmt
+from kd.config.run import RunConfig, run_config
 from kd.config.schema import Problem
 
-__all__ = ["MEMBER_KEYS", "TEACHER_KEYS", "check_teachers", "member_data", "member_problems"]
+__all__ = [
+    "MEMBER_KEYS",
+    "TEACHER_KEYS",
+    "Member",
+    "check_teachers",
+    "member_data",
+    "member_problems",
+    "members_of",
+]
 
 # The top-level keys that name a run's one teacher; a member holds its own.
 TEACHER_KEYS: tuple[str, ...] = (
@@ -38,6 +50,31 @@ def member_data(data: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in data.items() if k != "teachers" and k not in TEACHER_KEYS}
     for key in TEACHER_KEYS:
         out[key] = member.get(key)
+    return out
+
+
+@dataclass(frozen=True)
+class Member:
+    """One named teacher: its weight and the run config a one-teacher run of it would have."""
+
+    name: str
+    weight: float
+    run: RunConfig
+
+
+def members_of(run: RunConfig) -> list[Member]:
+    """The members of ``run.teachers`` (none without it), each with its one-teacher
+    :class:`RunConfig`."""
+    if run.teachers is None:
+        return []
+    data = OmegaConf.to_container(OmegaConf.create(run.yaml), resolve=True)
+    assert isinstance(data, dict)
+    out = []
+    for node in run.teachers.members:
+        member = OmegaConf.to_container(node, resolve=True)
+        assert isinstance(member, dict)
+        sub = run_config(OmegaConf.create(member_data(data, member)))
+        out.append(Member(str(member["name"]), float(member.get("weight", 1.0)), sub))
     return out
 
 

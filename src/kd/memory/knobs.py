@@ -80,6 +80,8 @@ class TrainKnobs:
         stored_topk: k of stored teacher logits (``teacher_logits.k``): the run trains from them,
             with no teacher model (``estimate``'s teacher is None); None: an online teacher or none.
         generation: on-policy sampling (``on_policy:``); None: no generation phase.
+        other_teacher_params: parameters of the local teachers beside the planned one
+            (``teachers:``: they stay resident; only one teacher runs forward at a time).
     """
 
     batch_size: int
@@ -102,6 +104,7 @@ class TrainKnobs:
     eval_batch: int | None = None
     stored_topk: int | None = None
     generation: GenerationKnobs | None = None
+    other_teacher_params: int = 0
 
     @property
     def tokens(self) -> int:

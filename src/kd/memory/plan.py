@@ -371,6 +371,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     if run.has_teacher:
         teacher, teacher_notes = _shape(run, "teacher_model", "teacher_checkpointer")
         notes += teacher_notes
+    teacher, others = _several_teachers(run, teacher, notes)
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -400,6 +401,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         if run.teacher_logits is not None
         else (run.teacher_server.top_k if run.teacher_server is not None else None),
         generation=generation_knobs(run.on_policy, teacher=teacher is not None),
+        other_teacher_params=others,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -420,6 +422,30 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes=notes,
         teacher_line=_served_teacher_line(run, seq_len=int(seq)),
     )
+
+
+def _several_teachers(
+    run: RunConfig, teacher: ModelShape | None, notes: list[str]
+) -> tuple[ModelShape | None, int]:
+    """``teachers:``: the largest local member is planned as the teacher (members run forward one
+    after another), the others' parameters stay resident. Returns ``(teacher, other params)``."""
+    from kd.config.teachers import members_of
+
+    local = []
+    for member in members_of(run):
+        if member.run.has_teacher:
+            shape, member_notes = _shape(member.run, "teacher_model", "teacher_checkpointer")
+            local.append(shape)
+            notes += [f"teachers {member.name}: {n}" for n in member_notes]
+    if not local:
+        return teacher, 0
+    largest = max(local, key=lambda m: m.total_params())
+    if len(local) > 1:
+        notes.append(
+            f"teachers: {len(local)} local teachers; the largest is planned as the teacher, the "
+            "others' weights as resident"
+        )
+    return largest, sum(m.total_params() for m in local) - largest.total_params()
 
 
 def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:

@@ -31,41 +31,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kd import losses, models
-from kd.config.run import LossSettings, RunConfig, run_config
-from kd.config.teachers import member_data
+from kd.config.run import LossSettings, RunConfig
+from kd.config.teachers import Member, members_of
 from kd.data import row_field
 from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
 
 __all__ = ["Member", "MultiSignal", "MultiTeacher", "MultiTeacherSource", "members_of"]
-
-
-@dataclass(frozen=True)
-class Member:
-    """One named teacher: its weight and the run config a one-teacher run of it would have."""
-
-    name: str
-    weight: float
-    run: RunConfig
-
-
-def members_of(run: RunConfig) -> list[Member]:
-    """The members of ``run.teachers``, each with its one-teacher :class:`RunConfig`."""
-    assert run.teachers is not None
-    data = OmegaConf.to_container(OmegaConf.create(run.yaml), resolve=True)
-    assert isinstance(data, dict)
-    out = []
-    for node in run.teachers.members:
-        member = OmegaConf.to_container(node, resolve=True)
-        assert isinstance(member, dict)
-        sub = run_config(OmegaConf.create(member_data(data, member)))
-        out.append(Member(str(member["name"]), float(member.get("weight", 1.0)), sub))
-    return out
 
 
 def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> list[str | None]:
