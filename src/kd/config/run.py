@@ -285,6 +285,22 @@ class TeachersSettings:
 
 
 @settings
+class CrossTokenizerSettings:
+    """A teacher with another tokenizer (``cross_tokenizer:``; :mod:`kd.teachers.cross`): GOLD's
+    character-span alignment and hybrid ULD loss (:mod:`kd.cross_tokenizer`)."""
+
+    matched_weight: float | None = setting(
+        "cross_tokenizer.matched_weight",
+        None,
+        "weight of the exact part over the token strings both vocabularies share (the rest, "
+        "1 - it, is ULD's sorted distance); null = the matched share of the teacher's vocabulary",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+
+
+@settings
 class LossSettings:
     """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
 
@@ -676,6 +692,7 @@ class RunConfig:
     teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
     teachers: TeachersSettings | None = group(_has("teachers"))
+    cross_tokenizer: CrossTokenizerSettings | None = group(_has("cross_tokenizer"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
     )

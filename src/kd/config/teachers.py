@@ -192,3 +192,31 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
                         "distribution; use combine: weights, or a teacher_model",
                     )
                 )
+
+
+def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``cross_tokenizer:``: a Hugging Face ``teacher_model`` (its folder holds its tokenizer)
+    that runs during training; nothing that compares the two models position by position."""
+    if not isinstance(data.get("cross_tokenizer"), dict):
+        return
+    node = data.get("teacher_model")
+    if not (isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")):
+        problems.append(
+            Problem(
+                "cross_tokenizer",
+                "needs teacher_model: {_component_: kd.hf.causal_lm, path: FOLDER} (the folder "
+                "holds the teacher's own tokenizer); set teacher_model so, or remove "
+                "cross_tokenizer",
+            )
+        )
+    for key, why in (
+        ("teacher_logits", "stored top-k log-probs carry no teacher offsets yet"),
+        ("teacher_server", "a served teacher scores the student's tokens"),
+        ("teachers", "each member is one tokenizer's teacher"),
+        ("validation", "its metrics compare the models position by position"),
+        ("on_policy", "completions are scored on the student's tokens"),
+    ):
+        if isinstance(data.get(key), (dict, list)):
+            problems.append(
+                Problem(key, f"cannot be used with cross_tokenizer ({why}); remove one of them")
+            )

@@ -52,7 +52,7 @@ from kd.config.checks.paths import (
 from kd.config.checks.teacher import check_teacher, hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
-from kd.config.teachers import check_teachers, member_problems
+from kd.config.teachers import check_cross_tokenizer, check_teachers, member_problems
 from kd.errors import ConfigError
 
 # Re-exported: what other modules import from here.
@@ -146,6 +146,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_teacher_server(data, problems)
     check_on_policy(data, problems)
     check_teachers(data, problems)
+    check_cross_tokenizer(data, problems)
     if isinstance(data.get("teachers"), dict) and not problems:
         problems += member_problems(data, lambda d: schema_problems(d, check_paths=check_paths))
     check_output_dir(data, problems)

@@ -7,7 +7,9 @@
 * else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
   :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
   (``kd run teacher_logits``), not asked by ``kd run kd``;
-* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
+* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend),
+  or with ``cross_tokenizer:`` :class:`kd.teachers.cross.CrossTokenizerSource` (a Hugging Face
+  teacher with its own tokenizer);
 * else ``teachers:`` set -> :class:`kd.teachers.multi.MultiTeacherSource`: several named
   teachers, each built by this function from its own one-teacher config (validation refuses
   the top-level teacher keys beside it);
@@ -29,6 +31,7 @@ from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.teachers import foreign_logits, stored_logits
 from kd.teachers.base import Teacher
+from kd.teachers.cross import CrossTokenizerSource
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
 from kd.teachers.multi import MultiTeacherSource
@@ -76,6 +79,8 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     if run.teacher_server is not None:
         return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
+        if getattr(run, "cross_tokenizer", None) is not None:  # its own tokenizer
+            return CrossTokenizerSource(run)
         return ModelTeacherSource()
     # Several teachers (no top-level one), each built here. getattr: a RunConfig always has
     # the field; the stand-ins of tests written before it did not.
