@@ -141,3 +141,39 @@ def test_cross_tokenizer_with_validation_is_one_line(assets, same_tok_teacher, t
     err = capsys.readouterr().err
     assert "validation: cannot be used with cross_tokenizer" in err
     assert "Traceback" not in err
+
+
+def test_kd_init_writes_the_cross_tokenizer_config(other_tok_teacher, letter_data, tmp_path, capsys):
+    import yaml
+
+    student = write_hf_tokenizer(write_hf_qwen2(tmp_path / "student", STUDENT, seed=1))
+    argv = [
+        "init",
+        "--teacher",
+        str(other_tok_teacher),
+        "--student",
+        str(student),
+        "--data",
+        str(letter_data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--config-out",
+        str(tmp_path / "kd.yaml"),
+        "--max-seq-len",
+        "64",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main(argv) == 2  # refused without the flag, as before
+    assert "tokenizers differ" in capsys.readouterr().err
+    assert cli.main([*argv, "--cross-tokenizer"]) == 0
+    assert "tokenizers differ: wrote cross_tokenizer" in capsys.readouterr().out
+    text = (tmp_path / "kd.yaml").read_text()
+    assert "It costs: the student's full logits" in text
+    cfg = yaml.safe_load(text)
+    assert cfg["cross_tokenizer"] == {"matched_weight": None}
+    assert cfg["teacher_model"]["_component_"] == "kd.hf.causal_lm"
+    overrides = ["max_steps_per_epoch=1", "batch_size=2", "gradient_accumulation_steps=1"]
+    assert cli.main(["run", "kd", "--config", str(tmp_path / "kd.yaml"), *overrides]) == 0
+    row = _steps(tmp_path / "out")[0]
+    assert row["kd_loss/matched"] > 0 and row["kd_loss/unmatched"] > 0

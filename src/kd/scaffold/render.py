@@ -81,6 +81,7 @@ def render_config(
     lora: bool,
     budget_gib: float | None = None,
     config_name: str = "my_kd.yaml",
+    cross_tokenizer: str | None = None,
 ) -> str:
     """The commented YAML of a run: every model dimension set, the knobs users change commented.
 
@@ -97,6 +98,8 @@ def render_config(
         lora: a LoRA student (rank :data:`LORA_RANK` on q/v projections and the MLP).
         budget_gib: ``memory.budget_gib`` (None: the device's memory).
         config_name: the config file, for the commands in the header.
+        cross_tokenizer: why the tokenizers differ, when they do: a ``cross_tokenizer:``
+            section is written (the teacher scores its own tokens; GOLD's aligned loss).
     """
     dtype = "bf16" if device.startswith("cuda") else "fp32"
     return "\n".join(
@@ -110,6 +113,7 @@ def render_config(
             "",
             *_model_section("model", "checkpointer", student, lora=lora),
             *_model_section("teacher_model", "teacher_checkpointer", teacher, lora=False),
+            *_cross_tokenizer_section(cross_tokenizer),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
@@ -119,6 +123,22 @@ def render_config(
             "",
         ]
     )
+
+
+def _cross_tokenizer_section(why: str | None) -> list[str]:
+    """``cross_tokenizer:`` with what it costs, when the tokenizers differ."""
+    if why is None:
+        return []
+    return [
+        f"# The tokenizers differ ({one_line(why)[:160]}).",
+        "# The teacher scores the text in its own tokens; GOLD's hybrid loss aligns both sides by",
+        "# character spans (docs/multi_teacher.md). It costs: the student's full logits over each",
+        "# row's labelled tokens (no fused loss), the teacher's forward on its own tokens, and",
+        "# validation, stored or served teachers and on_policy are not available with it.",
+        "cross_tokenizer:",
+        "  matched_weight: null  # exact part's weight; null = matched share of the teacher's vocab",
+        "",
+    ]
 
 
 def _header(
