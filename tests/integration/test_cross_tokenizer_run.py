@@ -143,7 +143,9 @@ def test_cross_tokenizer_with_validation_is_one_line(assets, same_tok_teacher, t
     assert "Traceback" not in err
 
 
-def test_kd_init_writes_the_cross_tokenizer_config(other_tok_teacher, letter_data, tmp_path, capsys):
+def test_kd_init_writes_the_cross_tokenizer_config(
+    other_tok_teacher, letter_data, tmp_path, capsys
+):
     import yaml
 
     student = write_hf_tokenizer(write_hf_qwen2(tmp_path / "student", STUDENT, seed=1))

@@ -16,9 +16,8 @@ check only, so ``kd --help`` stays fast.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
