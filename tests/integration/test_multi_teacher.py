@@ -198,3 +198,20 @@ def test_plan_counts_every_local_teacher(assets, second_teacher, tmp_path, capsy
     # the second teacher's fp32 weights are resident on top of the one-teacher peak
     extra = 4 * one["teacher"]["params"] / 2**30
     assert two["peak_gib"] == pytest.approx(one["peak_gib"] + extra, abs=2e-4)
+
+
+def test_plan_fit_suggests_stored_logits_for_the_other_teachers(
+    assets, second_teacher, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    cfg = _multi(assets, out, {"members": members})
+    one = _plan(make_config(assets, out), tmp_path / "one.yaml", capsys)
+    two = _plan(cfg, tmp_path / "two.yaml", capsys)
+    budget = (one["peak_gib"] + two["peak_gib"]) / 2  # fits only without the second's weights
+    path = write_config(tmp_path / "two.yaml", cfg)
+    capsys.readouterr()
+    code = cli.main(["plan", "--config", str(path), "--budget-gib", f"{budget:.6f}", "--fit"])
+    text = capsys.readouterr().out
+    assert code == 1, text  # over the budget as it is
+    assert "the smaller local teachers of teachers.members from stored logits" in text, text
