@@ -215,3 +215,29 @@ def test_plan_fit_suggests_stored_logits_for_the_other_teachers(
     text = capsys.readouterr().out
     assert code == 1, text  # over the budget as it is
     assert "the smaller local teachers of teachers.members from stored logits" in text, text
+
+
+def test_a_stored_member_beside_a_model_member(assets, second_teacher, tmp_path):
+    """Member ``s`` is the assets' teacher as stored top-k log-probs (kd run teacher_logits);
+    member ``m`` a local model; under weights each trains and logs its own loss."""
+    store = tmp_path / "store"
+    pre = make_config(assets, tmp_path / "pre", teacher_logits={"path": str(store), "k": 8})
+    assert (
+        cli.main(["run", "teacher_logits", "--config", str(write_config(tmp_path / "p.yaml", pre))])
+        == 0
+    )
+    out = tmp_path / "run"
+    stored = {
+        "name": "s",
+        "weight": 1.0,
+        "teacher_model": builder(TEACHER),  # identifies the store's teacher
+        "teacher_checkpointer": checkpointer_node(assets["teacher"], out / "tt_s"),
+        "teacher_logits": {"path": str(store), "k": 8},
+    }
+    cfg = _multi(assets, out, {"members": [stored, _member("m", second_teacher, out)]})
+    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    rows = _steps(out)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["kd_loss/s"] > 0 and r["kd_loss/m"] > 0
+        assert r["kd_loss"] == pytest.approx(0.5 * r["kd_loss/s"] + 0.5 * r["kd_loss/m"])
