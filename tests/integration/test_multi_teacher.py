@@ -241,3 +241,13 @@ def test_a_stored_member_beside_a_model_member(assets, second_teacher, tmp_path)
     for r in rows:
         assert r["kd_loss/s"] > 0 and r["kd_loss/m"] > 0
         assert r["kd_loss"] == pytest.approx(0.5 * r["kd_loss/s"] + 0.5 * r["kd_loss/m"])
+
+
+def test_a_members_component_is_allow_listed(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    bad = dict(_member("a", assets["teacher"], out), teacher_model={"_component_": "os.system"})
+    path = write_config(tmp_path / "cfg.yaml", _multi(assets, out, {"members": [bad]}))
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "teachers.members[0].teacher_model._component_" in err, err
+    assert "Traceback" not in err
