@@ -77,12 +77,65 @@ def collate_with_rows(
     import torch
 
     rows = torch.tensor([int(ex["row"]) for ex in examples], dtype=torch.int64)
-    batch = tt.padded_collate_sft(
+    batch = collate_with_route(
         [{k: v for k, v in ex.items() if k != "row"} for ex in examples],
         padding_idx=padding_idx,
         ignore_idx=ignore_idx,
     )
     return {**batch, "rows": rows}
+
+
+def collate_with_route(
+    examples: list[dict[str, Any]], *, padding_idx: int, ignore_idx: int
+) -> dict[str, Any]:
+    """torchtune's padded collate, plus ``"route"`` (a list) when the examples carry one
+    (:class:`WithRoute`)."""
+    batch = tt.padded_collate_sft(
+        [{k: v for k, v in ex.items() if k != "route"} for ex in examples],
+        padding_idx=padding_idx,
+        ignore_idx=ignore_idx,
+    )
+    if examples and "route" in examples[0]:
+        batch["route"] = [ex["route"] for ex in examples]
+    return batch
+
+
+def row_field(dataset: Any, index: int, name: str) -> Any:
+    """Field ``name`` of row ``index`` of the raw data behind ``dataset`` (None when the row has
+    none): through kd's wrappers, a concatenation of datasets, torchtune's SFT datasets (their
+    Hugging Face rows) and kd's pre-tokenized rows."""
+    rows = getattr(dataset, "_data", None)  # torchtune's SFTDataset: the loaded rows
+    if rows is None and isinstance(getattr(dataset, "rows", None), list):
+        rows = dataset.rows  # PretokenizedDataset
+    if rows is not None:
+        row = rows[index]
+        return row.get(name) if isinstance(row, dict) else None
+    inner = getattr(dataset, "dataset", None)
+    if inner is not None:  # NamedRows, WithRows, EvalShard-like wrappers with the same index
+        return row_field(inner, index, name)
+    parts = getattr(dataset, "datasets", None)
+    if parts is not None:  # torch / torchtune ConcatDataset
+        for part in parts:
+            if index < len(part):
+                return row_field(part, index, name)
+            index -= len(part)
+    return None
+
+
+class WithRoute(Dataset):
+    """A dataset whose examples also carry their row's field ``field`` (``"route"``: the teacher
+    the row names, ``teachers.route_field``; None without one)."""
+
+    def __init__(self, dataset: Dataset, field: str):
+        self.dataset = dataset
+        self.field = field
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        value = row_field(self.dataset, index, self.field)
+        return {**self.dataset[index], "route": None if value in (None, "") else str(value)}
 
 
 def build_dataloader(
@@ -96,12 +149,14 @@ def build_dataloader(
     world_size: int = 1,
     rank: int = 0,
     with_rows: bool = False,
+    route_field: str | None = None,
 ) -> tuple[DataLoader, SkipSampler]:
     """A dataloader of padded ``{"tokens", "labels"}`` batches ``[b, s]`` (last partial batch dropped).
 
     With ``with_rows`` each batch also holds ``"rows"`` ``[b]``, the dataset index of each
     example (to fetch its stored teacher logits); the sampler, and so the order and an exact
-    resume, are the same.
+    resume, are the same. With ``route_field`` each batch also holds ``"route"``: each example's
+    value of that data field (the teacher it names; None without one).
     """
     if len(dataset) == 0:
         raise KDUserError("dataset: it has no examples; point dataset at a non-empty data file")
@@ -114,8 +169,10 @@ def build_dataloader(
         dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
     )
     sampler = SkipSampler(base)
-    collate = collate_with_rows if with_rows else tt.padded_collate_sft
-    named = NamedRows(dataset)
+    collate = collate_with_rows if with_rows else collate_with_route
+    named: Dataset = NamedRows(dataset)
+    if route_field is not None:
+        named = WithRoute(named, route_field)
     loader = DataLoader(
         WithRows(named) if with_rows else named,
         batch_size=batch_size,
@@ -356,6 +413,7 @@ def build_eval_loader(
     ignore_index: int = -100,
     world_size: int = 1,
     rank: int = 0,
+    route_field: str | None = None,
 ) -> DataLoader:
     """Padded ``{"tokens", "labels"}`` batches of this rank's share of an evaluation set.
 
@@ -372,6 +430,7 @@ def build_eval_loader(
         ignore_index: label value of unlabelled positions.
         world_size: number of ranks.
         rank: this rank.
+        route_field: also give each batch's ``"route"``: each example's value of that field.
 
     Raises:
         KDUserError: the dataset has no examples.
@@ -383,7 +442,11 @@ def build_eval_loader(
         )
     n = total if max_batches is None else min(total, max_batches * batch_size)
     shard = EvalShard(
-        dataset, num_examples=n, world_size=world_size, rank=rank, ignore_index=ignore_index
+        WithRoute(dataset, route_field) if route_field is not None else dataset,
+        num_examples=n,
+        world_size=world_size,
+        rank=rank,
+        ignore_index=ignore_index,
     )
     return DataLoader(
         shard,
@@ -391,7 +454,7 @@ def build_eval_loader(
         shuffle=False,
         drop_last=False,
         collate_fn=functools.partial(
-            tt.padded_collate_sft, padding_idx=pad_id, ignore_idx=ignore_index
+            collate_with_route, padding_idx=pad_id, ignore_idx=ignore_index
         ),
     )
 

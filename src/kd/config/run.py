@@ -263,6 +263,60 @@ class TeacherServerSettings:
     )
 
 
+COMBINES: tuple[str, ...] = ("weights", "mix", "route")
+
+
+def _members(cfg: DictConfig, raw: Any) -> tuple[Any, ...]:
+    return tuple(frozen_node(m) for m in raw) if isinstance(raw, (list, ListConfig)) else ()
+
+
+@settings
+class TeachersSettings:
+    """Several named teachers (``teachers:``; :mod:`kd.teachers.multi`), each an ordinary teacher
+    (its own ``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits`` or
+    ``teacher_server``), combined per example."""
+
+    combine: str = setting(
+        "teachers.combine",
+        "weights",
+        "weights: the weighted sum of per-teacher divergences; mix: one divergence to the "
+        "weighted mixture of the teachers' distributions; route: each row learns from the "
+        "teacher its route_field names (rows naming none: CE only)",
+        choices=COMBINES,
+        resume=MUST_MATCH,
+    )
+    route_field: str | None = setting(
+        "teachers.route_field",
+        None,
+        "the data row's field naming its teacher (combine: route)",
+        resume=MUST_MATCH,
+    )
+    members: tuple[Any, ...] = setting(
+        "teachers.members",
+        MISSING,
+        "the teachers: a list of {name, weight, teacher_model + teacher_checkpointer | "
+        "teacher_logits | teacher_server}",
+        read=_members,
+        resume=MUST_MATCH,
+    )
+
+
+@settings
+class CrossTokenizerSettings:
+    """A teacher with another tokenizer (``cross_tokenizer:``; :mod:`kd.teachers.cross`): GOLD's
+    character-span alignment and hybrid ULD loss (:mod:`kd.cross_tokenizer`)."""
+
+    matched_weight: float | None = setting(
+        "cross_tokenizer.matched_weight",
+        None,
+        "weight of the exact part over the token strings both vocabularies share (the rest, "
+        "1 - it, is ULD's sorted distance); null = the matched share of the teacher's vocabulary",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+
+
 @settings
 class SelfTeacherSettings:
     """Self-distillation (``self_teacher:``; :mod:`kd.teachers.self_teacher`): the student is
@@ -689,6 +743,8 @@ class RunConfig:
     teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
     self_teacher: SelfTeacherSettings | None = group(_has("self_teacher"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
+    teachers: TeachersSettings | None = group(_has("teachers"))
+    cross_tokenizer: CrossTokenizerSettings | None = group(_has("cross_tokenizer"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
     )

@@ -172,6 +172,21 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("on_policy", "gkd", "generation", "gen"),
     ),
+    "teachers": Section(
+        "several named teachers: {combine (weights | mix | route), route_field, members: "
+        "[{name, weight, teacher_model + teacher_checkpointer | teacher_logits | "
+        "teacher_server}]}; in place of the top-level teacher keys; null = one teacher",
+        MUST_MATCH,
+        optional=True,
+        words=("teachers", "multi", "multi_teacher"),
+    ),
+    "cross_tokenizer": Section(
+        "a teacher_model (kd.hf.*) with another tokenizer (its folder's): {matched_weight}; "
+        "GOLD's character-span alignment and hybrid ULD loss; null = one tokenizer",
+        MUST_MATCH,
+        optional=True,
+        words=("cross_tokenizer", "gold", "uld", "tokenizer"),
+    ),
     "keep_best": Section(
         "keep output_dir/best/, the student of the best validation: {metric, mode}; "
         "needs validation",
@@ -209,6 +224,8 @@ TEACHER_LOGITS = SECTIONS["teacher_logits"]
 TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
 SELF_TEACHER = SECTIONS["self_teacher"]
+TEACHERS = SECTIONS["teachers"]
+CROSS_TOKENIZER = SECTIONS["cross_tokenizer"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}

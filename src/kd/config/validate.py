@@ -53,6 +53,7 @@ from kd.config.checks.self_teacher import check_self_teacher
 from kd.config.checks.teacher import check_teacher, hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
+from kd.config.teachers import check_cross_tokenizer, check_teachers, member_problems
 from kd.errors import ConfigError
 
 # Re-exported: what other modules import from here.
@@ -99,7 +100,7 @@ def validate_config(
     assert isinstance(data, dict)
     problems = schema_problems(data, check_paths=check_paths)
     if not problems and check_components:
-        problems = component_problems(data)
+        problems = component_problems(data) + member_problems(data, component_problems)
     if problems:
         raise ConfigError(problems)
 
@@ -131,6 +132,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
         optional |= {"teacher_model", "teacher_checkpointer"}  # the server is the teacher
     if isinstance(data.get("self_teacher"), dict):
         optional |= {"teacher_model", "teacher_checkpointer"}  # the student teaches itself
+    if isinstance(data.get("teachers"), dict):
+        optional |= {"teacher_model", "teacher_checkpointer"}  # each member names its own
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
@@ -146,6 +149,10 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_teacher_server(data, problems)
     check_on_policy(data, problems)
     check_self_teacher(data, problems)
+    check_teachers(data, problems)
+    check_cross_tokenizer(data, problems)
+    if isinstance(data.get("teachers"), dict) and not problems:
+        problems += member_problems(data, lambda d: schema_problems(d, check_paths=check_paths))
     check_output_dir(data, problems)
     check_device(data, problems)
     check_component_targets(data, problems)

@@ -509,6 +509,11 @@ HF_TOKENIZER_FOLDER_FILES: tuple[str, ...] = (
 
 
 # ------------------------------------------------------------ two folders, one tokenizer?
+class TokenizersDiffer(KDUserError):
+    """Two tokenizers that do not map every text to the same ids (:func:`compare_tokenizers`);
+    ``kd init`` then writes a cross-tokenizer config (:mod:`kd.teachers.cross`)."""
+
+
 @dataclass(frozen=True)
 class TokenizerCheck:
     """What :func:`compare_tokenizers` found.
@@ -663,7 +668,7 @@ def _compare_encodings(t_tok: Any, s_tok: Any, text: str, pair: str) -> None:
     )
     t_at = t_ids[i] if i < len(t_ids) else "end"
     s_at = s_ids[i] if i < len(s_ids) else "end"
-    raise KDUserError(
+    raise TokenizersDiffer(
         f"tokenizers differ: {pair} encode {text[:40]!r} differently (token {i}: teacher "
         f"id {t_at}, student id {s_at}); {_SAME_TOKENIZER_FIX}"
     )
@@ -678,7 +683,7 @@ def _compare_special_tokens(
     ):
         t_id, s_id = t_vocab.get(name), s_vocab.get(name)
         if t_id != s_id:
-            raise KDUserError(
+            raise TokenizersDiffer(
                 f"tokenizers differ: {pair} give the special token {name!r} different ids "
                 f"(teacher {t_id}, student {s_id}); {_SAME_TOKENIZER_FIX}"
             )
@@ -694,7 +699,7 @@ def _compare_vocabularies(
     s_tokens = {i: t for t, i in s_vocab.items()}
     i = min(k for k in t_tokens.keys() | s_tokens.keys() if t_tokens.get(k) != s_tokens.get(k))
     t_at, s_at = t_tokens.get(i), s_tokens.get(i)
-    raise KDUserError(
+    raise TokenizersDiffer(
         f"tokenizers differ: {pair} map token id {i} to different tokens (teacher "
         f"{one_line(repr(t_at)) if t_at is not None else 'none'}, student "
         f"{one_line(repr(s_at)) if s_at is not None else 'none'}); {_SAME_TOKENIZER_FIX}"

@@ -449,7 +449,48 @@ def suggestions(
                     extra={"teacher_quantization": name},
                 )
             )
+    stored = _stored_members_setting(student, teacher, knobs, **common)
+    if stored is not None:
+        out.append(stored)
     return out
+
+
+def _stored_members_setting(
+    student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs, **common: Any
+) -> FitOption | None:
+    """``teachers:`` with several local members: the fastest knob setting that fits only once the
+    members beside the planned (largest) one train from stored logits instead of their weights
+    (``kd run teacher_logits`` per member, then ``teacher_logits:`` in its entry); else None."""
+    if knobs.other_teacher_params <= 0:
+        return None
+    found = []
+    for k, over, words, t in _settings(
+        knobs,
+        device=common["device"],
+        bound=common["bound"],
+        optimizer_keys=common["optimizer_keys"],
+        data_known=common["data_known"],
+    ):
+        if k.batch_size * k.grad_accum > common["bound"]:
+            continue
+        plain = estimate(student, teacher, k).peak_bytes
+        moved = estimate(student, teacher, replace(k, other_teacher_params=0)).peak_bytes
+        if moved <= common["budget_bytes"] < plain:
+            found.append(FitOption(over, moved, t, ", ".join(words)))
+    if not found:
+        return None
+    best = min(found, key=lambda f: (round(f.relative_time, 4), f.peak_bytes))
+    return FitOption(
+        best.overrides,
+        best.peak_bytes,
+        best.relative_time,
+        "suggestion: the smaller local teachers of teachers.members from stored logits (kd run "
+        "teacher_logits for each, then teacher_logits: {path} in its entry in place of its "
+        f"model) fits at {best.peak_bytes / GIB:.1f} GiB"
+        + (f" with {best.description}" if best.description else ""),
+        suggestion=True,
+        extra={"stored_members": True},
+    )
 
 
 def _student_samples_alone(

@@ -82,6 +82,8 @@ class TrainKnobs:
         generation: on-policy sampling (``on_policy:``); None: no generation phase.
         self_teacher_copy: the teacher is a frozen copy of the student (``self_teacher:`` with
             a full fine-tune): a LoRA student would need no copy (its base is the teacher).
+        other_teacher_params: parameters of the local teachers beside the planned one
+            (``teachers:``: they stay resident; only one teacher runs forward at a time).
     """
 
     batch_size: int
@@ -105,6 +107,7 @@ class TrainKnobs:
     stored_topk: int | None = None
     generation: GenerationKnobs | None = None
     self_teacher_copy: bool = False
+    other_teacher_params: int = 0
 
     @property
     def tokens(self) -> int:

@@ -373,6 +373,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes += teacher_notes
     elif run.self_teacher is not None:
         teacher = replace(student, lora=None)  # the student's own forward, without grad
+    teacher, others = _several_teachers(run, teacher, notes)
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -406,6 +407,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         ),
         teacher_bytes_per_param=0.0 if _self_teacher_copy(run, student) is False else None,
         self_teacher_copy=bool(_self_teacher_copy(run, student)),
+        other_teacher_params=others,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -459,6 +461,30 @@ def _self_teacher_line(run: RunConfig, student: ModelShape, *, seq_len: int) -> 
         f"whose teacher is its base with adapters off, or self_teacher.weights=live would "
         f"remove it); {longer}"
     )
+
+
+def _several_teachers(
+    run: RunConfig, teacher: ModelShape | None, notes: list[str]
+) -> tuple[ModelShape | None, int]:
+    """``teachers:``: the largest local member is planned as the teacher (members run forward one
+    after another), the others' parameters stay resident. Returns ``(teacher, other params)``."""
+    from kd.config.teachers import members_of
+
+    local = []
+    for member in members_of(run):
+        if member.run.has_teacher:
+            shape, member_notes = _shape(member.run, "teacher_model", "teacher_checkpointer")
+            local.append(shape)
+            notes += [f"teachers {member.name}: {n}" for n in member_notes]
+    if not local:
+        return teacher, 0
+    largest = max(local, key=lambda m: m.total_params())
+    if len(local) > 1:
+        notes.append(
+            f"teachers: {len(local)} local teachers; the largest is planned as the teacher, the "
+            "others' weights as resident"
+        )
+    return largest, sum(m.total_params() for m in local) - largest.total_params()
 
 
 def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:

@@ -114,7 +114,9 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
     full = student.lora is None
     qbase = student.quantizable_params()
     student_w = int((student.base_params() - qbase) * a + qbase * NF4_BYTES_PER_PARAM)
-    teacher_params = teacher.total_params() if teacher is not None else 0
+    teacher_params = (teacher.total_params() if teacher is not None else 0) + (
+        k.other_teacher_params
+    )
     trainable = student.total_params() if full else student.lora_params()
     if full:
         largest = max(student.vocab_size * h, h * student.intermediate_dim)

@@ -178,6 +178,7 @@ class KDRecipe:
             world_size=self.world.world_size,
             rank=self.world.rank,
             with_rows=needs_rows or run.on_policy is not None,
+            route_field=self._route_field(),
         )
         if self.teacher_source is not None:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
@@ -205,6 +206,7 @@ class KDRecipe:
                     pad_id=pad_id,
                     world_size=self.world.world_size,
                     rank=self.world.rank,
+                    route_field=self._route_field(),
                 ),
                 device=self.device,
             )
@@ -227,6 +229,10 @@ class KDRecipe:
             self.log = RunLog(
                 self.ctx, self.output_dir, config_yaml=self.run.yaml, resume_step=resume_step
             )
+
+    def _route_field(self) -> str | None:
+        """The data field batches carry for the teacher (``TeacherInput.route``), if any."""
+        return self.teacher_source.route_field if self.teacher_source is not None else None
 
     def _load_model(self, key: str) -> torch.nn.Module:
         """The student with its weights, prepared (LoRA, activation checkpointing, FSDP2)."""
@@ -357,7 +363,8 @@ class KDRecipe:
         inputs = [self._inputs(b, i, timer, sampled) for i, b in enumerate(batches)]
         labels = [train.shift_labels(inp.labels) for inp in inputs]
         total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
-        sums = torch.zeros(3, device=self.device)
+        names = self.teacher.terms if self.teacher is not None else ()
+        sums = torch.zeros(3 + len(names), device=self.device)
         for inp, lab in zip(inputs, labels, strict=True):
             r = train.micro_step(
                 self.student,
@@ -370,7 +377,8 @@ class KDRecipe:
                 teacher_input=inp,
                 timer=timer,
             )
-            sums += torch.stack([r.loss, r.ce, r.kd]).float()
+            extra = [r.terms.get(n, torch.zeros_like(r.kd)) for n in names]
+            sums += torch.stack([r.loss, r.ce, r.kd, *extra]).float()
             if self.teacher is not None:
                 self.teacher.release()  # before the backward of the next micro-batch peaks
         sums = distributed.all_reduce_sum(sums)
@@ -381,7 +389,7 @@ class KDRecipe:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        loss, ce, kd = (float(x) for x in sums)
+        loss, ce, kd, *extra_sums = (float(x) for x in sums)
         return train.StepStats(
             loss=loss,
             ce_loss=ce,
@@ -392,6 +400,7 @@ class KDRecipe:
             seconds=time.perf_counter() - t0,
             phases=dict(timer.seconds),
             sampled=sampled,
+            terms=dict(zip(names, extra_sums, strict=True)),
         )
 
     def _inputs(
@@ -422,6 +431,7 @@ class KDRecipe:
             tokens=batch["tokens"],
             labels=batch["labels"],
             rows=rows.tolist() if rows is not None else None,
+            route=batch.get("route"),
         )
 
     def _check_loaded_weights(self) -> None:

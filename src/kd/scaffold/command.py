@@ -17,6 +17,7 @@ check only, so ``kd --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True, metavar="DIR", help="the run's output folder")
     p.add_argument("--config-out", required=True, metavar="FILE", help="the YAML to write")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters instead of all weights")
+    p.add_argument(
+        "--cross-tokenizer",
+        action="store_true",
+        help="accept a teacher whose tokenizer differs from the student's: write cross_tokenizer "
+        "(GOLD's aligned loss; the teacher loads with transformers)",
+    )
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -212,7 +219,18 @@ def run(args: argparse.Namespace) -> int:
     data = detect_data_format(Path(args.data))
     context = context_template(args.context, data) if teacher is None else None
     seq_len = max_seq_len(args.max_seq_len, teacher or student, student)
-    check = check_tokenizers(teacher or student, student, data)
+    from kd.hf.tokenization import TokenizersDiffer
+
+    cross: str | None = None
+    try:
+        check: Any = check_tokenizers(teacher or student, student, data)
+    except TokenizersDiffer as e:  # a teacher with another tokenizer: GOLD's loss
+        if not args.cross_tokenizer or teacher is None:
+            raise
+        cross, check = str(e), None
+        teacher = dataclasses.replace(
+            teacher, torchtune=None, why_not_torchtune="its tokenizer differs from the student's"
+        )
     check_transformers_config(student, flag="--student")
     if teacher is not None:
         check_transformers_config(teacher, flag="--teacher")
@@ -227,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         lora=args.lora,
         budget_gib=args.budget_gib,
         config_name=str(dest),
+        cross_tokenizer=cross,
     )
     pending = [
         key
@@ -254,10 +273,13 @@ def _print_summary(
     print(f"teacher: {about(teacher)}" if teacher else "teacher: the student itself (self_teacher)")
     print(f"student: {about(student, lora=lora)}")
     print(f"data:    {one_line(str(data.node['data_files']))}: {data.description}")
-    print(f"tokenizers agree ({check.summary})")
-    for note in check.notes:
-        print(f"note: {note}")
-    if data.kind == "chat" and not check.chat_template:
+    if check is None:
+        print("tokenizers differ: wrote cross_tokenizer (the teacher scores its own tokens)")
+    else:
+        print(f"tokenizers agree ({check.summary})")
+        for note in check.notes:
+            print(f"note: {note}")
+    if check is not None and data.kind == "chat" and not check.chat_template:
         print(
             f"note: the student's tokenizer in {one_line(str(student.folder))} has no chat "
             "template; kd.hf.tokenizer joins the messages as plain text"

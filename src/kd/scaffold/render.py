@@ -82,6 +82,7 @@ def render_config(
     budget_gib: float | None = None,
     config_name: str = "my_kd.yaml",
     self_context: str | None = None,
+    cross_tokenizer: str | None = None,
 ) -> str:
     """The commented YAML of a run: every model dimension set, the knobs users change commented.
 
@@ -99,6 +100,8 @@ def render_config(
         budget_gib: ``memory.budget_gib`` (None: the device's memory).
         config_name: the config file, for the commands in the header.
         self_context: with ``teacher`` None, ``self_teacher.context`` (self-distillation).
+        cross_tokenizer: why the tokenizers differ, when they do: a ``cross_tokenizer:``
+            section is written (the teacher scores its own tokens; GOLD's aligned loss).
     """
     from kd.scaffold.self_teacher import self_section
 
@@ -118,6 +121,7 @@ def render_config(
             "",
             *_model_section("model", "checkpointer", student, lora=lora),
             *teacher_lines,
+            *_cross_tokenizer_section(cross_tokenizer),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
@@ -127,6 +131,22 @@ def render_config(
             "",
         ]
     )
+
+
+def _cross_tokenizer_section(why: str | None) -> list[str]:
+    """``cross_tokenizer:`` with what it costs, when the tokenizers differ."""
+    if why is None:
+        return []
+    return [
+        f"# The tokenizers differ ({one_line(why)[:160]}).",
+        "# The teacher scores the text in its own tokens; GOLD's hybrid loss aligns both sides by",
+        "# character spans (docs/multi_teacher.md). It costs: the student's full logits over each",
+        "# row's labelled tokens (no fused loss), the teacher's forward on its own tokens, and",
+        "# validation, stored or served teachers and on_policy are not available with it.",
+        "cross_tokenizer:",
+        "  matched_weight: null  # exact part's weight; null = matched share of the teacher's vocab",
+        "",
+    ]
 
 
 def _header(

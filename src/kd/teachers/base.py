@@ -51,17 +51,28 @@ class TeacherInput:
             None for rows made during training (on-policy completions).
         source_rows: for on-policy completions, the dataset row whose prompt each one completes
             (a self teacher renders that row's privileged context); None otherwise.
+        route: the teacher each example names (its data field ``teachers.route_field``; None:
+            none), when the source asks for it (``TeacherSource.route_field``); else None.
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor | None = None
     rows: Sequence[int] | None = None
     source_rows: Sequence[int] | None = None
+    route: Sequence[str | None] | None = None
 
 
 @runtime_checkable
 class TeacherSignal(Protocol):
-    """A teacher's answer for one micro-batch, on the training device."""
+    """A teacher's answer for one micro-batch, on the training device.
+
+    A signal may also report extra named loss terms (several teachers: ``kd_loss/<name>``):
+    after :meth:`loss`, an attribute ``terms: dict[str, Tensor]`` of detached scalars, each a
+    mean over the batch's labelled positions (training logs them beside ``kd_loss``; they are
+    named in :attr:`Teacher.terms`). For evaluation such a signal has
+    ``token_divergences(student_logits, hidden, *, settings)`` (:mod:`kd.training.evaluate`).
+    Signals without them report none.
+    """
 
     def loss(
         self,
@@ -99,9 +110,12 @@ class Teacher(Protocol):
     Attributes:
         generator: the model that can sample completions (on-policy ``seq_kd``), or None when the
             teacher is not a local model.
+        terms: the names of the extra loss terms its signals report (``TeacherSignal`` terms),
+            the same for every batch; logged as they are, validated as ``val_<name>``.
     """
 
     generator: nn.Module | None = None
+    terms: tuple[str, ...] = ()
 
     def signal(self, batch: TeacherInput) -> TeacherSignal:
         """The teacher's signal for ``batch``, on the device the student trains on. Runs without

@@ -10,6 +10,12 @@
 * else ``self_teacher:`` set -> :class:`SelfTeacherSource` (the student teaches itself with a
   privileged context, :mod:`kd.teachers.self_teacher`);
 * else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
+* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend),
+  or with ``cross_tokenizer:`` :class:`kd.teachers.cross.CrossTokenizerSource` (a Hugging Face
+  teacher with its own tokenizer);
+* else ``teachers:`` set -> :class:`kd.teachers.multi.MultiTeacherSource`: several named
+  teachers, each built by this function from its own one-teacher config (validation refuses
+  the top-level teacher keys beside it);
 * else None: plain fine-tuning.
 
 A source has the recipe's phases: :meth:`TeacherSource.check` runs every weight-free check
@@ -29,8 +35,10 @@ from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
+from kd.teachers.cross import CrossTokenizerSource
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
+from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.self_teacher import SelfTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
@@ -58,10 +66,13 @@ class TeacherSource(Protocol):
         reads: the model keys whose weights this teacher reads (checked before loading).
         needs_rows: whether batches must carry their dataset row indices (files are indexed by
             row).
+        route_field: the data field batches carry as :attr:`kd.teachers.TeacherInput.route`
+            (several teachers routed by a field), or None.
     """
 
     reads: tuple[str, ...]
     needs_rows: bool
+    route_field: str | None
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         """Every check that needs no weight, against the run's models and training data."""
@@ -89,7 +100,13 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     if getattr(run, "self_teacher", None) is not None:
         return SelfTeacherSource(run)
     if run.components["teacher_model"] is not None:
+        if getattr(run, "cross_tokenizer", None) is not None:  # its own tokenizer
+            return CrossTokenizerSource(run)
         return ModelTeacherSource()
+    # Several teachers (no top-level one), each built here. getattr: a RunConfig always has
+    # the field; the stand-ins of tests written before it did not.
+    if getattr(run, "teachers", None) is not None:
+        return MultiTeacherSource(run, teacher_source)
     return None
 
 
@@ -98,6 +115,7 @@ class ModelTeacherSource:
 
     reads = ("teacher_model",)
     needs_rows = False
+    route_field: str | None = None
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
@@ -119,6 +137,7 @@ class StoredTeacherSource:
 
     reads: tuple[str, ...] = ()
     needs_rows = True
+    route_field: str | None = None
 
     def __init__(self, run: RunConfig):
         assert run.teacher_logits is not None
@@ -193,6 +212,8 @@ class ServedTeacherSource:
     """
 
     reads: tuple[str, ...] = ()
+    needs_rows = False
+    route_field: str | None = None
 
     def __init__(self, run: RunConfig):
         assert run.teacher_server is not None
@@ -290,6 +311,7 @@ class SelfTeacherSource:
 
     reads: tuple[str, ...] = ()
     needs_rows = True
+    route_field: str | None = None
 
     def __init__(self, run: RunConfig):
         assert run.self_teacher is not None

@@ -12,7 +12,11 @@ loss's (:mod:`kd.losses`):
   first ``min(Vs, Vt)`` vocab entries;
 * ``val_loss``: ``(1 - kd_ratio) * val_ce_loss + kd_ratio * val_kd_loss``;
 * ``val_top1_agreement``: the fraction of labelled positions where the student's and the
-  teacher's argmax over the shared vocab agree.
+  teacher's argmax over the shared vocab agree;
+* ``val_<term>``: each extra loss term the teacher reports (:attr:`kd.teachers.Teacher.terms`,
+  several teachers: ``val_kd_loss/<name>``), ``T^2`` times its sum over the positions it counts
+  at, divided by their number. A signal with such terms computes the per-position values itself
+  (``token_divergences``, :class:`kd.teachers.TeacherSignal`).
 
 Logits are computed chunk by chunk over the labelled positions only (``loss_chunk_size`` rows at a
 time, as the fused loss does), so no ``[batch, seq, vocab]`` tensor is built. No autograd; the
@@ -30,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,7 @@ class ValStats:
             over the shared vocab; None without a teacher.
         num_tokens: labelled positions evaluated.
         seconds: wall time of the evaluation.
+        terms: the teacher's extra terms, by name (``val_`` is prepended in :meth:`metrics`).
     """
 
     loss: float
@@ -72,6 +77,7 @@ class ValStats:
     top1_agreement: float | None
     num_tokens: int
     seconds: float
+    terms: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float | int]:
         """The metric row: ``val_loss``, ``val_ce_loss``, ``val_kd_loss``, ``val_top1_agreement``
@@ -81,6 +87,7 @@ class ValStats:
             for name in VAL_METRICS
             if (value := self.value(name)) is not None  # type: ignore[assignment]
         }
+        row.update({f"val_{name}": value for name, value in self.terms.items()})
         row["val_num_tokens"] = self.num_tokens
         row["val_seconds"] = self.seconds
         return row
@@ -102,8 +109,10 @@ def token_sums(
     labels: torch.Tensor,
     *,
     settings: LossSettings,
+    route: Any = None,
 ) -> torch.Tensor:
-    """Sums over the labelled positions of one batch: CE, divergence, argmax agreements, count.
+    """Sums over the labelled positions of one batch: CE, divergence, argmax agreements, count,
+    then (sum, positions) of each extra term of the teacher (:attr:`kd.teachers.Teacher.terms`).
 
     Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`); call it
     under ``torch.no_grad()``. The divergence sum is without the ``T^2`` factor.
@@ -115,9 +124,11 @@ def token_sums(
         tokens: ``[b, s]`` input ids.
         labels: ``[b, s]`` shifted labels (:func:`kd.training.train.shift_labels`).
         settings: the loss settings (divergence, temperature, chunk size, ignore index).
+        route: each example's teacher (:attr:`kd.teachers.TeacherInput.route`), or None.
 
     Returns:
-        fp64 ``[4]``: (CE sum, divergence sum, agreements, labelled positions).
+        fp64 ``[4 + 2 * terms]``: (CE sum, divergence sum, agreements, labelled positions), then
+        each term's (sum, positions).
     """
     flat = labels.reshape(-1)
     mask: torch.Tensor | None = flat != settings.ignore_index
@@ -138,11 +149,12 @@ def token_sums(
     h_s = labelled(h_s.reshape(-1, h_s.size(-1)))  # [n, d_s]
     signal, h_t = None, None
     teacher = as_teacher(teacher)
+    names = teacher.terms if teacher is not None else ()
     if teacher is not None:
-        signal = teacher.signal(TeacherInput(tokens))
+        signal = teacher.signal(TeacherInput(tokens, route=route))
         h_t = signal.labelled_hidden(idx)  # [n, d_t]
     target = labelled(flat)
-    sums = torch.zeros(4, dtype=torch.float64, device=flat.device)
+    sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64, device=flat.device)
     sums[_COUNT] = rows if mask is None else mask.sum()
     for start in range(0, rows, settings.chunk_size):
         end = start + settings.chunk_size
@@ -155,6 +167,7 @@ def token_sums(
             target[start:end],
             None if mask is None else mask[start:end],
             settings=settings,
+            names=names,
         )
     return sums
 
@@ -168,8 +181,10 @@ def _chunk_sums(
     weight: torch.Tensor | None,
     *,
     settings: LossSettings,
+    names: tuple[str, ...] = (),
 ) -> torch.Tensor:
-    """fp64 ``[4]``: the CE, divergence and agreement sums of ``n`` rows (count 0).
+    """fp64 ``[4 + 2 * terms]``: the CE, divergence and agreement sums of ``n`` rows (count 0),
+    then each term's sum and positions.
 
     Args:
         student: the student decoder.
@@ -179,12 +194,24 @@ def _chunk_sums(
         target: ``[n]`` the rows' labels.
         weight: ``[n]`` bool: the labelled rows (None: all of them).
         settings: the loss settings.
+        names: the teacher's extra terms.
     """
-    sums = torch.zeros(4, dtype=torch.float64, device=target.device)
+    sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64, device=target.device)
     s_logits = models.logits_from_hidden(student, h_s)  # [n, Vs] fp32
     ce = F.cross_entropy(s_logits, target, reduction="none")
     sums[_CE] += _weighted(ce, weight).double().sum()
     if teacher is None or h_t is None:
+        return sums
+    own = getattr(teacher, "token_divergences", None)
+    if own is not None:  # a signal with extra terms computes its own (several teachers)
+        kd, t_top, terms = own(s_logits, h_t, settings=settings)
+        sums[_AGREE] += _weighted(s_logits.argmax(-1) == t_top, weight).sum()
+        sums[_KD] += _weighted(kd, weight).double().sum()
+        for i, name in enumerate(names):
+            values, where = terms[name]
+            counted = weight if where is None else (where if weight is None else where & weight)
+            sums[4 + 2 * i] += _weighted(values, counted).double().sum()
+            sums[5 + 2 * i] += values.numel() if counted is None else counted.sum()
         return sums
     t_logits = teacher.logits(h_t)  # [n, Vt] fp32
     s_logp, t_logp = losses.shared_vocab_logprobs(
@@ -235,6 +262,7 @@ def batch_sums(
         batch["tokens"].to(device),
         labels.to(device),
         settings=settings,
+        route=batch.get("route"),
     )
     # Sharded models keep their root (and, with reshard_after_forward false, every layer)
     # gathered after a forward that no backward follows: free them.
@@ -272,16 +300,19 @@ def evaluate(
     t0 = time.perf_counter()
     was_training = student.training
     student.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    names = as_teacher(teacher).terms if teacher is not None else ()
+    sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64, device=device)
     try:
         with torch.no_grad():
             for batch in batches:
                 sums += batch_sums(student, teacher, batch, settings=settings, device=device)
     finally:
         student.train(was_training)
-    ce, kd, agree, count = distributed.all_reduce_sum(sums).tolist()
+    ce, kd, agree, count, *extra = distributed.all_reduce_sum(sums).tolist()
     n = max(count, 1.0)
     ce, kd = ce / n, kd / n * settings.temperature**2
+    t2 = settings.temperature**2
+    terms = {name: extra[2 * i] / max(extra[2 * i + 1], 1.0) * t2 for i, name in enumerate(names)}
     return ValStats(
         loss=(1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd,
         ce_loss=ce,
@@ -289,6 +320,7 @@ def evaluate(
         top1_agreement=agree / n if teacher is not None else None,
         num_tokens=int(count),
         seconds=time.perf_counter() - t0,
+        terms=terms,
     )
 
 

@@ -64,6 +64,8 @@ class StepStats:
             ``teacher``: the teacher's forward passes); the rest is the student's.
         sampled: (micro-batches, completion tokens of all ranks) sampled, per sampling model
             (``student``, ``teacher``); empty off-policy.
+        terms: the teacher's extra loss terms (:attr:`kd.teachers.Teacher.terms`, e.g.
+            ``kd_loss/<name>`` per teacher), token-weighted like ``kd_loss``; logged as named.
     """
 
     loss: float
@@ -75,6 +77,7 @@ class StepStats:
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
     sampled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    terms: dict[str, float] = field(default_factory=dict)
 
 
 def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
@@ -90,6 +93,7 @@ def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
         "grad_norm": stats.grad_norm,
         "num_tokens": stats.num_tokens,
         "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
+        **stats.terms,
     }
     if on_policy:
         row["time_generate_s"] = generate_s
@@ -114,6 +118,7 @@ class MicroStepResult:
     ce: torch.Tensor
     kd: torch.Tensor
     num_tokens: torch.Tensor
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -140,6 +145,7 @@ def compute_loss(
     teacher_input: TeacherInput | None = None,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     timer: PhaseTimer | None = None,
+    terms: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward the student, ask the teacher, and return ``(loss, ce, kd)``, each a mean over
     labelled positions.
@@ -162,6 +168,8 @@ def compute_loss(
         teacher_topk: fixed top-k ``(ids [b, s, k], logprobs [b, s, k])`` aligned with ``labels``
             instead of ``teacher`` (a :class:`kd.teachers.FixedTopKTeacher`).
         timer: adds the teacher's time to its ``teacher`` phase.
+        terms: filled with the signal's extra loss terms (:class:`kd.teachers.TeacherSignal`),
+            when given.
 
     Raises:
         ValueError: both ``teacher`` and ``teacher_topk``, or a top-k teacher with a student whose
@@ -191,7 +199,10 @@ def compute_loss(
         signal = teacher.signal(
             teacher_input if teacher_input is not None else TeacherInput(tokens)
         )
-    return signal.loss(student, s_hidden, labels, settings=settings)
+    out = signal.loss(student, s_hidden, labels, settings=settings)
+    if terms is not None:
+        terms.update(getattr(signal, "terms", {}))
+    return out
 
 
 def micro_step(
@@ -228,6 +239,7 @@ def micro_step(
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
     scale = local.to(torch.float32) / total.to(torch.float32)
+    terms: dict[str, torch.Tensor] = {}
     loss, ce, kd = compute_loss(
         student,
         teacher,
@@ -237,6 +249,7 @@ def micro_step(
         teacher_input=teacher_input,
         teacher_topk=teacher_topk,
         timer=timer,
+        terms=terms,
     )
     scaled = loss * scale.to(loss.device)
     (scaled * grad_scale).backward()
@@ -245,6 +258,7 @@ def micro_step(
         ce=(ce.detach() * scale.to(ce.device)),
         kd=(kd.detach() * scale.to(kd.device)),
         num_tokens=local.detach(),
+        terms={k: v.detach() * scale.to(v.device) for k, v in terms.items()},
     )
 
 

@@ -1,0 +1,222 @@
+"""Several teachers (``teachers:``): each member is an ordinary teacher config, checked as one.
+
+A member of ``teachers.members`` holds the keys a one-teacher config puts at the top level
+(``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits``, ``teacher_server``) plus its
+``name`` and ``weight``. :func:`member_data` makes the one-teacher config of a member (the run's
+config with the member's teacher keys in place of the top-level ones), so every check, the
+:class:`kd.config.run.RunConfig` and the teacher source of a member are those of a run with that
+one teacher: nothing about a teacher is special-cased for several.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from kd.config.checks.values import fmt
+from kd.config.run import RunConfig, run_config
+from kd.config.schema import Problem
+
+__all__ = [
+    "MEMBER_KEYS",
+    "TEACHER_KEYS",
+    "Member",
+    "check_teachers",
+    "member_data",
+    "member_problems",
+    "members_of",
+]
+
+# The top-level keys that name a run's one teacher; a member holds its own.
+TEACHER_KEYS: tuple[str, ...] = (
+    "teacher_model",
+    "teacher_checkpointer",
+    "teacher_logits",
+    "teacher_server",
+)
+MEMBER_KEYS: tuple[str, ...] = ("name", "weight", *TEACHER_KEYS)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def member_data(data: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
+    """The one-teacher config of ``member``: ``data`` without ``teachers``, the member's teacher
+    keys in place of the top-level ones (absent ones null)."""
+    out = {k: v for k, v in data.items() if k != "teachers" and k not in TEACHER_KEYS}
+    for key in TEACHER_KEYS:
+        out[key] = member.get(key)
+    return out
+
+
+@dataclass(frozen=True)
+class Member:
+    """One named teacher: its weight and the run config a one-teacher run of it would have."""
+
+    name: str
+    weight: float
+    run: RunConfig
+
+
+def members_of(run: RunConfig) -> list[Member]:
+    """The members of ``run.teachers`` (none without it), each with its one-teacher
+    :class:`RunConfig`."""
+    if run.teachers is None:
+        return []
+    data = OmegaConf.to_container(OmegaConf.create(run.yaml), resolve=True)
+    assert isinstance(data, dict)
+    out = []
+    for node in run.teachers.members:
+        member = OmegaConf.to_container(node, resolve=True)
+        assert isinstance(member, dict)
+        sub = run_config(OmegaConf.create(member_data(data, member)))
+        out.append(Member(str(member["name"]), float(member.get("weight", 1.0)), sub))
+    return out
+
+
+def _members(data: dict[str, Any]) -> list[dict[str, Any]]:
+    node = data.get("teachers")
+    members = node.get("members") if isinstance(node, dict) else None
+    return [m for m in members if isinstance(m, dict)] if isinstance(members, list) else []
+
+
+def member_problems(
+    data: dict[str, Any], check: Callable[[dict[str, Any]], list[Problem]]
+) -> list[Problem]:
+    """``check``'s problems of each member's one-teacher config that concern its teacher keys,
+    named ``teachers.members[i].<key>``."""
+    problems = []
+    for i, member in enumerate(_members(data)):
+        for p in check(member_data(data, member)):
+            head = p.key.split(".", 1)[0]
+            if head in TEACHER_KEYS:
+                problems.append(Problem(f"teachers.members[{i}].{p.key}", p.message))
+            elif head == "validation" and "teacher" in p.message:
+                problems.append(Problem(p.key, f"teachers.members[{i}]: {p.message}"))
+    return problems
+
+
+def _member_shape_problems(i: int, member: Any, names: set[str]) -> list[Problem]:
+    """One member's own keys: a dict with a unique name, a weight >= 0 and one teacher."""
+    where = f"teachers.members[{i}]"
+    if not isinstance(member, dict):
+        return [Problem(where, "is not a mapping; give {name, weight, teacher_model | ...}")]
+    problems = []
+    for key in member:
+        if key not in MEMBER_KEYS:
+            problems.append(
+                Problem(f"{where}.{key}", f"unknown key; a member holds {', '.join(MEMBER_KEYS)}")
+            )
+    name = member.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        problems.append(
+            Problem(
+                f"{where}.name",
+                f"{fmt(name)} is not a teacher name; give 1-64 letters, digits, _ . or -",
+            )
+        )
+    elif name in names:
+        problems.append(Problem(f"{where}.name", f"{name} names two teachers; rename one"))
+    else:
+        names.add(name)
+    weight = member.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+        problems.append(Problem(f"{where}.weight", f"{fmt(weight)} is not a number >= 0"))
+    if not any(
+        member.get(k) is not None for k in ("teacher_model", "teacher_logits", "teacher_server")
+    ):
+        problems.append(
+            Problem(where, "names no teacher; set teacher_model, teacher_logits or teacher_server")
+        )
+    return problems
+
+
+def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teachers:``: its members' own keys, nothing of one teacher at the top level beside it,
+    weights summing to a positive number, a route field exactly with ``combine: route``, and
+    full distributions for ``combine: mix``. Each member's teacher keys are checked by
+    :func:`member_problems` (the validation passes call it)."""
+    node = data.get("teachers")
+    if not isinstance(node, dict):
+        return
+    for key in ("teacher_model", "teacher_logits", "teacher_server"):
+        if data.get(key) is not None:
+            problems.append(
+                Problem(key, "is set beside teachers; move it into an entry of teachers.members")
+            )
+    members = node.get("members")
+    if not isinstance(members, list) or not members:
+        problems.append(
+            Problem("teachers.members", "needs at least one {name, weight, teacher_model | ...}")
+        )
+        return
+    names: set[str] = set()
+    for i, member in enumerate(members):
+        problems += _member_shape_problems(i, member, names)
+    combine = node.get("combine", "weights")
+    weights = [m.get("weight", 1.0) for m in members if isinstance(m, dict)]
+    numbers = [w for w in weights if isinstance(w, (int, float)) and not isinstance(w, bool)]
+    if combine != "route" and len(numbers) == len(weights) and sum(numbers) <= 0:
+        problems.append(
+            Problem(
+                "teachers.members",
+                f"the weights sum to {fmt(sum(numbers))}; give at least one teacher a weight > 0",
+            )
+        )
+    field = node.get("route_field")
+    if combine == "route" and not field:
+        problems.append(
+            Problem("teachers.route_field", "is required by combine: route; name the data field")
+        )
+    if combine != "route" and field:
+        problems.append(
+            Problem(
+                "teachers.route_field", f"is only read by combine: route (not {combine}); remove it"
+            )
+        )
+    if combine == "route" and isinstance(data.get("on_policy"), dict):
+        problems.append(
+            Problem("on_policy", "cannot be routed by teachers.route_field; remove on_policy")
+        )
+    if combine == "mix":
+        for i, m in enumerate(members):
+            if isinstance(m, dict) and (m.get("teacher_logits") or m.get("teacher_server")):
+                problems.append(
+                    Problem(
+                        f"teachers.members[{i}]",
+                        "gives top-k log-probs, but combine: mix needs every teacher's full "
+                        "distribution; use combine: weights, or a teacher_model",
+                    )
+                )
+
+
+def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``cross_tokenizer:``: a Hugging Face ``teacher_model`` (its folder holds its tokenizer)
+    that runs during training; nothing that compares the two models position by position."""
+    if not isinstance(data.get("cross_tokenizer"), dict):
+        return
+    node = data.get("teacher_model")
+    if not (isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")):
+        problems.append(
+            Problem(
+                "cross_tokenizer",
+                "needs teacher_model: {_component_: kd.hf.causal_lm, path: FOLDER} (the folder "
+                "holds the teacher's own tokenizer); set teacher_model so, or remove "
+                "cross_tokenizer",
+            )
+        )
+    for key, why in (
+        ("teacher_logits", "stored top-k log-probs carry no teacher offsets yet"),
+        ("teacher_server", "a served teacher scores the student's tokens"),
+        ("teachers", "each member is one tokenizer's teacher"),
+        ("validation", "its metrics compare the models position by position"),
+        ("on_policy", "completions are scored on the student's tokens"),
+    ):
+        if isinstance(data.get(key), (dict, list)):
+            problems.append(
+                Problem(key, f"cannot be used with cross_tokenizer ({why}); remove one of them")
+            )

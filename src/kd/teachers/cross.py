@@ -1,0 +1,288 @@
+"""A local teacher with another tokenizer (``cross_tokenizer:``): GOLD's aligned hybrid loss.
+
+Each training row's student tokens are decoded token by token into the row's text and their
+character spans; the teacher's own tokenizer (a fast Hugging Face tokenizer from the teacher's
+folder) tokenizes that text with offsets, the teacher scores it, and
+:func:`kd.cross_tokenizer.sequence_loss` aligns the labelled tokens of both sides by their spans
+and takes the hybrid loss. The teacher's labelled tokens are those that start inside the
+student's labelled text. The signal reports both parts as extra terms (``kd_loss/matched``,
+``kd_loss/unmatched``). Costs: the student's full logits over each row's labelled positions (no
+fused head), the teacher's forward on its own tokens, and a Python walk over each row's spans.
+
+Limits: the text is the student's rendering (its chat template), decoded token by token, so a
+token that splits a multi-byte character shifts the offsets after it (the alignment then merges
+larger groups); validation, stored or served teachers and on-policy sampling are refused by the
+config checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kd import models
+from kd.config.run import LossSettings, RunConfig
+from kd.cross_tokenizer import VocabMatch, sequence_loss, vocab_match
+from kd.errors import KDUserError
+from kd.teachers.base import Teacher, TeacherInput
+from kd.training import distributed
+from kd.training.prepare import prepare_teacher
+
+__all__ = ["CrossTokenizerSource", "CrossTokenizerTeacher", "token_spans"]
+
+TERMS = ("kd_loss/matched", "kd_loss/unmatched")
+
+
+def _vocab_of(tokenizer: Any) -> dict[str, int]:
+    """String -> id of a tokenizer: a transformers one (or kd's wrapper of it), or torchtune's
+    BPE tokenizers (``encoder`` + ``special_tokens``)."""
+    hf = getattr(tokenizer, "_hf", tokenizer)
+    if hasattr(hf, "get_vocab"):
+        return dict(hf.get_vocab())
+    table = dict(getattr(tokenizer, "encoder", {}) or {})
+    table.update(getattr(tokenizer, "special_tokens", {}) or {})
+    if not table:
+        raise KDUserError(
+            "cross_tokenizer: the run's tokenizer lists no vocabulary (get_vocab or encoder); "
+            "use kd.hf.tokenizer"
+        )
+    return table
+
+
+def token_spans(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The text of ``ids`` and each token's ``[start, end)`` in it, decoding token by token."""
+    spans, pos, pieces = [], 0, []
+    for i in ids:
+        piece = tokenizer.decode([int(i)], skip_special_tokens=False)
+        pieces.append(piece)
+        spans.append((pos, pos + len(piece)))
+        pos += len(piece)
+    return "".join(pieces), spans
+
+
+class CrossTokenizerSource:
+    """``teacher_model`` (``kd.hf.*``) + ``cross_tokenizer:``: the teacher's folder holds its own
+    tokenizer."""
+
+    reads: tuple[str, ...] = ()  # its tokenizer differs: RunContext must not compare it
+    needs_rows = False
+    route_field: str | None = None
+
+    def __init__(self, run: RunConfig):
+        assert run.cross_tokenizer is not None
+        self.run = run
+        self.source: models.WeightsSource | None = None
+        self.student_size = self.teacher_size = 0
+        self.teacher_tokenizer: Any = None
+        self.match: VocabMatch | None = None
+
+    def check(self, ctx: Any, facts: Any, dataset: Sequence[Any]) -> None:
+        """The teacher's weights source and fast tokenizer, and the shared token strings."""
+        from kd.hf.tokenization import tokenizer as hf_tokenizer
+
+        with torch.device("meta"):
+            teacher = ctx.build("teacher_model", fix="fix the builder's arguments")
+        self.source = ctx.weights_source("teacher_model", teacher)
+        folder = Path(str(ctx.node("teacher_model")["path"])).expanduser()
+        wrapped = hf_tokenizer(str(folder))
+        hf = wrapped._hf
+        if not getattr(hf, "is_fast", False):
+            raise KDUserError(
+                f"cross_tokenizer: the teacher's tokenizer in {folder} gives no character "
+                "offsets (a slow tokenizer); add its tokenizer.json"
+            )
+        self.teacher_tokenizer = hf
+        # Rows past a tokenizer's ids (padded embeddings) are never targets: each side's
+        # distribution is over its tokenizer's ids (docs/multi_teacher.md).
+        self.student_size = min(facts.student_vocab, models.tokenizer_max_id(ctx.tokenizer()) + 1)
+        self.teacher_size = min(models.vocab_size(teacher), len(hf))
+        student_vocab = {
+            s: i for s, i in _vocab_of(ctx.tokenizer()).items() if i < self.student_size
+        }
+        self.match = vocab_match(student_vocab, hf.get_vocab(), teacher_size=self.teacher_size)
+
+    def load(self, ctx: Any, facts: Any, *, run_dir: Any = None) -> CrossTokenizerTeacher:
+        assert self.source is not None and self.match is not None, "check() runs first"
+        model = ctx.load_model(
+            "teacher_model",
+            self.source,
+            lambda m, shard: prepare_teacher(m, shard=shard),
+            run_dir=run_dir,
+        )
+        settings = self.run.cross_tokenizer
+        assert settings is not None
+        return CrossTokenizerTeacher(
+            model,
+            student_tokenizer=ctx.tokenizer(),
+            teacher_tokenizer=self.teacher_tokenizer,
+            match=self.match,
+            sizes=(self.student_size, self.teacher_size),
+            matched_weight=settings.matched_weight,
+            ignore_index=self.run.loss.ignore_index,
+        )
+
+
+@dataclass
+class _Row:
+    """One row: the student's labelled positions, their tokens and spans; the teacher's."""
+
+    s_rows: torch.Tensor
+    s_ids: torch.Tensor
+    s_spans: list[tuple[int, int]]
+    t_hidden: torch.Tensor
+    t_ids: torch.Tensor
+    t_spans: list[tuple[int, int]]
+
+
+class CrossTokenizerTeacher(Teacher):
+    """A teacher model with its own tokenizer (see the module docstring)."""
+
+    terms = TERMS
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        student_tokenizer: Any,
+        teacher_tokenizer: Any,
+        match: VocabMatch,
+        sizes: tuple[int, int],
+        matched_weight: float | None,
+        ignore_index: int = -100,
+    ):
+        self.model = model
+        self.student_tokenizer = student_tokenizer
+        self.teacher_tokenizer = teacher_tokenizer
+        self.match = match
+        self.sizes = sizes
+        self.matched_weight = matched_weight
+        self.ignore_index = ignore_index
+        self.generator: nn.Module | None = None
+
+    def _row(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[list[int], dict]:
+        """The teacher's token ids of one row and what the loss needs of both sides."""
+        shifted = torch.cat([labels[1:], labels.new_full((1,), self.ignore_index)])
+        rows = (shifted != self.ignore_index).nonzero().squeeze(1)
+        n = int(rows[-1]) + 2 if rows.numel() else 1
+        text, spans = token_spans(self.student_tokenizer, tokens[:n].tolist())
+        s_spans = [spans[int(i) + 1] for i in rows]
+        enc = self.teacher_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        t_all, offsets = enc["input_ids"], enc["offset_mapping"]
+        start = s_spans[0][0] if s_spans else len(text)
+        picked = [j for j in range(1, len(t_all)) if offsets[j][0] >= start]
+        return t_all, {
+            "s_rows": rows,
+            "s_ids": shifted[rows],
+            "s_spans": s_spans,
+            "t_rows": [j - 1 for j in picked],
+            "t_ids": torch.tensor([t_all[j] for j in picked], dtype=torch.long),
+            "t_spans": [tuple(offsets[j]) for j in picked],
+        }
+
+    def signal(self, batch: TeacherInput) -> CrossTokenizerSignal:
+        if batch.labels is None:
+            raise ValueError("a cross-tokenizer teacher needs the batch's labels")
+        device = batch.tokens.device
+        made = [
+            self._row(t.cpu(), lab.cpu()) for t, lab in zip(batch.tokens, batch.labels, strict=True)
+        ]
+        width = max(len(t_all) for t_all, _ in made)
+        ids = torch.zeros(len(made), width, dtype=torch.long)
+        for b, (t_all, _) in enumerate(made):
+            ids[b, : len(t_all)] = torch.tensor(t_all, dtype=torch.long)
+        with torch.no_grad():
+            hidden = self.model(ids.to(device))  # [b, n_t, d_t]; causal: padding after is inert
+        rows = [
+            _Row(
+                s_rows=m["s_rows"].to(device),
+                s_ids=m["s_ids"].to(device),
+                s_spans=m["s_spans"],
+                t_hidden=hidden[b, torch.tensor(m["t_rows"], dtype=torch.long, device=device)],
+                t_ids=m["t_ids"].to(device),
+                t_spans=m["t_spans"],
+            )
+            for b, (_, m) in enumerate(made)
+        ]
+        return CrossTokenizerSignal(self, rows)
+
+    def release(self) -> None:
+        distributed.reshard(self.model)
+
+    def check_loaded(self) -> None:
+        from kd.checkpoint.training import check_loaded_weights_finite
+
+        check_loaded_weights_finite({"teacher_model": (self.model, Path())})
+
+
+@dataclass
+class CrossTokenizerSignal:
+    """The teacher's states over its own tokens, per row, and the alignment inputs."""
+
+    owner: CrossTokenizerTeacher
+    rows: list[_Row]
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def loss(
+        self,
+        student: nn.Module,
+        student_hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        settings: LossSettings,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        owner, t = self.owner, settings.temperature
+        zero = student_hidden.sum() * 0.0
+        ce_sum, kd_sum, matched, unmatched, groups = zero, zero, zero, zero, 0
+        n_lab = 0
+        for b, row in enumerate(self.rows):
+            if row.s_rows.numel() == 0:
+                continue
+            z = models.logits_from_hidden(student, student_hidden[b].index_select(0, row.s_rows))
+            ce_sum = ce_sum + F.cross_entropy(z.float(), row.s_ids, reduction="sum")
+            z = z[:, : owner.sizes[0]]
+            n_lab += row.s_rows.numel()
+            if row.t_ids.numel() == 0:
+                continue
+            with torch.no_grad():
+                t_logp = torch.log_softmax(
+                    models.logits_from_hidden(owner.model, row.t_hidden)[
+                        :, : owner.sizes[1]
+                    ].float()
+                    / t,
+                    -1,
+                )
+            out = sequence_loss(
+                torch.log_softmax(z.float() / t, -1),
+                row.s_ids,
+                row.s_spans,
+                t_logp,
+                row.t_ids,
+                row.t_spans,
+                owner.match,
+                divergence=settings.divergence,
+                beta=settings.beta,
+                skew_alpha=settings.skew_alpha,
+                matched_weight=owner.matched_weight,
+            )
+            kd_sum = kd_sum + out.loss * out.groups
+            matched = matched + out.matched.detach() * out.groups
+            unmatched = unmatched + out.unmatched.detach() * out.groups
+            groups += out.groups
+        ce = ce_sum / max(n_lab, 1)
+        scale = t * t / max(groups, 1)
+        kd = kd_sum * scale
+        self.terms = {"kd_loss/matched": matched * scale, "kd_loss/unmatched": unmatched * scale}
+        loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+        return loss, ce.detach(), kd.detach()
+
+    def labelled_hidden(self, index: torch.Tensor | None) -> torch.Tensor:
+        raise ValueError("a cross-tokenizer teacher has no per-position distribution to evaluate")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a cross-tokenizer teacher has no per-position distribution to evaluate")

@@ -1,0 +1,181 @@
+"""A teacher with another tokenizer through ``kd run`` (``cross_tokenizer:``): with the student's
+own tokenizer it trains as the one-tokenizer run does; with a tokenizer that merges letter pairs
+it aligns by character spans and logs both parts of GOLD's hybrid loss; bad input, one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import STUDENT, TEACHER, make_config, read_metrics, write_config, write_hf_qwen2
+
+from kd import cli
+from kd.testing import write_hf_tokenizer, write_jsonl
+
+LETTERS = "abcdefghij"
+
+
+@pytest.fixture(scope="module")
+def same_tok_teacher(assets, tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp("same") / "teacher"
+    shutil.copytree(assets["teacher"], dest)
+    return write_hf_tokenizer(dest)
+
+
+@pytest.fixture(scope="module")
+def unpadded(tmp_path_factory) -> dict[str, Path]:
+    """Student and teacher whose vocabularies are the tokenizer's 278 ids (no padded rows), the
+    teacher's folder holding that tokenizer."""
+    root = tmp_path_factory.mktemp("unpadded")
+    student = write_hf_qwen2(root / "student", dict(STUDENT, vocab=278), seed=1)
+    teacher = write_hf_qwen2(root / "teacher", dict(TEACHER, vocab=278), seed=2)
+    write_hf_tokenizer(teacher)
+    return {"student": student, "teacher": teacher}
+
+
+@pytest.fixture(scope="module")
+def other_tok_teacher(tmp_path_factory) -> Path:
+    """A teacher whose tokenizer merges every pair of the letters a-j (ids 278..377) and lacks
+    the student's ``~`` and backtick tokens (their ids hold other strings): both vocabularies
+    have strings the other lacks."""
+    dest = write_hf_qwen2(tmp_path_factory.mktemp("other") / "teacher", dict(TEACHER, vocab=384), 9)
+    write_hf_tokenizer(dest)
+    path = dest / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    for byte in ("~", "`"):
+        vocab[byte + "x"] = vocab.pop(byte)
+    next_id = 278
+    for x in LETTERS:
+        for y in LETTERS:
+            vocab[x + y] = next_id
+            merges.append([x, y] if merges and isinstance(merges[0], list) else f"{x} {y}")
+            next_id += 1
+    path.write_text(json.dumps(spec))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def letter_data(tmp_path_factory) -> Path:
+    rng = random.Random(2)
+    rows = []
+    for _ in range(64):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        rows.append({"input": f"{a}+{b}", "output": "".join(LETTERS[int(c)] for c in str(a + b))})
+    return write_jsonl(tmp_path_factory.mktemp("letters") / "train.jsonl", rows)
+
+
+def _cfg(assets, out: Path, teacher: Path, **top) -> dict:
+    cfg = make_config(
+        assets, out, teacher_model={"_component_": "kd.hf.causal_lm", "path": str(teacher)}, **top
+    )
+    del cfg["teacher_checkpointer"]
+    return cfg
+
+
+def _run(cfg: dict, path: Path) -> int:
+    return cli.main(["run", "kd", "--config", str(write_config(path, cfg))])
+
+
+def _steps(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r and "step" in r]
+
+
+def test_same_tokenizer_trains_as_the_one_tokenizer_run(assets, unpadded, tmp_path):
+    one, cross = tmp_path / "one", tmp_path / "cross"
+    student = {"model": {"_component_": "kd.hf.causal_lm", "path": str(unpadded["student"])}}
+    cfg = _cfg(assets, one, unpadded["teacher"], **student)
+    del cfg["checkpointer"]
+    assert _run(cfg, tmp_path / "one.yaml") == 0
+    cfg = dict(cfg, output_dir=str(cross), cross_tokenizer={"matched_weight": None})
+    assert _run(cfg, tmp_path / "cross.yaml") == 0
+    a, b = _steps(one), _steps(cross)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce_loss", "kd_loss"):
+            # the same numbers up to fp32 summation order (fused vs per-row loss, the teacher
+            # on unpadded rows)
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-6), key
+        assert rb["kd_loss/unmatched"] == 0
+        assert rb["kd_loss/matched"] == pytest.approx(rb["kd_loss"], rel=1e-6)
+
+
+def test_other_tokenizer_aligns_and_logs_both_parts(
+    assets, other_tok_teacher, letter_data, tmp_path
+):
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(letter_data))
+    cfg = _cfg(assets, out, other_tok_teacher, cross_tokenizer={}, dataset=dataset)
+    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    rows = _steps(out)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["kd_loss/matched"] > 0 and r["kd_loss/unmatched"] > 0
+        assert r["kd_loss"] > 0
+
+
+def test_teacher_alignment_merges_letter_pairs(assets, other_tok_teacher):
+    from transformers import AutoTokenizer
+
+    from kd.teachers.cross import token_spans
+
+    student = AutoTokenizer.from_pretrained(str(other_tok_teacher), trust_remote_code=False)
+    teacher = AutoTokenizer.from_pretrained(str(other_tok_teacher), trust_remote_code=False)
+    # the student tokenizer without merges: bytes only (write_hf_tokenizer's ids)
+    ids = [ord(c) for c in "abcd"]
+    text, spans = token_spans(student, ids)
+    assert text == "abcd" and spans == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    enc = teacher(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert [tuple(o) for o in enc["offset_mapping"]] == [(0, 2), (2, 4)]
+
+
+def test_cross_tokenizer_with_validation_is_one_line(assets, same_tok_teacher, tmp_path, capsys):
+    out = tmp_path / "run"
+    val = {"dataset": make_config(assets, out)["dataset"]}
+    cfg = _cfg(assets, out, same_tok_teacher, cross_tokenizer={}, validation=val)
+    path = write_config(tmp_path / "cfg.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "validation: cannot be used with cross_tokenizer" in err
+    assert "Traceback" not in err
+
+
+def test_kd_init_writes_the_cross_tokenizer_config(
+    other_tok_teacher, letter_data, tmp_path, capsys
+):
+    import yaml
+
+    student = write_hf_tokenizer(write_hf_qwen2(tmp_path / "student", STUDENT, seed=1))
+    argv = [
+        "init",
+        "--teacher",
+        str(other_tok_teacher),
+        "--student",
+        str(student),
+        "--data",
+        str(letter_data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--config-out",
+        str(tmp_path / "kd.yaml"),
+        "--max-seq-len",
+        "64",
+        "--device",
+        "cpu",
+    ]
+    assert cli.main(argv) == 2  # refused without the flag, as before
+    assert "tokenizers differ" in capsys.readouterr().err
+    assert cli.main([*argv, "--cross-tokenizer"]) == 0
+    assert "tokenizers differ: wrote cross_tokenizer" in capsys.readouterr().out
+    text = (tmp_path / "kd.yaml").read_text()
+    assert "It costs: the student's full logits" in text
+    cfg = yaml.safe_load(text)
+    assert cfg["cross_tokenizer"] == {"matched_weight": None}
+    assert cfg["teacher_model"]["_component_"] == "kd.hf.causal_lm"
+    overrides = ["max_steps_per_epoch=1", "batch_size=2", "gradient_accumulation_steps=1"]
+    assert cli.main(["run", "kd", "--config", str(tmp_path / "kd.yaml"), *overrides]) == 0
+    row = _steps(tmp_path / "out")[0]
+    assert row["kd_loss/matched"] > 0 and row["kd_loss/unmatched"] > 0

@@ -1,0 +1,253 @@
+"""Several teachers (``teachers:``) through ``kd run`` and ``kd validate``: one member is exactly
+the one-teacher run, weights / mix / route train and log each teacher's loss, and bad input gets
+one line."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
+
+from kd import cli
+from kd.testing import checkpointer_node, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def second_teacher(tmp_path_factory) -> Path:
+    return write_hf_qwen2(tmp_path_factory.mktemp("t2") / "teacher2", TEACHER, seed=7)
+
+
+@pytest.fixture(scope="module")
+def routed_data(tmp_path_factory) -> Path:
+    """64 additions; rows name teacher a, teacher b or none (field ``domain``)."""
+    rng = random.Random(5)
+    rows = []
+    for i in range(64):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        row = {"input": f"{a}+{b}", "output": str(a + b)}
+        if i % 3 != 2:
+            row["domain"] = "a" if i % 3 == 0 else "b"
+        rows.append(row)
+    return write_jsonl(tmp_path_factory.mktemp("routed") / "train.jsonl", rows)
+
+
+def _member(name: str, folder: Path, out: Path, weight: float = 1.0) -> dict:
+    return {
+        "name": name,
+        "weight": weight,
+        "teacher_model": builder(TEACHER),
+        "teacher_checkpointer": checkpointer_node(folder, out / f"tt_{name}"),
+    }
+
+
+def _multi(assets: dict, out: Path, teachers: dict, **top) -> dict:
+    cfg = make_config(assets, out, teachers=teachers, **top)
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    return cfg
+
+
+def _run(cfg: dict, path: Path, *args: str) -> int:
+    return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *args])
+
+
+def _steps(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out) if "loss" in r and "step" in r]
+
+
+def test_one_member_is_exactly_the_one_teacher_run(assets, tmp_path):
+    one = tmp_path / "one"
+    assert _run(make_config(assets, one), tmp_path / "one.yaml") == 0
+    multi = tmp_path / "multi"
+    cfg = _multi(assets, multi, {"members": [_member("t", assets["teacher"], multi, weight=3.0)]})
+    assert _run(cfg, tmp_path / "multi.yaml") == 0
+    a, b = _steps(one), _steps(multi)
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce_loss", "kd_loss", "grad_norm"):
+            assert ra[key] == rb[key], key
+        assert rb["kd_loss/t"] == rb["kd_loss"]
+
+
+@pytest.mark.parametrize("combine", ["weights", "mix"])
+def test_two_teachers_log_and_validate_each_teacher(combine, assets, second_teacher, tmp_path):
+    out = tmp_path / "run"
+    members = [
+        _member("a", assets["teacher"], out, weight=1.0),
+        _member("b", second_teacher, out, weight=3.0),
+    ]
+    val = {
+        "dataset": make_config(assets, out)["dataset"],
+        "every_n_steps": 2,
+        "max_batches": 2,
+    }
+    cfg = _multi(
+        assets,
+        out,
+        {"combine": combine, "members": members},
+        validation=val,
+        max_steps_per_epoch=2,
+    )
+    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    rows = _steps(out)
+    for r in rows:
+        assert r["kd_loss/a"] > 0 and r["kd_loss/b"] > 0
+        if combine == "weights":
+            assert r["kd_loss"] == pytest.approx(0.25 * r["kd_loss/a"] + 0.75 * r["kd_loss/b"])
+        else:  # the divergence to a mixture is below the mixed divergences (convexity of KL)
+            assert r["kd_loss"] <= 0.25 * r["kd_loss/a"] + 0.75 * r["kd_loss/b"] + 1e-6
+    val_rows = [r for r in read_metrics(out) if "val_loss" in r]
+    assert val_rows and {"val_kd_loss/a", "val_kd_loss/b"} <= set(val_rows[-1])
+    v = val_rows[-1]
+    if combine == "weights":
+        assert v["val_kd_loss"] == pytest.approx(
+            0.25 * v["val_kd_loss/a"] + 0.75 * v["val_kd_loss/b"], rel=1e-5
+        )
+
+
+def test_route_by_a_data_field(assets, second_teacher, routed_data, tmp_path):
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(routed_data))
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    val = {"dataset": dataset, "max_batches": 3}
+    cfg = _multi(
+        assets,
+        out,
+        {"combine": "route", "route_field": "domain", "members": members},
+        dataset=dataset,
+        validation=val,
+    )
+    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    for r in _steps(out):
+        # in training rows the per-teacher terms are shares of kd_loss
+        assert r["kd_loss"] == pytest.approx(r["kd_loss/a"] + r["kd_loss/b"], rel=1e-5)
+        assert r["kd_loss/a"] > 0 and r["kd_loss/b"] > 0
+    v = [r for r in read_metrics(out) if "val_loss" in r][-1]
+    assert v["val_kd_loss/a"] > 0 and v["val_kd_loss/b"] > 0
+
+
+def test_a_row_naming_no_teacher_is_one_line(assets, tmp_path, capsys):
+    data = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [{"input": "1+1", "output": "2", "domain": "a"}] * 7
+        + [{"input": "1+2", "output": "3", "domain": "maths"}],
+    )
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(data))
+    cfg = _multi(
+        assets,
+        out,
+        {
+            "combine": "route",
+            "route_field": "domain",
+            "members": [_member("a", assets["teacher"], out)],
+        },
+        dataset=dataset,
+    )
+    path = write_config(tmp_path / "cfg.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1
+    assert "row 8 has domain='maths', which names no teacher" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("teachers", "expected"),
+    [
+        ({"members": []}, "teachers.members: needs at least one"),
+        ({"members": "WEIGHTS0"}, "teachers.members[0].weight"),
+        ({"combine": "route", "members": "ONE"}, "teachers.route_field: is required"),
+        ({"members": "DUP"}, "teachers.members[1].name: a names two teachers"),
+        ({"members": "ZERO"}, "teachers.members: the weights sum to 0"),
+    ],
+)
+def test_bad_teachers_one_line(assets, tmp_path, capsys, teachers, expected):
+    out = tmp_path / "run"
+    one = _member("a", assets["teacher"], out)
+    members = {
+        "WEIGHTS0": [dict(one, weight="x")],
+        "ONE": [one],
+        "DUP": [one, dict(one)],
+        "ZERO": [dict(one, weight=0), dict(one, name="b", weight=0.0)],
+    }
+    if isinstance(teachers["members"], str):
+        teachers = dict(teachers, members=members[teachers["members"]])
+    cfg = _multi(assets, out, teachers)
+    path = write_config(tmp_path / "cfg.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err
+
+
+def _plan(cfg: dict, path: Path, capsys) -> dict:
+    import json
+
+    capsys.readouterr()
+    assert cli.main(["plan", "--config", str(write_config(path, cfg)), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_counts_every_local_teacher(assets, second_teacher, tmp_path, capsys):
+    out = tmp_path / "run"
+    one = _plan(make_config(assets, out), tmp_path / "one.yaml", capsys)
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    two = _plan(_multi(assets, out, {"members": members}), tmp_path / "two.yaml", capsys)
+    assert two["teacher"]["params"] == 2 * one["teacher"]["params"]
+    # the second teacher's fp32 weights are resident on top of the one-teacher peak
+    extra = 4 * one["teacher"]["params"] / 2**30
+    assert two["peak_gib"] == pytest.approx(one["peak_gib"] + extra, abs=2e-4)
+
+
+def test_plan_fit_suggests_stored_logits_for_the_other_teachers(
+    assets, second_teacher, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    cfg = _multi(assets, out, {"members": members})
+    one = _plan(make_config(assets, out), tmp_path / "one.yaml", capsys)
+    two = _plan(cfg, tmp_path / "two.yaml", capsys)
+    budget = (one["peak_gib"] + two["peak_gib"]) / 2  # fits only without the second's weights
+    path = write_config(tmp_path / "two.yaml", cfg)
+    capsys.readouterr()
+    code = cli.main(["plan", "--config", str(path), "--budget-gib", f"{budget:.6f}", "--fit"])
+    text = capsys.readouterr().out
+    assert code == 1, text  # over the budget as it is
+    assert "the smaller local teachers of teachers.members from stored logits" in text, text
+
+
+def test_a_stored_member_beside_a_model_member(assets, second_teacher, tmp_path):
+    """Member ``s`` is the assets' teacher as stored top-k log-probs (kd run teacher_logits);
+    member ``m`` a local model; under weights each trains and logs its own loss."""
+    store = tmp_path / "store"
+    pre = make_config(assets, tmp_path / "pre", teacher_logits={"path": str(store), "k": 8})
+    assert (
+        cli.main(["run", "teacher_logits", "--config", str(write_config(tmp_path / "p.yaml", pre))])
+        == 0
+    )
+    out = tmp_path / "run"
+    stored = {
+        "name": "s",
+        "weight": 1.0,
+        "teacher_model": builder(TEACHER),  # identifies the store's teacher
+        "teacher_checkpointer": checkpointer_node(assets["teacher"], out / "tt_s"),
+        "teacher_logits": {"path": str(store), "k": 8},
+    }
+    cfg = _multi(assets, out, {"members": [stored, _member("m", second_teacher, out)]})
+    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    rows = _steps(out)
+    assert len(rows) == 3
+    for r in rows:
+        assert r["kd_loss/s"] > 0 and r["kd_loss/m"] > 0
+        assert r["kd_loss"] == pytest.approx(0.5 * r["kd_loss/s"] + 0.5 * r["kd_loss/m"])
+
+
+def test_a_members_component_is_allow_listed(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    bad = dict(_member("a", assets["teacher"], out), teacher_model={"_component_": "os.system"})
+    path = write_config(tmp_path / "cfg.yaml", _multi(assets, out, {"members": [bad]}))
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "teachers.members[0].teacher_model._component_" in err, err
+    assert "Traceback" not in err
