@@ -164,6 +164,13 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("on_policy", "gkd", "generation", "gen"),
     ),
+    "hidden_states": Section(
+        "hidden-state distillation: {layer_map, loss, weight}; needs a teacher model (not stored "
+        "or served logits); null = logits only",
+        MUST_MATCH,
+        optional=True,
+        words=("hidden_states", "hidden", "hs", "intermediate", "layer_map"),
+    ),
     "keep_best": Section(
         "keep output_dir/best/, the student of the best validation: {metric, mode}; "
         "needs validation",
@@ -200,6 +207,7 @@ EARLY_STOPPING = SECTIONS["early_stopping"]
 TEACHER_LOGITS = SECTIONS["teacher_logits"]
 TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
+HIDDEN_STATES = SECTIONS["hidden_states"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}

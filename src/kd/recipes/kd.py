@@ -97,6 +97,8 @@ class KDRecipe:
         self.log: RunLog | None = None  # rank 0's metric sinks
         self.complete = False  # resume found the run already finished (preload)
         self.found: outputs.ResumePoint | None = None
+        # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
+        self.extra: torch.nn.Module | None = None
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -182,9 +184,9 @@ class KDRecipe:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
         self.student = self._load_model("model")
         if self.teacher is not None:
-            self.teacher.bind_student(self.student)
+            self.extra = self.teacher.bind_student(self.student)
         self.optimizer, self.lr_scheduler = train.build_optimizer(
-            self.ctx, self.student, num_training_steps=self.total_steps
+            self.ctx, self.student, num_training_steps=self.total_steps, extra=self.extra
         )
         self.checkpointer = RunCheckpointer(
             self.output_dir,
@@ -192,6 +194,7 @@ class KDRecipe:
             config_yaml=run.yaml,
             keep_last_n=run.checkpoint.keep_last_n,
             world=self.world,
+            extra=self.extra,
         )
         if run.validation is not None:
             self.validator = evaluate.Validator(
@@ -355,6 +358,7 @@ class KDRecipe:
         labels = [train.shift_labels(inp.labels) for inp in inputs]
         total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
         sums = torch.zeros(3, device=self.device)
+        extra: dict[str, torch.Tensor] = {}
         for inp, lab in zip(inputs, labels, strict=True):
             r = train.micro_step(
                 self.student,
@@ -368,17 +372,24 @@ class KDRecipe:
                 timer=timer,
             )
             sums += torch.stack([r.loss, r.ce, r.kd]).float()
+            for name, term in r.extra.items():
+                extra[name] = extra.get(name, 0) + term.float()
             if self.teacher is not None:
                 self.teacher.release()  # before the backward of the next micro-batch peaks
-        sums = distributed.all_reduce_sum(sums)
+        sums = distributed.all_reduce_sum(
+            torch.cat([sums, *(t.reshape(1) for t in extra.values())])
+        )
         # optimizer_step never applies NaN/inf gradients: the weights stay those of the last good
         # step whatever the loop decides.
         norm, stepped = train.optimizer_step(
-            self.student, self.optimizer, clip_grad_norm=self.run.optimizer.clip_grad_norm
+            self.student,
+            self.optimizer,
+            clip_grad_norm=self.run.optimizer.clip_grad_norm,
+            extra=self.extra,
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        loss, ce, kd = (float(x) for x in sums)
+        loss, ce, kd, *terms = (float(x) for x in sums)
         return train.StepStats(
             loss=loss,
             ce_loss=ce,
@@ -389,6 +400,7 @@ class KDRecipe:
             seconds=time.perf_counter() - t0,
             phases=dict(timer.seconds),
             sampled=sampled,
+            extra=dict(zip(extra, terms, strict=True)),
         )
 
     def _inputs(

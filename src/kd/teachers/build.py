@@ -27,6 +27,7 @@ from kd.errors import KDUserError
 from kd.teachers import foreign_logits, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
+from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
@@ -69,7 +70,7 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     if run.teacher_server is not None:
         return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
-        return ModelTeacherSource()
+        return ModelTeacherSource(run)
     return None
 
 
@@ -79,19 +80,27 @@ class ModelTeacherSource:
     reads = ("teacher_model",)
     needs_rows = False
 
+    def __init__(self, run: RunConfig | None = None):
+        self.hidden_states = getattr(run, "hidden_states", None)
+
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
-        # (RunContext.inspect_models reads every key of ``reads``).
-        pass
+        # (RunContext.inspect_models reads every key of ``reads``); a hidden-state map is
+        # checked against both models' layer counts (config.json).
+        if self.hidden_states is not None:
+            check_layer_map(self.hidden_states, facts)
 
-    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ModelTeacher:
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
         model = ctx.load_model(
             "teacher_model",
             facts.sources["teacher_model"],
             lambda m, shard: prepare_teacher(m, shard=shard),
             run_dir=run_dir,
         )
-        return ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
+        teacher = ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
+        if self.hidden_states is not None:
+            return HiddenStateTeacher(teacher, self.hidden_states)
+        return teacher
 
 
 class StoredTeacherSource:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,8 @@ class ValStats:
             over the shared vocab; None without a teacher.
         num_tokens: labelled positions evaluated.
         seconds: wall time of the evaluation.
+        extra: the teacher signal's further terms per labelled token (``hidden_loss`` with
+            hidden-state distillation), logged as ``val_<name>``.
     """
 
     loss: float
@@ -72,6 +74,7 @@ class ValStats:
     top1_agreement: float | None
     num_tokens: int
     seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float | int]:
         """The metric row: ``val_loss``, ``val_ce_loss``, ``val_kd_loss``, ``val_top1_agreement``
@@ -81,6 +84,7 @@ class ValStats:
             for name in VAL_METRICS
             if (value := self.value(name)) is not None  # type: ignore[assignment]
         }
+        row.update({f"val_{name}": value for name, value in self.extra.items()})
         row["val_num_tokens"] = self.num_tokens
         row["val_seconds"] = self.seconds
         return row
@@ -102,8 +106,12 @@ def token_sums(
     labels: torch.Tensor,
     *,
     settings: LossSettings,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sums over the labelled positions of one batch: CE, divergence, argmax agreements, count.
+
+    A teacher signal with further loss terms (``extra_sums(labels, ignore_index)``, e.g. the
+    hidden-state loss) adds their sums into ``extra`` by name.
 
     Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`); call it
     under ``torch.no_grad()``. The divergence sum is without the ``T^2`` factor.
@@ -156,6 +164,10 @@ def token_sums(
             None if mask is None else mask[start:end],
             settings=settings,
         )
+    extra_sums = getattr(signal, "extra_sums", None)
+    if extra is not None and extra_sums is not None:
+        for name, value in extra_sums(labels, settings.ignore_index).items():
+            extra[name] = extra.get(name, 0) + value.double()
     return sums
 
 
@@ -213,6 +225,7 @@ def batch_sums(
     *,
     settings: LossSettings,
     device: torch.device,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`token_sums` of one collated batch, then the sharded models' gathered parameters
     freed. Call it under ``torch.no_grad()`` with the student in eval mode (:func:`evaluate`
@@ -235,6 +248,7 @@ def batch_sums(
         batch["tokens"].to(device),
         labels.to(device),
         settings=settings,
+        extra=extra,
     )
     # Sharded models keep their root (and, with reshard_after_forward false, every layer)
     # gathered after a forward that no backward follows: free them.
@@ -273,13 +287,18 @@ def evaluate(
     was_training = student.training
     student.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
+    extra: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
             for batch in batches:
-                sums += batch_sums(student, teacher, batch, settings=settings, device=device)
+                sums += batch_sums(
+                    student, teacher, batch, settings=settings, device=device, extra=extra
+                )
     finally:
         student.train(was_training)
-    ce, kd, agree, count = distributed.all_reduce_sum(sums).tolist()
+    names = sorted(extra)
+    every = torch.cat([sums, *(extra[n].reshape(1).to(sums) for n in names)])
+    ce, kd, agree, count, *terms = distributed.all_reduce_sum(every).tolist()
     n = max(count, 1.0)
     ce, kd = ce / n, kd / n * settings.temperature**2
     return ValStats(
@@ -289,6 +308,7 @@ def evaluate(
         top1_agreement=agree / n if teacher is not None else None,
         num_tokens=int(count),
         seconds=time.perf_counter() - t0,
+        extra={name: value / n for name, value in zip(names, terms, strict=True)},
     )
 
 

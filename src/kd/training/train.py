@@ -35,6 +35,7 @@ __all__ = [
     "MicroStepResult",
     "StepStats",
     "compute_loss",
+    "compute_loss_terms",
     "count_tokens",
     "cpu_offload_optimizer",
     "grad_norm",
@@ -64,6 +65,8 @@ class StepStats:
             ``teacher``: the teacher's forward passes); the rest is the student's.
         sampled: (micro-batches, completion tokens of all ranks) sampled, per sampling model
             (``student``, ``teacher``); empty off-policy.
+        extra: the loss's further terms (:meth:`kd.teachers.TeacherSignal.loss`), token-weighted
+            like ``kd_loss``: ``{"hidden_loss": ...}`` with hidden-state distillation.
     """
 
     loss: float
@@ -75,6 +78,7 @@ class StepStats:
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
     sampled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
@@ -87,6 +91,7 @@ def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
         "loss": stats.loss,
         "ce_loss": stats.ce_loss,
         "kd_loss": stats.kd_loss,
+        **stats.extra,
         "grad_norm": stats.grad_norm,
         "num_tokens": stats.num_tokens,
         "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
@@ -114,6 +119,7 @@ class MicroStepResult:
     ce: torch.Tensor
     kd: torch.Tensor
     num_tokens: torch.Tensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -130,7 +136,7 @@ def count_tokens(labels: Iterable[torch.Tensor], ignore_index: int = -100) -> to
     return total
 
 
-def compute_loss(
+def compute_loss_terms(
     student: nn.Module,
     teacher: Teacher | nn.Module | None,
     tokens: torch.Tensor,
@@ -140,9 +146,9 @@ def compute_loss(
     teacher_input: TeacherInput | None = None,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     timer: PhaseTimer | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward the student, ask the teacher, and return ``(loss, ce, kd)``, each a mean over
-    labelled positions.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward the student, ask the teacher, and return ``(loss, ce, kd, extra)``, each a mean
+    over labelled positions (``extra``: the signal's further named terms, usually empty).
 
     The student runs first (its activations are what backward keeps), then the teacher answers
     the batch without autograd (:meth:`kd.teachers.Teacher.signal`) and its signal computes the
@@ -185,13 +191,39 @@ def compute_loss(
         else:
             logits = models.logits_from_hidden(student, s_hidden)
             ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
-        return ce, ce.detach(), torch.zeros_like(ce).detach()
+        return ce, ce.detach(), torch.zeros_like(ce).detach(), {}
     timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
     with timing:
         signal = teacher.signal(
             teacher_input if teacher_input is not None else TeacherInput(tokens)
         )
-    return signal.loss(student, s_hidden, labels, settings=settings)
+    loss, ce, kd, *rest = signal.loss(student, s_hidden, labels, settings=settings)
+    return loss, ce, kd, (rest[0] if rest else {})
+
+
+def compute_loss(
+    student: nn.Module,
+    teacher: Teacher | nn.Module | None,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    settings: LossSettings,
+    teacher_input: TeacherInput | None = None,
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    timer: PhaseTimer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, ce, kd)`` of :func:`compute_loss_terms` (its arguments), without the extra terms."""
+    loss, ce, kd, _ = compute_loss_terms(
+        student,
+        teacher,
+        tokens,
+        labels,
+        settings=settings,
+        teacher_input=teacher_input,
+        teacher_topk=teacher_topk,
+        timer=timer,
+    )
+    return loss, ce, kd
 
 
 def micro_step(
@@ -228,7 +260,7 @@ def micro_step(
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
     scale = local.to(torch.float32) / total.to(torch.float32)
-    loss, ce, kd = compute_loss(
+    loss, ce, kd, extra = compute_loss_terms(
         student,
         teacher,
         tokens,
@@ -245,6 +277,7 @@ def micro_step(
         ce=(ce.detach() * scale.to(ce.device)),
         kd=(kd.detach() * scale.to(kd.device)),
         num_tokens=local.detach(),
+        extra={name: t.detach() * scale.to(t.device) for name, t in extra.items()},
     )
 
 
@@ -285,19 +318,54 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     *,
     clip_grad_norm: float | None,
+    extra: nn.Module | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """Clip (optionally), step and zero the gradients; never steps on NaN/inf gradients.
+
+    ``extra`` (:meth:`kd.teachers.Teacher.bind_student`'s trainable module, replicated on every
+    rank) has its gradients averaged over ranks first; the norm and clipping cover its parameters
+    with the student's.
 
     Returns:
         ``(grad_norm, stepped)``; ``stepped`` is False when the norm is NaN/inf (the gradients are
         dropped and the weights left untouched; the recipe decides whether to stop).
     """
-    norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    if extra is None:
+        norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    else:
+        _average_replicated_grads(extra)
+        norm = _joint_grad_norm(model, extra, max_norm=clip_grad_norm)
     stepped = math.isfinite(float(norm))
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def _average_replicated_grads(module: nn.Module) -> None:
+    """Average the gradients of a module replicated on every rank (nothing on one rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def _joint_grad_norm(model: nn.Module, extra: nn.Module, *, max_norm: float | None) -> torch.Tensor:
+    """The L2 norm of the student's and ``extra``'s gradients together (clipped to ``max_norm``)."""
+    student = grad_norm(model.parameters(), max_norm=None)
+    grads = [p.grad for p in extra.parameters() if p.grad is not None]
+    own = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    total = torch.sqrt(student.float() ** 2 + own.to(student.device).float() ** 2)
+    if max_norm is not None:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in [*model.parameters(), *extra.parameters()]:
+            if p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad.mul_(coef.to(grad.device, grad.dtype))
+    return total
 
 
 def cpu_offload_optimizer(
@@ -327,7 +395,11 @@ def cpu_offload_optimizer(
 
 
 def build_optimizer(
-    ctx: Any, student: nn.Module, *, num_training_steps: int
+    ctx: Any,
+    student: nn.Module,
+    *,
+    num_training_steps: int,
+    extra: nn.Module | None = None,
 ) -> tuple[torch.optim.Optimizer, Any]:
     """The configured optimizer over the student's trainable parameters (its states on the CPU
     with ``optimizer_in_cpu``) and the LR scheduler (None without ``lr_scheduler``).
@@ -336,9 +408,13 @@ def build_optimizer(
         ctx: the run (:class:`kd.training.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
         student: the prepared student.
         num_training_steps: optimizer steps of the whole run (the schedule's length).
+        extra: further trainable parameters (:meth:`kd.teachers.Teacher.bind_student`), trained
+            with the student's in the same parameter group.
     """
     run = ctx.run
     trainable = [p for p in student.parameters() if p.requires_grad]
+    if extra is not None:
+        trainable += [p for p in extra.parameters() if p.requires_grad]
     optimizer = (
         cpu_offload_optimizer(
             trainable,
