@@ -80,6 +80,8 @@ class TrainKnobs:
         stored_topk: k of stored teacher logits (``teacher_logits.k``): the run trains from them,
             with no teacher model (``estimate``'s teacher is None); None: an online teacher or none.
         generation: on-policy sampling (``on_policy:``); None: no generation phase.
+        hidden_map: ``hidden_states.layer_map`` (``()``: no hidden-state distillation).
+        hidden_loss: ``hidden_states.loss`` (what its backward keeps).
     """
 
     batch_size: int
@@ -102,6 +104,8 @@ class TrainKnobs:
     eval_batch: int | None = None
     stored_topk: int | None = None
     generation: GenerationKnobs | None = None
+    hidden_map: tuple[str, ...] = ()
+    hidden_loss: str = "cosine"
 
     @property
     def tokens(self) -> int:

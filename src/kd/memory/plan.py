@@ -400,6 +400,8 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         if run.teacher_logits is not None
         else (run.teacher_server.top_k if run.teacher_server is not None else None),
         generation=generation_knobs(run.on_policy, teacher=teacher is not None),
+        hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
+        hidden_loss=run.hidden_states.loss if run.hidden_states is not None else "cosine",
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

@@ -211,9 +211,11 @@ def compute_loss(
     teacher_input: TeacherInput | None = None,
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     timer: PhaseTimer | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, ce, kd)`` of :func:`compute_loss_terms` (its arguments), without the extra terms."""
-    loss, ce, kd, _ = compute_loss_terms(
+    """``(loss, ce, kd)`` of :func:`compute_loss_terms` (its arguments); its extra terms, if any,
+    are put into ``extra`` when given."""
+    loss, ce, kd, terms = compute_loss_terms(
         student,
         teacher,
         tokens,
@@ -223,6 +225,8 @@ def compute_loss(
         teacher_topk=teacher_topk,
         timer=timer,
     )
+    if extra is not None:
+        extra.update(terms)
     return loss, ce, kd
 
 
@@ -260,7 +264,8 @@ def micro_step(
     local = (labels != settings.ignore_index).sum()
     total = torch.as_tensor(num_tokens_total, device=local.device).clamp(min=1)
     scale = local.to(torch.float32) / total.to(torch.float32)
-    loss, ce, kd, extra = compute_loss_terms(
+    extra: dict[str, torch.Tensor] = {}
+    loss, ce, kd = compute_loss(
         student,
         teacher,
         tokens,
@@ -269,6 +274,7 @@ def micro_step(
         teacher_input=teacher_input,
         teacher_topk=teacher_topk,
         timer=timer,
+        extra=extra,
     )
     scaled = loss * scale.to(loss.device)
     (scaled * grad_scale).backward()
