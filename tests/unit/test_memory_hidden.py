@@ -55,7 +55,6 @@ def test_tiny_trace_matches_estimate_with_projections(loss, dtype):
     tolerance = 0.035 if loss == "nmse" else 0.03
     for phase, (planned, traced) in rows.items():
         assert planned == pytest.approx(traced, rel=tolerance), phase
-        assert planned >= traced * 0.99, phase
     # 4 projections 128 -> 192 in fp32: weights and two AdamW states in every phase
     assert est.phases["forward"]["hidden_states"] >= 3 * 4 * 4 * 128 * 192
     without = inputs_from_run(_run(OmegaConf.merge(cfg, {"hidden_states": None})))
