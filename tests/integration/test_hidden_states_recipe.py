@@ -174,3 +174,47 @@ def test_kd_init_maps_a_pruned_student_to_its_kept_layers(tmp_path):
     other = write_hf_qwen2(tmp_path / "other", {**TEACHER, "layers": 2}, seed=5)
     write_hf_tokenizer(other)
     assert "#   layer_map: ['embed:embed', '0:1', '1:3', 'norm:norm']" in init(other, "o")
+
+
+def _short(assets, out: Path, **top) -> dict:
+    return make_config(assets, out, hidden_states=dict(HIDDEN), max_steps_per_epoch=2, **top)
+
+
+def test_both_backends_agree_and_lora_students_train(assets, tmp_path):
+    """The same models on torchtune and transformers give the same hidden loss (the hooks find
+    the embedding, the layers and the final norm of both), and LoRA students of both backends
+    train with it (only the adapters and projections change)."""
+    from test_hf_backend import hf_config
+
+    tt_out, hf_out = tmp_path / "tt", tmp_path / "hf"
+    cfg = hf_config(
+        assets,
+        tt_out,
+        student="tt",
+        teacher="tt",
+        hidden_states=dict(HIDDEN),
+        max_steps_per_epoch=2,
+    )
+    assert _run(write_config(tmp_path / "tt.yaml", cfg)) == 0
+    cfg = hf_config(assets, hf_out, hidden_states=dict(HIDDEN), max_steps_per_epoch=2)
+    assert _run(write_config(tmp_path / "hf.yaml", cfg)) == 0
+    for a, b in zip(read_metrics(tt_out), read_metrics(hf_out), strict=True):
+        for key in ("loss", "ce_loss", "kd_loss", "hidden_loss"):
+            assert b[key] == pytest.approx(a[key], abs=1e-4), (a["step"], key)
+    for name, cfg in (
+        ("tt_lora", _short(assets, tmp_path / "tt_lora", lora=True)),
+        (
+            "hf_lora",
+            hf_config(
+                assets,
+                tmp_path / "hf_lora",
+                lora=True,
+                hidden_states=dict(HIDDEN),
+                max_steps_per_epoch=2,
+            ),
+        ),
+    ):
+        assert _run(write_config(tmp_path / f"{name}.yaml", cfg)) == 0, name
+        rows = read_metrics(tmp_path / name)
+        assert all(0 < r["hidden_loss"] < 2 for r in rows if "loss" in r), name
+        assert (tmp_path / name / "final" / "adapter").is_dir(), name

@@ -21,6 +21,7 @@ on resume, and never exports them into ``final/``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,10 +272,14 @@ class HiddenStateTeacher(Teacher):
         device = models.input_embeddings(student).weight.device
         projections = nn.ModuleDict()
         if d_s != d_t:
+            # nn.Linear's initialisation from a generator of its own: the same projections
+            # whatever the backend or the loading consumed of the global RNG.
+            generator = torch.Generator().manual_seed(0)
             for pair in self.pairs:
-                projections[_pair_name(pair)] = nn.Linear(
-                    d_s, d_t, bias=False, device=device, dtype=torch.float32
-                )
+                proj = nn.Linear(d_s, d_t, bias=False, dtype=torch.float32)
+                with torch.no_grad():
+                    nn.init.kaiming_uniform_(proj.weight, a=math.sqrt(5), generator=generator)
+                projections[_pair_name(pair)] = proj.to(device)
         for s, _ in self.pairs:
             hook = _capture(self._student, s, detach=False)
             self._handles.append(point_module(student, s).register_forward_hook(hook))
