@@ -111,7 +111,8 @@ def hidden_states_lines(teacher: ModelChoice, student: ModelChoice) -> list[str]
     listed = ", ".join(f"'{e}'" for e in entries)
     return [
         "# Hidden-state distillation: match the student's layer outputs to the teacher's",
-        f"# (a learned projection where widths differ). Map: {how}.",
+        "# (a learned projection where widths differ; docs/hidden_states.md). The map:",
+        f"# {how}.",
         "# hidden_states:",
         f"#   layer_map: [{listed}]",
         "#   loss: cosine  # cosine, mse or nmse",
