@@ -38,6 +38,8 @@ class RunCheckpointer:
         config_yaml: the resolved config snapshot saved with every checkpoint.
         keep_last_n: step checkpoints kept.
         world: this process's place in the job.
+        extra: trainable parameters beside the student (:meth:`kd.teachers.Teacher.bind_student`):
+            saved in and restored from step checkpoints, never exported.
     """
 
     def __init__(
@@ -48,8 +50,10 @@ class RunCheckpointer:
         config_yaml: str,
         keep_last_n: int,
         world: WorldInfo,
+        extra: torch.nn.Module | None = None,
     ):
         self.output_dir = output_dir
+        self.extra = extra
         self.source = source
         self.config_yaml = config_yaml
         self.keep_last_n = keep_last_n
@@ -77,6 +81,7 @@ class RunCheckpointer:
             keep_last_n=self.keep_last_n,
             final=final,
             world=self.world,
+            extra=self.extra,
         )
 
     def save_best(
@@ -110,6 +115,7 @@ class RunCheckpointer:
             lr_scheduler=lr_scheduler,
             source=self.source,
             world=self.world,
+            extra=self.extra,
         )
 
     def save_on_stop(

@@ -82,8 +82,13 @@ def save_training_checkpoint(
     keep_last_n: int,
     final: bool,
     world: WorldInfo,
+    extra: torch.nn.Module | None = None,
 ) -> Path | None:
     """Write ``output_dir/step_<step>/`` (``final/`` when ``final``) atomically. Collective.
+
+    ``extra`` (trainable parameters beside the student: :meth:`kd.teachers.Teacher.bind_student`)
+    goes into a step checkpoint's resume state (its weights and optimizer state), never into the
+    exported student.
 
     Returns:
         The folder on rank 0, None on the other ranks.
@@ -93,7 +98,9 @@ def save_training_checkpoint(
     if not final:
         # Collective when distributed (gathers the optimizer state); complete on rank 0 only.
         state = {
-            "optimizer": distributed.optimizer_state_dict(student, optimizer, world=world),
+            "optimizer": distributed.optimizer_state_dict(
+                trained_module(student, extra), optimizer, world=world
+            ),
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else {},
             "global_step": progress.global_step,
             "epoch": progress.epoch,
@@ -104,6 +111,8 @@ def save_training_checkpoint(
         }
         if source.lora is not None:
             state["adapter"] = distributed.adapter_state_dict(student, world=world)
+        if extra is not None:
+            state["extra"] = {k: v.detach().cpu() for k, v in extra.state_dict().items()}
     path = None
     if world.is_rank_zero:
         path = save_checkpoint(
@@ -117,6 +126,14 @@ def save_training_checkpoint(
         )
     distributed.barrier()
     return path
+
+
+def trained_module(student: torch.nn.Module, extra: torch.nn.Module | None) -> torch.nn.Module:
+    """What the optimizer trains, as one module (the optimizer state is keyed by its parameter
+    names): the student, or the student and ``extra`` side by side (``student.*``, ``extra.*``)."""
+    if extra is None:
+        return student
+    return torch.nn.ModuleDict({"student": student, "extra": extra})
 
 
 def save_best_checkpoint(
@@ -199,8 +216,10 @@ def restore_training_checkpoint(
     lr_scheduler: Any | None,
     source: StudentSource,
     world: WorldInfo,
+    extra: torch.nn.Module | None = None,
 ) -> Progress:
-    """Load the student, optimizer, scheduler and RNG of step checkpoint ``ckpt``. Collective.
+    """Load the student, optimizer, scheduler and RNG of step checkpoint ``ckpt`` (and ``extra``,
+    as :func:`save_training_checkpoint` saved it). Collective.
 
     Rank 0 reads the files and broadcasts (tensor by tensor when distributed).
 
@@ -213,7 +232,7 @@ def restore_training_checkpoint(
             pass through.
     """
     try:
-        return _restore(ckpt, student, optimizer, lr_scheduler, source, world)
+        return _restore(ckpt, student, optimizer, lr_scheduler, source, world, extra)
     except (KDUserError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged state fails anywhere in torch
@@ -230,6 +249,7 @@ def _restore(
     lr_scheduler: Any | None,
     source: StudentSource,
     world: WorldInfo,
+    extra: torch.nn.Module | None = None,
 ) -> Progress:
     """The body of :func:`restore_training_checkpoint` (which turns its failures into one line)."""
     rank0 = world.is_rank_zero
@@ -253,10 +273,17 @@ def _restore(
     distributed.load_full_state_dict(student, weights, strict=source.lora is None, world=world)
     del weights
     distributed.load_optimizer_state_dict(
-        student, optimizer, state.pop("optimizer", {}), world=world
+        trained_module(student, extra), optimizer, state.pop("optimizer", {}), world=world
     )
     state.pop("adapter", None)
     state = distributed.broadcast_object(state, world=world)
+    if extra is not None:
+        if "extra" not in state:
+            raise KDUserError(
+                f"{ckpt}: holds no hidden-state projections (hidden_states was off when it was "
+                "saved); resume with the config it was saved with, or start a new output_dir"
+            )
+        extra.load_state_dict(state["extra"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     restore_rng_state(state["rng"])

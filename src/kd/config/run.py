@@ -351,6 +351,38 @@ class SelfTeacherSettings:
 
 
 @settings
+class HiddenStateSettings:
+    """Hidden-state distillation (``hidden_states:``; :mod:`kd.teachers.hidden`): the student's
+    mapped layer outputs are matched to the teacher's, through a learned projection when the
+    widths differ; the loss adds ``weight * hidden_loss``."""
+
+    layer_map: tuple[str, ...] = setting(
+        "hidden_states.layer_map",
+        MISSING,
+        "pairs 'student:teacher' of points matched: a decoder layer's output by index (0 = first "
+        "layer), embed (the token embeddings) or norm (the final norm's output); kd init proposes "
+        "it",
+        resume=MUST_MATCH,
+    )
+    loss: str = setting(
+        "hidden_states.loss",
+        "cosine",
+        "per position: cosine (1 - cosine similarity), mse (mean squared error per dimension) or "
+        "nmse (squared error over the teacher's squared norm); averaged over pairs and labelled "
+        "positions",
+        choices=("mse", "nmse", "cosine"),
+        resume=MUST_MATCH,
+    )
+    weight: float = setting(
+        "hidden_states.weight",
+        1.0,
+        "loss = (1 - kd_ratio) * CE + kd_ratio * KD + weight * hidden_loss",
+        min=0.0,
+        resume=MUST_MATCH,
+    )
+
+
+@settings
 class LossSettings:
     """How the loss is computed (``loss = (1 - kd_ratio) * CE + kd_ratio * KD``)."""
 
@@ -745,6 +777,7 @@ class RunConfig:
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
     teachers: TeachersSettings | None = group(_has("teachers"))
     cross_tokenizer: CrossTokenizerSettings | None = group(_has("cross_tokenizer"))
+    hidden_states: HiddenStateSettings | None = group(_has("hidden_states"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
     )

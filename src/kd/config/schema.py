@@ -187,6 +187,13 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("cross_tokenizer", "gold", "uld", "tokenizer"),
     ),
+    "hidden_states": Section(
+        "hidden-state distillation: {layer_map, loss, weight}; needs a teacher model (not stored "
+        "or served logits); null = logits only",
+        MUST_MATCH,
+        optional=True,
+        words=("hidden_states", "hidden", "hs", "intermediate", "layer_map"),
+    ),
     "keep_best": Section(
         "keep output_dir/best/, the student of the best validation: {metric, mode}; "
         "needs validation",
@@ -226,6 +233,7 @@ ON_POLICY = SECTIONS["on_policy"]
 SELF_TEACHER = SECTIONS["self_teacher"]
 TEACHERS = SECTIONS["teachers"]
 CROSS_TOKENIZER = SECTIONS["cross_tokenizer"]
+HIDDEN_STATES = SECTIONS["hidden_states"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}

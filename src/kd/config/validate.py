@@ -29,6 +29,7 @@ from kd.config.checks.components import (
 )
 from kd.config.checks.features import (
     check_device,
+    check_hidden_states,
     check_on_policy,
     check_output_dir,
     check_teacher_logits,
@@ -153,6 +154,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_cross_tokenizer(data, problems)
     if isinstance(data.get("teachers"), dict) and not problems:
         problems += member_problems(data, lambda d: schema_problems(d, check_paths=check_paths))
+    check_hidden_states(data, problems)
     check_output_dir(data, problems)
     check_device(data, problems)
     check_component_targets(data, problems)

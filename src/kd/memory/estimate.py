@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from kd.memory.activations import student_activations
 from kd.memory.evaluation import evaluation_phase
 from kd.memory.generation import generation_phase
+from kd.memory.hidden import hidden_terms
 from kd.memory.knobs import TrainKnobs
 from kd.memory.loss_head import loss_head
 from kd.memory.resident import resident_bytes
@@ -73,6 +74,7 @@ COMPONENTS = (
     "backward_temp",
     "kv_cache",
     "sampling",
+    "hidden_states",
     "fsdp_in_flight",
     "runtime_reserve",
 )
@@ -171,14 +173,15 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     res = resident_bytes(student, teacher, k)
     head = loss_head(student, teacher, k, output_grad=res.output_grad)
     acts = student_activations(student, k)
-    resident = resident_components(res, k)
+    hidden = hidden_terms(student, teacher, k)
+    resident = resident_components(res, k, hidden)
     forward, subphases = forward_phase(
-        student, teacher, k, resident, acts, head, res.in_flight_forward
+        student, teacher, k, resident, acts, head, res.in_flight_forward, hidden
     )
     phases = {
         "forward": forward,
-        "backward": backward_phase(student, k, resident, res, acts, head),
-        "optimizer_step": optimizer_phase(resident, res),
+        "backward": backward_phase(student, k, resident, res, acts, head, hidden),
+        "optimizer_step": optimizer_phase(resident, res, hidden),
     }
     if k.eval_batch is not None:
         phases[EVAL_PHASE] = evaluation_phase(

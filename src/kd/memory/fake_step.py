@@ -289,6 +289,9 @@ class FakeStep:
         teacher_topk: stored teacher logits ``(ids [b, s, k] int64, logprobs [b, s, k] float16)``
             as the recipe passes them to ``kd.training.train.micro_step``; None with an online teacher or
             none.
+        signal_teacher: what the step asks for the teacher's signal when it is not ``teacher``
+            itself (``hidden_states:``: the :class:`kd.teachers.hidden.HiddenStateTeacher` over it,
+            bound to the student; its projections are in ``trainable``); None: ``teacher``.
         knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the
             micro-batch, the validation batch and the on-policy sampling the trace runs.
     """
@@ -302,6 +305,7 @@ class FakeStep:
     num_tokens_total: torch.Tensor
     knobs: TrainKnobs
     teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    signal_teacher: Any = None
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The micro-batch's input tensors: tokens, labels and the stored top-k when present."""
@@ -373,6 +377,13 @@ def build_fake_step(
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
     trainable = [p for p in student.parameters() if p.requires_grad]
+    signal_teacher = None
+    if teacher is not None and run.hidden_states is not None:
+        from kd.teachers import ModelTeacher
+        from kd.teachers.hidden import HiddenStateTeacher
+
+        signal_teacher = HiddenStateTeacher(ModelTeacher(teacher), run.hidden_states)
+        trainable += list(signal_teacher.bind_student(student).parameters())
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
@@ -394,6 +405,7 @@ def build_fake_step(
         num_tokens_total=torch.tensor(b * s * knobs.grad_accum * num_ranks),
         knobs=knobs,
         teacher_topk=topk,
+        signal_teacher=signal_teacher,
     )
 
 
@@ -669,7 +681,7 @@ def trace_step_phases(
             with split_at_backward(rec.start_backward, rec.end_backward):
                 train.micro_step(
                     step.student,
-                    step.teacher,
+                    step.signal_teacher or step.teacher,
                     step.tokens,
                     step.labels,
                     settings=run.loss,

@@ -84,6 +84,8 @@ class TrainKnobs:
             a full fine-tune): a LoRA student would need no copy (its base is the teacher).
         other_teacher_params: parameters of the local teachers beside the planned one
             (``teachers:``: they stay resident; only one teacher runs forward at a time).
+        hidden_map: ``hidden_states.layer_map`` (``()``: no hidden-state distillation).
+        hidden_loss: ``hidden_states.loss`` (what its backward keeps).
     """
 
     batch_size: int
@@ -108,6 +110,8 @@ class TrainKnobs:
     generation: GenerationKnobs | None = None
     self_teacher_copy: bool = False
     other_teacher_params: int = 0
+    hidden_map: tuple[str, ...] = ()
+    hidden_loss: str = "cosine"
 
     @property
     def tokens(self) -> int:

@@ -408,6 +408,8 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         teacher_bytes_per_param=0.0 if _self_teacher_copy(run, student) is False else None,
         self_teacher_copy=bool(_self_teacher_copy(run, student)),
         other_teacher_params=others,
+        hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
+        hidden_loss=run.hidden_states.loss if run.hidden_states is not None else "cosine",
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

@@ -23,6 +23,7 @@ from kd.memory.activations import (
     nograd_forward_bytes,
     student_forward_bytes,
 )
+from kd.memory.hidden import HiddenTerms
 from kd.memory.knobs import TrainKnobs
 from kd.memory.loss_head import STORED_TOPK_BYTES, LossHead
 from kd.memory.resident import Resident
@@ -34,7 +35,9 @@ LAYER_BWD_H = 2.5
 Components = dict[str, int]
 
 
-def resident_components(res: Resident, k: TrainKnobs) -> Components:
+def resident_components(
+    res: Resident, k: TrainKnobs, hidden: HiddenTerms | None = None
+) -> Components:
     """The components every phase of a step starts from: weights, buffers (plus the micro-batch's
     int64 tokens and labels), stored top-k logits, optimizer states, and the gradients when
     accumulation keeps them between micro-batches."""
@@ -48,6 +51,7 @@ def resident_components(res: Resident, k: TrainKnobs) -> Components:
         "stored_logits": stored,
         "optimizer_states": res.optimizer_states,
         "gradients": res.gradients if k.grad_accum > 1 else 0,
+        "hidden_states": hidden.resident if hidden is not None else 0,
     }
 
 
@@ -59,6 +63,7 @@ def forward_phase(
     acts: StudentActivations,
     head: LossHead,
     in_flight: int,
+    hidden: HiddenTerms | None = None,
 ) -> tuple[Components, dict[str, int]]:
     """The forward's components at its peak, and the allocated bytes of each sub-phase's peak
     (``student_forward``, ``teacher_forward``, ``loss_forward``).
@@ -72,18 +77,26 @@ def forward_phase(
     base = sum(resident.values()) + in_flight
     s_fwd = student_forward_bytes(student, k, acts)
     t_fwd = nograd_forward_bytes(teacher, k.batch_size, k.seq_len, a) if teacher else 0
+    h = hidden or HiddenTerms()
     parts = {
         "student_forward": {"activations": s_fwd},
-        "teacher_forward": {"activations": acts.total + hid_s, "teacher_forward": t_fwd},
+        "teacher_forward": {
+            "activations": acts.total + hid_s,
+            "teacher_forward": t_fwd,
+            "hidden_states": h.teacher_forward,
+        },
         "loss_forward": {
             "activations": acts.total + hid_s,
             "teacher_forward": hid_t,
             "logits_loss": head.peak,
+            "hidden_states": h.loss_forward,
         },
     }
     subphases = {name: base + sum(part.values()) for name, part in parts.items()}
     peak = max(subphases, key=lambda x: subphases[x])
-    return dict(resident, fsdp_in_flight=in_flight, **parts[peak]), subphases
+    comps = dict(resident, fsdp_in_flight=in_flight, **parts[peak])
+    comps["hidden_states"] = resident["hidden_states"] + parts[peak].get("hidden_states", 0)
+    return comps, subphases
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,7 @@ def backward_phase(
     res: Resident,
     acts: StudentActivations,
     head: LossHead,
+    hidden: HiddenTerms | None = None,
 ) -> Components:
     """The backward's components at its peak: its start (loss gradients + final norm), each
     layer's backward from the last, or its end (tied embeddings: the embedding's dense gradient
@@ -224,7 +238,8 @@ def backward_phase(
     }
     candidates = [first, *_layer_candidates(student, k, res, acts, grads_resident, held), end]
     best = max(candidates, key=lambda d: sum(d.values()))
-    return dict(resident, fsdp_in_flight=res.in_flight_backward, **best)
+    h = hidden.backward if hidden is not None else 0
+    return dict(resident, fsdp_in_flight=res.in_flight_backward, **best, hidden_states=h)
 
 
 def between_steps(resident: Components, *, in_flight: int, buffers: int) -> Components:
@@ -234,6 +249,11 @@ def between_steps(resident: Components, *, in_flight: int, buffers: int) -> Comp
     return dict(resident, gradients=0, stored_logits=0, fsdp_in_flight=in_flight, buffers=buffers)
 
 
-def optimizer_phase(resident: Components, res: Resident) -> Components:
+def optimizer_phase(
+    resident: Components, res: Resident, hidden: HiddenTerms | None = None
+) -> Components:
     """The optimizer step: every gradient and the step's temporaries on top of the resident."""
-    return dict(resident, gradients=res.gradients, optimizer_temp=res.optimizer_temp)
+    h = hidden.optimizer_step if hidden is not None else resident.get("hidden_states", 0)
+    return dict(
+        resident, gradients=res.gradients, optimizer_temp=res.optimizer_temp, hidden_states=h
+    )

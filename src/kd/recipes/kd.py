@@ -98,6 +98,8 @@ class KDRecipe:
         self.log: RunLog | None = None  # rank 0's metric sinks
         self.complete = False  # resume found the run already finished (preload)
         self.found: outputs.ResumePoint | None = None
+        # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
+        self.extra: torch.nn.Module | None = None
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -184,9 +186,9 @@ class KDRecipe:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
         self.student = self._load_model("model")
         if self.teacher is not None:
-            self.teacher.bind_student(self.student)
+            self.extra = self.teacher.bind_student(self.student)
         self.optimizer, self.lr_scheduler = train.build_optimizer(
-            self.ctx, self.student, num_training_steps=self.total_steps
+            self.ctx, self.student, num_training_steps=self.total_steps, extra=self.extra
         )
         self.checkpointer = RunCheckpointer(
             self.output_dir,
@@ -194,6 +196,7 @@ class KDRecipe:
             config_yaml=run.yaml,
             keep_last_n=run.checkpoint.keep_last_n,
             world=self.world,
+            extra=self.extra,
         )
         if run.validation is not None:
             self.validator = evaluate.Validator(
@@ -385,7 +388,10 @@ class KDRecipe:
         # optimizer_step never applies NaN/inf gradients: the weights stay those of the last good
         # step whatever the loop decides.
         norm, stepped = train.optimizer_step(
-            self.student, self.optimizer, clip_grad_norm=self.run.optimizer.clip_grad_norm
+            self.student,
+            self.optimizer,
+            clip_grad_norm=self.run.optimizer.clip_grad_norm,
+            extra=self.extra,
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

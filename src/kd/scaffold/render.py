@@ -17,6 +17,7 @@ from typing import Any
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat
 from kd.scaffold.inspection import HF_CONFIG_FILE, ModelChoice
+from kd.scaffold.layer_map import hidden_states_lines
 
 # LoRA knobs of the generated config (torchtune's names; kd.hf.lora_causal_lm takes the same).
 LORA_ATTN_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
@@ -125,6 +126,8 @@ def render_config(
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
+            *hidden_states_lines(teacher, student),
+            "",
             "# Memory plan (checked before any weight loads; kd plan --fit lists settings that fit)",
             "memory:",
             f"  budget_gib: {_yaml(budget_gib)}  # GiB per device; null = the device's total memory",

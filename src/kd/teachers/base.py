@@ -81,8 +81,13 @@ class TeacherSignal(Protocol):
         labels: torch.Tensor,
         *,
         settings: LossSettings,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(loss, ce, kd)``, each a mean over labelled positions.
+    ) -> (
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+    ):
+        """``(loss, ce, kd)``, each a mean over labelled positions; a signal whose loss has
+        more terms than CE and KD adds a fourth element, ``{name: term}`` (detached means over
+        labelled positions, e.g. ``hidden_loss``), which the recipe logs beside them.
 
         Args:
             student: the student decoder (its output projection turns ``student_hidden`` into
@@ -122,11 +127,19 @@ class Teacher(Protocol):
         autograd."""
         ...
 
-    def bind_student(self, student: nn.Module) -> None:
+    def bind_student(self, student: nn.Module) -> nn.Module | None:
         """Called once the student is loaded and prepared (LoRA, activation checkpointing,
         sharding), before the optimizer is built and before a resume restores it: a teacher
         made from the student itself (self-distillation) or one that reads the student's own
-        layers (hidden-state targets) takes what it needs here. Default: nothing."""
+        layers (hidden-state targets) takes what it needs here.
+
+        Returns:
+            None, or a module of extra trainable parameters the loss uses (hidden-state
+            projections): the recipe trains them with the student (replicated on every rank,
+            gradients averaged), saves them in step checkpoints, restores them on resume and
+            never exports them with the student. Default: nothing, None.
+        """
+        return None
 
     def close(self) -> None:
         """Let go of what the teacher holds for the run (connections, worker threads, a store's

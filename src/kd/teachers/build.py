@@ -37,6 +37,7 @@ from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.cross import CrossTokenizerSource
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
+from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.privileged import PrivilegedRows
@@ -102,7 +103,7 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     if run.components["teacher_model"] is not None:
         if getattr(run, "cross_tokenizer", None) is not None:  # its own tokenizer
             return CrossTokenizerSource(run)
-        return ModelTeacherSource()
+        return ModelTeacherSource(run)
     # Several teachers (no top-level one), each built here. getattr: a RunConfig always has
     # the field; the stand-ins of tests written before it did not.
     if getattr(run, "teachers", None) is not None:
@@ -117,19 +118,27 @@ class ModelTeacherSource:
     needs_rows = False
     route_field: str | None = None
 
+    def __init__(self, run: RunConfig | None = None):
+        self.hidden_states = getattr(run, "hidden_states", None)
+
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
-        # (RunContext.inspect_models reads every key of ``reads``).
-        pass
+        # (RunContext.inspect_models reads every key of ``reads``); a hidden-state map is
+        # checked against both models' layer counts (config.json).
+        if self.hidden_states is not None:
+            check_layer_map(self.hidden_states, facts)
 
-    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ModelTeacher:
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
         model = ctx.load_model(
             "teacher_model",
             facts.sources["teacher_model"],
             lambda m, shard: prepare_teacher(m, shard=shard),
             run_dir=run_dir,
         )
-        return ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
+        teacher = ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
+        if self.hidden_states is not None:
+            return HiddenStateTeacher(teacher, self.hidden_states)
+        return teacher
 
 
 class StoredTeacherSource:

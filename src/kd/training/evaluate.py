@@ -114,6 +114,10 @@ def token_sums(
     """Sums over the labelled positions of one batch: CE, divergence, argmax agreements, count,
     then (sum, positions) of each extra term of the teacher (:attr:`kd.teachers.Teacher.terms`).
 
+    A signal with extra terms gives their sums per chunk of logits (``token_divergences``:
+    several teachers' divergences, ``T^2`` included) or per batch (``term_sums(labels,
+    ignore_index) -> {name: (sum, positions)}``: the hidden-state loss).
+
     Both models must be in hidden-output mode (:func:`kd.models.set_hidden_output`); call it
     under ``torch.no_grad()``. The divergence sum is without the ``T^2`` factor.
 
@@ -169,6 +173,12 @@ def token_sums(
             settings=settings,
             names=names,
         )
+    term_sums = getattr(signal, "term_sums", None)
+    if term_sums is not None:
+        for name, (total, positions) in term_sums(labels, settings.ignore_index).items():
+            i = names.index(name)
+            sums[4 + 2 * i] += total.double()
+            sums[5 + 2 * i] += positions
     return sums
 
 
@@ -210,7 +220,7 @@ def _chunk_sums(
         for i, name in enumerate(names):
             values, where = terms[name]
             counted = weight if where is None else (where if weight is None else where & weight)
-            sums[4 + 2 * i] += _weighted(values, counted).double().sum()
+            sums[4 + 2 * i] += _weighted(values, counted).double().sum() * settings.temperature**2
             sums[5 + 2 * i] += values.numel() if counted is None else counted.sum()
         return sums
     t_logits = teacher.logits(h_t)  # [n, Vt] fp32
@@ -253,7 +263,7 @@ def batch_sums(
         device: where the models run.
 
     Returns:
-        fp64 ``[4]`` sums (:func:`token_sums`).
+        fp64 ``[4 + 2 * terms]`` sums (:func:`token_sums`).
     """
     labels = shift_labels(batch["labels"], settings.ignore_index)
     sums = token_sums(
@@ -311,8 +321,7 @@ def evaluate(
     ce, kd, agree, count, *extra = distributed.all_reduce_sum(sums).tolist()
     n = max(count, 1.0)
     ce, kd = ce / n, kd / n * settings.temperature**2
-    t2 = settings.temperature**2
-    terms = {name: extra[2 * i] / max(extra[2 * i + 1], 1.0) * t2 for i, name in enumerate(names)}
+    terms = {name: extra[2 * i] / max(extra[2 * i + 1], 1.0) for i, name in enumerate(names)}
     return ValStats(
         loss=(1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd,
         ce_loss=ce,

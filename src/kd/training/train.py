@@ -299,19 +299,54 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     *,
     clip_grad_norm: float | None,
+    extra: nn.Module | None = None,
 ) -> tuple[torch.Tensor, bool]:
     """Clip (optionally), step and zero the gradients; never steps on NaN/inf gradients.
+
+    ``extra`` (:meth:`kd.teachers.Teacher.bind_student`'s trainable module, replicated on every
+    rank) has its gradients averaged over ranks first; the norm and clipping cover its parameters
+    with the student's.
 
     Returns:
         ``(grad_norm, stepped)``; ``stepped`` is False when the norm is NaN/inf (the gradients are
         dropped and the weights left untouched; the recipe decides whether to stop).
     """
-    norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    if extra is None:
+        norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    else:
+        _average_replicated_grads(extra)
+        norm = _joint_grad_norm(model, extra, max_norm=clip_grad_norm)
     stepped = math.isfinite(float(norm))
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def _average_replicated_grads(module: nn.Module) -> None:
+    """Average the gradients of a module replicated on every rank (nothing on one rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def _joint_grad_norm(model: nn.Module, extra: nn.Module, *, max_norm: float | None) -> torch.Tensor:
+    """The L2 norm of the student's and ``extra``'s gradients together (clipped to ``max_norm``)."""
+    student = grad_norm(model.parameters(), max_norm=None)
+    grads = [p.grad for p in extra.parameters() if p.grad is not None]
+    own = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    total = torch.sqrt(student.float() ** 2 + own.to(student.device).float() ** 2)
+    if max_norm is not None:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in [*model.parameters(), *extra.parameters()]:
+            if p.grad is not None:
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad.mul_(coef.to(grad.device, grad.dtype))
+    return total
 
 
 def cpu_offload_optimizer(
@@ -341,7 +376,11 @@ def cpu_offload_optimizer(
 
 
 def build_optimizer(
-    ctx: Any, student: nn.Module, *, num_training_steps: int
+    ctx: Any,
+    student: nn.Module,
+    *,
+    num_training_steps: int,
+    extra: nn.Module | None = None,
 ) -> tuple[torch.optim.Optimizer, Any]:
     """The configured optimizer over the student's trainable parameters (its states on the CPU
     with ``optimizer_in_cpu``) and the LR scheduler (None without ``lr_scheduler``).
@@ -350,9 +389,13 @@ def build_optimizer(
         ctx: the run (:class:`kd.training.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
         student: the prepared student.
         num_training_steps: optimizer steps of the whole run (the schedule's length).
+        extra: further trainable parameters (:meth:`kd.teachers.Teacher.bind_student`), trained
+            with the student's in the same parameter group.
     """
     run = ctx.run
     trainable = [p for p in student.parameters() if p.requires_grad]
+    if extra is not None:
+        trainable += [p for p in extra.parameters() if p.requires_grad]
     optimizer = (
         cpu_offload_optimizer(
             trainable,

@@ -236,3 +236,40 @@ def check_device(data: dict[str, Any], problems: list[Problem]) -> None:
                 f"{device!r} is not a device kd runs on; set device to cuda, cuda:N or cpu",
             )
         )
+
+
+def check_hidden_states(data: dict[str, Any], problems: list[Problem]) -> None:
+    """Hidden-state distillation reads the teacher's layers: it needs a teacher model that runs
+    (stored top-k log-probs and a served teacher hold no hidden states)."""
+    if not isinstance(data.get("hidden_states"), dict):
+        return
+    fix = "remove hidden_states, or distil from a local teacher_model"
+    if isinstance(data.get("teacher_logits"), dict):
+        problems.append(
+            Problem(
+                "hidden_states",
+                f"needs the teacher's hidden states, which teacher_logits "
+                f"(stored top-k log-probs) does not hold; {fix} (teacher_logits: null)",
+            )
+        )
+    elif isinstance(data.get("teacher_server"), dict):
+        problems.append(
+            Problem(
+                "hidden_states",
+                f"needs the teacher's hidden states, which a served teacher "
+                f"(teacher_server) does not answer; {fix}",
+            )
+        )
+    elif "teacher_model" in data and data["teacher_model"] is None:
+        problems.append(
+            Problem("hidden_states", f"needs a teacher, but teacher_model is null; {fix}")
+        )
+    elif isinstance(data.get("cross_tokenizer"), dict):
+        problems.append(
+            Problem(
+                "hidden_states",
+                "matches positions of one tokenization, but cross_tokenizer gives the teacher "
+                "another; remove hidden_states, or cross_tokenizer (a teacher sharing the "
+                "student's tokenizer)",
+            )
+        )

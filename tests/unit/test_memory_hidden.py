@@ -1,0 +1,99 @@
+"""The memory plan of hidden-state distillation (``hidden_states:``) against the traced step: the
+captured teacher states, what the hidden loss saves for backward, and the width projections with
+their gradients and optimizer states (component ``hidden_states``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from omegaconf import OmegaConf
+from test_memory import TINY_STUDENT, TINY_TEACHER, _run
+
+from kd.config import load_config
+from kd.config.run import run_config
+from kd.memory.estimate import estimate
+from kd.memory.plan import inputs_from_run
+from kd.memory.trace import trace_run
+from kd.scaffold.layer_map import uniform_map
+
+PHASES = ("forward", "backward", "optimizer_step")
+
+
+def _layer_map(student_layers: int, teacher_layers: int) -> list[str]:
+    pairs = enumerate(uniform_map(student_layers, teacher_layers))
+    return ["embed:embed", *(f"{i}:{j}" for i, j in pairs), "norm:norm"]
+
+
+def _compare(run) -> dict[str, tuple[int, int]]:
+    traced = trace_run(run).phase_peaks
+    inputs = inputs_from_run(run)
+    est = estimate(inputs.student, inputs.teacher, replace(inputs.knobs, select_labelled=False))
+    return {p: (est.allocated(p), traced[p]) for p in PHASES}, est
+
+
+@pytest.mark.parametrize("loss", ["cosine", "mse", "nmse"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiny_trace_matches_estimate_with_projections(loss, dtype):
+    cfg = OmegaConf.create(
+        {
+            "model": TINY_STUDENT,  # width 128
+            "teacher_model": TINY_TEACHER,  # width 192: every pair is projected
+            "kd_ratio": 0.5,
+            "dtype": dtype,
+            "tokenizer": {"max_seq_len": 128},
+            "batch_size": 2,
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+            "loss_chunk_size": 64,
+            "hidden_states": {"layer_map": _layer_map(2, 2), "loss": loss},
+        }
+    )
+    rows, est = _compare(_run(cfg))
+    # nmse at this tiny size: the plan is 3.1% over the trace in backward (some of the saved
+    # differences are freed before the backward's peak; counted held, the safe side); 14B -> 3B
+    # with nmse: 1.009.
+    tolerance = 0.035 if loss == "nmse" else 0.03
+    for phase, (planned, traced) in rows.items():
+        assert planned == pytest.approx(traced, rel=tolerance), phase
+    # 4 projections 128 -> 192 in fp32: weights and two AdamW states in every phase
+    assert est.phases["forward"]["hidden_states"] >= 3 * 4 * 4 * 128 * 192
+    without = inputs_from_run(_run(OmegaConf.merge(cfg, {"hidden_states": None})))
+    base = estimate(without.student, without.teacher, without.knobs)
+    assert all(base.phases[p]["hidden_states"] == 0 for p in PHASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config,layers,overrides",
+    [
+        ("qwen2_5/14B_to_3B_full_single_device", (36, 48), []),  # widths 2048 -> 5120
+        ("llama3_1/8B_to_8B_lora_single_device", (32, 32), []),
+        (  # a pruned pair: Llama-3.1-8B with 8 of its 32 layers dropped, full fine-tuning
+            "llama3_2/8B_to_1B_full_single_device",
+            (24, 32),
+            [
+                "model={_component_: torchtune.models.llama3_1.llama3_1, vocab_size: 128256, "
+                "num_layers: 24, num_heads: 32, num_kv_heads: 8, embed_dim: 4096, "
+                "intermediate_dim: 14336, max_seq_len: 131072}"
+            ],
+        ),
+    ],
+    ids=["14B-3B-projected", "8B-8B-lora", "8B-pruned-24"],
+)
+def test_real_size_pairs_within_3_percent(config, layers, overrides):
+    """Measured here (bf16, activation checkpointing, batch 1 x 512 tokens, the uniform map plus
+    embed and norm): 14B -> 3B 1.000 / 1.015 / 1.000 (forward / backward / optimizer step),
+    8B -> 8B LoRA 1.000 / 1.008 / 1.000, the pruned 8B 1.000 / 1.007 / 1.000."""
+    entries = ",".join(f"'{e}'" for e in _layer_map(*layers))
+    over = [
+        "enable_activation_checkpointing=true",
+        "tokenizer.max_seq_len=512",
+        "batch_size=1",
+        "gradient_accumulation_steps=1",
+        f"hidden_states.layer_map=[{entries}]",
+        "hidden_states.loss=cosine",
+        *overrides,
+    ]
+    rows, _ = _compare(run_config(load_config(config, over)))
+    for phase, (planned, traced) in rows.items():
+        assert planned == pytest.approx(traced, rel=0.03), phase
