@@ -286,10 +286,13 @@ class HiddenStateTeacher(Teacher):
             # whatever the backend or the loading consumed of the global RNG.
             generator = torch.Generator().manual_seed(0)
             for pair in self.pairs:
-                proj = nn.Linear(d_s, d_t, bias=False, dtype=torch.float32)
+                # Made where it trains (no .to(): a traced step keeps weak references to it).
+                proj = nn.Linear(d_s, d_t, bias=False, dtype=torch.float32, device=device)
                 with torch.no_grad():
-                    nn.init.kaiming_uniform_(proj.weight, a=math.sqrt(5), generator=generator)
-                projections[_pair_name(pair)] = proj.to(device)
+                    init = torch.empty(d_t, d_s, dtype=torch.float32)
+                    nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+                    proj.weight.copy_(init)
+                projections[_pair_name(pair)] = proj
         for s, _ in self.pairs:
             hook = _capture(self._student, s, detach=False)
             self._handles.append(point_module(student, s).register_forward_hook(hook))
