@@ -372,6 +372,10 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
+        if run.teacher_quantization == "int8" and shard is None:
+            from kd.teachers.quantize import quantize_int8
+
+            quantize_int8(teacher)
     trainable = [p for p in student.parameters() if p.requires_grad]
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)

@@ -28,6 +28,7 @@ from kd.teachers import foreign_logits, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher
+from kd.teachers.quantize import quantize_int8
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
 from kd.training.run_context import ModelFacts, RunContext
@@ -65,31 +66,53 @@ class TeacherSource(Protocol):
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source (see the module docstring), or None without a teacher."""
     if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
+        _check_no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
         return StoredTeacherSource(run)
     if run.teacher_server is not None:
+        _check_no_quantization(run, "this run's teacher is served (teacher_server)")
         return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
-        return ModelTeacherSource()
+        return ModelTeacherSource(quantization=run.teacher_quantization)
+    _check_no_quantization(run, "this run has no teacher_model")
     return None
 
 
+def _check_no_quantization(run: RunConfig, why: str) -> None:
+    """``teacher_quantization`` applies to a local ``teacher_model`` only."""
+    if run.teacher_quantization != "none":
+        raise KDUserError(
+            f"teacher_quantization: {run.teacher_quantization} quantizes a local teacher_model, "
+            f"and {why}; set teacher_quantization=none"
+        )
+
+
 class ModelTeacherSource:
-    """``teacher_model`` (+ ``teacher_checkpointer`` for a torchtune builder): a local model."""
+    """``teacher_model`` (+ ``teacher_checkpointer`` for a torchtune builder): a local model,
+    its decoder-layer linears quantized to int8 when ``quantization`` is ``int8``
+    (``teacher_quantization``, :mod:`kd.teachers.quantize`)."""
 
     reads = ("teacher_model",)
     needs_rows = False
 
+    def __init__(self, quantization: str = "none"):
+        self.quantization = quantization
+
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
         # (RunContext.inspect_models reads every key of ``reads``).
-        pass
+        if self.quantization != "none" and ctx.world.distributed:
+            raise KDUserError(
+                f"teacher_quantization: {self.quantization} runs on one device (an FSDP2-sharded "
+                "teacher is not quantized); set teacher_quantization=none, or run on one device"
+            )
 
     def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> ModelTeacher:
+        def prepare(model: Any, shard: Any) -> Any:
+            model = prepare_teacher(model, shard=shard)
+            return quantize_int8(model) if self.quantization == "int8" else model
+
         model = ctx.load_model(
-            "teacher_model",
-            facts.sources["teacher_model"],
-            lambda m, shard: prepare_teacher(m, shard=shard),
-            run_dir=run_dir,
+            "teacher_model", facts.sources["teacher_model"], prepare, run_dir=run_dir
         )
         return ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
 
