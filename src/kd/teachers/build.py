@@ -72,16 +72,17 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
         _check_no_quantization(run, "this run's teacher is served (teacher_server)")
         return ServedTeacherSource(run)
     if run.components["teacher_model"] is not None:
-        return ModelTeacherSource(quantization=run.teacher_quantization)
+        return ModelTeacherSource(quantization=getattr(run, "teacher_quantization", "none"))
     _check_no_quantization(run, "this run has no teacher_model")
     return None
 
 
 def _check_no_quantization(run: RunConfig, why: str) -> None:
     """``teacher_quantization`` applies to a local ``teacher_model`` only."""
-    if run.teacher_quantization != "none":
+    quantization = getattr(run, "teacher_quantization", "none")  # a duck-typed run may lack it
+    if quantization != "none":
         raise KDUserError(
-            f"teacher_quantization: {run.teacher_quantization} quantizes a local teacher_model, "
+            f"teacher_quantization: {quantization} quantizes a local teacher_model, "
             f"and {why}; set teacher_quantization=none"
         )
 
