@@ -836,6 +836,15 @@ class RunConfig:
         min=0,
         resume=MAY_CHANGE,
     )
+    teacher_quantization: str = setting(
+        "teacher_quantization",
+        "none",
+        "weight-only quantization of a local teacher_model's decoder-layer linears through "
+        "torchao: none, or int8 (opt-in: changes the teacher's outputs; measure the cost with "
+        "scripts/int8_teacher_report.py)",
+        choices=("none", "int8"),
+        resume=MUST_MATCH,
+    )
     trust_remote_components: bool = setting(
         "trust_remote_components",
         False,

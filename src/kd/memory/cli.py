@@ -28,8 +28,8 @@ The plan assumes every sequence is tokenizer.max_seq_len tokens long (memory.seq
 --fit searches activation checkpointing, micro-batch (accumulation raised to keep the global batch,
 never beyond what the dataset holds), loss chunk size, 8-bit AdamW and the CPU offload the recipe
 accepts (optimizer_in_cpu on one CUDA device, fsdp.cpu_offload over several ranks), and prints the
-settings that fit, fastest first, as overrides; a LoRA student and a quantized teacher are only
-suggested, with the settings that make them fit. With on_policy the generation phase (the KV-cache
+settings that fit, fastest first, as overrides; a LoRA student (and, with
+--consider-teacher-quantization, a quantized teacher) are only suggested, with the settings that make them fit. With on_policy the generation phase (the KV-cache
 rollout at the start of each step) is planned too, prompt + completion filling max_seq_len.
 --trace runs the recipe's real training step for the full-size architecture on fake CPU tensors
 (FakeTensorMode + MemTracker: no real memory, tens of seconds per billion parameters), and with
@@ -57,6 +57,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--fit", action="store_true", help="when over budget, print the settings that fit"
+    )
+    p.add_argument(
+        "--consider-teacher-quantization",
+        action="store_true",
+        help="with --fit, also suggest a quantized teacher (int8: teacher_quantization=int8; "
+        "changes the teacher's outputs, so never suggested unasked)",
     )
     p.add_argument(
         "--plot", metavar="PNG", default=None, help="write a stacked bar chart of the components"
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         )
     note = None
     if args.fit and not plan.fits:
-        note = attach_fit(plan, run)
+        note = attach_fit(plan, run, quantized_teacher=args.consider_teacher_quantization)
     if args.plot:
         from kd.memory.report import plot_plan
 

@@ -376,6 +376,10 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
+        if run.teacher_quantization == "int8" and shard is None:
+            from kd.teachers.quantize import quantize_int8
+
+            quantize_int8(teacher)
     trainable = [p for p in student.parameters() if p.requires_grad]
     signal_teacher = None
     if teacher is not None and run.hidden_states is not None:

@@ -31,7 +31,14 @@ from typing import Any
 from kd import families
 from kd.memory.estimate import EVAL_PHASE, GEN_PHASE, GIB, Estimate, estimate
 from kd.memory.knobs import OptimizerSpec, TrainKnobs
-from kd.memory.shapes import BUILDERS, NF4_BYTES_PER_PARAM, LoraSpec, ModelShape
+from kd.memory.shapes import (
+    BUILDERS,
+    INT8_BYTES_PER_PARAM,  # noqa: F401  (re-exported: kd.memory.fit.INT8_BYTES_PER_PARAM)
+    NF4_BYTES_PER_PARAM,
+    LoraSpec,
+    ModelShape,
+    int8_teacher_bytes_per_param,
+)
 
 # Multipliers on the step time (ordering heuristics, not measurements):
 # recomputing every layer's forward costs ~1/3 of a forward+backward; each halving of the
@@ -48,9 +55,6 @@ _TIME = {
 # Examples per rank one optimizer step may need when the dataset's length is unknown at plan time.
 UNKNOWN_DATA_EXAMPLES = 4096
 
-# A quantized teacher's bytes per parameter (torchao int8 weight-only and NF4,
-# measured under FakeTensorMode).
-INT8_BYTES_PER_PARAM = 1.006
 # Savings below this are not worth a suggestion (they print as 0.0 GiB).
 MIN_SAVING_BYTES = GIB // 10
 
@@ -304,6 +308,7 @@ def fit_options(
     student_component: str = "",
     optimizer_keys: tuple[str, ...] = (),
     limit: int = 5,
+    quantized_teacher: bool = True,
 ) -> list[FitOption]:
     """Knob settings whose planned peak fits ``budget_bytes`` and the data, fastest first, then
     suggestions that fit.
@@ -320,6 +325,8 @@ def fit_options(
         optimizer_keys: keys of the config's optimizer node (those AdamW8bit does not take are
             deleted with ``~optimizer.key``).
         limit: at most this many knob options (suggestions come on top).
+        quantized_teacher: also suggest a quantized teacher (``kd plan --fit`` asks only with
+            ``--consider-teacher-quantization``).
 
     Returns:
         Options that fit, fastest first (ties: lower peak first), followed by suggestions.
@@ -343,7 +350,12 @@ def fit_options(
         if len(kept) >= limit:
             break
     return kept + suggestions(
-        student, teacher, knobs, student_component=student_component, **common
+        student,
+        teacher,
+        knobs,
+        student_component=student_component,
+        quantized_teacher=quantized_teacher,
+        **common,
     )
 
 
@@ -389,10 +401,13 @@ def suggestions(
     optimizer_keys: tuple[str, ...] = (),
     data_known: bool = False,
     student_component: str = "",
+    quantized_teacher: bool = True,
 ) -> list[FitOption]:
-    """A LoRA student, a quantized teacher and (on-policy, when the teacher's sampling is the
-    peak) a student that samples alone, each with the fastest knob setting that makes it fit
-    (they change the training); only those that fit and save memory are returned."""
+    """A LoRA student, a quantized teacher (when ``quantized_teacher``) and (on-policy, when the
+    teacher's sampling is the peak) a student that samples alone, each with the fastest knob
+    setting that makes it fit (they change the training); only those that fit and save memory
+    are returned. The int8 teacher is ``teacher_quantization=int8`` (its decoder-layer linears,
+    counted as the planner counts that key); NF4 has no config key."""
     common: dict[str, Any] = {
         "budget_bytes": budget_bytes,
         "device": device,
@@ -427,11 +442,12 @@ def suggestions(
     alone = _student_samples_alone(student, teacher, knobs, **common)
     if alone is not None:
         out.append(alone)
-    if teacher is not None:
-        for name, per_param in (
-            ("int8 weight-only", INT8_BYTES_PER_PARAM),
-            ("NF4", NF4_BYTES_PER_PARAM),
-        ):
+    if teacher is not None and quantized_teacher and knobs.teacher_bytes_per_param is None:
+        int8 = int8_teacher_bytes_per_param(teacher, knobs.dtype_bytes)
+        for name, per_param in (("int8 weight-only", int8), ("NF4", NF4_BYTES_PER_PARAM)):
+            key = (
+                "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
+            )
             best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
             if best is None:
                 continue
@@ -442,7 +458,7 @@ def suggestions(
                     option.overrides,
                     option.peak_bytes,
                     option.relative_time * 1.1,
-                    f"suggestion: an {name} teacher (not a kd config key yet; changes the "
+                    f"suggestion: an {name} teacher ({key}changes the "
                     f"teacher's outputs) would save {saving / GIB:.1f} GiB per device and fit at "
                     f"{option.peak_bytes / GIB:.1f} GiB{with_knobs}",
                     suggestion=True,

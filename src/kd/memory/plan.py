@@ -21,7 +21,13 @@ from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
-from kd.memory.shapes import LoraSpec, ModelShape, ShapeError, shape_from_component
+from kd.memory.shapes import (
+    LoraSpec,
+    ModelShape,
+    ShapeError,
+    int8_teacher_bytes_per_param,
+    shape_from_component,
+)
 
 PHASE_LABELS = {
     "generation": "generation",
@@ -405,7 +411,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         generation=generation_knobs(
             run.on_policy, teacher=teacher is not None and run.self_teacher is None
         ),
-        teacher_bytes_per_param=0.0 if _self_teacher_copy(run, student) is False else None,
+        teacher_bytes_per_param=_teacher_bytes_per_param(run, student, teacher),
         self_teacher_copy=bool(_self_teacher_copy(run, student)),
         other_teacher_params=others,
         hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
@@ -463,6 +469,18 @@ def _self_teacher_line(run: RunConfig, student: ModelShape, *, seq_len: int) -> 
         f"whose teacher is its base with adapters off, or self_teacher.weights=live would "
         f"remove it); {longer}"
     )
+
+
+def _teacher_bytes_per_param(
+    run: RunConfig, student: ModelShape, teacher: ModelShape | None
+) -> float | None:
+    """Bytes per teacher weight when not the run's dtype: none for a self teacher without a
+    copy (LoRA adapters off, or live), int8 weights (``teacher_quantization``); None: the dtype."""
+    if _self_teacher_copy(run, student) is False:
+        return 0.0
+    if teacher is not None and run.teacher_quantization == "int8":
+        return int8_teacher_bytes_per_param(teacher, 4 if run.dtype == "fp32" else 2)
+    return None
 
 
 def _several_teachers(
@@ -549,9 +567,10 @@ def dataset_size(run: RunConfig) -> int | None:
     return dataset_examples(data)
 
 
-def attach_fit(plan: MemoryPlan, run: RunConfig) -> str | None:
+def attach_fit(plan: MemoryPlan, run: RunConfig, *, quantized_teacher: bool = True) -> str | None:
     """Search the knobs for ``plan`` (:func:`kd.memory.fit.fit_options`) with the recipe's limits
-    for the run's device and the dataset's size; sets ``plan.fit``.
+    for the run's device and the dataset's size; sets ``plan.fit``. ``quantized_teacher``: also
+    suggest a quantized teacher.
 
     Returns:
         A note for the options when the data's size had to be guessed, else None.
@@ -568,6 +587,7 @@ def attach_fit(plan: MemoryPlan, run: RunConfig) -> str | None:
         dataset_size=size,
         student_component=plan.inputs.student_component,
         optimizer_keys=plan.inputs.optimizer_keys,
+        quantized_teacher=quantized_teacher,
     )
     return examples_bound(plan.inputs.knobs, size)[1]
 
@@ -608,7 +628,7 @@ def check_memory(
         return plan
     from kd.memory.fit import format_options
 
-    note = attach_fit(plan, run)
+    note = attach_fit(plan, run, quantized_teacher=False)  # users ask kd not to quantize unasked
     message = (
         f"memory: the plan needs {plan.peak_gib:.2f} GiB per device in {plan.phase} but the budget "
         f"is {plan.budget_gib:.2f} GiB (memory.budget_gib); nothing was loaded or written\n"

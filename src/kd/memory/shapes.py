@@ -75,6 +75,9 @@ SLIDING = "sliding_attention"
 # torchao NF4 (QLoRA ``quantize_base``): 4-bit codes + an int8 scaler per 64 values + an fp32
 # scaler-of-scalers per 256 scalers, measured 0.516 B/param under FakeTensorMode.
 NF4_BYTES_PER_PARAM = 0.5 + 1.0 / 64 + 4.0 / (64 * 256)
+# torchao int8 weight-only (``teacher_quantization: int8``): int8 codes + one scale per output
+# channel, measured 1.006 B/param under FakeTensorMode.
+INT8_BYTES_PER_PARAM = 1.006
 
 
 @dataclass(frozen=True)
@@ -462,3 +465,12 @@ def shape_from_hf_config(path: str, *, key: str = "checkpointer.checkpoint_dir")
         raise ShapeError(f"{path}: missing key {e.args[0]}") from e
     except ShapeError as e:
         raise ShapeError(f"{path}: {e}") from e
+
+
+def int8_teacher_bytes_per_param(teacher: ModelShape, dtype_bytes: int) -> float:
+    """Mean bytes per parameter of ``teacher`` with ``teacher_quantization: int8``: its
+    decoder-layer linears in torchao int8 weight-only, the rest (embedding, norms, biases, an
+    untied output) in the run's dtype (:func:`kd.teachers.quantize.quantize_int8`)."""
+    total = teacher.total_params()
+    linears = teacher.num_layers * sum(i * o for i, o in teacher.linear_dims().values())
+    return (linears * INT8_BYTES_PER_PARAM + (total - linears) * dtype_bytes) / max(total, 1)

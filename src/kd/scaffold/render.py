@@ -126,7 +126,13 @@ def render_config(
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
-            *hidden_states_lines(teacher, student),
+            # Hidden states match one tokenization between two models (not a self teacher, not
+            # a teacher with another tokenizer).
+            *(
+                hidden_states_lines(teacher, student)
+                if teacher is not None and cross_tokenizer is None
+                else []
+            ),
             "",
             "# Memory plan (checked before any weight loads; kd plan --fit lists settings that fit)",
             "memory:",

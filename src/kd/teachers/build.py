@@ -41,6 +41,7 @@ from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.privileged import PrivilegedRows
+from kd.teachers.quantize import quantize_int8
 from kd.teachers.self_teacher import SelfTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training.prepare import prepare_teacher
@@ -94,16 +95,21 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
             "(train from teacher_logits.path), or teacher_logits=null (write through the server)"
         )
     if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
+        _check_no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
         return StoredTeacherSource(run)
     if run.teacher_server is not None:
+        _check_no_quantization(run, "this run's teacher is served (teacher_server)")
         return ServedTeacherSource(run)
     # getattr: test doubles of a RunConfig written before self_teacher existed lack it.
     if getattr(run, "self_teacher", None) is not None:
+        _check_no_quantization(run, "this run's teacher is the student itself (self_teacher)")
         return SelfTeacherSource(run)
     if run.components["teacher_model"] is not None:
         if getattr(run, "cross_tokenizer", None) is not None:  # its own tokenizer
+            _check_no_quantization(run, "this run's teacher has another tokenizer")
             return CrossTokenizerSource(run)
         return ModelTeacherSource(run)
+    _check_no_quantization(run, "this run has no teacher_model")
     # Several teachers (no top-level one), each built here. getattr: a RunConfig always has
     # the field; the stand-ins of tests written before it did not.
     if getattr(run, "teachers", None) is not None:
@@ -111,8 +117,20 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     return None
 
 
+def _check_no_quantization(run: RunConfig, why: str) -> None:
+    """``teacher_quantization`` applies to a local ``teacher_model`` only."""
+    quantization = getattr(run, "teacher_quantization", "none")  # a duck-typed run may lack it
+    if quantization != "none":
+        raise KDUserError(
+            f"teacher_quantization: {quantization} quantizes a local teacher_model, "
+            f"and {why}; set teacher_quantization=none"
+        )
+
+
 class ModelTeacherSource:
-    """``teacher_model`` (+ ``teacher_checkpointer`` for a torchtune builder): a local model."""
+    """``teacher_model`` (+ ``teacher_checkpointer`` for a torchtune builder): a local model,
+    its decoder-layer linears quantized to int8 when ``quantization`` is ``int8``
+    (``teacher_quantization``, :mod:`kd.teachers.quantize`)."""
 
     reads = ("teacher_model",)
     needs_rows = False
@@ -120,6 +138,7 @@ class ModelTeacherSource:
 
     def __init__(self, run: RunConfig | None = None):
         self.hidden_states = getattr(run, "hidden_states", None)
+        self.quantization: str = getattr(run, "teacher_quantization", "none")
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
@@ -127,13 +146,19 @@ class ModelTeacherSource:
         # checked against both models' layer counts (config.json).
         if self.hidden_states is not None:
             check_layer_map(self.hidden_states, facts)
+        if self.quantization != "none" and ctx.world.distributed:
+            raise KDUserError(
+                f"teacher_quantization: {self.quantization} runs on one device (an FSDP2-sharded "
+                "teacher is not quantized); set teacher_quantization=none, or run on one device"
+            )
 
     def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
+        def prepare(model: Any, shard: Any) -> Any:
+            model = prepare_teacher(model, shard=shard)
+            return quantize_int8(model) if self.quantization == "int8" else model
+
         model = ctx.load_model(
-            "teacher_model",
-            facts.sources["teacher_model"],
-            lambda m, shard: prepare_teacher(m, shard=shard),
-            run_dir=run_dir,
+            "teacher_model", facts.sources["teacher_model"], prepare, run_dir=run_dir
         )
         teacher = ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
         if self.hidden_states is not None:

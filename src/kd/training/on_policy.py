@@ -343,7 +343,12 @@ def rollout(
     was_training = model.training
     model.eval()
     try:
-        with backend.kv_cache_steps(model, mask, width=width, total=total) as forward:
+        # No autograd: the student is trainable, and without this every decode step's graph
+        # (all its saved activations) stays alive through the KV cache until the rollout ends.
+        with (
+            torch.no_grad(),
+            backend.kv_cache_steps(model, mask, width=width, total=total) as forward,
+        ):
             hidden = forward(prompts.tokens, 0)
             for t in range(max_new_tokens):
                 logits = models.logits_from_hidden(model, hidden[:, -1])
