@@ -969,6 +969,42 @@ def teacher_server_store_of_other_files(assets, tmp, cfg):
     return _validate(), "holds other files (notes.txt)"
 
 
+# --- issues 24, 26, 27, 29: hidden states, several teachers, int8 teacher, self teacher --------
+def self_teacher_context_field_missing(assets, tmp, cfg):
+    """`self_teacher.context` names a field no row has"""
+    cfg.update(teacher_model=None, teacher_checkpointer=None)
+    cfg["self_teacher"] = {"context": "Reference: {reference}"}
+    return _validate(), "self_teacher.context: row 1 of dataset has no field 'reference'"
+
+
+def teachers_weights_sum_to_zero(assets, tmp, cfg):
+    """`teachers:` whose members' weights are all 0"""
+    member = {
+        "teacher_model": cfg["teacher_model"],
+        "teacher_checkpointer": cfg["teacher_checkpointer"],
+    }
+    cfg.update(teacher_model=None, teacher_checkpointer=None)
+    cfg["teachers"] = {
+        "combine": "weights",
+        "members": [{"name": "a", "weight": 0, **member}, {"name": "b", "weight": 0, **member}],
+    }
+    return _validate(), "the weights sum to 0"
+
+
+def hidden_states_with_stored_logits(assets, tmp, cfg):
+    """`hidden_states:` beside `teacher_logits` (a store holds no hidden states)"""
+    cfg["hidden_states"] = {"layer_map": ["0:0"]}
+    cfg["teacher_logits"] = {"path": str(tmp / "logits")}
+    return _validate(), "hidden_states: needs the teacher's hidden states"
+
+
+def teacher_quantization_with_served_teacher(assets, tmp, cfg):
+    """`teacher_quantization: int8` with a served teacher"""
+    _served(tmp, cfg)
+    cfg["teacher_quantization"] = "int8"
+    return _validate(), "teacher_quantization: int8 quantizes a local teacher_model"
+
+
 # --- issue 23: folders that ask to run code or lead outside, config.json fields, usability -----
 def _student_copy(assets: dict, tmp: Path, cfg: dict) -> Path:
     """A copy of the student's folder as the run's ``kd.hf.causal_lm`` student."""
@@ -1151,6 +1187,10 @@ CASES: list[Case] = [
     teacher_server_store_not_at_temperature_1,
     teacher_server_store_beside_teacher_logits,
     teacher_server_store_of_other_files,
+    self_teacher_context_field_missing,
+    teachers_weights_sum_to_zero,
+    hidden_states_with_stored_logits,
+    teacher_quantization_with_served_teacher,
     teacher_logits_foreign_missing_field,
     teacher_logits_foreign_k_larger_than_stored,
     teacher_logits_foreign_mismatched_lengths,

@@ -171,6 +171,11 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
         return SimpleNamespace(
             teacher_logits=teacher_logits,
             teacher_server=None,
+            self_teacher=None,
+            cross_tokenizer=None,
+            teachers=None,
+            hidden_states=None,
+            teacher_quantization="none",
             components={"teacher_model": teacher_model},
         )
 

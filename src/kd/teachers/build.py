@@ -100,26 +100,24 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     if run.teacher_server is not None:
         _check_no_quantization(run, "this run's teacher is served (teacher_server)")
         return ServedTeacherSource(run)
-    # getattr: test doubles of a RunConfig written before self_teacher existed lack it.
-    if getattr(run, "self_teacher", None) is not None:
+    if run.self_teacher is not None:
         _check_no_quantization(run, "this run's teacher is the student itself (self_teacher)")
         return SelfTeacherSource(run)
     if run.components["teacher_model"] is not None:
-        if getattr(run, "cross_tokenizer", None) is not None:  # its own tokenizer
+        if run.cross_tokenizer is not None:  # its own tokenizer
             _check_no_quantization(run, "this run's teacher has another tokenizer")
             return CrossTokenizerSource(run)
         return ModelTeacherSource(run)
     _check_no_quantization(run, "this run has no teacher_model")
-    # Several teachers (no top-level one), each built here. getattr: a RunConfig always has
-    # the field; the stand-ins of tests written before it did not.
-    if getattr(run, "teachers", None) is not None:
+    # Several teachers (no top-level one), each built here.
+    if run.teachers is not None:
         return MultiTeacherSource(run, teacher_source)
     return None
 
 
 def _check_no_quantization(run: RunConfig, why: str) -> None:
     """``teacher_quantization`` applies to a local ``teacher_model`` only."""
-    quantization = getattr(run, "teacher_quantization", "none")  # a duck-typed run may lack it
+    quantization = run.teacher_quantization
     if quantization != "none":
         raise KDUserError(
             f"teacher_quantization: {quantization} quantizes a local teacher_model, "
@@ -137,8 +135,8 @@ class ModelTeacherSource:
     route_field: str | None = None
 
     def __init__(self, run: RunConfig | None = None):
-        self.hidden_states = getattr(run, "hidden_states", None)
-        self.quantization: str = getattr(run, "teacher_quantization", "none")
+        self.hidden_states = run.hidden_states if run is not None else None
+        self.quantization: str = run.teacher_quantization if run is not None else "none"
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
