@@ -65,8 +65,10 @@ def _report(config: str, overrides: list[str], rows: int) -> object:
     data = getattr(recipe, "val_dataset", None) or recipe.dataset
     picked = [data[i] for i in range(min(rows, len(data)))]
     ctx, facts = recipe.ctx, recipe.facts
-    reference = ModelTeacherSource("none").load(ctx, facts).model
-    quantized = ModelTeacherSource("int8").load(ctx, facts).model
+    plain = dataclasses.replace(run, hidden_states=None)  # teacher_quantization=none above
+    reference = ModelTeacherSource(plain).load(ctx, facts).model
+    int8 = dataclasses.replace(plain, teacher_quantization="int8")
+    quantized = ModelTeacherSource(int8).load(ctx, facts).model
     return signal_report(
         reference,
         quantized,

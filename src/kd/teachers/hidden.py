@@ -20,7 +20,6 @@ on resume, and never exports them into ``final/``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kd import models
+from kd import folders, models
 from kd.config.run import HiddenStateSettings, LossSettings
 from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput
@@ -333,12 +332,11 @@ class HiddenStateTeacher(Teacher):
         self.inner.release()
 
 
-def _layer_count(folder: Path | None) -> int | None:
-    """``num_hidden_layers`` of ``folder/config.json`` (None when it is not there)."""
-    path = Path(folder or "") / "config.json"
-    if folder is None or not path.is_file():
+def _layer_count(folder: Path | None, *, key: str) -> int | None:
+    """``num_hidden_layers`` of the folder's config.json (None when it has none)."""
+    if folder is None or not folders.file_in(folder, folders.CONFIG_JSON, key=key):
         return None
-    value = json.loads(path.read_text()).get("num_hidden_layers")
+    value = folders.read_config_json(folder, key=key).get("num_hidden_layers")
     return int(value) if isinstance(value, int) else None
 
 
@@ -349,7 +347,7 @@ def check_layer_map(settings: HiddenStateSettings, facts: Any) -> None:
     Raises:
         KDUserError: an entry names no point of its model (:func:`parse_layer_map`).
     """
-    student = _layer_count(facts.sources["model"].folder)
-    teacher = _layer_count(facts.sources["teacher_model"].folder)
+    student = _layer_count(facts.sources["model"].folder, key="model")
+    teacher = _layer_count(facts.sources["teacher_model"].folder, key="teacher_model")
     if student is not None and teacher is not None:
         parse_layer_map(settings.layer_map, student_layers=student, teacher_layers=teacher)
