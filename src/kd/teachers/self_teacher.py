@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kd import losses, models
-from kd.config.run import IGNORE_INDEX, LossSettings
+from kd import models
+from kd.config.run import IGNORE_INDEX
 from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.privileged import PrivilegedRows, TeacherRow, labelled_positions
@@ -142,33 +142,6 @@ class SelfSignal(LogitsSignal):
         return (
             models.adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext()
         )
-
-    def loss(
-        self,
-        student: nn.Module,
-        student_hidden: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        settings: LossSettings,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.adapters_off or (settings.fused and models.has_plain_output(student)):
-            # A plain output projection is the same weight with the adapters on or off.
-            return super().loss(student, student_hidden, labels, settings=settings)
-        with torch.no_grad(), self._teacher_head():
-            t_logits = models.logits_from_hidden(self.model, self.hidden)  # [b, s, v] fp32
-        s_logits = models.logits_from_hidden(student, student_hidden)  # [b, s, v] fp32
-        ce = losses.ce_loss(s_logits, labels, ignore_index=settings.ignore_index)
-        kd = losses.kd_loss(
-            s_logits,
-            t_logits,
-            labels,
-            divergence=settings.divergence,
-            temperature=settings.temperature,
-            ignore_index=settings.ignore_index,
-            beta=settings.beta,
-            skew_alpha=settings.skew_alpha,
-        )
-        return (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd, ce, kd
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._teacher_head():

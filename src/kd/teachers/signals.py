@@ -63,7 +63,7 @@ class LogitsSignal:
             )
         s_logits = models.logits_from_hidden(student, student_hidden)  # [b, s, v_s] fp32
         with torch.no_grad():
-            t_logits = models.logits_from_hidden(self.model, self.hidden)  # [b, s, v_t] fp32
+            t_logits = self.logits(self.hidden)  # [b, s, v_t] fp32
         ce = losses.ce_loss(s_logits, labels, ignore_index=settings.ignore_index)
         kd = losses.kd_loss(
             s_logits,
