@@ -251,3 +251,35 @@ def test_a_members_component_is_allow_listed(assets, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "teachers.members[0].teacher_model._component_" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_route_on_two_ranks_where_each_rank_sees_one_teacher(
+    assets, second_teacher, tmp_path, tmp_path_factory
+):
+    """Under torchrun (2 gloo ranks, FSDP2) rank 0's rows all name teacher a and rank 1's all
+    name b: every rank still runs every member for each micro-batch (the sharded forwards are
+    collectives), so the run ends and each teacher teaches its own rows."""
+    from test_teacher_logits_distributed import _launch
+
+    rows = [
+        {"input": f"{i}+{i}", "output": str(2 * i), "domain": "a" if i % 2 == 0 else "b"}
+        for i in range(64)
+    ]
+    data = write_jsonl(tmp_path_factory.mktemp("split") / "train.jsonl", rows)
+    out = tmp_path / "pair"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(data))
+    members = [_member("a", assets["teacher"], out), _member("b", second_teacher, out)]
+    cfg = _multi(
+        assets,
+        out,
+        {"combine": "route", "route_field": "domain", "members": members},
+        dataset=dataset,
+        batch_size=4,
+    )
+    _launch("kd", write_config(tmp_path / "pair.yaml", cfg))
+    steps = _steps(out)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["kd_loss/a"] > 0 and r["kd_loss/b"] > 0
+        assert r["kd_loss"] == pytest.approx(r["kd_loss/a"] + r["kd_loss/b"], rel=1e-5)
