@@ -260,6 +260,7 @@ def test_route_on_two_ranks_where_each_rank_sees_one_teacher(
     """Under torchrun (2 gloo ranks, FSDP2) rank 0's rows all name teacher a and rank 1's all
     name b: every rank still runs every member for each micro-batch (the sharded forwards are
     collectives), so the run ends and each teacher teaches its own rows."""
+    from test_distributed import TOL
     from test_teacher_logits_distributed import _launch
 
     rows = [
@@ -278,8 +279,19 @@ def test_route_on_two_ranks_where_each_rank_sees_one_teacher(
         batch_size=4,
     )
     _launch("kd", write_config(tmp_path / "pair.yaml", cfg))
-    steps = _steps(out)
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    for r in steps:
+    # The same global batches on one device (8 rows a micro-batch): the same losses per teacher.
+    one = tmp_path / "one"
+    single = _multi(
+        assets,
+        one,
+        {"combine": "route", "route_field": "domain", "members": members},
+        dataset=dataset,
+        batch_size=8,
+    )
+    assert _run(single, tmp_path / "one.yaml") == 0
+    steps, reference = _steps(out), _steps(one)
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == [1, 2, 3]
+    for r, ref in zip(steps, reference, strict=True):
         assert r["kd_loss/a"] > 0 and r["kd_loss/b"] > 0
-        assert r["kd_loss"] == pytest.approx(r["kd_loss/a"] + r["kd_loss/b"], rel=1e-5)
+        for key in ("loss", "ce_loss", "kd_loss", "kd_loss/a", "kd_loss/b"):
+            assert r[key] == pytest.approx(ref[key], abs=TOL, rel=0), (r["step"], key)
