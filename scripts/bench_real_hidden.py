@@ -78,26 +78,7 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
     if not setting.needs_teacher:
         cfg.teacher_model = None
         cfg.teacher_checkpointer = None
-    cfg.seed = 0
-    cfg.batch_size = 4
-    cfg.gradient_accumulation_steps = 1
-    cfg.max_steps_per_epoch = steps
-    cfg.log_every_n_steps = 1
-    cfg.validation = {
-        "dataset": {
-            "_component_": "torchtune.datasets.text_completion_dataset",
-            "source": "json",
-            "data_files": str(paths["dev"]),
-            "split": "train",
-        },
-        "every_n_steps": max(steps // 5, 1),
-        "max_batches": 4,
-        "batch_size": 8,
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = out.parent / f"{out.name}.yaml"
-    OmegaConf.save(cfg, path)
-    return path
+    return base.save_run_config(cfg, paths, out, steps, evals=5)
 
 
 def prepare(work: Path) -> dict[str, Path]:

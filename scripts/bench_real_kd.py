@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "scripts" / "bench_data" / "python_reference.jsonl"
@@ -208,6 +209,14 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
     if not setting.is_kd:  # plain fine-tuning: no teacher in memory or in the step
         cfg.teacher_model = None
         cfg.teacher_checkpointer = None
+    return save_run_config(cfg, paths, out, steps, evals=3)
+
+
+def save_run_config(cfg: Any, paths: dict[str, Path], out: Path, steps: int, *, evals: int) -> Path:
+    """The run knobs every real-model run shares (seed, batch 4, ``steps`` steps, ``evals``
+    evaluations on the dev set), saved beside ``out``."""
+    from omegaconf import OmegaConf
+
     cfg.seed = 0
     cfg.batch_size = 4
     cfg.gradient_accumulation_steps = 1
@@ -220,7 +229,7 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
             "data_files": str(paths["dev"]),
             "split": "train",
         },
-        "every_n_steps": max(steps // 3, 1),
+        "every_n_steps": max(steps // evals, 1),
         "max_batches": 4,
         "batch_size": 8,
     }
