@@ -27,6 +27,7 @@ from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
 from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
+from kd.training import distributed
 
 __all__ = [
     "LossSettings",
@@ -327,7 +328,7 @@ def _average_replicated_grads(module: nn.Module) -> None:
     """Average the gradients of a module replicated on every rank (nothing on one rank)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed.is_distributed():
         return
     for p in module.parameters():
         if p.grad is not None:
