@@ -455,7 +455,7 @@ def test_config_compatibility() -> None:
     with pytest.raises(KDUserError) as info:
         ck.check_resume_compatible(BASE_CFG, changed, checkpoint=Path("/o/step_000010"))
     lines = str(info.value).splitlines()
-    assert lines[0].startswith("kd_ratio: unset in the checkpoint, 0.9 now")
+    assert lines[0].startswith("kd_ratio: 0.5 in the checkpoint, 0.9 now")  # the default
     assert lines[1].startswith("optimizer.lr: 2e-05 in the checkpoint, 0.0001 now")
     assert lines[2].startswith("seed: 1 in the checkpoint, 2 now")
     assert "/o/step_000010/config.yaml" in lines[-1] and len(lines) == 4
@@ -479,8 +479,8 @@ def test_schema_resume_flags_decide_what_may_change(monkeypatch) -> None:
     with pytest.raises(KDUserError) as info:
         ck.check_resume_compatible(BASE_CFG, changed)
     lines = str(info.value).splitlines()
-    assert lines[0] == "gradient_accumulation_steps: unset in the checkpoint, 4 now"
-    assert lines[1] == "kd_loss.beta: unset in the checkpoint, 0.2 now"
+    assert lines[0] == "gradient_accumulation_steps: 1 in the checkpoint, 4 now"
+    assert lines[1] == "kd_loss.beta: 0.5 in the checkpoint, 0.2 now"
     assert len(lines) == 3
 
     # The check and the hash read the flags from the schema.
@@ -500,8 +500,8 @@ def test_schema_resume_flags_decide_what_may_change(monkeypatch) -> None:
         ck.check_resume_compatible(BASE_CFG, changed + "keep_last_n: 5\n")
     lines = str(info.value).splitlines()
     assert lines[:2] == [
-        "kd_loss.beta: unset in the checkpoint, 0.2 now",
-        "keep_last_n: unset in the checkpoint, 5 now",
+        "kd_loss.beta: 0.5 in the checkpoint, 0.2 now",
+        "keep_last_n: 2 in the checkpoint, 5 now",
     ]
     assert ck.config_hash(BASE_CFG) != ck.config_hash(BASE_CFG + "keep_last_n: 5\n")
 
@@ -777,3 +777,18 @@ def test_restore_training_checkpoint_blames_a_damaged_state_on_the_checkpoint(
         with pytest.raises(type(passes)) as e:
             training.restore_training_checkpoint(ckpt, **args)
         assert e.value is passes
+
+
+def test_a_key_added_by_a_newer_kd_resumes_at_its_default() -> None:
+    # A checkpoint written before a key existed has no entry for it: at its declared default
+    # the key is the behaviour the checkpoint trained with, so the run resumes; any other value
+    # changes training and is refused, naming the default.
+    from kd.config import schema
+
+    assert schema.TOP_LEVEL["teacher_quantization"].default == "none"
+    assert "teacher_quantization" not in BASE_CFG
+    ck.check_resume_compatible(BASE_CFG, BASE_CFG + "teacher_quantization: none\n")
+    with pytest.raises(
+        KDUserError, match=r"^teacher_quantization: 'none' in the checkpoint, 'int8'"
+    ):
+        ck.check_resume_compatible(BASE_CFG, BASE_CFG + "teacher_quantization: int8\n")

@@ -143,6 +143,16 @@ def _moved(key: str, before: Any, now: Any, checkpoint: Path | None) -> bool:
     return same
 
 
+def _with_defaults(cfg_yaml: str) -> str:
+    """A checkpoint's config with the schema defaults of keys it lacks: a key added by a newer kd
+    is, at its default, the behaviour the checkpoint was trained with."""
+    from kd.config.parse import fill_defaults
+
+    cfg = OmegaConf.create(cfg_yaml)
+    fill_defaults(cfg)
+    return OmegaConf.to_yaml(cfg)
+
+
 def check_resume_compatible(
     saved_config_yaml: str, current_config_yaml: str, *, checkpoint: Path | None = None
 ) -> None:
@@ -162,8 +172,8 @@ def check_resume_compatible(
         saved_hash = _saved_config_hash(checkpoint)
         if saved_hash is not None and saved_hash == config_hash(current_config_yaml):
             return
-    saved = _must_match(saved_config_yaml)
-    current = _must_match(current_config_yaml)
+    saved = _must_match(_with_defaults(saved_config_yaml))
+    current = _must_match(_with_defaults(current_config_yaml))
     missing = object()
     problems = []
     for key in sorted(set(saved) | set(current)):
