@@ -17,7 +17,8 @@ Two modes, each with JSD (beta 0.5) and forward KL (beta 0), the divergence alon
 
 Same rows in the same order (no shuffling in either tool; TRL's rows are kd's own tokenization
 of the same chat rows, so the tokens are identical), batch, sequence length, AdamW (lr, weight
-decay 0.01, default betas/eps), constant learning rate, no gradient clipping, no accumulation,
+decay 0.01, default betas/eps; the fused kernel in both: TRL's default ``adamw_torch_fused``,
+and kd init's ``fused: True``), constant learning rate, no gradient clipping, no accumulation,
 no gradient checkpointing, fp32, ``--threads`` intra-op threads for both.
 
 Each run is its own process (``kd run kd`` or this script's ``_trl`` child mode), kd and TRL
@@ -148,7 +149,13 @@ def kd_config(assets: dict[str, Path], pair: str, mode: str, loss: str, out: Pat
     cfg.gradient_accumulation_steps = 1
     cfg.max_steps_per_epoch = spec["steps"][mode]
     cfg.log_every_n_steps = 1
-    cfg.optimizer = {"_component_": "torch.optim.AdamW", "lr": LR, "weight_decay": 0.01}
+    # fused, as kd init writes it and as TRL's default (transformers' ``adamw_torch_fused``)
+    cfg.optimizer = {
+        "_component_": "torch.optim.AdamW",
+        "lr": LR,
+        "weight_decay": 0.01,
+        "fused": True,
+    }
     cfg.lr_scheduler = None
     cfg.clip_grad_norm = None
     cfg.kd_ratio = 1.0
@@ -221,6 +228,7 @@ def trl_child(spec_path: str) -> int:
         "max_steps": spec["steps"],
         "learning_rate": LR,
         "weight_decay": 0.01,
+        "optim": "adamw_torch_fused",  # transformers' default, said here: kd's runs set fused too
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
         "max_grad_norm": 0.0,

@@ -1,0 +1,288 @@
+"""How close kd's real-model training step gets to this machine's matmul ceiling (CPU, fp32).
+
+The step is the one ``bench_vs_trl.py`` times: SmolLM2-135M-Instruct teaching its 20-of-30-layer
+student, batch 4 x 128 tokens, JSD (beta 0.5) alone, AdamW, off-policy, fp32, ``--threads``
+intra-op threads. Three child processes, each with those threads:
+
+1. **ceiling**: ``torch.mm`` in fp32 on a large square (``--square``) and on every GEMM shape the
+   step itself runs (collected by the profiler in 3.); the machine's ceiling is the best of them.
+2. **timed run**: ``kd run kd`` for ``--steps`` optimizer steps; the step time is the median of
+   steps 2..N from ``metrics.jsonl`` (labelled tokens / tokens per second).
+3. **profile**: the same run in-process under ``torch.profiler`` (steps 3..N, after warm-up,
+   everything between two optimizer steps: data, teacher, student, loss, backward, optimizer,
+   logging), and once more under ``torch.utils.flop_counter.FlopCounterMode`` for one step's
+   floating-point operations (matmuls and attention, forward and backward).
+
+Achieved GFLOP/s = one step's FLOPs / the median step time of 2.; the ratio to 1.'s ceiling is the
+figure ``docs/step_efficiency.md`` reports, with the profiler's table of where the time goes.
+
+    python scripts/bench_step_efficiency.py --work /tmp/kd_eff            # ~10 min at 1 thread
+
+Ends with ``EFFICIENCY gflops=X ceiling=Y ratio=Z``. Raw numbers: ``<work>/efficiency.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vs_trl as peer  # noqa: E402
+
+# aten ops by what they do, for the profiler table (self CPU time of each op).
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "matmul (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "attention (SDPA kernels)": ("scaled_dot_product", "flash_attention"),
+    "optimizer (AdamW)": ("_foreach", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt"),
+    "copies and layout": (
+        "aten::copy_",
+        "aten::clone",
+        "aten::cat",
+        "aten::contiguous",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::index",
+        "aten::fill_",
+        "aten::zero_",
+        "aten::zeros",
+        "aten::empty",
+    ),
+}
+
+
+def categorize(name: str) -> str:
+    for category, keys in CATEGORIES.items():
+        if any(k in name for k in keys):
+            return category
+    return "elementwise, norms, softmax and the rest"
+
+
+# ------------------------------------------------------------------------------ child modes
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def child_profile(spec: dict[str, Any]) -> dict[str, Any]:
+    """One in-process kd run under the profiler (steps 3..N) and one under the FLOP counter."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kd.cli import main as kd_main
+
+    _set_threads(spec["threads"])
+    steps = spec["steps"]
+    prof = profile(
+        activities=[ProfilerActivity.CPU],
+        schedule=schedule(wait=1, warmup=1, active=steps - 2, repeat=1),
+        record_shapes=True,
+    )
+    original = torch.optim.AdamW.step
+
+    def step_and_mark(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        prof.step()  # the profiler's step boundary is the optimizer step
+        return out
+
+    torch.optim.AdamW.step = step_and_mark  # type: ignore[method-assign]
+    try:
+        with prof:
+            code = kd_main(["run", "kd", "--config", spec["config"], *spec["overrides"]])
+    finally:
+        torch.optim.AdamW.step = original  # type: ignore[method-assign]
+    if code != 0:
+        raise SystemExit(f"kd run failed under the profiler ({code})")
+    ops: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    gemms: dict[str, int] = defaultdict(int)
+    for e in prof.key_averages(group_by_input_shape=True):
+        ops[e.key] += e.self_cpu_time_total / 1e6
+        counts[e.key] += e.count
+        if e.key in ("aten::mm", "aten::addmm") and e.input_shapes:
+            shapes = [s for s in e.input_shapes if isinstance(s, list) and len(s) == 2]
+            if len(shapes) >= 2:
+                (m, k), (_, n) = shapes[-2], shapes[-1]
+                gemms[f"{m}x{k}x{n}"] += e.count
+    # One step's FLOPs: a second run of one step under the counter (it slows the run, so it
+    # is not timed).
+    out1 = spec["config_one_step"]
+    with FlopCounterMode(display=False) as counter:
+        code = kd_main(["run", "kd", "--config", out1, *spec["overrides"]])
+    if code != 0:
+        raise SystemExit(f"kd run failed under the FLOP counter ({code})")
+    by_op = {str(k): int(v) for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    return {
+        "profiled_steps": steps - 2,
+        "self_cpu_s_by_op": dict(ops),
+        "calls_by_op": dict(counts),
+        "gemm_shapes": dict(gemms),
+        "step_flops": int(counter.get_total_flops()),
+        "step_flops_by_op": by_op,
+    }
+
+
+def child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
+    """fp32 ``torch.mm`` GFLOP/s on a square and on each GEMM shape of the step (median of
+    ``repeats`` timed calls after warm-up)."""
+    import torch
+
+    _set_threads(spec["threads"])
+    torch.manual_seed(0)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in spec["shapes"]]
+    sq = spec["square"]
+    results = {}
+    for m, k, n in [(sq, sq, sq), *shapes]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        flops = 2 * m * k * n
+        reps = max(3, min(200, int(2e10 / flops)))
+        for _ in range(2):
+            torch.mm(a, b)
+        times = []
+        for _ in range(spec["repeats"]):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            times.append((time.perf_counter() - t0) / reps)
+        results[f"{m}x{k}x{n}"] = flops / statistics.median(times) / 1e9
+    return {"gflops_by_shape": results}
+
+
+CHILDREN = {"_profile": child_profile, "_ceiling": child_ceiling}
+
+
+# ------------------------------------------------------------------------------------ driver
+def _child(mode: str, spec: dict[str, Any], work: Path, env: dict[str, str]) -> dict[str, Any]:
+    path = work / f"{mode}.json"
+    path.write_text(json.dumps(spec))
+    out = work / f"{mode}.out.json"
+    cmd = [sys.executable, __file__, mode, str(path), str(out)]
+    with (work / f"{mode}.log").open("w") as log:
+        subprocess.run(cmd, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+def timed_run(config: Path, out: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``kd run kd`` in its own process; per-step seconds from its metrics."""
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as f:
+        subprocess.run(
+            ["kd", "run", "kd", "--config", str(config)],
+            env=env,
+            check=True,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "tokens_per_second" in r]
+    step_s = [r["num_tokens"] / r["tokens_per_second"] for r in rows]
+    return {
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s[1:]),
+        "tokens_per_s": statistics.median(r["tokens_per_second"] for r in rows[1:]),
+        "time_teacher_s": [r.get("time_teacher_s") for r in rows],
+        "time_student_s": [r.get("time_student_s") for r in rows],
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """The profiler's self CPU time by category and its top ops, as Markdown."""
+    ops = result["profile"]["self_cpu_s_by_op"]
+    calls = result["profile"]["calls_by_op"]
+    n = result["profile"]["profiled_steps"]
+    total = sum(ops.values())
+    by_cat: dict[str, float] = defaultdict(float)
+    for name, s in ops.items():
+        by_cat[categorize(name)] += s
+    lines = ["| where | s per step | share |", "|---|---:|---:|"]
+    for cat, s in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {cat} | {s / n:.3f} | {100 * s / total:.1f}% |")
+    lines.append(f"| **all profiled CPU time** | **{total / n:.3f}** | 100% |")
+    lines += ["", "| op | calls per step | s per step | share |", "|---|---:|---:|---:|"]
+    for name, s in sorted(ops.items(), key=lambda kv: -kv[1])[:15]:
+        lines.append(f"| `{name}` | {calls[name] / n:.0f} | {s / n:.3f} | {100 * s / total:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) == 4 and sys.argv[1] in CHILDREN:
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(sys.argv[3]).write_text(json.dumps(CHILDREN[sys.argv[1]](spec)))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/kd_step_efficiency"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    p.add_argument("--square", type=int, default=2048, help="side of the square ceiling GEMM")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per ceiling shape")
+    p.add_argument("--loss", default="jsd", choices=sorted(peer.LOSSES))
+    args = p.parse_args(argv)
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
+    start = {"load": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"start {start['time']}: load average {start['load']} on {os.cpu_count()} CPUs")
+
+    peer.PAIRS["smollm2"]["steps"]["off_policy"] = args.steps
+    assets = peer.write_assets(work, "smollm2", n_rows=4 * args.steps + 8)
+    runs = work / "runs"
+    configs = {}
+    for name, steps in (("timed", args.steps), ("profiled", args.steps), ("one_step", 1)):
+        peer.PAIRS["smollm2"]["steps"]["off_policy"] = steps
+        out = runs / name
+        configs[name] = peer.kd_config(assets, "smollm2", "off_policy", args.loss, out)
+    for name in configs:
+        import shutil
+
+        shutil.rmtree(runs / name, ignore_errors=True)
+
+    result: dict[str, Any] = {"argv": sys.argv, "threads": args.threads, "start": start}
+    result["timed"] = timed_run(configs["timed"], runs / "timed", env)
+    print(f"timed: median step {result['timed']['median_step_s']:.3f} s", flush=True)
+    spec = {
+        "threads": args.threads,
+        "steps": args.steps,
+        "config": str(configs["profiled"]),
+        "config_one_step": str(configs["one_step"]),
+        "overrides": [],
+    }
+    result["profile"] = _child("_profile", spec, work, env)
+    flops = result["profile"]["step_flops"]
+    print(f"one step: {flops / 1e9:.1f} GFLOP", flush=True)
+    shapes = sorted(result["profile"]["gemm_shapes"])
+    ceiling_spec = {
+        "threads": args.threads,
+        "shapes": shapes,
+        "square": args.square,
+        "repeats": args.repeats,
+    }
+    result["ceiling"] = _child("_ceiling", ceiling_spec, work, env)
+    gflops = result["ceiling"]["gflops_by_shape"]
+    ceiling = max(gflops.values())
+    achieved = flops / result["timed"]["median_step_s"] / 1e9
+    result.update(achieved_gflops=achieved, ceiling_gflops=ceiling, end_load=os.getloadavg())
+    result["ratio"] = achieved / ceiling
+    (work / "efficiency.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    print("GEMM GFLOP/s by shape (m x k x n):")
+    for shape, g in sorted(gflops.items(), key=lambda kv: -kv[1]):
+        calls = result["profile"]["gemm_shapes"].get(shape, 0) / result["profile"]["profiled_steps"]
+        print(f"  {shape:>20s} {g:8.1f}  calls per step {calls:.0f}")
+    print(f"end: load average {result['end_load']}")
+    print(f"EFFICIENCY gflops={achieved:.1f} ceiling={ceiling:.1f} ratio={result['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
