@@ -41,7 +41,14 @@ import bench_vs_trl as peer  # noqa: E402
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "matmul (mm, addmm, bmm)": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
     "attention (SDPA kernels)": ("scaled_dot_product", "flash_attention"),
-    "optimizer (AdamW)": ("_foreach", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt"),
+    "optimizer (AdamW)": (
+        "_foreach",
+        "adamw",
+        "aten::lerp",
+        "aten::addcdiv",
+        "aten::addcmul",
+        "aten::sqrt",
+    ),
     "copies and layout": (
         "aten::copy_",
         "aten::clone",
@@ -157,7 +164,37 @@ def child_ceiling(spec: dict[str, Any]) -> dict[str, Any]:
     return {"gflops_by_shape": results}
 
 
-CHILDREN = {"_profile": child_profile, "_ceiling": child_ceiling}
+def child_optimizer(spec: dict[str, Any]) -> dict[str, Any]:
+    """CPU seconds of one AdamW step over the student's parameter shapes (its safetensors
+    header), for torch's three implementations: the for-loop (torch's CPU default when neither
+    is set), ``foreach`` and ``fused``; median of ``repeats`` after two warm-up steps."""
+    import torch
+    from safetensors import safe_open
+
+    _set_threads(spec["threads"])
+    with safe_open(spec["weights"], framework="pt") as f:
+        shapes = [f.get_slice(k).get_shape() for k in f.keys()]  # noqa: SIM118
+    out = {}
+    for impl in ("for-loop", "foreach", "fused"):
+        params = [torch.nn.Parameter(torch.randn(*shape) * 0.02) for shape in shapes]
+        for q in params:
+            q.grad = torch.randn_like(q) * 1e-3
+        flags = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}}
+        opt = torch.optim.AdamW(
+            params, lr=1e-5, weight_decay=0.01, **flags.get(impl, {"fused": True})
+        )
+        times = []
+        for i in range(spec["repeats"] + 2):
+            c0 = time.process_time()
+            opt.step()
+            if i >= 2:
+                times.append(time.process_time() - c0)
+        out[impl] = statistics.median(times)
+        del opt, params
+    return {"adamw_step_cpu_s": out, "parameters": sum(int(torch.Size(s).numel()) for s in shapes)}
+
+
+CHILDREN = {"_profile": child_profile, "_ceiling": child_ceiling, "_optimizer": child_optimizer}
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -268,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
     }
     result["ceiling"] = _child("_ceiling", ceiling_spec, work, env)
+    optimizer_spec = {
+        "threads": args.threads,
+        "weights": str(assets["student"] / "model.safetensors"),
+        "repeats": args.repeats,
+    }
+    result["optimizer"] = _child("_optimizer", optimizer_spec, work, env)
     gflops = result["ceiling"]["gflops_by_shape"]
     ceiling = max(gflops.values())
     achieved = flops / result["timed"]["median_step_s"] / 1e9
@@ -279,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     for shape, g in sorted(gflops.items(), key=lambda kv: -kv[1]):
         calls = result["profile"]["gemm_shapes"].get(shape, 0) / result["profile"]["profiled_steps"]
         print(f"  {shape:>20s} {g:8.1f}  calls per step {calls:.0f}")
+    print(
+        "AdamW step over the student's parameters, CPU s:", result["optimizer"]["adamw_step_cpu_s"]
+    )
     print(f"end: load average {result['end_load']}")
     print(f"EFFICIENCY gflops={achieved:.1f} ceiling={ceiling:.1f} ratio={result['ratio']:.3f}")
     return 0
