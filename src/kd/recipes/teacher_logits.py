@@ -257,7 +257,7 @@ class TeacherLogitsRecipe:
             return self._served(examples, batch)
         if isinstance(self.teacher, CrossTokenizerTeacher):
             rows = self.teacher.store_rows(
-                TeacherInput(batch["tokens"].to(self.device), labels=batch["labels"]),
+                TeacherInput(batch["tokens"].to(self.device), labels=batch["labels"], rows=rows),
                 k=self.spec.k,
                 temperature=self.spec.temperature,
                 chunk=self.run.loss.chunk_size,

@@ -32,6 +32,7 @@ from kd.config.run import LossSettings, RunConfig
 from kd.cross_tokenizer import VocabMatch, sequence_loss, vocab_match
 from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput
+from kd.teachers.cross_chat import ChatRows, chat_rows_of
 from kd.training import distributed
 from kd.training.prepare import prepare_teacher
 
@@ -90,6 +91,7 @@ class CrossTokenizerSource:
         self.student_size = self.teacher_size = 0
         self.teacher_tokenizer: Any = None
         self.match: VocabMatch | None = None
+        self.chat: ChatRows | None = None
 
     def check(self, ctx: Any, facts: Any, dataset: Sequence[Any]) -> None:
         """The teacher's weights source and fast tokenizer, and the shared token strings."""
@@ -107,6 +109,9 @@ class CrossTokenizerSource:
                 "offsets (a slow tokenizer); add its tokenizer.json"
             )
         self.teacher_tokenizer = hf
+        # Chat rows: the teacher renders each conversation with its own template.
+        self.chat = chat_rows_of(dataset, ctx.tokenizer(), wrapped)
+        self.needs_rows = self.chat is not None
         # Rows past a tokenizer's ids (padded embeddings) are never targets: each side's
         # distribution is over its tokenizer's ids (docs/multi_teacher.md).
         self.student_size = student_size(ctx, facts)
@@ -137,6 +142,7 @@ class CrossTokenizerSource:
             sizes=(self.student_size, self.teacher_size),
             matched_weight=settings.matched_weight,
             ignore_index=self.run.loss.ignore_index,
+            chat=self.chat,
         )
 
 
@@ -208,8 +214,10 @@ class CrossTokenizerTeacher(Teacher):
         sizes: tuple[int, int],
         matched_weight: float | None,
         ignore_index: int = -100,
+        chat: ChatRows | None = None,
     ):
         self.model = model
+        self.chat = chat
         self.student_tokenizer = student_tokenizer
         self.teacher_tokenizer = teacher_tokenizer
         self.match = match
@@ -218,8 +226,18 @@ class CrossTokenizerTeacher(Teacher):
         self.ignore_index = ignore_index
         self.generator: nn.Module | None = None
 
-    def _row(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[list[int], dict]:
+    def _row(
+        self, tokens: torch.Tensor, labels: torch.Tensor, index: int | None
+    ) -> tuple[list[int], dict]:
         """The teacher's token ids of one row and what the loss needs of both sides."""
+        if self.chat is not None:  # the teacher's own rendering of the row's messages
+            assert index is not None, "chat rows need the batch's dataset rows"
+            shifted = torch.cat([labels[1:], labels.new_full((1,), self.ignore_index)])
+            rows = (shifted != self.ignore_index).nonzero().squeeze(1)
+            t_all, made = self.chat.row(
+                index, self.student_tokenizer, (rows + 1).tolist(), shifted[rows].tolist()
+            )
+            return t_all, {"s_rows": rows, "s_ids": shifted[rows], **made}
         side = student_side(self.student_tokenizer, tokens, labels, self.ignore_index)
         enc = self.teacher_tokenizer(
             side.text, add_special_tokens=False, return_offsets_mapping=True
@@ -240,8 +258,10 @@ class CrossTokenizerTeacher(Teacher):
         if batch.labels is None:
             raise ValueError("a cross-tokenizer teacher needs the batch's labels")
         device = batch.tokens.device
+        indices = batch.rows if batch.rows is not None else [None] * len(batch.tokens)
         made = [
-            self._row(t.cpu(), lab.cpu()) for t, lab in zip(batch.tokens, batch.labels, strict=True)
+            self._row(t.cpu(), lab.cpu(), None if i is None else int(i))
+            for t, lab, i in zip(batch.tokens, batch.labels, indices, strict=True)
         ]
         width = max(len(t_all) for t_all, _ in made)
         ids = torch.zeros(len(made), width, dtype=torch.long)
@@ -274,11 +294,11 @@ class CrossTokenizerTeacher(Teacher):
     @torch.no_grad()
     def store_rows(
         self, batch: TeacherInput, *, k: int, temperature: float, chunk: int
-    ) -> list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    ) -> list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]]:
         """What a cross-tokenizer store keeps of each row of ``batch``
         (:func:`kd.teachers.stored_logits.write_shard`): the top-``k`` ids and float32
-        log-probs at the teacher's labelled tokens, and those tokens, their character spans and
-        each one's own log-prob."""
+        log-probs at the teacher's labelled tokens, and those tokens, their spans, each one's
+        own log-prob, and the student's labelled tokens' spans (the alignment's coordinate)."""
         out = []
         for row in self._rows(batch):
             ids, lps, own = [], [], []
@@ -299,11 +319,12 @@ class CrossTokenizerTeacher(Teacher):
                 own.append(logp.gather(1, part.t_ids[:, None]).squeeze(1).cpu())
             flat = [torch.cat(x).flatten() if x else torch.zeros(0) for x in (ids, lps, own)]
             spans = np.asarray(row.t_spans, dtype=np.int32).reshape(-1)
+            s_spans = np.asarray(row.s_spans, dtype=np.int32).reshape(-1)
             out.append(
                 (
                     flat[0].numpy().astype(np.int32),
                     flat[1].numpy().astype(np.float32),
-                    (row.t_ids.cpu().numpy().astype(np.int32), spans, flat[2].numpy()),
+                    (row.t_ids.cpu().numpy().astype(np.int32), spans, flat[2].numpy(), s_spans),
                 )
             )
         self.release()

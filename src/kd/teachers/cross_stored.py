@@ -4,9 +4,10 @@
 ``kd run teacher_logits`` with ``cross_tokenizer:`` runs the teacher on its own tokens of each
 row's text (:meth:`kd.teachers.cross.CrossTokenizerTeacher.store_rows`) and keeps, per labelled
 teacher token, its id, its character span, its own log-prob and the top-k over the teacher's
-vocabulary (float32); the manifest keeps the teacher's vocabulary (string -> id). Training then
-needs only the student's tokenizer: the student side is rebuilt as the live teacher does
-(:func:`kd.teachers.cross.student_side`), the teacher's rows are the stored ones, and the loss is
+vocabulary (float32), and the student's labelled tokens' spans on the same axis (the row's text,
+or with chat templates :func:`kd.teachers.cross_chat.chat_spans`'s); the manifest keeps the
+teacher's vocabulary (string -> id). Training then needs neither the teacher's weights nor its
+tokenizer: both sides' spans and the teacher's rows are the stored ones, and the loss is
 :class:`kd.teachers.cross.CrossTokenizerSignal`'s.
 
 The stored top-k is made a full distribution over the teacher's ids (:func:`dense_logprobs`):
@@ -29,13 +30,13 @@ import torch
 from kd import folders, models
 from kd.config.run import RunConfig
 from kd.cross_tokenizer import VocabMatch, vocab_match
+from kd.errors import KDUserError
 from kd.teachers import stored_logits
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.cross import (
     CrossTokenizerSignal,
     CrossTokenizerSource,
     _Row,
-    student_side,
     student_size,
     vocab_of,
 )
@@ -161,7 +162,6 @@ class CrossStoredSource:
         assert settings is not None
         return CrossStoredTeacher(
             self.reader,
-            student_tokenizer=ctx.tokenizer(),
             match=self.match,
             sizes=self.sizes,
             matched_weight=settings.matched_weight,
@@ -179,7 +179,6 @@ class CrossStoredTeacher(Teacher):
         self,
         reader: stored_logits.TeacherLogitsReader,
         *,
-        student_tokenizer: Any,
         match: VocabMatch,
         sizes: tuple[int, int],
         matched_weight: float | None,
@@ -187,7 +186,6 @@ class CrossStoredTeacher(Teacher):
         ignore_index: int = -100,
     ):
         self.reader = reader
-        self.student_tokenizer = student_tokenizer
         self.match = match
         self.sizes = sizes
         self.matched_weight = matched_weight
@@ -197,8 +195,15 @@ class CrossStoredTeacher(Teacher):
     def _row(self, row: int, tokens: torch.Tensor, labels: torch.Tensor) -> _Row:
         rec = self.reader.checked_record(row, tokens, labels)
         assert rec.teacher_tokens is not None and rec.teacher_offsets is not None
-        assert rec.teacher_token_logprobs is not None
-        side = student_side(self.student_tokenizer, tokens, labels, self.ignore_index)
+        assert rec.teacher_token_logprobs is not None and rec.student_offsets is not None
+        shifted = torch.cat([labels[1:], labels.new_full((1,), self.ignore_index)])
+        s_rows = (shifted != self.ignore_index).nonzero().squeeze(1)
+        if s_rows.numel() != rec.student_offsets.shape[0]:
+            raise KDUserError(
+                f"{KEY}: {self.reader.folder} holds {rec.student_offsets.shape[0]} student spans "
+                f"for dataset row {row}, which has {s_rows.numel()} labelled tokens (edited or "
+                "damaged); rerun kd run teacher_logits into a new folder"
+            )
         t_logp = dense_logprobs(
             rec.ids[:, : self.k],
             rec.logprobs[:, : self.k],
@@ -207,9 +212,9 @@ class CrossStoredTeacher(Teacher):
             self.sizes[1],
         )
         return _Row(
-            s_rows=side.rows,
-            s_ids=side.ids,
-            s_spans=side.spans,
+            s_rows=s_rows,
+            s_ids=shifted[s_rows],
+            s_spans=[(int(a), int(b)) for a, b in rec.student_offsets],
             t_hidden=None,
             t_ids=torch.from_numpy(rec.teacher_tokens.astype(np.int64)),
             t_spans=[(int(a), int(b)) for a, b in rec.teacher_offsets],

@@ -32,8 +32,10 @@ is format version :data:`CROSS_VERSION` (an older kd refuses it rather than read
 as the student's) and its manifest's ``cross_tokenizer`` holds the teacher's vocabulary (string ->
 id) and distribution size; its rows hold, per labelled token of the TEACHER's tokenization of the
 row's text (``teacher_tokens``: ids; ``teacher_offsets``: ``[start, end)`` character pairs;
-``teacher_token_logprobs``: float32 log-prob of that actual token), ``ids``/``logprobs`` of k
-entries over the teacher's vocabulary, the log-probs float32 (the alignment multiplies
+``teacher_token_logprobs``: float32 log-prob of that actual token), the student's labelled
+tokens' spans on the same axis (``student_offsets``: the row's text, or with chat templates
+:func:`kd.teachers.cross_chat.chat_spans`'s), ``ids``/``logprobs`` of k entries over the
+teacher's vocabulary, the log-probs float32 (the alignment multiplies
 probabilities over a group; 8 bytes per entry). Plain stores stay version :data:`FORMAT_VERSION`.
 
 safetensors holds fixed-shape tensors only, so variable-length rows would need an offsets index
@@ -320,8 +322,8 @@ def write_shard(
         ids: per row, ``[n_labelled * k]`` int32 top-k token ids.
         logprobs: per row, ``[n_labelled * k]`` float16 log-probs (float32 with ``teacher``).
         teacher: a cross-tokenizer store's per row ``(teacher_tokens [n] int32,
-            teacher_offsets [2n] int32, teacher_token_logprobs [n] float32)``; ``n_labelled``
-            is then the teacher's ``n``.
+            teacher_offsets [2n] int32, teacher_token_logprobs [n] float32, student_offsets
+            [2 n_s] int32)``; ``n_labelled`` is then the teacher's ``n``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -368,6 +370,7 @@ _CROSS_COLUMNS = {
     "teacher_tokens": _int32,
     "teacher_offsets": _int32,
     "teacher_token_logprobs": _float32,
+    "student_offsets": _int32,
 }
 
 
@@ -679,10 +682,16 @@ class Record:
     teacher_tokens: np.ndarray | None = None
     teacher_offsets: np.ndarray | None = None
     teacher_token_logprobs: np.ndarray | None = None
+    student_offsets: np.ndarray | None = None  # [n_s, 2] int32: the student's on the same axis
 
     @property
     def nbytes(self) -> int:
-        extra = (self.teacher_tokens, self.teacher_offsets, self.teacher_token_logprobs)
+        extra = (
+            self.teacher_tokens,
+            self.teacher_offsets,
+            self.teacher_token_logprobs,
+            self.student_offsets,
+        )
         return (
             self.ids.nbytes + self.logprobs.nbytes + sum(a.nbytes for a in extra if a is not None)
         )
@@ -840,13 +849,14 @@ class TeacherLogitsReader:
             )
         ]
         if cross:
-            tokens, offsets, token_lps = (
+            tokens, offsets, token_lps, s_offsets = (
                 table.column(name).to_numpy(zero_copy_only=False) for name in _CROSS_COLUMNS
             )
-            for r, t, o, lp in zip(records, tokens, offsets, token_lps, strict=True):
+            for r, t, o, lp, so in zip(records, tokens, offsets, token_lps, s_offsets, strict=True):
                 r.teacher_tokens = np.asarray(t, dtype=np.int32)
                 r.teacher_offsets = np.asarray(o, dtype=np.int32).reshape(-1, 2)
                 r.teacher_token_logprobs = np.asarray(lp, dtype=np.float32)
+                r.student_offsets = np.asarray(so, dtype=np.int32).reshape(-1, 2)
                 if not len(r.teacher_tokens) == len(r.teacher_token_logprobs) == r.ids.shape[0]:
                     raise ValueError("teacher columns of another length than its top-k rows")
         return records
