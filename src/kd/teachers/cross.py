@@ -9,10 +9,14 @@ student's labelled text. The signal reports both parts as extra terms (``kd_loss
 ``kd_loss/unmatched``). Costs: the student's full logits over each row's labelled positions (no
 fused head), the teacher's forward on its own tokens, and a Python walk over each row's spans.
 
-Limits: the text is the student's rendering (its chat template), decoded token by token, so a
-token that splits a multi-byte character shifts the offsets after it (the alignment then merges
-larger groups); validation, stored or served teachers and on-policy sampling are refused by the
-config checks.
+Chat rows with a ``kd.hf.tokenizer`` student and a teacher folder with a chat template are
+rendered by the teacher's own template instead (:mod:`kd.teachers.cross_chat`). The teacher's
+rows can be stored (:meth:`CrossTokenizerTeacher.store_rows`, ``kd run teacher_logits``) and
+trained from without it (:mod:`kd.teachers.cross_stored`).
+
+Limits: decoding token by token, a token that splits a multi-byte character shifts the offsets
+after it (the alignment then merges larger groups); validation, served teachers and on-policy
+sampling are refused by the config checks.
 """
 
 from __future__ import annotations
