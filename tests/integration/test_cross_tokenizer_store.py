@@ -187,3 +187,21 @@ def test_a_cross_store_without_cross_tokenizer_is_one_line(
     err = capsys.readouterr().err
     assert "holds a teacher with another tokenizer" in err and "set cross_tokenizer" in err
     assert "Traceback" not in err
+
+
+def test_a_cross_store_as_a_member_of_teachers_is_one_line(
+    assets,
+    stores,
+    other_tok_teacher,  # noqa: F811
+    letter_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    cfg = _cfg(assets, tmp_path / "run", other_tok_teacher, letter_data)
+    del cfg["cross_tokenizer"], cfg["teacher_model"]
+    member = {"name": "x", "teacher_logits": {"path": str(stores[8]), "k": 8}}
+    cfg["teachers"] = {"members": [member]}
+    assert _main("validate", cfg=cfg, path=tmp_path / "cfg.yaml") == 2
+    err = capsys.readouterr().err
+    assert "teachers.members x: teacher_logits.path:" in err
+    assert "teachers take no such member yet" in err and "Traceback" not in err
