@@ -54,3 +54,18 @@ def test_runs_pair_in_order_and_extra_teacher_runs_are_not_used():
     teacher = [["q", "!"], ["r", "</t>"], ["unused"]]
     assert _groups(student, teacher) == [("q", "q!"), ("r", "r"), ("<e>", "</t>")]
     assert runs_of([3, 4, 5, 9, 10, 12]) == [[3, 4, 5], [9, 10], [12]]
+
+
+def test_a_teacher_rendering_that_trains_fewer_messages_is_one_line():
+    import pytest
+
+    from kd.errors import KDUserError
+    from kd.teachers.cross_chat import ChatRows
+
+    class OneTrainedRun(ChatRows):
+        def render(self, index: int) -> tuple[list[int], list[int]]:
+            return [1, 2, 3, 4], [2]
+
+    with pytest.raises(KDUserError) as e:
+        OneTrainedRun(None, None).row(4, None, [2, 5], [7, 8])
+    assert str(e.value).startswith("dataset: row 5 trains 2 span(s) as the student renders it")

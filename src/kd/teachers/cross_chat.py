@@ -164,17 +164,14 @@ class ChatRows:
         self.dataset = dataset
         self.tokenizer = teacher_tokenizer
         self.key = key
-        self.rows: dict[int, tuple[list[int], list[int]]] = {}
 
     def render(self, index: int) -> tuple[list[int], list[int]]:
-        """Row ``index``'s teacher tokens and their labelled positions (>= 1), kept once made."""
-        if index not in self.rows:
-            sft, local = _sft_part(self.dataset, index)
-            messages = sft._message_transform(sft._data[local])["messages"]
-            tokens, mask = self.tokenizer.tokenize_messages(messages)
-            labelled = [j for j, m in enumerate(mask) if not m and j >= 1]
-            self.rows[index] = ([int(t) for t in tokens], labelled)
-        return self.rows[index]
+        """Row ``index``'s teacher tokens and their labelled positions (>= 1), rendered each
+        time it is asked (not kept: a large dataset's renderings would not fit in memory)."""
+        sft, local = _sft_part(self.dataset, index)
+        messages = sft._message_transform(sft._data[local])["messages"]
+        tokens, mask = self.tokenizer.tokenize_messages(messages)
+        return [int(t) for t in tokens], [j for j, m in enumerate(mask) if not m and j >= 1]
 
     def row(
         self, index: int, student_tokenizer: Any, s_targets: Sequence[int], s_ids: Sequence[int]
