@@ -250,19 +250,20 @@ class TeacherLogitsRecipe:
     @torch.no_grad()
     def _forward(self, rows: list[int], collate: Any) -> list[tuple[Any, ...]]:
         """The teacher's top-k at the labelled positions of ``rows``: per row ``(num_tokens, ids
-        [n_labelled * k] int32, logprobs [n_labelled * k] float16)``."""
+        [n_labelled * k] int32, logprobs [n_labelled * k] float16)``, a cross-tokenizer
+        teacher's with float32 log-probs and its columns (:meth:`CrossTokenizerTeacher.store_rows`)."""
         examples = [self.dataset[r] for r in rows]
         batch = collate(examples)
         if isinstance(self.teacher, ServedTeacher):
             return self._served(examples, batch)
         if isinstance(self.teacher, CrossTokenizerTeacher):
-            rows = self.teacher.store_rows(
+            made = self.teacher.store_rows(
                 TeacherInput(batch["tokens"].to(self.device), labels=batch["labels"], rows=rows),
                 k=self.spec.k,
                 temperature=self.spec.temperature,
                 chunk=self.run.loss.chunk_size,
             )
-            return [(len(ex["tokens"]), *r) for ex, r in zip(examples, rows, strict=True)]
+            return [(len(ex["tokens"]), *r) for ex, r in zip(examples, made, strict=True)]
         assert self.teacher is not None
         signal = self.teacher.signal(TeacherInput(batch["tokens"].to(self.device)))
         spec, chunk = self.spec, self.run.loss.chunk_size
