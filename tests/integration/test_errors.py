@@ -802,6 +802,37 @@ def teacher_logits_other_dataset(assets, tmp, cfg):
     return _validate(), "was made with other rows (the tokenized dataset)"
 
 
+def teacher_logits_plain_store_with_cross_tokenizer(assets, tmp, cfg):
+    """`cross_tokenizer: {}` beside a store of the student's tokens (no teacher ids and offsets)"""
+    _teacher_logits(assets, tmp, cfg)
+    cfg.update(cross_tokenizer={}, teacher_model=None, teacher_checkpointer=None)
+    return _validate(), "without the teacher's token ids and offsets cross_tokenizer needs"
+
+
+def teacher_logits_cross_store_without_cross_tokenizer(assets, tmp, cfg):
+    """a store of a teacher with another tokenizer (version 2) used without `cross_tokenizer`"""
+    store = _teacher_logits(assets, tmp, cfg)
+    manifest = json.loads((store / "manifest.json").read_text())
+    cross = {"teacher_size": 8, "teacher_tokenizer_sha256": "0" * 64, "teacher_vocab": {"a": 0}}
+    manifest.update(version=2, cross_tokenizer=cross)
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    return _validate(), "holds a teacher with another tokenizer (its own token ids and offsets)"
+
+
+def cross_tokenizer_store_with_renorm_tail(assets, tmp, cfg):
+    """`cross_tokenizer: {}` with `teacher_logits.tail: renorm`"""
+    cfg.update(cross_tokenizer={}, teacher_model=None, teacher_checkpointer=None)
+    cfg["teacher_logits"] = {"path": str(tmp / "logits"), "tail": "renorm"}
+    return _validate(), "teacher_logits.tail: renorm is not used with cross_tokenizer"
+
+
+def cross_tokenizer_with_a_foreign_file(assets, tmp, cfg):
+    """`cross_tokenizer: {}` with `teacher_logits.format: axolotl`"""
+    cfg.update(cross_tokenizer={}, teacher_model=None, teacher_checkpointer=None)
+    cfg["teacher_logits"] = {"path": str(tmp / "logits"), "format": "axolotl"}
+    return _validate(), "teacher_logits.format: axolotl files hold no teacher token ids"
+
+
 def teacher_logits_with_validation(assets, tmp, cfg):
     """`validation: {...}` and `teacher_logits: {path: ...}`"""
     cfg["validation"] = _validation(cfg)
@@ -1178,6 +1209,10 @@ CASES: list[Case] = [
     teacher_logits_other_max_seq_len,
     teacher_logits_other_dataset,
     teacher_logits_with_validation,
+    teacher_logits_plain_store_with_cross_tokenizer,
+    teacher_logits_cross_store_without_cross_tokenizer,
+    cross_tokenizer_store_with_renorm_tail,
+    cross_tokenizer_with_a_foreign_file,
     on_policy_with_stored_logits,
     on_policy_without_teacher,
     on_policy_no_room_for_a_prompt,

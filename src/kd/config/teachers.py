@@ -200,7 +200,9 @@ def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None
     if not isinstance(data.get("cross_tokenizer"), dict):
         return
     node = data.get("teacher_model")
-    if not (isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")):
+    stored = isinstance(data.get("teacher_logits"), dict)  # the teacher only names the store's
+    hf = isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")
+    if not hf and not (stored and node is None):
         problems.append(
             Problem(
                 "cross_tokenizer",
@@ -209,8 +211,25 @@ def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None
                 "cross_tokenizer",
             )
         )
+    fmt = data["teacher_logits"].get("format", "kd") if stored else "kd"
+    if fmt != "kd":
+        problems.append(
+            Problem(
+                "teacher_logits.format",
+                f"{fmt} files hold no teacher token ids and offsets, which cross_tokenizer "
+                "needs; write kd's store with kd run teacher_logits (format: kd), or remove "
+                "cross_tokenizer",
+            )
+        )
+    if stored and data["teacher_logits"].get("tail") == "renorm":
+        problems.append(
+            Problem(
+                "teacher_logits.tail",
+                "renorm is not used with cross_tokenizer (the mass outside the stored top-k is "
+                "spread evenly over the teacher's other ids); remove teacher_logits.tail",
+            )
+        )
     for key, why in (
-        ("teacher_logits", "stored top-k log-probs carry no teacher offsets yet"),
         ("teacher_server", "a served teacher scores the student's tokens"),
         ("teachers", "each member is one tokenizer's teacher"),
         ("validation", "its metrics compare the models position by position"),

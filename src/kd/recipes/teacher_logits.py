@@ -20,6 +20,11 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
       top-``teacher_logits.k`` log-probs (:mod:`kd.teachers.served`; temperature 1, ids in the
       student's vocabulary); the store is the same, and ``kd run kd`` with the same config then
       trains from it without asking the server again.
+    - ``cross_tokenizer:`` (a ``kd.hf`` teacher with its own tokenizer): the teacher runs on its
+      own tokens of each row's text and the store keeps, per labelled teacher token, its id,
+      character span and own log-prob, and the top-k over the teacher's vocabulary in float32
+      (:mod:`kd.teachers.cross_stored`; format version 2), so ``kd run kd`` with the same
+      config aligns and takes GOLD's loss without the teacher.
     - Under torchrun rank r takes rows r, r + W, ... and writes its own shards; the teacher is
       sharded with FSDP2 as in ``kd run kd``.
     - Atomic and resumable (:mod:`kd.teachers.stored_logits`): a killed run rerun with the same config
@@ -45,6 +50,8 @@ from kd import data
 from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError
 from kd.teachers import ModelTeacher, TeacherInput, store_folder, stored_logits
+from kd.teachers.cross import CrossTokenizerSource, CrossTokenizerTeacher
+from kd.teachers.cross_stored import cross_spec
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
@@ -105,18 +112,22 @@ class TeacherLogitsRecipe:
         self.tokenizer = ctx.tokenizer()
         # The student's weights are never read: its config gives the vocabulary min(Vs, Vt).
         served = run.teacher_server
-        facts = ctx.inspect_models(self.tokenizer, read=() if served else ("teacher_model",))
+        # A cross-tokenizer teacher's tokenizer differs: it is checked by its source instead.
+        self.cross = CrossTokenizerSource(run) if run.cross_tokenizer is not None else None
+        own = served is not None or self.cross is not None
+        facts = ctx.inspect_models(self.tokenizer, read=() if own else ("teacher_model",))
         self.facts = facts
-        # A server's ids beyond the student's vocabulary are refused: Vt counts as Vs.
-        teacher_vocab = facts.student_vocab if served else facts.teacher_vocab
-        assert teacher_vocab is not None
-        vocab = facts.shared_vocab
+        self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
+        if self.cross is not None:
+            self.cross.check(ctx, facts, self.dataset)
+        # The teacher's distribution: its own vocabulary across tokenizers, else the shared.
+        vocab = self.cross.teacher_size if self.cross is not None else facts.shared_vocab
         if self.settings.k > vocab:
+            what = "teacher's own" if self.cross is not None else "shared"
             raise KDUserError(
-                f"teacher_logits.k: {self.settings.k} is more than the {vocab} shared "
+                f"teacher_logits.k: {self.settings.k} is more than the {vocab} {what} "
                 f"vocabulary entries; set teacher_logits.k to {vocab} or less"
             )
-        self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         self.hashes = [
             stored_logits.row_hash(ex["tokens"], ex["labels"])
             for ex in (self.dataset[i] for i in range(len(self.dataset)))
@@ -134,6 +145,9 @@ class TeacherLogitsRecipe:
             world_size=self.world.world_size,
             rows_per_shard=self.settings.rows_per_shard,
         )
+        if self.cross is not None:
+            folder = Path(str(ctx.node("teacher_model")["path"])).expanduser()
+            self.spec = cross_spec(self.spec, self.cross, folder)
         self.manifest = store_folder.check_store_folder(self.folder, self.spec, key=KEY)
         self.todo, self.done = self._todo()
 
@@ -154,8 +168,11 @@ class TeacherLogitsRecipe:
         counts[self.world.rank] = len(self.batches)
         # Every rank runs as many teacher forwards as the busiest one (FSDP2 collectives).
         self.steps = int(distributed.all_reduce_sum(counts).max())
-        self.teacher: ModelTeacher | ServedTeacher | None = None
+        self.teacher: ModelTeacher | ServedTeacher | CrossTokenizerTeacher | None = None
         if self.steps == 0:
+            return
+        if self.cross is not None:
+            self.teacher = self.cross.load(self.ctx, self.facts, compile=False)
             return
         if self.client is not None:
             served = self.run.teacher_server
@@ -231,13 +248,22 @@ class TeacherLogitsRecipe:
             )
 
     @torch.no_grad()
-    def _forward(self, rows: list[int], collate: Any) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    def _forward(self, rows: list[int], collate: Any) -> list[tuple[Any, ...]]:
         """The teacher's top-k at the labelled positions of ``rows``: per row ``(num_tokens, ids
-        [n_labelled * k] int32, logprobs [n_labelled * k] float16)``."""
+        [n_labelled * k] int32, logprobs [n_labelled * k] float16)``, a cross-tokenizer
+        teacher's with float32 log-probs and its columns (:meth:`CrossTokenizerTeacher.store_rows`)."""
         examples = [self.dataset[r] for r in rows]
         batch = collate(examples)
         if isinstance(self.teacher, ServedTeacher):
             return self._served(examples, batch)
+        if isinstance(self.teacher, CrossTokenizerTeacher):
+            made = self.teacher.store_rows(
+                TeacherInput(batch["tokens"].to(self.device), labels=batch["labels"], rows=rows),
+                k=self.spec.k,
+                temperature=self.spec.temperature,
+                chunk=self.run.loss.chunk_size,
+            )
+            return [(len(ex["tokens"]), *r) for ex, r in zip(examples, made, strict=True)]
         assert self.teacher is not None
         signal = self.teacher.signal(TeacherInput(batch["tokens"].to(self.device)))
         spec, chunk = self.spec, self.run.loss.chunk_size
@@ -283,6 +309,7 @@ class TeacherLogitsRecipe:
             num_tokens=[r[0] for r in results],
             ids=[r[1] for r in results],
             logprobs=[r[2] for r in results],
+            teacher=[r[3] for r in results] if self.cross is not None else None,
         )
 
 

@@ -3,7 +3,9 @@
 :func:`teacher_source` reads the config once and returns what the run's teacher is made from:
 
 * ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
-  file; ``teacher_model``, if set, only identifies the teacher the store came from);
+  file; ``teacher_model``, if set, only identifies the teacher the store came from), or with
+  ``cross_tokenizer:`` :class:`kd.teachers.cross_stored.CrossStoredSource` (the store of a
+  teacher with another tokenizer);
 * else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
   :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
   (``kd run teacher_logits``), not asked by ``kd run kd``;
@@ -36,6 +38,7 @@ from kd.errors import KDUserError
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.cross import CrossTokenizerSource
+from kd.teachers.cross_stored import CrossStoredSource
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
@@ -96,6 +99,8 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
         )
     if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
         _check_no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
+        if run.cross_tokenizer is not None:  # the teacher's own tokens and offsets, stored
+            return CrossStoredSource(run)
         return StoredTeacherSource(run)
     if run.teacher_server is not None:
         _check_no_quantization(run, "this run's teacher is served (teacher_server)")

@@ -94,7 +94,7 @@ def store_spec(
     return stored_logits.StoreSpec(
         teacher=served_identity(served)
         if served is not None
-        else ctx.teacher_identity(facts.sources["teacher_model"]),
+        else ctx.teacher_identity(facts.sources.get("teacher_model") or facts.teacher_source),
         config_sha256=hashlib.sha256(sections.encode()).hexdigest(),
         tokenizer_sha256=stored_logits.files_sha256(models.tokenizer_files(ctx.node("tokenizer"))),
         temperature=float(run.loss.temperature),

@@ -27,6 +27,17 @@ columns are compressed (zstd); row groups of :data:`ROWS_PER_GROUP` rows let a r
 batch's rows without decoding a whole shard; page checksums make a flipped byte an error instead
 of a wrong number; and pandas, duckdb, polars and Hugging Face ``datasets`` read the files as
 they are, as do the top-k logit datasets of axolotl and DistillKit (Parquet/Arrow too).
+A store of a teacher with another tokenizer (``cross_tokenizer:``, :mod:`kd.teachers.cross`)
+is format version :data:`CROSS_VERSION` (an older kd refuses it rather than read the teacher's ids
+as the student's) and its manifest's ``cross_tokenizer`` holds the teacher's vocabulary (string ->
+id) and distribution size; its rows hold, per labelled token of the TEACHER's tokenization of the
+row's text (``teacher_tokens``: ids; ``teacher_offsets``: ``[start, end)`` character pairs;
+``teacher_token_logprobs``: float32 log-prob of that actual token), the student's labelled
+tokens' spans on the same axis (``student_offsets``: the row's text, or with chat templates
+:func:`kd.teachers.cross_chat.chat_spans`'s), ``ids``/``logprobs`` of k entries over the
+teacher's vocabulary, the log-probs float32 (the alignment multiplies
+probabilities over a group; 8 bytes per entry). Plain stores stay version :data:`FORMAT_VERSION`.
+
 safetensors holds fixed-shape tensors only, so variable-length rows would need an offsets index
 of our own and could not be read by those tools.
 
@@ -59,6 +70,7 @@ from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path, pid_alive, sha256_file
 
 __all__ = [
+    "CROSS_VERSION",
     "FORMAT",
     "FORMAT_VERSION",
     "LOCK_FILE",
@@ -88,6 +100,8 @@ __all__ = [
 
 FORMAT = "kd.teacher_logits"
 FORMAT_VERSION = 1
+# A store of a teacher with another tokenizer: the teacher's tokens, offsets and float32 log-probs.
+CROSS_VERSION = 2
 MANIFEST_FILE = "manifest.json"
 # One precompute per folder: created with O_EXCL by rank 0, removed when it ends.
 LOCK_FILE = ".lock"
@@ -153,6 +167,10 @@ class StoreSpec:
         num_rows: rows of the dataset.
         world_size: ranks of the precompute (rank r wrote rows r, r + W, ...).
         rows_per_shard: rows per shard file.
+        cross_tokenizer: for a teacher with another tokenizer, ``teacher_vocab`` (its string ->
+            id), ``teacher_size`` (its distribution's entries; ``vocab`` and ``teacher_vocab``
+            are the same) and ``teacher_tokenizer_sha256``; None (omitted in the manifest) for
+            a teacher scoring the student's tokens.
     """
 
     teacher: dict[str, Any]
@@ -167,9 +185,13 @@ class StoreSpec:
     num_rows: int
     world_size: int
     rows_per_shard: int
+    cross_tokenizer: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["cross_tokenizer"] is None:  # a plain store's manifest is as before
+            del out["cross_tokenizer"]
+        return out
 
 
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(StoreSpec))
@@ -178,7 +200,7 @@ _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(StoreSpec))
 def spec_differences(stored: Mapping[str, Any], spec: StoreSpec) -> list[str]:
     """The :class:`StoreSpec` fields in which a manifest differs from ``spec`` (the teacher by
     what identifies it: a moved folder or server is the same teacher)."""
-    ours = spec.to_json()
+    ours = dataclasses.asdict(spec)
     return [
         name
         for name in _SPEC_FIELDS
@@ -288,6 +310,7 @@ def write_shard(
     num_tokens: Sequence[int],
     ids: Sequence[np.ndarray],
     logprobs: Sequence[np.ndarray],
+    teacher: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
 ) -> None:
     """Write one shard atomically (temporary file, fsync, rename): whole or absent.
 
@@ -297,20 +320,27 @@ def write_shard(
         hashes: :func:`row_hash` of each row.
         num_tokens: length of each row.
         ids: per row, ``[n_labelled * k]`` int32 top-k token ids.
-        logprobs: per row, ``[n_labelled * k]`` float16 log-probs.
+        logprobs: per row, ``[n_labelled * k]`` float16 log-probs (float32 with ``teacher``).
+        teacher: a cross-tokenizer store's per row ``(teacher_tokens [n] int32,
+            teacher_offsets [2n] int32, teacher_token_logprobs [n] float32, student_offsets
+            [2 n_s] int32)``; ``n_labelled`` is then the teacher's ``n``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table(
-        {
-            "row": pa.array(rows, pa.int64()),
-            "row_hash": pa.array(hashes, pa.string()),
-            "num_tokens": pa.array(num_tokens, pa.int32()),
-            "ids": pa.array(list(ids), pa.list_(pa.int32())),
-            "logprobs": pa.array(list(logprobs), pa.list_(pa.float16())),
-        }
-    )
+    columns = {
+        "row": pa.array(rows, pa.int64()),
+        "row_hash": pa.array(hashes, pa.string()),
+        "num_tokens": pa.array(num_tokens, pa.int32()),
+        "ids": pa.array(list(ids), pa.list_(pa.int32())),
+        "logprobs": pa.array(
+            list(logprobs), pa.list_(pa.float16() if teacher is None else pa.float32())
+        ),
+    }
+    if teacher is not None:
+        for i, (name, kind) in enumerate(_CROSS_COLUMNS.items()):
+            columns[name] = pa.array([t[i] for t in teacher], pa.list_(kind()))
+    table = pa.table(columns)
     tmp = _tmp_path(path)
     pq.write_table(
         table,
@@ -321,6 +351,27 @@ def write_shard(
         write_page_checksum=True,
     )
     _replace_synced(tmp, path)
+
+
+def _int32() -> Any:
+    import pyarrow as pa
+
+    return pa.int32()
+
+
+def _float32() -> Any:
+    import pyarrow as pa
+
+    return pa.float32()
+
+
+# A cross-tokenizer store's extra columns and their Arrow element types.
+_CROSS_COLUMNS = {
+    "teacher_tokens": _int32,
+    "teacher_offsets": _int32,
+    "teacher_token_logprobs": _float32,
+    "student_offsets": _int32,
+}
 
 
 def acquire_lock(folder: Path, *, key: str = KEY) -> Path:
@@ -383,7 +434,7 @@ def write_manifest(folder: Path, spec: StoreSpec, shards: list[dict[str, Any]] |
     """
     manifest = {
         "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if spec.cross_tokenizer is None else CROSS_VERSION,
         "complete": shards is not None,
         **spec.to_json(),
         "rows_per_group": ROWS_PER_GROUP,
@@ -440,10 +491,10 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
             f"{KEY}: {path} is not a kd teacher-logits manifest; point {KEY} at a folder "
             "written by kd run teacher_logits"
         )
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in (FORMAT_VERSION, CROSS_VERSION):
         raise KDUserError(
             f"{KEY}: {folder} has format version {manifest.get('version')}, this kd reads "
-            f"{FORMAT_VERSION}; rerun kd run teacher_logits into a new folder"
+            f"{FORMAT_VERSION} and {CROSS_VERSION}; rerun kd run teacher_logits into a new folder"
         )
     problem = _manifest_problem(manifest)
     if problem is not None:
@@ -470,6 +521,15 @@ def _manifest_problem(manifest: Mapping[str, Any]) -> str | None:
             return f"has no {name!r}"
         if not _is_int(manifest[name], least):
             return f"has {name}={one_line(repr(manifest[name]))[:40]}, not an integer >= {least}"
+    cross = manifest.get("cross_tokenizer")
+    if (manifest.get("version") == CROSS_VERSION) != isinstance(cross, Mapping) or (
+        isinstance(cross, Mapping)
+        and not (
+            isinstance(cross.get("teacher_vocab"), Mapping)
+            and _is_int(cross.get("teacher_size"), 1)
+        )
+    ):
+        return f"has version {manifest.get('version')} with cross_tokenizer {type(cross).__name__}"
     shards = manifest.get("shards")
     if not isinstance(shards, list):
         return "has no list of shards"
@@ -510,8 +570,9 @@ def check_store_matches(
     dataset_fingerprint: str,
     temperature: float,
     k: int,
-    student_vocab: int,
+    student_vocab: int | None,
     teacher: Mapping[str, Any] | None,
+    cross_tokenizer: bool = False,
 ) -> None:
     """Refuse a store that was not made for this run, one line naming the difference and the fix.
 
@@ -523,9 +584,12 @@ def check_store_matches(
         dataset_fingerprint: this run's :func:`dataset_fingerprint`.
         temperature: this run's temperature.
         k: ``teacher_logits.k`` of this run (at most the stored k).
-        student_vocab: Vs; ``min(Vs, Vt)`` must be the stored ``vocab``.
+        student_vocab: Vs; ``min(Vs, Vt)`` must be the stored ``vocab`` (None: not compared;
+            a cross-tokenizer store's vocabulary is the teacher's own).
         teacher: this run's teacher identity when the config names a teacher (else None: not
             compared).
+        cross_tokenizer: whether this run sets ``cross_tokenizer:`` (the store must then hold a
+            cross-tokenizer teacher's tokens and offsets, and must not otherwise).
 
     Raises:
         KDUserError: the first difference.
@@ -534,6 +598,7 @@ def check_store_matches(
         f"rerun kd run teacher_logits with this config into a new {KEY}, or point {KEY} at "
         "the store made for it"
     )
+    _check_cross(manifest, folder, cross_tokenizer)
     if teacher is not None and _teacher_key(manifest.get("teacher")) != _teacher_key(teacher):
         stored = manifest.get("teacher") or {}
         raise KDUserError(
@@ -564,11 +629,32 @@ def check_store_matches(
             f"teacher_logits.k to {stored_k} or less, or rerun kd run teacher_logits with "
             f"teacher_logits.k={k} into a new {KEY}"
         )
+    if student_vocab is None:
+        return
     vocab = min(student_vocab, int(manifest.get("teacher_vocab", 0)))
     if vocab != manifest.get("vocab"):
         raise KDUserError(
             f"{KEY}: {folder} holds log-probs over {manifest.get('vocab')} vocabulary entries, "
             f"but this student's vocabulary gives {vocab}; {redo}"
+        )
+
+
+def _check_cross(manifest: Mapping[str, Any], folder: Path, cross_tokenizer: bool) -> None:
+    """A cross-tokenizer store with ``cross_tokenizer:`` only, and only such a store."""
+    held = manifest.get("cross_tokenizer") is not None
+    if cross_tokenizer and not held:
+        raise KDUserError(
+            f"{KEY}: {folder} holds top-k log-probs over the student's tokens, without the "
+            "teacher's token ids and offsets cross_tokenizer needs; rerun kd run teacher_logits "
+            "with this config (cross_tokenizer and the teacher's kd.hf teacher_model) into a new "
+            f"{KEY}, or remove cross_tokenizer"
+        )
+    if held and not cross_tokenizer:
+        raise KDUserError(
+            f"{KEY}: {folder} holds a teacher with another tokenizer (its own token ids and "
+            "offsets); set cross_tokenizer: {} as when it was written (a one-teacher run: "
+            f"teachers take no such member yet), or point {KEY} at a store of the student's "
+            "tokens"
         )
 
 
@@ -591,7 +677,25 @@ class Record:
     row_hash: str
     num_tokens: int
     ids: np.ndarray  # [n_labelled, K] int32
-    logprobs: np.ndarray  # [n_labelled, K] float16
+    logprobs: np.ndarray  # [n_labelled, K] float16 (float32 in a cross-tokenizer store)
+    # A cross-tokenizer store's: the teacher's labelled tokens [n] int32, their character
+    # spans [n, 2] int32, and each actual token's log-prob [n] float32.
+    teacher_tokens: np.ndarray | None = None
+    teacher_offsets: np.ndarray | None = None
+    teacher_token_logprobs: np.ndarray | None = None
+    student_offsets: np.ndarray | None = None  # [n_s, 2] int32: the student's on the same axis
+
+    @property
+    def nbytes(self) -> int:
+        extra = (
+            self.teacher_tokens,
+            self.teacher_offsets,
+            self.teacher_token_logprobs,
+            self.student_offsets,
+        )
+        return (
+            self.ids.nbytes + self.logprobs.nbytes + sum(a.nbytes for a in extra if a is not None)
+        )
 
 
 class TeacherLogitsReader:
@@ -707,26 +811,11 @@ class TeacherLogitsReader:
                 f"{self.key}: shard {path} is damaged ({brief(e)}); delete it and rerun kd run "
                 "teacher_logits --config <this config> (it rewrites only what is missing)"
             ) from e
-        k = self.k
         try:
-            records = [
-                Record(
-                    h,
-                    int(n),
-                    np.asarray(i, dtype=np.int32).reshape(-1, k),
-                    np.asarray(lp, dtype=np.float16).reshape(-1, k),
-                )
-                for h, n, i, lp in zip(
-                    table.column("row_hash").to_pylist(),
-                    table.column("num_tokens").to_pylist(),
-                    table.column("ids").to_numpy(zero_copy_only=False),
-                    table.column("logprobs").to_numpy(zero_copy_only=False),
-                    strict=True,
-                )
-            ]
+            records = self._decode(table)
         except (KeyError, TypeError, ValueError) as e:
             raise KDUserError(
-                f"{self.key}: shard {path} does not hold rows of k={k} entries ({brief(e)}); its "
+                f"{self.key}: shard {path} does not hold rows of k={self.k} entries ({brief(e)}); its "
                 f"{MANIFEST_FILE} was edited, or the shard replaced: restore them, or rerun kd "
                 "run teacher_logits into a new folder"
             ) from e
@@ -734,11 +823,44 @@ class TeacherLogitsReader:
         for g in groups:
             part = records[(g - first) * per : (g - first + 1) * per]
             self._cache[(name, g)] = part
-            self._cached_bytes += sum(r.ids.nbytes + r.logprobs.nbytes for r in part)
+            self._cached_bytes += sum(r.nbytes for r in part)
         while self._cached_bytes > self._cache_limit and len(self._cache) > 1:
             _, dropped = self._cache.popitem(last=False)
-            self._cached_bytes -= sum(r.ids.nbytes + r.logprobs.nbytes for r in dropped)
+            self._cached_bytes -= sum(r.nbytes for r in dropped)
         return self._cache[key]
+
+    def _decode(self, table: Any) -> list[Record]:
+        """A decoded table's rows (a cross-tokenizer store's with the teacher's columns)."""
+        k = self.k
+        cross = self.manifest.get("cross_tokenizer") is not None
+        lp_dtype = np.float32 if cross else np.float16
+        records = [
+            Record(
+                h,
+                int(n),
+                np.asarray(i, dtype=np.int32).reshape(-1, k),
+                np.asarray(lp, dtype=lp_dtype).reshape(-1, k),
+            )
+            for h, n, i, lp in zip(
+                table.column("row_hash").to_pylist(),
+                table.column("num_tokens").to_pylist(),
+                table.column("ids").to_numpy(zero_copy_only=False),
+                table.column("logprobs").to_numpy(zero_copy_only=False),
+                strict=True,
+            )
+        ]
+        if cross:
+            tokens, offsets, token_lps, s_offsets = (
+                table.column(name).to_numpy(zero_copy_only=False) for name in _CROSS_COLUMNS
+            )
+            for r, t, o, lp, so in zip(records, tokens, offsets, token_lps, s_offsets, strict=True):
+                r.teacher_tokens = np.asarray(t, dtype=np.int32)
+                r.teacher_offsets = np.asarray(o, dtype=np.int32).reshape(-1, 2)
+                r.teacher_token_logprobs = np.asarray(lp, dtype=np.float32)
+                r.student_offsets = np.asarray(so, dtype=np.int32).reshape(-1, 2)
+                if not len(r.teacher_tokens) == len(r.teacher_token_logprobs) == r.ids.shape[0]:
+                    raise ValueError("teacher columns of another length than its top-k rows")
+        return records
 
     def record(self, row: int) -> Record:
         """The stored entry of dataset row ``row``."""
@@ -750,6 +872,27 @@ class TeacherLogitsReader:
         name, pos = _locate(row, world_size=self.world_size, rows_per_shard=self.rows_per_shard)
         group, offset = divmod(pos, self.rows_per_group)
         return self._records(name, group)[offset]
+
+    def checked_record(self, row: int, tokens: torch.Tensor, labels: torch.Tensor) -> Record:
+        """The stored entry of dataset row ``row``, checked against the batch's row.
+
+        Args:
+            row: the dataset index.
+            tokens: ``[s]`` the batch's (right-padded) token ids of that row.
+            labels: ``[s]`` its unshifted labels.
+
+        Raises:
+            KDUserError: the row's tokens or labels differ from the stored row's hash.
+        """
+        rec = self.record(int(row))
+        n = rec.num_tokens
+        if n > tokens.numel() or row_hash(tokens[:n], labels[:n]) != rec.row_hash:
+            raise KDUserError(
+                f"{self.key}: dataset row {int(row)} differs from the row the teacher's logits in "
+                f"{self.folder} were computed on (its hash); the data or tokenizer changed, "
+                "so rerun kd run teacher_logits with this config into a new folder"
+            )
+        return rec
 
     def batch(
         self,
@@ -782,14 +925,8 @@ class TeacherLogitsReader:
         logprobs = torch.zeros(b, s, k, dtype=torch.float16)  # [b, s, k]
         tokens, labels = tokens.cpu(), labels.cpu()
         for i, row in enumerate(rows):
-            rec = self.record(int(row))
+            rec = self.checked_record(int(row), tokens[i], labels[i])
             n = rec.num_tokens
-            if n > s or row_hash(tokens[i, :n], labels[i, :n]) != rec.row_hash:
-                raise KDUserError(
-                    f"{self.key}: dataset row {int(row)} differs from the row the teacher's logits in "
-                    f"{self.folder} were computed on (its hash); the data or tokenizer changed, "
-                    "so rerun kd run teacher_logits with this config into a new folder"
-                )
             positions = labelled_positions(labels[i, :n], ignore_index)
             if positions.numel() != rec.ids.shape[0]:
                 raise KDUserError(
