@@ -95,6 +95,31 @@ def prepare(work: Path) -> dict[str, Path]:
     return paths
 
 
+def train_resumable(cfg: Path, out: Path) -> None:
+    """``kd run kd --config cfg`` unless ``out/final`` exists; a run stopped part-way continues
+    from its newest step checkpoint (kd's resume is exact), so its numbers are those of an
+    uninterrupted run; its times add up in ``out/bench_time.json``."""
+    if (out / "final").is_dir():
+        return
+    cmd = ["kd", "run", "kd", "--config", str(cfg)]
+    timing = out / "bench_time.json"
+    spent = {"wall_s": 0.0, "cpu_s": 0.0, "starts": 0}
+    if any(out.glob("step_*")):
+        cmd.append("resume_from_checkpoint=true")
+        if timing.is_file():
+            spent.update(json.loads(timing.read_text()))
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+    log = out.parent / f"{out.name}.{spent['starts']}.log"
+    wall, cpu = base.run(cmd, log)
+    spent = {
+        "wall_s": spent["wall_s"] + wall,
+        "cpu_s": spent["cpu_s"] + cpu,
+        "starts": spent["starts"] + 1,
+    }
+    timing.write_text(json.dumps(spent))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (models, runs)")
@@ -115,26 +140,7 @@ def main() -> None:
             continue
         out = args.work / "runs" / f"{setting.name.replace(' ', '_').replace('=', '')}_{args.steps}"
         cfg = write_config(paths, setting, out, args.steps)
-        if not (out / "final").is_dir():
-            # A run stopped part-way continues from its newest step checkpoint (kd's resume is
-            # exact), so its numbers are those of an uninterrupted run; its times add up.
-            cmd = ["kd", "run", "kd", "--config", str(cfg)]
-            timing = out / "bench_time.json"
-            spent = {"wall_s": 0.0, "cpu_s": 0.0, "starts": 0}
-            if any(out.glob("step_*")):
-                cmd.append("resume_from_checkpoint=true")
-                if timing.is_file():
-                    spent.update(json.loads(timing.read_text()))
-            else:
-                shutil.rmtree(out, ignore_errors=True)
-            log = out.parent / f"{out.name}.{spent['starts']}.log"
-            wall, cpu = base.run(cmd, log)
-            spent = {
-                "wall_s": spent["wall_s"] + wall,
-                "cpu_s": spent["cpu_s"] + cpu,
-                "starts": spent["starts"] + 1,
-            }
-            timing.write_text(json.dumps(spent))
+        train_resumable(cfg, out)
         train, val = base.read_metrics(out)
         result = {
             "name": setting.name,

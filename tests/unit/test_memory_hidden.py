@@ -97,3 +97,53 @@ def test_real_size_pairs_within_3_percent(config, layers, overrides):
     rows, _ = _compare(run_config(load_config(config, over)))
     for phase, (planned, traced) in rows.items():
         assert planned == pytest.approx(traced, rel=0.03), phase
+
+
+def test_fsdp_trace_counts_the_replicated_projections(assets, tmp_path, capsys):
+    """`kd plan --world-size 2 --trace` with width projections: the trace runs (the projections'
+    plain gradients beside the student's DTensor shards are normed as the recipe norms them) and
+    counts the projections, whole on every rank, as the estimate does: their weights, AdamW states
+    and gradients (a for-loop step, ``foreach: false``, as the FSDP2 trace steps) within 3%."""
+    import json
+
+    from conftest import make_config, write_config
+
+    from kd import cli
+
+    optimizer = {"_component_": "torch.optim.AdamW", "lr": 1e-4, "foreach": False}
+    hidden = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine"}
+    user = make_config(assets, tmp_path / "out", hidden_states=hidden, optimizer=optimizer)
+    path = write_config(tmp_path / "cfg.yaml", user)
+    argv = ["plan", "--config", str(path), "--world-size", "2", "--trace", "--json"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 2 and data["components"]["hidden_states"] > 0
+
+    cfg = OmegaConf.create(
+        {
+            "model": TINY_STUDENT,  # width 128
+            "teacher_model": TINY_TEACHER,  # width 192
+            "kd_ratio": 0.5,
+            "tokenizer": {"max_seq_len": 128},
+            "batch_size": 2,
+            "optimizer": optimizer,
+            "clip_grad_norm": 1.0,
+            "loss_chunk_size": 64,
+            "hidden_states": {"layer_map": _layer_map(2, 2), "loss": "cosine"},
+        }
+    )
+    projections = 4 * 128 * 192  # 4 pairs, fp32
+    with_hidden = trace_run(_run(cfg), world_size=2)
+    without = trace_run(_run(OmegaConf.merge(cfg, {"hidden_states": None})), world_size=2)
+    inputs = inputs_from_run(_run(cfg), world_size=2)
+    est = estimate(inputs.student, inputs.teacher, inputs.knobs)
+
+    def added(phase: str, category: str) -> int:
+        return with_hidden.categories[phase][category] - without.categories[phase][category]
+
+    assert added("forward", "Unsharded Param") == 4 * projections
+    assert added("forward", "OptState") == pytest.approx(2 * 4 * projections, rel=0.03)
+    # At the optimizer step: weights, states and gradients; nothing else of hidden_states is alive.
+    step = with_hidden.phase_peaks["optimizer_step"] - without.phase_peaks["optimizer_step"]
+    assert est.phases["optimizer_step"]["hidden_states"] == 4 * 4 * projections
+    assert est.phases["optimizer_step"]["hidden_states"] == pytest.approx(step, rel=0.03)

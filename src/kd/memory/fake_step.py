@@ -695,7 +695,12 @@ def trace_step_phases(
                 )
             for h in hooks:  # the sub-phase marks would cut the evaluation's peak
                 h.remove()
-            train.grad_norm(step.trainable, max_norm=run.optimizer.clip_grad_norm)
+            # As the recipe's optimizer_step: the projections of hidden_states (replicated on
+            # every rank) are averaged and normed beside the student's (sharded) gradients.
+            extra = getattr(step.signal_teacher, "projections", None)
+            train.step_grad_norm(
+                step.student, clip_grad_norm=run.optimizer.clip_grad_norm, extra=extra
+            )
             if step.optimizer is not None:
                 step.optimizer.step()
             rec.phases["optimizer_step"] = take_phase_peak(mt)

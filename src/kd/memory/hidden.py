@@ -51,7 +51,11 @@ def hidden_terms(student: ModelShape, teacher: ModelShape | None, k: TrainKnobs)
     projected = d_s != d_t
     proj_params = len(pairs) * d_s * d_t if projected else 0
     states = 0 if k.optimizer.in_cpu or k.optimizer.kind == "sgd" else 2
-    temp = 0 if k.optimizer.fused or k.optimizer.kind == "sgd" else 1
+    # The step's temporaries (as kd.memory.resident.optimizer_state_bytes): foreach holds one per
+    # projection at once; the for-loop step (foreach: false, and the FSDP2 trace) one parameter at
+    # a time, which the student's largest parameter already covers.
+    opt = k.optimizer
+    temp = 0 if opt.fused or opt.kind == "sgd" or opt.foreach is False else 1
     resident = 4 * proj_params * (1 + states)
     teacher_points = list(dict.fromkeys(t for _, t in pairs))
     last_input = str(teacher.num_layers - 2)

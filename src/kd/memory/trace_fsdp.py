@@ -122,6 +122,23 @@ def trace_fsdp_step(run: RunConfig, *, world_size: int) -> TraceResult:
             both.teacher = step.teacher
         mt._root_mod = both
         mt.track_inputs(step.inputs())
+        _track_replicated(mt, getattr(step.signal_teacher, "projections", None))
         result = trace_step_phases(mt, step, run, grad_scale=float(world_size))
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _track_replicated(mt: Any, module: nn.Module | None) -> None:
+    """Count ``module``'s parameters (replicated on every rank, outside FSDP: the width projections
+    of ``hidden_states:``) as the trace's ``Unsharded Param``.
+
+    FSDPMemTracker only sees tensors of its FSDP modules, the optimizer's states and what it
+    allocates while active (``track_external`` is a no-op for it); parameters made before it are
+    otherwise missed. Their gradients and optimizer states are allocated while it is active.
+    """
+    if module is None:
+        return
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+    for p in module.parameters():
+        mt._update_and_maybe_create_winfos(p, _FSDPRefType.UNSHARDED_PARAM)

@@ -42,6 +42,7 @@ __all__ = [
     "micro_step",
     "optimizer_step",
     "shift_labels",
+    "step_grad_norm",
     "skip_or_stop",
     "step_metrics",
 ]
@@ -312,16 +313,24 @@ def optimizer_step(
         ``(grad_norm, stepped)``; ``stepped`` is False when the norm is NaN/inf (the gradients are
         dropped and the weights left untouched; the recipe decides whether to stop).
     """
-    if extra is None:
-        norm = grad_norm(model.parameters(), max_norm=clip_grad_norm)
-    else:
-        _average_replicated_grads(extra)
-        norm = _joint_grad_norm(model, extra, max_norm=clip_grad_norm)
+    norm = step_grad_norm(model, clip_grad_norm=clip_grad_norm, extra=extra)
     stepped = math.isfinite(float(norm))
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, stepped
+
+
+def step_grad_norm(
+    model: nn.Module, *, clip_grad_norm: float | None, extra: nn.Module | None = None
+) -> torch.Tensor:
+    """The gradient norm of :func:`optimizer_step` (clipped to ``clip_grad_norm`` when given):
+    the student's, or with ``extra`` (replicated on every rank) its gradients averaged over ranks
+    first and the norm of both together. No ``.item()``: the memory trace runs it on fake tensors."""
+    if extra is None:
+        return grad_norm(model.parameters(), max_norm=clip_grad_norm)
+    _average_replicated_grads(extra)
+    return _joint_grad_norm(model, extra, max_norm=clip_grad_norm)
 
 
 def _average_replicated_grads(module: nn.Module) -> None:
