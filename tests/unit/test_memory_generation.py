@@ -147,6 +147,16 @@ def test_fsdp_trace_has_the_generation_per_rank():
     assert est.allocated(GEN_PHASE) == pytest.approx(traced.phase_peaks[GEN_PHASE], rel=0.1)
 
 
+def test_served_teacher_generation_trace_matches_estimate():
+    """A served teacher with on-policy sampling: the student samples before any micro-step asks
+    the server, so no top-k tensors are on the device during the rollout (trace and estimate)."""
+    server = {"url": "http://127.0.0.1:9", "model": "m", "top_k": 16}
+    on_policy = {"lmbda": 0.5, "max_new_tokens": 16, "top_p": 0.9}
+    cfg = _tt_cfg(TINY_STUDENT, on_policy, teacher_server=server)
+    cfg.teacher_model = None
+    _compare(_run(cfg))
+
+
 def _compare_fsdp(run, world: int, *, alone: bool) -> None:
     """The per-rank generation phase within 3% of rank 0's trace over a fake process group of
     ``world`` ranks (``kd plan --world-size N --trace``), and (``alone``) each sampling model's."""

@@ -660,6 +660,10 @@ def _after_the_step(rec: _PhaseRecorder, step: FakeStep, run: RunConfig) -> None
     """Between steps: on-policy sampling as at the start of the next step, then one validation
     batch, each when the run has it."""
     if step.knobs.generation is not None:
+        if step.teacher_topk is not None:
+            # A step samples all its micro-batches before the first micro-step asks the store or
+            # the server: no top-k tensors exist during the rollouts.
+            step.teacher_topk = step.signal_teacher = None
         sampled = trace_generation(rec.mt, step, generation=step.knobs.generation)
         rec.subphases.update(sampled)
         rec.phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
