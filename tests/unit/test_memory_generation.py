@@ -147,6 +147,70 @@ def test_fsdp_trace_has_the_generation_per_rank():
     assert est.allocated(GEN_PHASE) == pytest.approx(traced.phase_peaks[GEN_PHASE], rel=0.1)
 
 
+def test_served_teacher_generation_trace_matches_estimate():
+    """A served teacher with on-policy sampling: the student samples before any micro-step asks
+    the server, so no top-k tensors are on the device during the rollout (trace and estimate)."""
+    server = {"url": "http://127.0.0.1:9", "model": "m", "top_k": 16}
+    on_policy = {"lmbda": 0.5, "max_new_tokens": 16, "top_p": 0.9}
+    cfg = _tt_cfg(TINY_STUDENT, on_policy, teacher_server=server)
+    cfg.teacher_model = None
+    _compare(_run(cfg))
+
+
+def _compare_fsdp(run, world: int, *, alone: bool) -> None:
+    """The per-rank generation phase within 3% of rank 0's trace over a fake process group of
+    ``world`` ranks (``kd plan --world-size N --trace``), and (``alone``) each sampling model's."""
+    from kd.memory.plan import inputs_from_run
+    from kd.memory.trace import trace_run
+
+    traced = trace_run(run, world_size=world)
+    inputs = inputs_from_run(run, world_size=world)
+    knobs = replace(inputs.knobs, select_labelled=False)
+    g = knobs.generation
+    assert g is not None
+    est = estimate(inputs.student, inputs.teacher, knobs)
+    assert est.allocated(GEN_PHASE) == pytest.approx(traced.phase_peaks[GEN_PHASE], rel=0.03)
+    assert est.phases[GEN_PHASE]["fsdp_in_flight"] > 0
+    for model in g.models if alone else ():
+        one = replace(knobs, generation=replace(g, models=(model,)))
+        assert estimate(inputs.student, inputs.teacher, one).allocated(GEN_PHASE) == pytest.approx(
+            traced.subphases[f"{model}_generation"], rel=0.03
+        ), model
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_torchtune_generation_trace_matches_estimate(world):
+    """FSDP2 per rank, torchtune: a LoRA student (tied: its embedding in the root unit) and an
+    untied teacher (its embedding a unit of its own) both sample; the prefill's first layer is
+    gathered while the root's all-gather output is still referenced, a later layer while the
+    last one's is."""
+    student = dict(TINY_STUDENT, **TT_LORA)
+    on_policy = {"lmbda": 0.5, "seq_kd": True, "max_new_tokens": 16, "top_p": 0.9}
+    _compare_fsdp(_run(_tt_cfg(student, on_policy)), world, alone=True)
+
+
+def test_fsdp_teacher_samples_beside_the_students_gathered_root():
+    """With several micro-batches an earlier one may have been the student's: its root stays
+    gathered while the teacher samples (the trace's student samples first)."""
+    on_policy = {"lmbda": 0.5, "seq_kd": True, "max_new_tokens": 16}
+    run = _run(_tt_cfg(TINY_STUDENT, on_policy, gradient_accumulation_steps=2))
+    _compare_fsdp(run, 2, alone=False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_hf_generation_trace_matches_estimate(tiny_dirs, world):  # noqa: F811
+    """FSDP2 per rank, transformers: a LoRA Qwen3 student and a Llama teacher both sample."""
+    from kd.config.run import run_config
+
+    over = {
+        "on_policy": {"max_new_tokens": 8, "seq_kd": True, "top_p": 0.9},
+        "model": dict(LORA, path=str(tiny_dirs["qwen3"])),
+    }
+    _compare_fsdp(
+        run_config(_hf_cfg(tiny_dirs["qwen3"], tiny_dirs["llama"], **over)), world, alone=True
+    )
+
+
 def test_who_samples():
     from kd.memory.plan import generation_knobs
 

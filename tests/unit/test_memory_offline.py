@@ -78,6 +78,44 @@ def test_hf_trace_matches_estimate(tiny_dirs, lora, stored):  # noqa: F811
     _compare_with_trace(run_config(cfg), stored=stored)
 
 
+def _topk_cfg(kind: str, tail: str) -> dict:
+    cfg = {
+        "model": TINY_STUDENT,
+        "kd_ratio": 0.5,
+        "tokenizer": {"max_seq_len": 128},
+        "batch_size": 2,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-4},
+        "loss_chunk_size": 64,
+    }
+    if kind == "stored":
+        cfg.update(teacher_model=TINY_TEACHER, teacher_logits=dict(STORE, tail=tail))
+    else:
+        server = {"url": "http://127.0.0.1:9", "model": "m", "top_k": K, "tail": tail}
+        cfg.update(teacher_model=None, teacher_server=server)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "kind,tail", [("stored", "renorm"), ("served", "bucket"), ("served", "renorm")]
+)
+def test_stored_and_served_traces_run_their_signal(kind, tail):
+    """`kd plan --trace` of a store or a served teacher builds no teacher: the micro-batch holds
+    the top-k tensors, answered as the run's file or served teacher answers them (with its
+    section's tail), and the estimate is within 3% of that trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kd.memory.fake_step import build_fake_step, fake_friendly
+    from kd.teachers import FixedTopKTeacher
+
+    run = _run(OmegaConf.create(_topk_cfg(kind, tail)))
+    with fake_friendly(run), FakeTensorMode():
+        step = build_fake_step(run)
+    assert step.teacher is None and isinstance(step.signal_teacher, FixedTopKTeacher)
+    assert step.signal_teacher.tail == tail
+    assert step.teacher_topk is not None and step.teacher_topk[0].shape[-1] == K
+    _compare_with_trace(run, stored=True)
+
+
 def test_no_teacher_fused_loss_keeps_no_full_logits():
     """The 14B->3B template without its teacher: the chunked CE, not [tokens, vocab] logits."""
     plan = make_plan(inputs_from_run(_template(["teacher_model=null", "kd_ratio=0"])), 80)

@@ -286,12 +286,13 @@ class FakeStep:
         labels: ``[b, s]`` targets, every position labelled (the worst case).
         num_tokens_total: labelled tokens of the whole optimizer step (all micro-batches, all
             ranks).
-        teacher_topk: stored teacher logits ``(ids [b, s, k] int64, logprobs [b, s, k] float16)``
-            as the recipe passes them to ``kd.training.train.micro_step``; None with an online teacher or
-            none.
+        teacher_topk: stored or served teacher logits ``(ids [b, s, k] int64, logprobs
+            [b, s, k] float16)`` as the run's teacher puts them on the device; None with an
+            online teacher or none.
         signal_teacher: what the step asks for the teacher's signal when it is not ``teacher``
             itself (``hidden_states:``: the :class:`kd.teachers.hidden.HiddenStateTeacher` over it,
-            bound to the student; its projections are in ``trainable``); None: ``teacher``.
+            bound to the student; its projections are in ``trainable``; with ``teacher_topk`` a
+            :class:`kd.teachers.FixedTopKTeacher` over them); None: ``teacher``.
         knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the
             micro-batch, the validation batch and the on-policy sampling the trace runs.
     """
@@ -344,9 +345,11 @@ def build_fake_step(
     micro-batch is the plan's: ``batch_size`` rows (per rank) of the planned sequence length,
     every position labelled (the worst case); with gradient accumulation the gradients of the
     earlier micro-batches are pre-created; with ``optimizer_in_cpu`` no optimizer is built and
-    the gradients stay resident; with stored teacher logits the step gets a fake ``[b, s, k]``
-    int64 ids and float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch``
-    returns it.
+    the gradients stay resident; with stored teacher logits (``teacher_logits:``) or a served
+    teacher (``teacher_server:``) no teacher is built: the step gets a fake ``[b, s, k]`` int64
+    ids and float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch`` and the
+    server client return it, which a :class:`kd.teachers.FixedTopKTeacher` answers with the
+    section's tail treatment (``signal_teacher``), as the run's file or served teacher does.
 
     Args:
         run: the run configuration.
@@ -394,11 +397,18 @@ def build_fake_step(
     vocab = models.vocab_size(student)
     topk = None
     if knobs.stored_topk is not None:
+        from kd.teachers import FixedTopKTeacher
+
         shape = (b, s, knobs.stored_topk)
         topk = (
             torch.randint(0, vocab, shape),  # [b, s, k] int64 ids
             torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
         )
+        # The stored or served signal, as FileTeacher / ServedTeacher answer it: the tensors of
+        # the micro-batch and the tail treatment of the config's section.
+        served = run.teacher_server
+        tail = served.tail if served is not None else run.teacher_logits.tail
+        signal_teacher = FixedTopKTeacher(*topk, tail=tail)
     return FakeStep(
         student=student,
         teacher=teacher,
@@ -530,6 +540,11 @@ def trace_generation(
     config's temperature and top-p; the vocabulary is limited below the output size, as the
     tokenizer's usually is, so the sampler's masked copy of the logits is traced too.
 
+    Under FSDP2 each rollout starts as the recipe's does: the teacher's root freed (the recipe
+    releases it after each micro-step and after the teacher samples) and, when the teacher
+    samples, the student's root too unless the step has several micro-batches (an earlier one
+    may have been the student's, whose gathered root stays until its backward).
+
     Args:
         mt: the tracker, entered, holding the step's models and optimizer.
         step: the traced step (:func:`build_fake_step`).
@@ -539,7 +554,7 @@ def trace_generation(
         ``{model}_generation`` -> tracker category -> bytes at that model's sampling peak.
     """
     from kd import models
-    from kd.training import on_policy
+    from kd.training import distributed, on_policy
 
     for p in step.trainable:
         p.grad = None
@@ -552,6 +567,10 @@ def trace_generation(
             model = step.student if name == "student" else step.teacher
             if model is None:
                 raise ValueError(f"trace_generation: no {name} model to sample with")
+            if name == "teacher" and step.knobs.grad_accum == 1:
+                # One micro-batch per step: the teacher samples at the start of a step, after the
+                # last backward resharded the student's root (its rollout above left it gathered).
+                distributed.reshard(step.student)
             vocab = models.vocab_size(model)
             take_phase_peak(mt)
             prompts = on_policy.Prompts(
@@ -576,8 +595,6 @@ def trace_generation(
             )
             del prompts, done
             if name == "teacher":
-                from kd.training import distributed
-
                 distributed.reshard(model)  # the recipe frees the teacher's gathered root
             out[f"{name}_generation"] = take_phase_peak(mt)
     return out
@@ -643,6 +660,10 @@ def _after_the_step(rec: _PhaseRecorder, step: FakeStep, run: RunConfig) -> None
     """Between steps: on-policy sampling as at the start of the next step, then one validation
     batch, each when the run has it."""
     if step.knobs.generation is not None:
+        if step.teacher_topk is not None:
+            # A step samples all its micro-batches before the first micro-step asks the store or
+            # the server: no top-k tensors exist during the rollouts.
+            step.teacher_topk = step.signal_teacher = None
         sampled = trace_generation(rec.mt, step, generation=step.knobs.generation)
         rec.subphases.update(sampled)
         rec.phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
@@ -673,6 +694,7 @@ def trace_step_phases(
     Returns:
         Peaks per phase and sub-phase (``wall_s`` left at 0 for the caller).
     """
+    from kd.teachers import as_teacher
     from kd.training import train
 
     rec = _PhaseRecorder(mt)
@@ -691,8 +713,9 @@ def trace_step_phases(
                     settings=run.loss,
                     num_tokens_total=step.num_tokens_total,
                     grad_scale=grad_scale,
-                    teacher_topk=step.teacher_topk,
                 )
+            if step.teacher is not None:  # as the recipe: the sharded teacher's root is freed
+                as_teacher(step.signal_teacher or step.teacher).release()
             for h in hooks:  # the sub-phase marks would cut the evaluation's peak
                 h.remove()
             # As the recipe's optimizer_step: the projections of hidden_states (replicated on

@@ -97,17 +97,25 @@ def sampler_bytes(vocab: int, batch: int, a: int, g: GenerationKnobs) -> int:
     return max(upcast, 32 * n)
 
 
-def rollout_bytes(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
-    """The generation's transient components (``kv_cache``, ``activations``, ``sampling``,
-    ``buffers``) at its peak when ``shape`` samples: :func:`kd.training.on_policy.rollout` on ``b`` prompts
-    of ``P = seq_len - new_tokens`` tokens, with a cache of ``seq_len`` positions.
+# Where in the rollout a candidate peak lies, for what FSDP2 holds gathered there
+# (:func:`fsdp_gathered`): a decoder layer running, the sampling (no layer gathered), or the
+# boundaries where the next unit is all-gathered (:func:`hf_terms.generation_boundaries`).
+LAYER, HEAD = "layer", "head"
+
+
+def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict[str, int]]]:
+    """The generation's candidate peaks when ``shape`` samples, each with where it lies
+    (:data:`LAYER`, :data:`HEAD` or a boundary of :func:`hf_terms.generation_boundaries`) and its
+    transient components (``kv_cache``, ``activations``, ``sampling``, ``buffers``):
+    :func:`kd.training.on_policy.rollout` on ``b`` prompts of ``P = seq_len - new_tokens`` tokens,
+    with a cache of ``seq_len`` positions.
 
     The rollout's own tensors are held throughout (torchtune: int32 positions ``[b, total]``, the
     prefill mask ``[b, P, total]`` and the key positions too), and so is the prefill's output
-    until the first decoding step returns. The peak is the largest of the prefill (a decoder
-    layer on ``b * P`` tokens), the first token's sampling, and the first decoding step (with the
-    fp32 logits of the first token still referenced); from the second token on, the new logits
-    are computed while the last ones are still referenced.
+    until the first decoding step returns. The candidates: the prefill (a decoder layer on
+    ``b * P`` tokens), the first token's sampling, and the first decoding step (with the fp32
+    logits of the first token still referenced); from the second token on, the new logits are
+    computed while the last ones are still referenced; and the layer boundaries.
     """
     g = k.generation
     assert g is not None
@@ -119,7 +127,7 @@ def rollout_bytes(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
     logits = 4 * b * vocab
     sampler = sampler_bytes(vocab, b, a, g)
     if shape.hf:
-        candidates = hf_terms.generation_steps(
+        steps = hf_terms.generation_steps(
             shape,
             b,
             prompt,
@@ -129,21 +137,69 @@ def rollout_bytes(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
             upcast=upcast_bytes(vocab, b, a),
             sampler=sampler,
         )
-        best = max(candidates, key=lambda d: sum(d.values()))
-        return dict(best, buffers=best.get("buffers", 0) + own)
+        # generation_steps' order: the prefill's layers, the first sampling, (the first and the
+        # last decoding steps,) the last sampling
+        where = [LAYER] * shape.num_layers + [HEAD] + [LAYER, LAYER] * (new > 1) + [HEAD]
+        assert len(where) == len(steps)
+        bounds = hf_terms.generation_boundaries(shape, b, prompt, new, a, logits=logits)
+        tagged = [*zip(where, steps, strict=True), *bounds.items()]
+        return [(w, dict(d, buffers=d.get("buffers", 0) + own)) for w, d in tagged]
     own += 4 * b * total + b * prompt * total + 8 * total
     cache = kv_cache_bytes(shape, b, total, a)
     hidden = a * b * prompt * h
-    decode = logits + b * total + 8 * b + a * b * h + cached_layer_peak(shape, b, 1, total, a)
+    held = logits + b * total + 8 * b + a * b * h  # the first decoding step's, beside its layer
+    decode = held + cached_layer_peak(shape, b, 1, total, a)
     steps = [
-        {"activations": hidden + cached_layer_peak(shape, b, prompt, total, a)},
-        {"activations": hidden, "sampling": sampler},
-        {"activations": hidden + decode - logits, "sampling": logits},
+        (LAYER, {"activations": hidden + cached_layer_peak(shape, b, prompt, total, a)}),
+        (HEAD, {"activations": hidden, "sampling": sampler}),
+        (LAYER, {"activations": hidden + decode - logits, "sampling": logits}),
+        ("embedding", {}),
+        ("first", {"activations": hidden}),
+        ("between", {"activations": hidden}),
+        ("decoding", {"activations": hidden + held - logits, "sampling": logits}),
     ]
     if new > 1:  # the next logits, in the dtype and in fp32, while the last ones are referenced
-        steps.append({"activations": a * b * h, "sampling": logits + upcast_bytes(vocab, b, a)})
-    best = max(steps, key=lambda d: sum(d.values()))
-    return dict(best, kv_cache=cache, buffers=own)
+        steps.append(
+            (HEAD, {"activations": a * b * h, "sampling": logits + upcast_bytes(vocab, b, a)})
+        )
+    return [(w, dict(d, kv_cache=cache, buffers=own)) for w, d in steps]
+
+
+def rollout_bytes(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
+    """The generation's transient components (``kv_cache``, ``activations``, ``sampling``,
+    ``buffers``) at its peak on one device (:func:`rollout_candidates`)."""
+    return max((d for _, d in rollout_candidates(shape, k)), key=lambda d: sum(d.values()))
+
+
+def fsdp_gathered(shape: ModelShape, per_param: float, where: str) -> int:
+    """Bytes FSDP2 holds gathered on a rank at a point of the rollout (``where``: see
+    :func:`rollout_candidates`) when ``shape`` samples sharded.
+
+    The root unit (final norm, output projection; the embedding when tied) is gathered at the
+    first forward and stays (``reshard_after_forward=False``); every other unit (the untied
+    embedding, each layer) is gathered for its forward and freed after it. FSDP2 keeps a unit's
+    all-gather output referenced until the next unit has copied its own out (to overlap the
+    copy with the next all-gather), and the last unit's until the root's forward ends. So a
+    running layer holds its parameters twice (all-gather output and parameters), the gathering
+    of the next unit three unit-sized buffers (the last one's output, its own output and
+    parameters), and the first forward's first unit also the root's all-gather output.
+    """
+    root = shape.output_params() + shape.embed_dim
+    emb = 0 if shape.tie_word_embeddings else shape.embedding_params()
+    if not emb:
+        root += shape.embedding_params()
+    layer = shape.largest_layer_params()
+    before_first = root if not emb else emb  # the unit gathered before the first layer
+    units = {
+        LAYER: 2 * layer,
+        HEAD: 0,
+        # untied: the embedding gathered while the root's all-gather output is referenced
+        "embedding": root + 2 * emb,
+        "first": before_first + 2 * layer,
+        "between": 3 * layer if shape.num_layers > 1 else 2 * layer,
+        "decoding": 2 * layer + max(layer if shape.num_layers > 1 else 0, emb),
+    }
+    return int(per_param * (root + units[where]))
 
 
 def generation_phase(
@@ -160,8 +216,10 @@ def generation_phase(
 
     The int64 tokens and labels of the micro-batches sampled before this one stay on the device
     (``grad_accum - 1`` of them, at most ``seq_len`` tokens each; at least one is counted) beside
-    both models' buffers (``model_buffers``). Under FSDP2 the sampling model's root unit stays
-    gathered and two of its layers are in flight.
+    both models' buffers (``model_buffers``). Under FSDP2 each candidate peak of the rollout
+    (:func:`rollout_candidates`) adds what the sampling model holds gathered there
+    (:func:`fsdp_gathered`); when the teacher samples in a step of several micro-batches, an
+    earlier micro-batch may have been the student's, whose root stays gathered.
 
     Raises:
         ValueError: a sampling model that is not there.
@@ -175,12 +233,13 @@ def generation_phase(
         if shape is None:
             raise ValueError(f"estimate: generation by the {name}, but there is no {name}")
         per_param = k.teacher_dtype_bytes if name == "teacher" else k.dtype_bytes
-        in_flight = 0
-        if k.num_ranks > 1:
-            root = shape.embedding_params() + shape.output_params() + shape.embed_dim
-            in_flight = int(per_param * (2 * shape.largest_layer_params() + root))
-        phase = between_steps(resident, in_flight=in_flight, buffers=model_buffers + batches)
-        for comp, val in rollout_bytes(shape, k).items():
-            phase[comp] = phase.get(comp, 0) + val
-        phases.append(phase)
+        held = 0  # the student's root, gathered by its rollout of an earlier micro-batch
+        if name == "teacher" and k.num_ranks > 1 and k.grad_accum > 1 and "student" in g.models:
+            held = fsdp_gathered(student, k.dtype_bytes, HEAD)
+        for where, rollout in rollout_candidates(shape, k):
+            in_flight = held + fsdp_gathered(shape, per_param, where) if k.num_ranks > 1 else 0
+            phase = between_steps(resident, in_flight=in_flight, buffers=model_buffers + batches)
+            for comp, val in rollout.items():
+                phase[comp] = phase.get(comp, 0) + val
+            phases.append(phase)
     return max(phases, key=lambda d: sum(d.values()), default={})

@@ -418,6 +418,52 @@ def _decoding_cache_peak(shape: ModelShape, unit: int, length: int, prompt: int)
     return worst
 
 
+def prefill_held(shape: ModelShape, batch: int, prompt: int, a: int) -> int:
+    """What the prefill holds while its layers run: the embedding output, one boolean mask per
+    layer kind and the RoPE tables of the ``P`` positions."""
+    n = batch * prompt
+    kinds = {shape.layer_kind(i) for i in range(shape.num_layers)}
+    rope = shape.rope_types * 2 * a * n * shape.head_dim
+    return a * n * shape.embed_dim + len(kinds) * n * prompt + rope
+
+
+def generation_boundaries(
+    shape: ModelShape, batch: int, prompt: int, new: int, a: int, *, logits: int
+) -> dict[str, dict[str, int]]:
+    """The rollout's tensors between decoder layers (where FSDP2 gathers the next layer while
+    the last one's gathered buffer is still referenced), as :func:`generation_steps`' components:
+    ``embedding`` before the first forward's embedding, ``first`` before its first layer,
+    ``between`` before its last layer (the earlier layers' caches filled), ``decoding`` before
+    the last layer of the last decoding step (the caches at their longest, the last logits
+    referenced)."""
+    h, hd = shape.embed_dim, shape.head_dim
+    layers = shape.num_layers
+    unit = a * batch * shape.kv_dim
+    total = prompt + new
+    kinds = {shape.layer_kind(i) for i in range(layers)}
+    buffers = 16 * batch * total
+    held = prefill_held(shape, batch, prompt, a)
+    last = layers - 1
+    out = {
+        "embedding": {"buffers": buffers},
+        "first": {"activations": held, "buffers": buffers},
+        "between": {
+            "kv_cache": 2 * unit * prompt * last,
+            "activations": held + a * batch * prompt * h,
+            "buffers": buffers,
+        },
+    }
+    if new > 1:
+        step = 2 * a * batch * h + shape.rope_types * 2 * a * batch * hd
+        out["decoding"] = {
+            "kv_cache": _cached_bytes(shape, unit, total - 1, prompt),
+            "activations": step + len(kinds) * batch * (total - 1),
+            "sampling": logits,
+            "buffers": buffers,
+        }
+    return out
+
+
 def generation_steps(
     shape: ModelShape,
     batch: int,
@@ -460,7 +506,7 @@ def generation_steps(
     total = prompt + new
     buffers = 16 * batch * total  # the int64 padding mask and positions
     hidden = a * n * h
-    fixed = hidden + len(kinds) * n * prompt + shape.rope_types * 2 * a * n * hd
+    fixed = prefill_held(shape, batch, prompt, a)
     steps = []
     for j in range(layers):
         cache = 2 * unit * prompt * j

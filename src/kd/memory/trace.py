@@ -89,7 +89,7 @@ def trace_step(run: RunConfig) -> TraceResult:
         mt.track_external(step.student, *step.inputs(), step.num_tokens_total)
         if step.teacher is not None:
             mt.track_external(step.teacher)
-        if step.signal_teacher is not None and step.signal_teacher.projections is not None:
+        if getattr(step.signal_teacher, "projections", None) is not None:
             mt.track_external(step.signal_teacher.projections)  # hidden_states: trained too
         if step.optimizer is not None:
             mt.track_external(step.optimizer)

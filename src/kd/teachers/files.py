@@ -89,11 +89,13 @@ class FixedTopKTeacher(Teacher):
     Args:
         ids: ``[b, s, k]`` int64.
         logprobs: ``[b, s, k]``.
+        tail: the tail treatment the signal carries (None: the loss settings').
     """
 
-    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor, *, tail: str | None = None):
         self.ids = ids
         self.logprobs = logprobs
+        self.tail = tail
 
     def signal(self, batch: TeacherInput) -> TopKSignal:
-        return TopKSignal(ids=self.ids, logprobs=self.logprobs)
+        return TopKSignal(ids=self.ids, logprobs=self.logprobs, tail=self.tail)
