@@ -45,6 +45,7 @@ import bench_real_kd as base  # noqa: E402
 
 LR = 3e-4  # the best learning rate of bench_real_kd's study, for every student run here
 TEACHER_LR = 1e-4  # fine-tuning the specialist teachers (an instruct model: a gentler step)
+STEPS = {"cross": 100, "routed": 60}  # default steps per student run of each study
 EVALS = 5  # in-training evaluations on dev (routed study; the cross study validates nothing)
 
 
@@ -472,15 +473,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (models, runs)")
     parser.add_argument("--study", choices=("cross", "routed"), required=True)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per student run")
     parser.add_argument(
-        "--teacher-steps", type=int, default=60, help="routed: steps of each specialist's fine-tune"
+        "--steps", type=int, default=None, help="steps per student run (cross 100, routed 60)"
+    )
+    parser.add_argument(
+        "--teacher-steps", type=int, default=40, help="routed: steps of each specialist's fine-tune"
     )
     parser.add_argument("--vocab", type=int, default=8192, help="cross: the retrained vocabulary")
     parser.add_argument("--split-by", choices=tuple(SPLITS), default="code", help="routed: halves")
     parser.add_argument("--only", default=None, help="run only this setting (by name)")
     parser.add_argument("--prepare", action="store_true", help="only make folders and configs")
     args = parser.parse_args()
+    if args.steps is None:  # each study's runs take about 30 min on 2 idle cores
+        args.steps = STEPS[args.study]
     (cross_study if args.study == "cross" else routed_study)(args)
 
 
