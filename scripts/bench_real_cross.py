@@ -45,7 +45,7 @@ import bench_real_kd as base  # noqa: E402
 
 LR = 3e-4  # the best learning rate of bench_real_kd's study, for every student run here
 TEACHER_LR = 1e-4  # fine-tuning the specialist teachers (an instruct model: a gentler step)
-STEPS = {"cross": 100, "routed": 60}  # default steps per student run of each study
+STEPS = {"cross": 100, "routed": 50}  # default steps per student run of each study
 EVALS = 5  # in-training evaluations on dev (routed study; the cross study validates nothing)
 
 
@@ -109,8 +109,9 @@ def train(config: Path, out: Path) -> dict[str, float]:
             "cpu_s": spent["cpu_s"] + cpu,
             "starts": spent["starts"] + 1,
         }
-        out.mkdir(parents=True, exist_ok=True)
         timing.write_text(json.dumps(spent))
+        for step in out.glob("step_*"):  # only final/ is read once the run finished
+            shutil.rmtree(step)
     return json.loads(timing.read_text())
 
 
@@ -474,7 +475,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (models, runs)")
     parser.add_argument("--study", choices=("cross", "routed"), required=True)
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps per student run (cross 100, routed 60)"
+        "--steps", type=int, default=None, help="steps per student run (cross 100, routed 50)"
     )
     parser.add_argument(
         "--teacher-steps", type=int, default=40, help="routed: steps of each specialist's fine-tune"
