@@ -398,7 +398,8 @@ def student_config(
                 for name, folder in teachers.items()
             ],
         }
-        cfg.teacher_model, cfg.teacher_checkpointer = None, None
+        cfg.pop("teacher_model")  # `teachers:` stands in place of the one-teacher keys
+        cfg.pop("teacher_checkpointer")
     else:
         cfg.teacher_checkpointer.checkpoint_dir = str(teachers[setting.teacher])
     return run_config(cfg, paths, out, steps, validate=True)
