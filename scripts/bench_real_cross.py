@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_real_hidden as hidden  # noqa: E402
 import bench_real_kd as base  # noqa: E402
 
 LR = 3e-4  # the best learning rate of bench_real_kd's study, for every student run here
@@ -89,30 +90,10 @@ def run_dir(work: Path, study: str, name: str, steps: int) -> Path:
 
 
 def train(config: Path, out: Path) -> dict[str, float]:
-    """``kd run kd`` of ``config`` into ``out`` unless it finished; a stopped run resumes.
-
-    Returns the run's wall and CPU seconds (summed over its starts).
-    """
-    timing = out / "bench_time.json"
-    if not (out / "final").is_dir():
-        cmd = ["kd", "run", "kd", "--config", str(config)]
-        spent = {"wall_s": 0.0, "cpu_s": 0.0, "starts": 0}
-        if any(out.glob("step_*")):
-            cmd.append("resume_from_checkpoint=true")
-            if timing.is_file():
-                spent.update(json.loads(timing.read_text()))
-        else:
-            shutil.rmtree(out, ignore_errors=True)
-        wall, cpu = base.run(cmd, out.parent / f"{out.name}.{spent['starts']}.log")
-        spent = {
-            "wall_s": spent["wall_s"] + wall,
-            "cpu_s": spent["cpu_s"] + cpu,
-            "starts": spent["starts"] + 1,
-        }
-        timing.write_text(json.dumps(spent))
-        for step in out.glob("step_*"):  # only final/ is read once the run finished
-            shutil.rmtree(step)
-    return json.loads(timing.read_text())
+    """``kd run kd`` of ``config`` into ``out`` unless it finished; a stopped run resumes
+    (bench_real_hidden's runner); its step checkpoints go once it finished. Returns the run's
+    wall and CPU seconds (summed over its starts)."""
+    return hidden.train_resumable(config, out, drop_checkpoints=True)
 
 
 def run_config(cfg: Any, paths: dict[str, Path], out: Path, steps: int, *, validate: bool) -> Path:

@@ -95,29 +95,33 @@ def prepare(work: Path) -> dict[str, Path]:
     return paths
 
 
-def train_resumable(cfg: Path, out: Path) -> None:
+def train_resumable(cfg: Path, out: Path, *, drop_checkpoints: bool = False) -> dict[str, float]:
     """``kd run kd --config cfg`` unless ``out/final`` exists; a run stopped part-way continues
     from its newest step checkpoint (kd's resume is exact), so its numbers are those of an
-    uninterrupted run; its times add up in ``out/bench_time.json``."""
-    if (out / "final").is_dir():
-        return
-    cmd = ["kd", "run", "kd", "--config", str(cfg)]
+    uninterrupted run; its times add up in ``out/bench_time.json``, which is returned (wall and
+    CPU seconds, starts). ``drop_checkpoints`` removes the step checkpoints once the run
+    finished (only ``final/`` is read then)."""
     timing = out / "bench_time.json"
-    spent = {"wall_s": 0.0, "cpu_s": 0.0, "starts": 0}
-    if any(out.glob("step_*")):
-        cmd.append("resume_from_checkpoint=true")
-        if timing.is_file():
-            spent.update(json.loads(timing.read_text()))
-    else:
-        shutil.rmtree(out, ignore_errors=True)
-    log = out.parent / f"{out.name}.{spent['starts']}.log"
-    wall, cpu = base.run(cmd, log)
-    spent = {
-        "wall_s": spent["wall_s"] + wall,
-        "cpu_s": spent["cpu_s"] + cpu,
-        "starts": spent["starts"] + 1,
-    }
-    timing.write_text(json.dumps(spent))
+    if not (out / "final").is_dir():
+        cmd = ["kd", "run", "kd", "--config", str(cfg)]
+        spent = {"wall_s": 0.0, "cpu_s": 0.0, "starts": 0}
+        if any(out.glob("step_*")):
+            cmd.append("resume_from_checkpoint=true")
+            if timing.is_file():
+                spent.update(json.loads(timing.read_text()))
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        wall, cpu = base.run(cmd, out.parent / f"{out.name}.{spent['starts']}.log")
+        spent = {
+            "wall_s": spent["wall_s"] + wall,
+            "cpu_s": spent["cpu_s"] + cpu,
+            "starts": spent["starts"] + 1,
+        }
+        timing.write_text(json.dumps(spent))
+        if drop_checkpoints:
+            for step in out.glob("step_*"):
+                shutil.rmtree(step)
+    return json.loads(timing.read_text())
 
 
 def main() -> None:
