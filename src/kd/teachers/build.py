@@ -32,7 +32,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kd import data, models
+from kd import data
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.teachers import foreign_logits, store_folder, stored_logits
@@ -211,20 +211,14 @@ class StoredTeacherSource:
                 )
             self.reader = reader
             return
-        store = stored_logits.TeacherLogitsReader(settings.path)
-        source = facts.teacher_source
-        stored_logits.check_store_matches(
-            store.manifest,
-            settings.path,
-            tokenizer_sha256=stored_logits.files_sha256(
-                models.tokenizer_files(ctx.node("tokenizer"))
-            ),
-            max_seq_len=run.max_seq_len,
-            dataset_fingerprint=fingerprint,
-            temperature=run.loss.temperature,
+        store = stored_logits.open_run_store(
+            ctx,
+            facts,
+            run,
+            path=settings.path,
             k=settings.k,
+            dataset_fingerprint=fingerprint,
             student_vocab=facts.student_vocab,
-            teacher=ctx.teacher_identity(source) if source is not None else None,
         )
         # The student's KD softmax runs over the shared vocabulary, as with a teacher model.
         self.reader, self.vocab = store, int(store.manifest["vocab"])

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kd import folders, models
+from kd import folders
 from kd.config.run import RunConfig
 from kd.cross_tokenizer import VocabMatch, vocab_match
 from kd.errors import KDUserError
@@ -133,20 +133,14 @@ class CrossStoredSource:
             stored_logits.row_hash(dataset[i]["tokens"], dataset[i]["labels"])
             for i in range(len(dataset))
         )
-        store = stored_logits.TeacherLogitsReader(settings.path)
-        source = facts.teacher_source
-        stored_logits.check_store_matches(
-            store.manifest,
-            settings.path,
-            tokenizer_sha256=stored_logits.files_sha256(
-                models.tokenizer_files(ctx.node("tokenizer"))
-            ),
-            max_seq_len=run.max_seq_len,
-            dataset_fingerprint=fingerprint,
-            temperature=run.loss.temperature,
+        store = stored_logits.open_run_store(
+            ctx,
+            facts,
+            run,
+            path=settings.path,
             k=settings.k,
+            dataset_fingerprint=fingerprint,
             student_vocab=None,
-            teacher=ctx.teacher_identity(source) if source is not None else None,
             cross_tokenizer=True,
         )
         cross = store.manifest["cross_tokenizer"]

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kd import folders
+from kd import folders, models
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path, pid_alive, sha256_file
 
@@ -938,3 +938,45 @@ class TeacherLogitsReader:
             ids[i, positions] = torch.from_numpy(rec.ids[:, :k].astype(np.int64))
             logprobs[i, positions] = torch.from_numpy(rec.logprobs[:, :k].copy())
         return ids, logprobs
+
+
+def open_run_store(
+    ctx: Any,
+    facts: Any,
+    run: Any,
+    *,
+    path: Path,
+    k: int,
+    dataset_fingerprint: str,
+    student_vocab: int | None,
+    cross_tokenizer: bool = False,
+) -> TeacherLogitsReader:
+    """Open kd's store at ``path`` and check it against this run (:func:`check_store_matches`):
+    the run's tokenizer files, ``max_seq_len``, temperature, ``k``, data and, when the config
+    names one, the teacher.
+
+    Args:
+        ctx: the run's ``RunContext`` (tokenizer node, teacher identity).
+        facts: its ``ModelFacts`` (teacher source).
+        run: its ``RunConfig``.
+        path: ``teacher_logits.path``.
+        k: ``teacher_logits.k``.
+        dataset_fingerprint: :func:`dataset_fingerprint` of the run's rows.
+        student_vocab: the student's vocabulary size, or None (another tokenizer).
+        cross_tokenizer: the run has ``cross_tokenizer:``.
+    """
+    store = TeacherLogitsReader(path)
+    source = facts.teacher_source
+    check_store_matches(
+        store.manifest,
+        path,
+        tokenizer_sha256=files_sha256(models.tokenizer_files(ctx.node("tokenizer"))),
+        max_seq_len=run.max_seq_len,
+        dataset_fingerprint=dataset_fingerprint,
+        temperature=run.loss.temperature,
+        k=k,
+        student_vocab=student_vocab,
+        teacher=ctx.teacher_identity(source) if source is not None else None,
+        cross_tokenizer=cross_tokenizer,
+    )
+    return store
