@@ -290,11 +290,35 @@ def trl_child(spec_path: str) -> int:
 
         ds = Dataset.from_list([{"prompt": p} for p in spec["prompts"]])
 
+        phases = {"generate": 0.0, "teacher": 0.0}  # seconds since the last step's loss
+
         class Trainer(DistillationTrainer):
+            def _generate(self, prompts):  # noqa: ANN001, ANN202
+                t0 = time.perf_counter()
+                out = super()._generate(prompts)
+                phases["generate"] += time.perf_counter() - t0
+                return out
+
+            def _get_last_hidden_state(self, *a, **kw):  # noqa: ANN002, ANN003, ANN202
+                # called for the student (with autograd) and the teacher (under no_grad)
+                t0 = time.perf_counter()
+                out = super()._get_last_hidden_state(*a, **kw)
+                if not torch.is_grad_enabled():
+                    phases["teacher"] += time.perf_counter() - t0
+                return out
+
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
                 loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
                 n = int(inputs["completion_mask"].sum())
-                steps.append({"tokens": n, "loss": float(loss.detach())})
+                steps.append(
+                    {
+                        "tokens": n,
+                        "loss": float(loss.detach()),
+                        "generate_s": phases["generate"],
+                        "teacher_s": phases["teacher"],
+                    }
+                )
+                phases.update(generate=0.0, teacher=0.0)
                 return loss
 
         args = DistillationConfig(
@@ -342,7 +366,27 @@ def run_kd(assets: dict[str, Path], pair: str, mode: str, loss: str, tag: str, e
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     rows = [r for r in rows if "tokens_per_second" in r]
     tps = [float(r["tokens_per_second"]) for r in rows]
-    return _result("kd", wall, rss, cpu, tps, float(rows[0]["loss"]))
+    out = _result("kd", wall, rss, cpu, tps, float(rows[0]["loss"]))
+    if mode == "on_policy":
+        seconds = [float(r["num_tokens"]) / float(r["tokens_per_second"]) for r in rows]
+        gen = [float(r.get("time_generate_s", 0.0)) for r in rows]
+        teacher = [float(r.get("time_teacher_s", 0.0)) for r in rows]
+        out["phases"] = _phases(seconds, gen, teacher)
+    return out
+
+
+def _phases(seconds: list[float], generate: list[float], teacher: list[float]) -> dict:
+    """Median seconds per step (steps 2..N) of sampling, the teacher's forward and the rest
+    (the student's forward, loss, backward and optimizer), for the on-policy split."""
+    skip = 1 if len(seconds) > 1 else 0
+    med = {
+        "step_s": statistics.median(seconds[skip:]),
+        "generate_s": statistics.median(generate[skip:]),
+        "teacher_s": statistics.median(teacher[skip:]),
+    }
+    rest = [s - g - t for s, g, t in zip(seconds, generate, teacher, strict=True)]
+    med["student_s"] = statistics.median(rest[skip:])
+    return med
 
 
 def run_trl(
@@ -378,8 +422,16 @@ def run_trl(
     if rc != 0:
         sys.exit(f"TRL failed ({rc}); see {log}")
     steps = json.loads((out / "steps.json").read_text())
-    tps = [s["tokens"] / s["seconds"] for s in steps if "seconds" in s]
-    return _result("trl", wall, rss, cpu, tps, steps[0]["loss"])
+    timed = [s for s in steps if "seconds" in s]
+    tps = [s["tokens"] / s["seconds"] for s in timed]
+    out = _result("trl", wall, rss, cpu, tps, steps[0]["loss"])
+    if mode == "on_policy":
+        out["phases"] = _phases(
+            [s["seconds"] for s in timed],
+            [s["generate_s"] for s in timed],
+            [s["teacher_s"] for s in timed],
+        )
+    return out
 
 
 def _result(tool: str, wall: float, rss: float, cpu: float, tps: list[float], loss: float) -> dict:
@@ -445,6 +497,10 @@ def summarize(results: list[dict]) -> list[dict]:
             ]
             for k in ("tokens_per_s", "wall_s", "peak_rss_gib", "step1_loss"):
                 row[f"{tool}_{k}"] = statistics.median(r[k] for r in rs)
+            if all("phases" in r for r in rs):
+                row[f"{tool}_phases"] = {
+                    k: statistics.median(r["phases"][k] for r in rs) for k in rs[0]["phases"]
+                }
             row["runs"] = len(rs)
         row["ratio_tps"] = row["kd_tokens_per_s"] / row["trl_tokens_per_s"]
         row["ratio_mem"] = row["kd_peak_rss_gib"] / row["trl_peak_rss_gib"]
@@ -487,6 +543,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['trl_peak_rss_gib']:7.2f} {t['ratio_mem']:6.2f} {t['kd_step1_loss']:9.5f} "
             f"{t['trl_step1_loss']:9.5f}"
         )
+    split = [t for t in table if "kd_phases" in t and "trl_phases" in t]
+    if split:
+        print("\non-policy step, median s per step: sampling, teacher forward, the rest (student)")
+        for t in split:
+            for tool in ("kd", "trl"):
+                ph = t[f"{tool}_phases"]
+                print(
+                    f"{t['pair']:<8} {t['loss']:<10} {tool:<3} step {ph['step_s']:6.2f}  "
+                    f"sampling {ph['generate_s']:6.2f}  teacher {ph['teacher_s']:6.2f}  "
+                    f"student {ph['student_s']:6.2f}"
+                )
     out = {"argv": sys.argv, "threads": args.threads, "start": start, "end_load": end}
     out.update(table=table, runs=results)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -16,6 +16,8 @@ from conftest import STUDENT, TEACHER, read_metrics, tiny_model, write_hf_qwen2
 
 from kd import cli
 from kd.config import load_config, validate_config
+from kd.folders import read_config_json
+from kd.scaffold.render import GLIBC_MMAP_THRESHOLD_MAX, cpu_loss_chunk_size
 from kd.testing import write_tiny_model
 
 CHATML = (
@@ -250,6 +252,19 @@ def test_optimizer_is_fused_adamw(folders, tmp_path):
         "weight_decay": 0.01,
         "fused": True,
     }
+
+
+def test_cpu_loss_chunk_size_keeps_loss_buffers_under_the_mmap_threshold(folders, tmp_path):
+    # On a CPU each [chunk, vocab] fp32 buffer of the fused loss stays under glibc's 32 MiB mmap
+    # threshold (docs/step_efficiency.md); the tiny fixtures' vocabulary keeps the default 1024.
+    assert cli.main(_init(folders, tmp_path)) == 0
+    written = _written(tmp_path)
+    vocab = read_config_json(folders["student"], key="--student")["vocab_size"]
+    assert written["loss_chunk_size"] == cpu_loss_chunk_size(vocab) == 1024
+    sizes = {v: cpu_loss_chunk_size(v) for v in (32000, 49152, 128256, 151936)}
+    assert sizes == {32000: 256, 49152: 128, 128256: 64, 151936: 32}
+    for vocab, chunk in sizes.items():
+        assert chunk * vocab * 4 <= GLIBC_MMAP_THRESHOLD_MAX < 2 * chunk * vocab * 4
 
 
 def test_torchtune_backend_validates_and_trains(folders, tmp_path, capsys):

@@ -124,7 +124,7 @@ def render_config(
             *teacher_lines,
             *_cross_tokenizer_section(cross_tokenizer),
             *_data_section(student, data, max_seq_len=max_seq_len),
-            *_training_section(lora=lora, device=device, dtype=dtype),
+            *_training_section(lora=lora, device=device, dtype=dtype, vocab=student.vocab_size),
             *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
             # Hidden states match one tokenization between two models (not a self teacher, not
             # a teacher with another tokenizer).
@@ -240,7 +240,38 @@ def _data_section(student: ModelChoice, data: DataFormat, *, max_seq_len: int) -
     return out
 
 
-def _training_section(*, lora: bool, device: str, dtype: str) -> list[str]:
+# glibc's largest mmap threshold (64-bit): a larger fresh allocation is mmapped, and each of its
+# 4 KiB pages faults on first write, every time it is allocated again.
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+
+
+def cpu_loss_chunk_size(vocab: int) -> int:
+    """``loss_chunk_size`` on a CPU: the largest power of two (at most the default 1024, at least
+    16) whose ``[chunk, vocab]`` fp32 loss buffers stay under glibc's mmap threshold, so the fused
+    loss reuses heap memory instead of faulting fresh pages in every chunk (and holds less)."""
+    chunk = 1024
+    while chunk > 16 and chunk * vocab * 4 > GLIBC_MMAP_THRESHOLD_MAX:
+        chunk //= 2
+    return chunk
+
+
+def _chunk_lines(device: str, vocab: int) -> list[str]:
+    """A CPU run's ``loss_chunk_size`` (:func:`cpu_loss_chunk_size`); GPUs keep the default."""
+    if device.startswith("cuda"):
+        return []
+    chunk = cpu_loss_chunk_size(vocab)
+    mib = chunk * vocab * 4 / 2**20
+    return [
+        _line(
+            "loss_chunk_size",
+            chunk,
+            f"CPU: each [chunk, {vocab}] fp32 loss buffer is {mib:.0f} MiB, under glibc's 32 MiB "
+            "mmap threshold (no page faults per chunk, less memory); GPUs: 1024",
+        )
+    ]
+
+
+def _training_section(*, lora: bool, device: str, dtype: str, vocab: int) -> list[str]:
     return [
         "# Training",
         _line("batch_size", 4, "micro-batch per device; memory grows linearly with it"),
@@ -265,6 +296,7 @@ def _training_section(*, lora: bool, device: str, dtype: str) -> list[str]:
         "skew_forward_kl, skew_reverse_kl",
         _line("kd_ratio", 0.5, "0 = plain fine-tuning on labels, 1 = distillation only"),
         _line("temperature", 1.0, ">1 softens both distributions (the KD term is scaled by T^2)"),
+        *_chunk_lines(device, vocab),
         "",
         _line("device", device, "cuda, cuda:N or cpu"),
         _line("dtype", dtype, "bf16 halves memory vs fp32 (bf16 on GPUs)"),
