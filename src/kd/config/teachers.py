@@ -224,12 +224,13 @@ def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None
     that runs during training; nothing that compares the two models position by position.
     Beside ``teachers:`` it is refused by :func:`check_teachers` (it belongs in a member, whose
     one-teacher config :func:`member_problems` checks with this function)."""
-    if not isinstance(data.get("cross_tokenizer"), dict):
-        return
+    if not isinstance(data.get("cross_tokenizer"), dict) or isinstance(data.get("teachers"), dict):
+        return  # beside teachers: check_teachers says to move it into a member
     node = data.get("teacher_model")
     stored = isinstance(data.get("teacher_logits"), dict)  # the teacher only names the store's
     hf = isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")
-    if not hf and not (stored and node is None):
+    served = isinstance(data.get("teacher_server"), dict)  # refused below, in its own line
+    if not hf and not (stored and node is None) and not served:
         problems.append(
             Problem(
                 "cross_tokenizer",
