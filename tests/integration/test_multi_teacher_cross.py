@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import make_config, read_metrics, write_config
+from test_cross_tokenizer_chat import _cfg as _chat_cfg
+from test_cross_tokenizer_chat import folders  # noqa: F401 - fixture
 from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401
 from test_multi_teacher import _member
 
@@ -129,6 +131,30 @@ def test_route_gives_each_row_exactly_its_teachers_loss(
             assert r["kd_loss/p"] == 0
         if teacher == "none":
             assert r["kd_loss"] == 0
+
+
+def test_one_chat_member_with_its_own_template_is_exactly_the_one_teacher_run(
+    assets,
+    folders,  # noqa: F811
+    letter_data,  # noqa: F811
+    tmp_path,
+):
+    """The member learns in its check that chat rows need their row indices (its own template)."""
+    cfg = _chat_cfg(assets, tmp_path / "one", folders["student"], folders["teacher"], letter_data)
+    one = dict(cfg, cross_tokenizer={})
+    assert _main("run", "kd", cfg=one, path=tmp_path / "one.yaml") == 0
+    member = _cross_member("x", folders["teacher"], weight=2.0)
+    multi = dict(cfg, output_dir=str(tmp_path / "multi"), teachers={"members": [member]})
+    del multi["teacher_model"]
+    assert _main("run", "kd", cfg=multi, path=tmp_path / "multi.yaml") == 0
+    a, b = _steps(tmp_path / "one"), _steps(tmp_path / "multi")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "ce_loss", "kd_loss", "grad_norm"):
+            assert rb[key] == ra[key], key
+        assert rb["kd_loss/x"] == ra["kd_loss"]
+        assert rb["kd_loss/x/matched"] == ra["kd_loss/matched"]
+        assert rb["kd_loss/x/unmatched"] == ra["kd_loss/unmatched"]
 
 
 def test_a_member_from_a_cross_tokenizer_store_trains_as_the_live_member(
