@@ -2,8 +2,9 @@
 
 A member of ``teachers.members`` holds the keys a one-teacher config puts at the top level
 (``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits``, ``teacher_server``, and
-``cross_tokenizer`` for a teacher with another tokenizer) plus its ``name`` and ``weight``. :func:`member_data` makes the one-teacher config of a member (the run's
-config with the member's teacher keys in place of the top-level ones), so every check, the
+``cross_tokenizer`` for a teacher with another tokenizer) plus its ``name`` and ``weight``.
+:func:`member_data` makes the one-teacher config of a member (the run's config with the member's
+teacher keys in place of the top-level ones), so every check, the
 :class:`kd.config.run.RunConfig` and the teacher source of a member are those of a run with that
 one teacher: nothing about a teacher is special-cased for several.
 

@@ -21,8 +21,8 @@ Per-teacher divergences are reported as the signal's extra terms ``kd_loss/<name
 (:attr:`MultiSignal.terms`; ``val_kd_loss/<name>`` in validation). In ``route`` training rows
 they are each member's divergence summed over its positions over all labelled positions (they add
 up to ``kd_loss``); validation reports each member's mean over its own positions. A member's own
-extra terms are reported under its name (:func:`member_term`: a cross-tokenizer member ``x``'s
-``kd_loss/matched`` is ``kd_loss/x/matched``), scaled as its ``kd_loss/<name>``.
+parts of its divergence are reported under its name (:func:`member_term`: a cross-tokenizer
+member ``x``'s ``kd_loss/matched`` is ``kd_loss/x/matched``), scaled as its ``kd_loss/<name>``.
 
 A teacher with another tokenizer (a member's ``cross_tokenizer:``, :mod:`kd.teachers.cross`) is
 an ordinary member of ``weights`` and ``route``: its signal's loss is GOLD's over the student's
@@ -59,11 +59,12 @@ __all__ = [
 ]
 
 
-def member_term(name: str, term: str) -> str:
-    """The name under which member ``name``'s extra term ``term`` is reported:
-    ``kd_loss/<x>`` -> ``kd_loss/<name>/<x>``, any other ``<t>`` -> ``<t>/<name>``."""
+def member_term(name: str, term: str) -> str | None:
+    """The name under which member ``name``'s extra term ``term`` is reported: a part of its
+    divergence ``kd_loss/<x>`` (a cross-tokenizer teacher's matched and unmatched parts) is
+    ``kd_loss/<name>/<x>``; other terms (a hidden-state loss) are not reported (None)."""
     head, sep, rest = term.partition("/")
-    return f"{head}/{name}/{rest}" if sep and head == "kd_loss" else f"{term}/{name}"
+    return f"kd_loss/{name}/{rest}" if sep and head == "kd_loss" else None
 
 
 def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> list[str | None]:
@@ -172,11 +173,10 @@ class MultiTeacher(Teacher):
         total = sum(weights) if combine != "route" else 1.0
         self.weights = [float(w) / total for w in weights]
         self.combine = combine
-        self.terms = tuple(f"kd_loss/{n}" for n in self.names) + tuple(
-            member_term(n, term)
-            for n, t in zip(self.names, self.teachers, strict=True)
-            for term in t.terms
+        own = (
+            member_term(n, term) for n, t in zip(names, teachers, strict=True) for term in t.terms
         )
+        self.terms = tuple(f"kd_loss/{n}" for n in self.names) + tuple(t for t in own if t)
         self.generator: nn.Module | None = None
 
     def signal(self, batch: TeacherInput) -> MultiSignal:
@@ -305,7 +305,8 @@ class MultiSignal:
         """``kd_loss/<name>`` and the member's own terms (:func:`member_term`), times ``scale``."""
         self.terms[f"kd_loss/{name}"] = (scale * kd).detach()
         for term, value in getattr(part, "terms", {}).items():
-            self.terms[member_term(name, term)] = (scale * value).detach()
+            if (reported := member_term(name, term)) is not None:
+                self.terms[reported] = (scale * value).detach()
 
     def _routed(self, student, hidden, labels, settings):  # type: ignore[no-untyped-def]
         ign = settings.ignore_index
