@@ -204,4 +204,4 @@ def test_a_cross_store_as_a_member_of_teachers_is_one_line(
     assert _main("validate", cfg=cfg, path=tmp_path / "cfg.yaml") == 2
     err = capsys.readouterr().err
     assert "teachers.members x: teacher_logits.path:" in err
-    assert "teachers take no such member yet" in err and "Traceback" not in err
+    assert "in its teachers member if any" in err and "Traceback" not in err

@@ -295,7 +295,7 @@ class TeachersSettings:
         "teachers.members",
         MISSING,
         "the teachers: a list of {name, weight, teacher_model + teacher_checkpointer | "
-        "teacher_logits | teacher_server}",
+        "teacher_logits | teacher_server, cross_tokenizer (a teacher with another tokenizer)}",
         read=_members,
         resume=MUST_MATCH,
     )

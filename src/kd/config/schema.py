@@ -175,7 +175,8 @@ _SECTIONS: dict[str, Section] = {
     "teachers": Section(
         "several named teachers: {combine (weights | mix | route), route_field, members: "
         "[{name, weight, teacher_model + teacher_checkpointer | teacher_logits | "
-        "teacher_server}]}; in place of the top-level teacher keys; null = one teacher",
+        "teacher_server, cross_tokenizer}]}; in place of the top-level teacher keys; null = one "
+        "teacher",
         MUST_MATCH,
         optional=True,
         words=("teachers", "multi", "multi_teacher"),

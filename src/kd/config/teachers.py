@@ -1,9 +1,10 @@
 """Several teachers (``teachers:``): each member is an ordinary teacher config, checked as one.
 
 A member of ``teachers.members`` holds the keys a one-teacher config puts at the top level
-(``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits``, ``teacher_server``) plus its
-``name`` and ``weight``. :func:`member_data` makes the one-teacher config of a member (the run's
-config with the member's teacher keys in place of the top-level ones), so every check, the
+(``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits``, ``teacher_server``, and
+``cross_tokenizer`` for a teacher with another tokenizer) plus its ``name`` and ``weight``.
+:func:`member_data` makes the one-teacher config of a member (the run's config with the member's
+teacher keys in place of the top-level ones), so every check, the
 :class:`kd.config.run.RunConfig` and the teacher source of a member are those of a run with that
 one teacher: nothing about a teacher is special-cased for several.
 
@@ -33,14 +34,18 @@ __all__ = [
     "members_of",
 ]
 
-# The top-level keys that name a run's one teacher; a member holds its own.
+# The top-level keys that name a run's one teacher (and its tokenizer's alignment); a member
+# holds its own.
 TEACHER_KEYS: tuple[str, ...] = (
     "teacher_model",
     "teacher_checkpointer",
     "teacher_logits",
     "teacher_server",
+    "cross_tokenizer",
 )
 MEMBER_KEYS: tuple[str, ...] = ("name", "weight", *TEACHER_KEYS)
+# Run-wide keys a member's teacher may refuse (a teacher with another tokenizer refuses these).
+_RUN_KEYS = ("validation", "on_policy", "hidden_states")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -93,7 +98,11 @@ def member_problems(
     for i, member in enumerate(_members(data)):
         for p in check(member_data(data, member)):
             head = p.key.split(".", 1)[0]
-            if head in TEACHER_KEYS:
+            if head in _RUN_KEYS and "cross_tokenizer" in p.message:
+                # a run-wide key the member's cross_tokenizer refuses (check_cross_tokenizer)
+                who = f"teachers.members[{i}] ({member.get('name')})"
+                problems.append(Problem(p.key, f"{who}: {p.message}"))
+            elif head in TEACHER_KEYS:
                 problems.append(Problem(f"teachers.members[{i}].{p.key}", p.message))
             elif head == "validation" and "teacher" in p.message:
                 problems.append(Problem(p.key, f"teachers.members[{i}]: {p.message}"))
@@ -143,10 +152,11 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
     node = data.get("teachers")
     if not isinstance(node, dict):
         return
-    for key in ("teacher_model", "teacher_logits", "teacher_server"):
+    for key in ("teacher_model", "teacher_logits", "teacher_server", "cross_tokenizer"):
         if data.get(key) is not None:
+            which = "the entry" if key != "cross_tokenizer" else "the entry of the teacher"
             problems.append(
-                Problem(key, "is set beside teachers; move it into an entry of teachers.members")
+                Problem(key, f"is set beside teachers; move it into {which} of teachers.members")
             )
     members = node.get("members")
     if not isinstance(members, list) or not members:
@@ -183,26 +193,45 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
             Problem("on_policy", "cannot be routed by teachers.route_field; remove on_policy")
         )
     if combine == "mix":
-        for i, m in enumerate(members):
-            if isinstance(m, dict) and (m.get("teacher_logits") or m.get("teacher_server")):
-                problems.append(
-                    Problem(
-                        f"teachers.members[{i}]",
-                        "gives top-k log-probs, but combine: mix needs every teacher's full "
-                        "distribution; use combine: weights, or a teacher_model",
-                    )
+        _check_mix(members, problems)
+
+
+def _check_mix(members: list[Any], problems: list[Problem]) -> None:
+    """``combine: mix`` needs every member's full distribution over the student's vocabulary."""
+    for i, m in enumerate(members):
+        if not isinstance(m, dict):
+            continue
+        if m.get("cross_tokenizer") is not None:
+            problems.append(
+                Problem(
+                    f"teachers.members[{i}].cross_tokenizer",
+                    "cannot be mixed by combine: mix (the teachers' distributions are over "
+                    "different vocabularies, not mixable before the divergence); use combine: "
+                    "weights (or route)",
                 )
+            )
+        elif m.get("teacher_logits") or m.get("teacher_server"):
+            problems.append(
+                Problem(
+                    f"teachers.members[{i}]",
+                    "gives top-k log-probs, but combine: mix needs every teacher's full "
+                    "distribution; use combine: weights, or a teacher_model",
+                )
+            )
 
 
 def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None:
     """``cross_tokenizer:``: a Hugging Face ``teacher_model`` (its folder holds its tokenizer)
-    that runs during training; nothing that compares the two models position by position."""
-    if not isinstance(data.get("cross_tokenizer"), dict):
-        return
+    that runs during training; nothing that compares the two models position by position.
+    Beside ``teachers:`` it is refused by :func:`check_teachers` (it belongs in a member, whose
+    one-teacher config :func:`member_problems` checks with this function)."""
+    if not isinstance(data.get("cross_tokenizer"), dict) or isinstance(data.get("teachers"), dict):
+        return  # beside teachers: check_teachers says to move it into a member
     node = data.get("teacher_model")
     stored = isinstance(data.get("teacher_logits"), dict)  # the teacher only names the store's
     hf = isinstance(node, dict) and str(node.get("_component_", "")).startswith("kd.hf.")
-    if not hf and not (stored and node is None):
+    served = isinstance(data.get("teacher_server"), dict)  # refused below, in its own line
+    if not hf and not (stored and node is None) and not served:
         problems.append(
             Problem(
                 "cross_tokenizer",
@@ -231,7 +260,6 @@ def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None
         )
     for key, why in (
         ("teacher_server", "a served teacher scores the student's tokens"),
-        ("teachers", "each member is one tokenizer's teacher"),
         ("validation", "its metrics compare the models position by position"),
         ("on_policy", "completions are scored on the student's tokens"),
     ):

@@ -20,7 +20,14 @@ them per ``teachers.combine``:
 Per-teacher divergences are reported as the signal's extra terms ``kd_loss/<name>``
 (:attr:`MultiSignal.terms`; ``val_kd_loss/<name>`` in validation). In ``route`` training rows
 they are each member's divergence summed over its positions over all labelled positions (they add
-up to ``kd_loss``); validation reports each member's mean over its own positions.
+up to ``kd_loss``); validation reports each member's mean over its own positions. A member's own
+parts of its divergence are reported under its name (:func:`member_term`: a cross-tokenizer
+member ``x``'s ``kd_loss/matched`` is ``kd_loss/x/matched``), scaled as its ``kd_loss/<name>``.
+
+A teacher with another tokenizer (a member's ``cross_tokenizer:``, :mod:`kd.teachers.cross`) is
+an ordinary member of ``weights`` and ``route``: its signal's loss is GOLD's over the student's
+states of the rows it is given. ``mix`` refuses it (kd.config.teachers: distributions over
+different vocabularies are not mixed), and so does validation (as for one such teacher).
 """
 
 from __future__ import annotations
@@ -42,7 +49,22 @@ from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
 from kd.training import distributed
 
-__all__ = ["Member", "MultiSignal", "MultiTeacher", "MultiTeacherSource", "members_of"]
+__all__ = [
+    "Member",
+    "MultiSignal",
+    "MultiTeacher",
+    "MultiTeacherSource",
+    "member_term",
+    "members_of",
+]
+
+
+def member_term(name: str, term: str) -> str | None:
+    """The name under which member ``name``'s extra term ``term`` is reported: a part of its
+    divergence ``kd_loss/<x>`` (a cross-tokenizer teacher's matched and unmatched parts) is
+    ``kd_loss/<name>/<x>``; other terms (a hidden-state loss) are not reported (None)."""
+    head, sep, rest = term.partition("/")
+    return f"kd_loss/{name}/{rest}" if sep and head == "kd_loss" else None
 
 
 def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> list[str | None]:
@@ -84,9 +106,14 @@ class MultiTeacherSource:
         self.settings = run.teachers
         self.members = members_of(run)
         self.sources = [make_source(m.run) for m in self.members]
-        self.needs_rows = any(s.needs_rows for s in self.sources)
         self.route_field = self.settings.route_field if self.settings.combine == "route" else None
         self._checked: list[tuple[Any, Any]] = []
+
+    @property
+    def needs_rows(self) -> bool:
+        """Whether a member reads batches' row indices (a member may learn so in its check: a
+        cross-tokenizer teacher of chat rows)."""
+        return any(s.needs_rows for s in self.sources)
 
     def check(self, ctx: Any, facts: Any, dataset: Sequence[Any]) -> None:
         """Each member's weight-free checks, as a one-teacher run of it would make them; with
@@ -146,7 +173,10 @@ class MultiTeacher(Teacher):
         total = sum(weights) if combine != "route" else 1.0
         self.weights = [float(w) / total for w in weights]
         self.combine = combine
-        self.terms = tuple(f"kd_loss/{n}" for n in self.names)
+        own = (
+            member_term(n, term) for n, t in zip(names, teachers, strict=True) for term in t.terms
+        )
+        self.terms = tuple(f"kd_loss/{n}" for n in self.names) + tuple(t for t in own if t)
         self.generator: nn.Module | None = None
 
     def signal(self, batch: TeacherInput) -> MultiSignal:
@@ -262,12 +292,21 @@ class MultiSignal:
         for name, w, part in zip(self.owner.names, self.owner.weights, self.parts, strict=True):
             assert part is not None
             loss_i, ce_i, kd_i = part.loss(student, hidden, labels, settings=settings)
-            self.terms[f"kd_loss/{name}"] = kd_i.detach()
+            self._report(name, part, kd_i, 1.0)
             total = w * loss_i if total is None else total + w * loss_i
             kd = w * kd_i if kd is None else kd + w * kd_i
             ce = ce_i if ce is None else ce
         assert total is not None and ce is not None and kd is not None
         return total, ce, kd
+
+    def _report(
+        self, name: str, part: TeacherSignal, kd: torch.Tensor, scale: float | torch.Tensor
+    ) -> None:
+        """``kd_loss/<name>`` and the member's own terms (:func:`member_term`), times ``scale``."""
+        self.terms[f"kd_loss/{name}"] = (scale * kd).detach()
+        for term, value in getattr(part, "terms", {}).items():
+            if (reported := member_term(name, term)) is not None:
+                self.terms[reported] = (scale * value).detach()
 
     def _routed(self, student, hidden, labels, settings):  # type: ignore[no-untyped-def]
         ign = settings.ignore_index
@@ -286,7 +325,7 @@ class MultiSignal:
             )
             total = total + share * loss_i
             ce, kd = ce + share * ce_i.detach(), kd + share * kd_i.detach()
-            self.terms[f"kd_loss/{name}"] = (share * kd_i).detach()
+            self._report(name, part, kd_i, share)
         none = [i for i, r in enumerate(self.route) if r < 0]
         if none:
             rows = torch.tensor(none, dtype=torch.long, device=labels.device)

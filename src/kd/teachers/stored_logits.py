@@ -652,9 +652,8 @@ def _check_cross(manifest: Mapping[str, Any], folder: Path, cross_tokenizer: boo
     if held and not cross_tokenizer:
         raise KDUserError(
             f"{KEY}: {folder} holds a teacher with another tokenizer (its own token ids and "
-            "offsets); set cross_tokenizer: {} as when it was written (a one-teacher run: "
-            f"teachers take no such member yet), or point {KEY} at a store of the student's "
-            "tokens"
+            "offsets); set cross_tokenizer: {} as when it was written (beside teacher_logits, "
+            f"in its teachers member if any), or point {KEY} at a store of the student's tokens"
         )
 
 
