@@ -136,8 +136,15 @@ def write_assets(work: Path, pair: str, n_rows: int) -> dict[str, Path]:
     return {"student": s_dir, "teacher": t_dir, "data": data, "base": base, "root": root}
 
 
-def kd_config(assets: dict[str, Path], pair: str, mode: str, loss: str, out: Path) -> Path:
-    """kd init's config with the benchmark's keys."""
+def kd_config(
+    assets: dict[str, Path],
+    pair: str,
+    mode: str,
+    loss: str,
+    out: Path,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """kd init's config with the benchmark's keys (and ``overrides``, top-level keys)."""
     from omegaconf import OmegaConf
 
     spec = PAIRS[pair]
@@ -170,6 +177,8 @@ def kd_config(assets: dict[str, Path], pair: str, mode: str, loss: str, out: Pat
             "temperature": 1.0,
             "top_p": 1.0,
         }
+    for key, value in (overrides or {}).items():
+        cfg[key] = value
     path = out.parent / f"{out.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, path)
@@ -355,10 +364,18 @@ def _wait(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, float, f
     return rc, wall, usage.ru_maxrss * 1024 / GIB, usage.ru_utime + usage.ru_stime
 
 
-def run_kd(assets: dict[str, Path], pair: str, mode: str, loss: str, tag: str, env: dict) -> dict:
+def run_kd(
+    assets: dict[str, Path],
+    pair: str,
+    mode: str,
+    loss: str,
+    tag: str,
+    env: dict,
+    overrides: dict[str, Any] | None = None,
+) -> dict:
     out = assets["root"] / "runs" / f"kd_{mode}_{loss}_{tag}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = kd_config(assets, pair, mode, loss, out)
+    cfg = kd_config(assets, pair, mode, loss, out, overrides)
     log = out.parent / f"{out.name}.log"
     rc, wall, rss, cpu = _wait(["kd", "run", "kd", "--config", str(cfg)], log, env)
     if rc != 0:
