@@ -209,7 +209,11 @@ def _subset(batch: TeacherInput, sel: list[int]) -> TeacherInput:
     index = torch.tensor(sel, dtype=torch.long, device=batch.tokens.device)
     return TeacherInput(
         tokens=batch.tokens.index_select(0, index),
-        labels=None if batch.labels is None else batch.labels.index_select(0, index.cpu()),
+        labels=(
+            None
+            if batch.labels is None
+            else batch.labels.index_select(0, index.to(batch.labels.device))
+        ),
         rows=None if batch.rows is None else [batch.rows[i] for i in sel],
         route=None if batch.route is None else [batch.route[i] for i in sel],
     )
