@@ -203,3 +203,44 @@ def test_routed_on_policy_validates(assets, second_teacher, routed_data, tmp_pat
     cfg = _config(assets, out, routed_data, None, on_policy=_on_policy(False))
     cfg["teachers"] = _routed(assets, second_teacher, out)
     assert cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 0
+
+
+@pytest.mark.slow
+def test_routed_seq_kd_on_two_ranks_where_each_rank_sees_one_teacher(
+    assets, second_teacher, tmp_path
+):
+    """Under torchrun (2 gloo ranks, FSDP2) rank 0's rows all name teacher a and rank 1's all
+    name b: with seq_kd every rank samples with both teachers (the sharded sampling runs
+    collectives; the other rank's teacher on all its rows, unused), so the run ends, and each
+    step equals the one-device run of the same global batches (greedy sampling)."""
+    from test_distributed import TOL
+    from test_teacher_logits_distributed import _launch
+
+    rows = [
+        {"input": f"{i}+{i}", "output": str(2 * i), "domain": "a" if i % 2 == 0 else "b"}
+        for i in range(32)
+    ]
+    data = write_jsonl(tmp_path / "split.jsonl", rows)
+    op = dict(_on_policy(True), temperature=0.0)
+
+    def cfg(out: Path, batch_size: int) -> dict:
+        c = make_config(assets, out, on_policy=op, batch_size=batch_size, max_steps_per_epoch=2)
+        c["dataset"]["data_files"] = str(data)
+        del c["teacher_model"], c["teacher_checkpointer"]
+        c["teachers"] = _routed(assets, second_teacher, out)
+        return c
+
+    pair, one = tmp_path / "pair", tmp_path / "one"
+    _launch("kd", write_config(tmp_path / "pair.yaml", cfg(pair, 4)))
+    assert (
+        cli.main(["run", "kd", "--config", str(write_config(tmp_path / "one.yaml", cfg(one, 8)))])
+        == 0
+    )
+    steps = [r for r in read_metrics(pair) if "loss" in r]
+    reference = [r for r in read_metrics(one) if "loss" in r]
+    assert [r["step"] for r in steps] == [r["step"] for r in reference] == [1, 2]
+    assert sum(r["sampled_batches_teacher"] for r in steps) > 0
+    for r, ref in zip(steps, reference, strict=True):
+        assert r["num_tokens"] == ref["num_tokens"]
+        for key in ("loss", "ce_loss", "kd_loss", "kd_loss/a", "kd_loss/b"):
+            assert r[key] == pytest.approx(ref[key], abs=TOL, rel=0), (r["step"], key)
