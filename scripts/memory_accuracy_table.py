@@ -9,7 +9,8 @@ or as rank 0 of N FSDP2 ranks over a fake process group under FSDPMemTracker. Al
 per rank, without the runtime reserve. Teacher kinds: ``local`` (a teacher model),
 ``stored`` (``teacher_logits:``, top-k log-probs in the micro-batch), ``served``
 (``teacher_server:``, the same tensors from a server), ``int8`` (``teacher_quantization: int8``,
-one device only: the sharded trace does not quantize).
+one device only: the sharded trace does not quantize), ``cross`` (``cross_tokenizer:``, a
+transformers Llama teacher with a larger vocabulary: GOLD's hybrid loss on full logits).
 
     python scripts/memory_accuracy_table.py                 # -> docs/memory_accuracy.md
     python scripts/memory_accuracy_table.py --worlds 1 --out /tmp/x.md   # a quick look
@@ -31,7 +32,7 @@ MIB = 1 << 20
 BEGIN = "<!-- memory_accuracy_table.py: begin -->"
 END = "<!-- memory_accuracy_table.py: end -->"
 PHASE_ORDER = ("generation", "forward", "backward", "optimizer_step")
-KINDS = ("local", "stored", "served", "int8")
+KINDS = ("local", "stored", "served", "int8", "cross")
 
 TT_STUDENT = {
     "_component_": "torchtune.models.qwen2.qwen2",
@@ -71,6 +72,9 @@ HF_TEACHER = (
     },
 )
 
+# The cross-tokenizer teacher (kind ``cross``): the tiny Llama teacher with another vocabulary.
+HF_CROSS_TEACHER = (HF_TEACHER[0], dict(HF_TEACHER[1], vocab_size=2560))
+
 
 @dataclasses.dataclass
 class Row:
@@ -90,18 +94,23 @@ class Row:
         return self.estimate[phase] / max(1, self.trace[phase])
 
 
-def hf_folders(root: Path) -> tuple[Path, Path]:
-    """The tiny transformers student and teacher folders (config.json only)."""
+def hf_folders(root: Path) -> tuple[Path, Path, Path]:
+    """The tiny transformers student, teacher and cross-tokenizer teacher folders (config.json
+    only)."""
     import transformers
 
     out = []
-    for name, (cls, kwargs) in (("student", HF_STUDENT), ("teacher", HF_TEACHER)):
+    for name, (cls, kwargs) in (
+        ("student", HF_STUDENT),
+        ("teacher", HF_TEACHER),
+        ("cross_teacher", HF_CROSS_TEACHER),
+    ):
         getattr(transformers, cls)(**kwargs).save_pretrained(root / name)
         out.append(root / name)
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
-def config(backend: str, kind: str, folders: tuple[Path, Path] | None) -> Any:
+def config(backend: str, kind: str, folders: tuple[Path, Path, Path] | None) -> Any:
     """The run of one row: the tiny pair, the teacher kind and, where it can sample, on-policy."""
     from omegaconf import OmegaConf
 
@@ -131,6 +140,10 @@ def config(backend: str, kind: str, folders: tuple[Path, Path] | None) -> Any:
         cfg["teacher_quantization"] = "int8"
     if kind == "stored":
         cfg["teacher_logits"] = {"path": "/nonexistent/store", "k": 16}
+    if kind == "cross":
+        assert folders is not None
+        cfg["teacher_model"] = {"_component_": "kd.hf.causal_lm", "path": str(folders[2])}
+        cfg["cross_tokenizer"] = {"matched_weight": None}
     if kind == "served":
         cfg["teacher_model"] = None
         cfg["teacher_server"] = {"url": "http://127.0.0.1:9", "model": "m", "top_k": 16}
@@ -140,7 +153,7 @@ def config(backend: str, kind: str, folders: tuple[Path, Path] | None) -> Any:
     return run_config(node)
 
 
-def measure(backend: str, kind: str, world: int, folders: tuple[Path, Path] | None) -> Row:
+def measure(backend: str, kind: str, world: int, folders: tuple[Path, Path, Path] | None) -> Row:
     """Estimate and trace one row."""
     from kd.memory import estimate
     from kd.memory.plan import inputs_from_run
@@ -181,7 +194,10 @@ def section(rows: list[Row], command: str, total_s: float) -> str:
         "transformers Qwen3 student and Llama teacher from config.json), batch 2, 96 tokens, "
         "bf16, AdamW, fused forward KL. `local`, `int8` sample with student and teacher "
         "(`on_policy: {lmbda: 0.5, seq_kd: true, max_new_tokens: 16, top_p: 0.9}`), `served` "
-        "with the student, `stored` not at all (a store covers the dataset's rows only). "
+        "with the student, `stored` not at all (a store covers the dataset's rows only); "
+        "`cross` has a transformers Llama teacher of vocabulary 2560 and `cross_tokenizer: {}` "
+        "(GOLD's hybrid loss on full logits, planned at the worse end of the shared "
+        "vocabulary). "
         "Ranks > 1: rank 0 of N FSDP2 ranks over a fake process group. Allocated MiB per rank, "
         "no runtime reserve.",
         "",

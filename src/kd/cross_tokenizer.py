@@ -51,11 +51,16 @@ __all__ = [
 @dataclass(frozen=True)
 class VocabMatch:
     """The token strings two vocabularies share: ``student[i]`` and ``teacher[i]`` are the ids
-    of the same string (sorted by teacher id); ``teacher_size`` is the teacher's vocabulary."""
+    of the same string (sorted by teacher id); ``teacher_size`` is the teacher's vocabulary.
+    ``student_rest`` / ``teacher_rest``, when given, are each side's other ids in increasing
+    order (else :func:`hybrid_loss` finds them; the memory trace gives them, since finding them
+    reads values)."""
 
     student: Tensor
     teacher: Tensor
     teacher_size: int
+    student_rest: Tensor | None = None
+    teacher_rest: Tensor | None = None
 
     @property
     def weight(self) -> float:
@@ -190,14 +195,13 @@ def hybrid_loss(
             skew_alpha,
         )
         matched = per_group.sum() / g
-    s_keep = torch.ones(s_merged.size(-1), dtype=torch.bool, device=device)
-    s_keep[s_cols] = False
-    t_keep = torch.ones(t_merged.size(-1), dtype=torch.bool, device=device)
-    t_keep[t_cols] = False
+    s_rest = _rest(s_cols, match.student_rest, s_merged.size(-1))
+    t_rest = _rest(t_cols, match.teacher_rest, t_merged.size(-1))
     unmatched = zero
-    if s_keep.any() and t_keep.any():
-        s_sorted = s_merged[:, s_keep].exp().sort(dim=-1, descending=True).values
-        t_sorted = t_merged.detach()[:, t_keep].exp().sort(dim=-1, descending=True).values
+    if s_rest.numel() and t_rest.numel():
+        s_sorted = s_merged.index_select(1, s_rest).exp().sort(dim=-1, descending=True).values
+        t_sorted = t_merged.detach().index_select(1, t_rest).exp()
+        t_sorted = t_sorted.sort(dim=-1, descending=True).values
         width = max(s_sorted.size(-1), t_sorted.size(-1))
         s_sorted = F.pad(s_sorted, (0, width - s_sorted.size(-1)))
         t_sorted = F.pad(t_sorted, (0, width - t_sorted.size(-1)))
@@ -205,6 +209,15 @@ def hybrid_loss(
     w = match.weight if matched_weight is None else matched_weight
     loss = matched if w == 1.0 else w * matched + (1.0 - w) * unmatched
     return HybridLoss(loss=loss, matched=matched, unmatched=unmatched, groups=g)
+
+
+def _rest(cols: Tensor, given: Tensor | None, size: int) -> Tensor:
+    """The ids below ``size`` not in ``cols``, increasing: ``given`` when it covers them."""
+    if given is not None and given.numel() + cols.numel() == size:
+        return given.to(cols.device)
+    keep = torch.ones(size, dtype=torch.bool, device=cols.device)
+    keep[cols] = False
+    return keep.nonzero().squeeze(1)
 
 
 def sequence_loss(

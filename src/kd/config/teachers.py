@@ -146,8 +146,9 @@ def _member_shape_problems(i: int, member: Any, names: set[str]) -> list[Problem
 
 def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
     """``teachers:``: its members' own keys, nothing of one teacher at the top level beside it,
-    weights summing to a positive number, a route field exactly with ``combine: route``, and
-    full distributions for ``combine: mix``. Each member's teacher keys are checked by
+    weights summing to a positive number, a route field exactly with ``combine: route``,
+    full distributions for ``combine: mix``, and with ``on_policy`` members that score (and,
+    routed under ``seq_kd``, sample) completions made during training. Each member's teacher keys are checked by
     :func:`member_problems` (the validation passes call it)."""
     node = data.get("teachers")
     if not isinstance(node, dict):
@@ -188,10 +189,7 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
                 "teachers.route_field", f"is only read by combine: route (not {combine}); remove it"
             )
         )
-    if combine == "route" and isinstance(data.get("on_policy"), dict):
-        problems.append(
-            Problem("on_policy", "cannot be routed by teachers.route_field; remove on_policy")
-        )
+    problems += _on_policy_problems(data, members, combine)
     if combine == "mix":
         _check_mix(members, problems)
 
@@ -218,6 +216,36 @@ def _check_mix(members: list[Any], problems: list[Problem]) -> None:
                     "distribution; use combine: weights, or a teacher_model",
                 )
             )
+
+
+def _on_policy_problems(data: dict[str, Any], members: list[Any], combine: Any) -> list[Problem]:
+    """With ``on_policy``: every member scores completions made during training (no stored
+    log-probs hold them), and under ``seq_kd`` with ``combine: route`` each row's own member
+    samples them (a model)."""
+    node = data.get("on_policy")
+    if not isinstance(node, dict):
+        return []
+    problems = []
+    for i, m in enumerate(members):
+        if not isinstance(m, dict):
+            continue
+        if m.get("teacher_logits"):
+            problems.append(
+                Problem(
+                    f"teachers.members[{i}].teacher_logits",
+                    "holds stored log-probs, but on_policy scores completions sampled during "
+                    "training; use a teacher_model for this member, or remove on_policy",
+                )
+            )
+        elif combine == "route" and node.get("seq_kd") and m.get("teacher_server"):
+            problems.append(
+                Problem(
+                    f"teachers.members[{i}].teacher_server",
+                    "cannot sample its rows' completions (on_policy.seq_kd); use a "
+                    "teacher_model for this member, or set on_policy.seq_kd=false",
+                )
+            )
+    return problems
 
 
 def check_cross_tokenizer(data: dict[str, Any], problems: list[Problem]) -> None:

@@ -362,7 +362,8 @@ def build_fake_step(
     from kd.memory.plan import inputs_from_run
     from kd.training.prepare import prepare_student, prepare_teacher
 
-    knobs = inputs_from_run(run).knobs
+    planned = inputs_from_run(run)
+    knobs = planned.knobs
     b, s = knobs.batch_size, knobs.seq_len
     teacher_model = teacher_node(run)
     torch.manual_seed(0)
@@ -391,6 +392,17 @@ def build_fake_step(
 
         signal_teacher = HiddenStateTeacher(ModelTeacher(teacher), run.hidden_states)
         trainable += list(signal_teacher.bind_student(student).parameters())
+    if teacher is not None and knobs.cross_tokenizer:
+        from kd.memory.fake_cross import FakeCrossTeacher
+        from kd.memory.loss_head import cross_matched
+
+        sizes = (models.vocab_size(student), models.vocab_size(teacher))
+        signal_teacher = FakeCrossTeacher(
+            teacher,
+            sizes=sizes,
+            matched=cross_matched(planned.student, planned.teacher, knobs),  # type: ignore[arg-type]
+            matched_weight=run.cross_tokenizer.matched_weight,  # type: ignore[union-attr]
+        )
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)

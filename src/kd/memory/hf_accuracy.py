@@ -244,9 +244,15 @@ class Row:
 
 
 def run_config_for(
-    teacher_dir: Path, student_dir: Path, setting: Setting, *, world_size: int = 1
+    teacher_dir: Path,
+    student_dir: Path,
+    setting: Setting,
+    *,
+    world_size: int = 1,
+    cross: bool = False,
 ) -> Any:
-    """The RunConfig of a KD run of two transformers folders with ``setting``'s knobs."""
+    """The RunConfig of a KD run of two transformers folders with ``setting``'s knobs (with
+    ``cross``, the teacher taken as having another tokenizer: ``cross_tokenizer: {}``)."""
     from kd.config.parse import fill_defaults
     from kd.config.run import run_config
 
@@ -274,14 +280,23 @@ def run_config_for(
             "kd_loss": {"divergence": "forward_kl"},
         }
     )
+    if cross:
+        cfg.cross_tokenizer = {"matched_weight": None}
     fill_defaults(cfg)
     return run_config(cfg)
 
 
 def compare(
-    teacher: str, student: str, setting: Setting, *, root: Path, world_size: int = 1
+    teacher: str,
+    student: str,
+    setting: Setting,
+    *,
+    root: Path,
+    world_size: int = 1,
+    cross: bool = False,
 ) -> Row:
-    """Plan and trace one pair (config folders are written under ``root`` when missing)."""
+    """Plan and trace one pair (config folders are written under ``root`` when missing; with
+    ``cross``, the teacher has another tokenizer)."""
     from kd.memory.estimate import PHASES, estimate
     from kd.memory.plan import inputs_from_run
     from kd.memory.trace import trace_run
@@ -292,7 +307,7 @@ def compare(
         dirs[model] = (
             folder if (folder / CONFIG_JSON).is_file() else write_config_folder(root, model)
         )
-    run = run_config_for(dirs[teacher], dirs[student], setting)
+    run = run_config_for(dirs[teacher], dirs[student], setting, cross=cross)
     inputs = inputs_from_run(run, world_size=world_size)
     est = estimate(inputs.student, inputs.teacher, replace(inputs.knobs, select_labelled=False))
     t0 = time.perf_counter()

@@ -86,6 +86,9 @@ class TrainKnobs:
             (``teachers:``: they stay resident; only one teacher runs forward at a time).
         hidden_map: ``hidden_states.layer_map`` (``()``: no hidden-state distillation).
         hidden_loss: ``hidden_states.loss`` (what its backward keeps).
+        cross_tokenizer: the teacher has another tokenizer (``cross_tokenizer:`` with a teacher
+            model): the loss is GOLD's aligned hybrid loss on the student's full logits
+            (:func:`kd.memory.loss_head.cross_loss_bytes`), not the fused head.
     """
 
     batch_size: int
@@ -112,6 +115,7 @@ class TrainKnobs:
     other_teacher_params: int = 0
     hidden_map: tuple[str, ...] = ()
     hidden_loss: str = "cosine"
+    cross_tokenizer: bool = False
 
     @property
     def tokens(self) -> int:

@@ -149,6 +149,87 @@ def unfused_loss_bytes(
     )
 
 
+# The cross-tokenizer loss (kd.teachers.cross.CrossTokenizerSignal.loss, kd.cross_tokenizer), row
+# by row, bytes per labelled token per vocabulary entry (fp32): Vs, Vt the two distribution
+# sizes, M = min(Vs, Vt). The planner counts the two ends of the shared vocabulary m (every
+# byte term is linear in m, so its peak is largest at an end): m = 0, where only ULD's sorted
+# distance runs (each side's probabilities, their exp, the sort's values and int64 indices, the
+# zero-padded copies of width W = max(Vs, Vt), their difference and its abs), and m = M, where
+# one side has no unmatched id left and only the divergence on the shared columns runs.
+# Coefficients per divergence (m = M): the forward peak's and the saved part's coefficient of M,
+# and the backward's first-row candidates max(c * M, 12 Vs - c' * M). Derived from the
+# operations and checked against MemTracker on the real code (tests/unit/test_memory_cross.py).
+_CROSS_MATCHED: dict[str, tuple[int, int, int, int]] = {
+    "forward_kl": (20, 4, 8, 4),
+    "reverse_kl": (20, 8, 8, 8),
+    "symmetric_kl": (24, 12, 8, 12),
+    "jsd": (36, 20, 12, 20),
+    "tvd": (20, 8, 8, 8),
+    "skew_forward_kl": (32, 12, 16, 12),
+    "skew_reverse_kl": (32, 16, 16, 16),
+}
+# Per labelled token: the signal's int64 positions, targets and teacher ids.
+_CROSS_ROW_BYTES = 24
+
+
+def _cross_row(vs: int, vt: int, matched: int, divergence: str) -> tuple[int, int, int]:
+    """(forward peak, saved, backward transient) of one row's hybrid loss per token, beyond the
+    student's and the teacher's log-probs' own inputs (see :data:`_CROSS_MATCHED`)."""
+    if matched == 0:  # ULD's sorted distance alone
+        w = max(vs, vt)
+        peak = max(32 * vs + 20 * vt, 32 * vs + 8 * vt + 4 * w, 28 * vs + 8 * vt + 8 * w)
+        peak = max(peak, 28 * vs + 4 * vt + 16 * w)
+        return peak, 20 * vs + 4 * w, 8 * w
+    c_peak, c_saved, c_bwd, c_bwd2 = _CROSS_MATCHED.get(divergence, _CROSS_MATCHED["jsd"])
+    m = matched
+    return (
+        16 * vs + 4 * vt + c_peak * m,
+        8 * vs + c_saved * m,
+        max(c_bwd * m, 12 * vs - c_bwd2 * m),
+    )
+
+
+def cross_loss_bytes(
+    student: ModelShape, teacher: ModelShape, k: TrainKnobs, matched: int
+) -> tuple[int, int, int]:
+    """(forward peak, saved for backward, backward-start temporaries) of the cross-tokenizer
+    loss beyond both models' hidden states, with ``matched`` shared token strings.
+
+    The loss walks the micro-batch row by row (``batch_size`` rows of ``seq_len`` labelled
+    tokens, the teacher's as many: one group per token, the planner's case): each row gathers
+    the student's hidden rows (kept for the output weight's gradient when it trains), takes its
+    full logits ``[n, Vs]`` in fp32, CE's and the tempered log-softmax (both kept), the
+    teacher's fp32 log-probs ``[n, Vt]``, the merged rows of both sides and the hybrid loss
+    (:func:`_cross_row`). The rows before the last keep what their backward needs; the last
+    adds its peak. Backward starts with every row's saved tensors and the first row's
+    gradient temporaries.
+    """
+    a, b, n = k.dtype_bytes, k.batch_size, k.seq_len
+    vs, vt = student.vocab_size, teacher.vocab_size
+    keeps_input = student.lora is None or student.lora.output
+    x = a * n * student.embed_dim if keeps_input else 0
+    peak_row, saved_row, bwd_row = _cross_row(vs, vt, matched, k.divergence)
+    # the teacher's log-probs of the row (4 Vt) beside its peak; while they are computed: its
+    # logits in the dtype, the tempered fp32 copy and the log-softmax, beside the student's
+    # logits and CE log-probs and, after the first row, the last row's log-probs.
+    teacher_lp = 8 * vs + (a + 8 + (4 if b > 1 else 0)) * vt
+    peak = (b - 1) * (x + n * saved_row) + x + n * max(peak_row + 4 * vt, teacher_lp)
+    peak += _CROSS_ROW_BYTES * b * n
+    return peak, b * (x + n * saved_row), n * bwd_row
+
+
+def cross_matched(student: ModelShape, teacher: ModelShape, k: TrainKnobs) -> int:
+    """The shared token strings the plan assumes: the end (none, or every id of the smaller
+    vocabulary) whose loss needs more (the tokenizers are not read; every term is linear in the
+    count, so an end is the worst case)."""
+
+    def need(m: int) -> int:
+        peak, saved, start = cross_loss_bytes(student, teacher, k, m)
+        return max(peak, saved + start)
+
+    return max((0, min(student.vocab_size, teacher.vocab_size)), key=need)
+
+
 @dataclass(frozen=True)
 class LossHead:
     """The loss head of one micro-step (``kd.training.train.compute_loss``'s choice of path).
@@ -186,6 +267,15 @@ def loss_head(
         ValueError: stored teacher logits (``k.stored_topk``) with a teacher model.
     """
     stored = k.stored_topk is not None
+    if k.cross_tokenizer and teacher is not None:
+        matched = cross_matched(student, teacher, k)
+        peak, saved, start = cross_loss_bytes(student, teacher, k, matched)
+        note = (
+            "cross_tokenizer: planned with "
+            + ("no token string shared" if matched == 0 else "the smaller vocabulary shared")
+            + " (the worse end), each side's tokens one per student token"
+        )
+        return LossHead(peak, saved, start, 0, (note,))
     if stored and teacher is not None:
         raise ValueError("estimate: stored teacher logits (knobs.stored_topk) take no teacher")
     a, n_tok, h = k.dtype_bytes, k.tokens, student.embed_dim

@@ -416,6 +416,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         other_teacher_params=others,
         hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
         hidden_loss=run.hidden_states.loss if run.hidden_states is not None else "cosine",
+        cross_tokenizer=run.cross_tokenizer is not None and run.has_teacher,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(

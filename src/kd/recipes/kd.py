@@ -431,7 +431,10 @@ class KDRecipe:
             )
             if made is not None:
                 source = batch["rows"].tolist()  # the rows whose prompts were completed
-                return TeacherInput(tokens=made[0], labels=made[1], source_rows=source)
+                # A completion keeps its row's route: the teacher the row names scores it.
+                return TeacherInput(
+                    tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
+                )
         rows = batch.get("rows")
         return TeacherInput(
             tokens=batch["tokens"],

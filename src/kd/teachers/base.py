@@ -127,6 +127,12 @@ class Teacher(Protocol):
         autograd."""
         ...
 
+    def generator_for(self, route: str | None) -> nn.Module | None:
+        """The model that samples completions (on-policy ``seq_kd``) of a row naming ``route``
+        (:attr:`TeacherInput.route`; None when rows name none). Default: :attr:`generator`,
+        whatever the row names."""
+        return self.generator
+
     def bind_student(self, student: nn.Module) -> nn.Module | None:
         """Called once the student is loaded and prepared (LoRA, activation checkpointing,
         sharding), before the optimizer is built and before a resume restores it: a teacher

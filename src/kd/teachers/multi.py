@@ -203,6 +203,13 @@ class MultiTeacher(Teacher):
         route = [self.names.index(r) if r is not None else -1 for r in batch.route]
         return MultiSignal(self, parts, rows=rows, batch_shape=batch.tokens.shape, route=route)
 
+    def generator_for(self, route: str | None) -> nn.Module | None:
+        """``route``: the generator of the member the row names (None for a row naming none);
+        the others have no one model that samples."""
+        if self.combine != "route" or route not in self.names:
+            return None
+        return self.teachers[self.names.index(route)].generator
+
     def bind_student(self, student: nn.Module) -> None:
         for t in self.teachers:
             t.bind_student(student)
@@ -232,7 +239,11 @@ def _subset(batch: TeacherInput, sel: list[int]) -> TeacherInput:
     index = torch.tensor(sel, dtype=torch.long, device=batch.tokens.device)
     return TeacherInput(
         tokens=batch.tokens.index_select(0, index),
-        labels=None if batch.labels is None else batch.labels.index_select(0, index.cpu()),
+        labels=(
+            None
+            if batch.labels is None
+            else batch.labels.index_select(0, index.to(batch.labels.device))
+        ),
         rows=None if batch.rows is None else [batch.rows[i] for i in sel],
         route=None if batch.route is None else [batch.route[i] for i in sel],
     )

@@ -462,23 +462,26 @@ class OnPolicyBatches:
         shifted) of the student's (probability ``lmbda``) or, with ``seq_kd``, the teacher's
         completions of its prompts; None when it trains on the dataset's own tokens.
 
-        Adds the sampled micro-batches and completion tokens (all ranks) to ``sampled[source]``
+        When the batch carries each row's teacher (``"route"``, ``teachers.route_field``), a
+        ``seq_kd`` row is completed by the teacher it names, and rows naming none keep the
+        dataset's tokens and labels (they learn from CE alone, as off-policy).
+
+        Adds the sampled micro-batches and the completion tokens trained on (all ranks) to
+        ``sampled[source]``
         and the sampling time to the ``generate`` phase of ``timer``. Collective when
         distributed (the coin is the same on every rank).
         """
         op = self.settings
         if coin(self.seed, step, index, op.lmbda):
-            source, model = "student", student
+            source = "student"
         elif op.seq_kd:
-            if teacher is None or teacher.generator is None:
-                raise KDUserError(
-                    "on_policy.seq_kd: true samples the teacher's completions, but this teacher "
-                    "is not a model that can sample; set on_policy.seq_kd=false"
-                )
-            source, model = "teacher", teacher.generator
+            source = "teacher"
         else:
             return None
         rows = batch["rows"].tolist()
+        # Each row's teacher (teachers.route_field), when the batch carries one: a completion
+        # is scored by the teacher its row names; rows naming none keep their own tokens (CE).
+        route: list[str | None] | None = batch.get("route")  # type: ignore[assignment]
         limit = self.max_seq_len
         prompts = prompts_of(
             batch["tokens"].to(self.device),
@@ -493,27 +496,147 @@ class OnPolicyBatches:
             if op.temperature > 0
             else None
         )
+        everyone = list(range(len(rows)))
+        samplers = (
+            [(student, everyone, True)]
+            if source == "student"
+            else self._teacher_samplers(teacher, route, len(rows))
+        )
+        parts: list[tuple[list[int], Completions]] = []
         with timer.phase("generate"):
-            done = rollout(
-                model,
-                prompts,
-                max_new_tokens=op.max_new_tokens,
-                temperature=op.temperature,
-                top_p=op.top_p,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                vocab_limit=self.vocab_limit,
-                generators=generators,
-                all_done=(
-                    (lambda here: not distributed.any_rank(not here, device=self.device))
-                    if self.world.distributed
-                    else None
-                ),
-            )
+            for model, sel, used in samplers:
+                done = rollout(
+                    model,
+                    prompts if sel == everyone else _select(prompts, sel),
+                    max_new_tokens=op.max_new_tokens,
+                    temperature=op.temperature,
+                    top_p=op.top_p,
+                    stop_ids=self.stop_ids,
+                    pad_id=self.pad_id,
+                    vocab_limit=self.vocab_limit,
+                    generators=None if generators is None else [generators[i] for i in sel],
+                    all_done=(
+                        (lambda here: not distributed.any_rank(not here, device=self.device))
+                        if self.world.distributed
+                        else None
+                    ),
+                )
+                if used:
+                    parts.append((sel, done))
         if source == "teacher" and teacher is not None:
             teacher.release()
-        # The completion tokens of all ranks: the logged count is the same on any world size.
+        keep = [] if route is None else [i for i, r in enumerate(route) if r is None]
+        done = _merge(parts, len(rows), width=op.max_new_tokens, pad_id=self.pad_id, drop=keep)
+        # The completion tokens trained on, of all ranks: the same count on any world size.
         count, tokens = sampled.get(source, (0, 0))
         new = int(distributed.all_reduce_sum(done.lengths.sum()))
         sampled[source] = (count + 1, tokens + new)
-        return training_batch(prompts, done, pad_id=self.pad_id)
+        made = training_batch(prompts, done, pad_id=self.pad_id)
+        if keep:
+            made = _with_dataset_rows(made, batch, keep, pad_id=self.pad_id)
+        return made
+
+    def _teacher_samplers(
+        self, teacher: Teacher | None, route: Sequence[str | None] | None, b: int
+    ) -> list[tuple[nn.Module, list[int], bool]]:
+        """The teacher models that sample (``seq_kd``): each with the rows it completes and
+        whether its completions are used.
+
+        Without routes the teacher's generator completes every row. With them (``combine:
+        route``) each row's own teacher completes it and rows naming none are not sampled;
+        under torchrun every rank samples with each teacher that any rank's rows name (the
+        sampling runs collectives), with all its rows, unused, where none of them names it.
+
+        Raises:
+            KDUserError: a teacher that would sample is not a model.
+        """
+        everyone = list(range(b))
+        names: list[str | None] = [None]
+        if route is not None:
+            here = sorted({r for r in route if r is not None})
+            texts = distributed.all_gather_text("\n".join(here), device=self.device)
+            names = sorted({n for t in texts if t for n in t.split("\n")})
+        out: list[tuple[nn.Module, list[int], bool]] = []
+        for name in names:
+            model = teacher.generator_for(name) if teacher is not None else None
+            if model is None:
+                which = "this teacher is" if name is None else f"teacher {name} is"
+                raise KDUserError(
+                    f"on_policy.seq_kd: true samples the teacher's completions, but {which} "
+                    "not a model that can sample; set on_policy.seq_kd=false"
+                )
+            sel = everyone if route is None else [i for i, r in enumerate(route) if r == name]
+            out.append((model, sel or everyone, bool(sel)))
+        return out
+
+
+def _select(prompts: Prompts, sel: Sequence[int]) -> Prompts:
+    """The prompts of rows ``sel``, their common left padding removed."""
+    index = torch.tensor(list(sel), dtype=torch.long, device=prompts.tokens.device)
+    lengths = prompts.lengths.index_select(0, index)
+    width = int(lengths.max())
+    return Prompts(
+        tokens=prompts.tokens.index_select(0, index)[:, -width:],
+        mask=prompts.mask.index_select(0, index)[:, -width:],
+        lengths=lengths,
+        truncated=prompts.truncated,
+    )
+
+
+def _merge(
+    parts: Sequence[tuple[Sequence[int], Completions]],
+    b: int,
+    *,
+    width: int,
+    pad_id: int,
+    drop: Sequence[int] = (),
+) -> Completions:
+    """The completions of ``b`` rows from those of subsets of them (rows in none, and rows
+    ``drop``, get an empty completion)."""
+    if len(parts) == 1 and len(parts[0][0]) == b and not drop:
+        return parts[0][1]
+    device = parts[0][1].tokens.device if parts else torch.device("cpu")
+    tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    for sel, done in parts:
+        index = torch.tensor(list(sel), dtype=torch.long, device=device)
+        tokens.index_copy_(0, index, done.tokens)
+        lengths.index_copy_(0, index, done.lengths)
+    if drop:
+        index = torch.tensor(list(drop), dtype=torch.long, device=device)
+        tokens.index_fill_(0, index, pad_id)
+        lengths.index_fill_(0, index, 0)
+    return Completions(
+        tokens=tokens, lengths=lengths, steps=max((d.steps for _, d in parts), default=0)
+    )
+
+
+def _with_dataset_rows(
+    made: tuple[torch.Tensor, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    keep: Sequence[int],
+    *,
+    pad_id: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``made`` with rows ``keep`` replaced by the dataset's own tokens and labels (rows that
+    name no teacher learn from CE on their data, as off-policy), each cut after its last
+    label (the tokens after it teach nothing)."""
+    tokens, labels = made
+    data_tokens = batch["tokens"].to(tokens.device)
+    data_labels = batch["labels"].to(tokens.device)
+    index = torch.arange(data_labels.shape[1], device=tokens.device) + 1
+    ends = torch.where(data_labels != ignore_index, index, 0).amax(dim=1).tolist()
+    width = max([tokens.shape[1], *(ends[i] for i in keep)])
+    b = tokens.shape[0]
+    out_t = torch.full((b, width), pad_id, dtype=tokens.dtype, device=tokens.device)
+    out_l = torch.full((b, width), ignore_index, dtype=labels.dtype, device=tokens.device)
+    out_t[:, : tokens.shape[1]] = tokens
+    out_l[:, : labels.shape[1]] = labels
+    for i in keep:
+        end = ends[i]
+        out_t[i] = pad_id
+        out_l[i] = ignore_index
+        out_t[i, :end] = data_tokens[i, :end]
+        out_l[i, :end] = data_labels[i, :end]
+    return out_t, out_l
