@@ -17,6 +17,11 @@ Achieved GFLOP/s = one step's FLOPs / the median step time of 2.; the ratio to 1
 figure ``docs/step_efficiency.md`` reports, with the profiler's table of where the time goes.
 
     python scripts/bench_step_efficiency.py --work /tmp/kd_eff            # ~10 min at 1 thread
+    python scripts/bench_step_efficiency.py --work /tmp/kd_eff --compile-study --steps 12
+
+``--compile-study`` times kd's ``compile: true`` against eager on the same rows instead (each
+step's FLOPs counted, steps after ``--warmup`` compared) and ends with ``COMPILE eager_ratio=X
+compiled_ratio=Y speedup=Z``.
 
 Ends with ``EFFICIENCY gflops=X ceiling=Y ratio=Z``. Raw numbers: ``<work>/efficiency.json``.
 """
@@ -194,7 +199,41 @@ def child_optimizer(spec: dict[str, Any]) -> dict[str, Any]:
     return {"adamw_step_cpu_s": out, "parameters": sum(int(torch.Size(s).numel()) for s in shapes)}
 
 
-CHILDREN = {"_profile": child_profile, "_ceiling": child_ceiling, "_optimizer": child_optimizer}
+def child_step_flops(spec: dict[str, Any]) -> dict[str, Any]:
+    """Each optimizer step's FLOPs: an in-process ``kd run`` under ``FlopCounterMode``, the
+    counter read at every optimizer step (the run is slowed, so it is not timed)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kd.cli import main as kd_main
+
+    _set_threads(spec["threads"])
+    marks: list[int] = []
+    original = torch.optim.AdamW.step
+    counter = FlopCounterMode(display=False)
+
+    def step_and_mark(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        marks.append(int(counter.get_total_flops()))
+        return out
+
+    torch.optim.AdamW.step = step_and_mark  # type: ignore[method-assign]
+    try:
+        with counter:
+            code = kd_main(["run", "kd", "--config", spec["config"]])
+    finally:
+        torch.optim.AdamW.step = original  # type: ignore[method-assign]
+    if code != 0:
+        raise SystemExit(f"kd run failed under the FLOP counter ({code})")
+    return {"step_flops": [b - a for a, b in zip([0, *marks], marks, strict=False)]}
+
+
+CHILDREN = {
+    "_profile": child_profile,
+    "_ceiling": child_ceiling,
+    "_optimizer": child_optimizer,
+    "_step_flops": child_step_flops,
+}
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -231,6 +270,64 @@ def timed_run(config: Path, out: Path, env: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def compile_study(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """``compile: true`` (kd's knob: ``torch.compile`` per decoder layer, inductor's C++ kernels
+    on a CPU) against eager on the same rows: each step's FLOPs (:func:`child_step_flops`), both
+    runs timed, the ceiling measured again; achieved / ceiling over steps after the compiler's
+    warm-up (``--warmup`` steps, which hold its compilations and recompilations)."""
+    import shutil
+
+    work: Path = args.work
+    peer.PAIRS["smollm2"]["steps"]["off_policy"] = args.steps
+    assets = peer.write_assets(work, "smollm2", n_rows=4 * args.steps + 8)
+    result: dict[str, Any] = {"argv": sys.argv, "threads": args.threads, "steps": args.steps}
+    result["start"] = {"load": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M UTC")}
+    configs = {}
+    for name, over in (("eager", {}), ("compiled", {"compile": True})):
+        out = work / "runs" / f"compile_study_{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        configs[name] = peer.kd_config(assets, "smollm2", "off_policy", args.loss, out, over)
+    flops_out = work / "runs" / "compile_study_flops"
+    shutil.rmtree(flops_out, ignore_errors=True)
+    flops_cfg = peer.kd_config(assets, "smollm2", "off_policy", args.loss, flops_out)
+    flops = _child("_step_flops", {"threads": args.threads, "config": str(flops_cfg)}, work, env)
+    result["step_flops"] = flops["step_flops"]
+    for name, cfg in configs.items():
+        result[name] = timed_run(cfg, work / "runs" / f"compile_study_{name}", env)
+        print(f"{name}: step s {[round(x, 2) for x in result[name]['step_s']]}", flush=True)
+    shapes = json.loads((peer.REPO / "scripts/bench_data/step_efficiency.json").read_text())
+    shapes = sorted(shapes["profile"]["gemm_shapes"])
+    spec = {"threads": args.threads, "shapes": shapes, "square": args.square, "repeats": 5}
+    result["ceiling"] = _child("_ceiling", spec, work, env)
+    ceiling = max(result["ceiling"]["gflops_by_shape"].values())
+    w = args.warmup
+    work_flops = sum(result["step_flops"][w:])
+    for name in configs:
+        seconds = sum(result[name]["step_s"][w:])
+        result[name]["achieved_gflops"] = work_flops / seconds / 1e9
+        result[name]["ratio"] = result[name]["achieved_gflops"] / ceiling
+        result[name]["loss_step1"] = _first_loss(work / "runs" / f"compile_study_{name}")
+    result.update(ceiling_gflops=ceiling, end_load=os.getloadavg())
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    for name in configs:
+        r = result[name]
+        print(
+            f"{name:>8}: steps {w + 1}..{args.steps}: {r['achieved_gflops']:.1f} GFLOP/s of "
+            f"{ceiling:.1f}, ratio {r['ratio']:.3f}; step-1 loss {r['loss_step1']:.6f}"
+        )
+    speedup = result["compiled"]["achieved_gflops"] / result["eager"]["achieved_gflops"]
+    print(f"end: load average {result['end_load']}")
+    print(
+        f"COMPILE eager_ratio={result['eager']['ratio']:.3f} "
+        f"compiled_ratio={result['compiled']['ratio']:.3f} speedup={speedup:.3f}"
+    )
+    return 0
+
+
+def _first_loss(out: Path) -> float:
+    return float(json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+
+
 def table(result: dict[str, Any]) -> str:
     """The profiler's self CPU time by category and its top ops, as Markdown."""
     ops = result["profile"]["self_cpu_s_by_op"]
@@ -262,6 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--square", type=int, default=2048, help="side of the square ceiling GEMM")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per ceiling shape")
     p.add_argument("--loss", default="jsd", choices=sorted(peer.LOSSES))
+    p.add_argument(
+        "--compile-study",
+        action="store_true",
+        help="only compare compile: true with eager (each step's FLOPs, both timed, ceiling)",
+    )
+    p.add_argument("--warmup", type=int, default=3, help="compile study: steps left out")
+    p.add_argument(
+        "--json",
+        default=str(peer.REPO / "scripts/bench_data/step_efficiency_compile.json"),
+        help="compile study: raw numbers",
+    )
     args = p.parse_args(argv)
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -270,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
     start = {"load": os.getloadavg(), "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     print(f"start {start['time']}: load average {start['load']} on {os.cpu_count()} CPUs")
+    if args.compile_study:
+        return compile_study(args, env)
 
     peer.PAIRS["smollm2"]["steps"]["off_policy"] = args.steps
     assets = peer.write_assets(work, "smollm2", n_rows=4 * args.steps + 8)

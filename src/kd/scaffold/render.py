@@ -247,8 +247,10 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
 
 def cpu_loss_chunk_size(vocab: int) -> int:
     """``loss_chunk_size`` on a CPU: the largest power of two (at most the default 1024, at least
-    16) whose ``[chunk, vocab]`` fp32 loss buffers stay under glibc's mmap threshold, so the fused
-    loss reuses heap memory instead of faulting fresh pages in every chunk (and holds less)."""
+    16) whose ``[chunk, vocab]`` fp32 loss buffers stay under glibc's mmap threshold. The fused
+    loss's memory is O(chunk x vocab); on a CPU its speed does not depend on the chunk
+    (``scripts/bench_loss_chunk.py``: 0.96-1.03x at 128 against 1024, docs/step_efficiency.md),
+    so a CPU run takes the smaller buffers. GPUs keep 1024 (fewer, larger GEMMs)."""
     chunk = 1024
     while chunk > 16 and chunk * vocab * 4 > GLIBC_MMAP_THRESHOLD_MAX:
         chunk //= 2
@@ -265,8 +267,8 @@ def _chunk_lines(device: str, vocab: int) -> list[str]:
         _line(
             "loss_chunk_size",
             chunk,
-            f"CPU: each [chunk, {vocab}] fp32 loss buffer is {mib:.0f} MiB, under glibc's 32 MiB "
-            "mmap threshold (no page faults per chunk, less memory); GPUs: 1024",
+            f"CPU: each [chunk, {vocab}] fp32 loss buffer is {mib:.0f} MiB (memory is chunk x "
+            "vocab; CPU speed does not depend on it); GPUs: 1024",
         )
     ]
 
