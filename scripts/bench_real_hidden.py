@@ -10,6 +10,7 @@ dropped), and kd init proposes the hidden-state map (kept layers by comparing we
 
     python scripts/bench_real_hidden.py --work /tmp/hkd --steps 100            # every setting
     python scripts/bench_real_hidden.py --work /tmp/hkd --steps 100 --only ce  # one setting
+    python scripts/bench_real_hidden.py --work /tmp/hkd --steps 100 --round 2  # + ROUND2
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kd+hs cosine w=1", 0.5, hidden={"loss": "cosine", "weight": 1.0}),
     Setting("kd+hs nmse w=1", 0.5, hidden={"loss": "nmse", "weight": 1.0}),
 )
+# Round 2 (``--round 2``), chosen from round 1 on dev (nmse at w=1 best, tied with logits-only KD;
+# the kept layers start equal to the teacher's, so their terms dilute the one that matters): the
+# hidden loss on the points after the cut only (kd init's pairs whose indices differ, and the
+# final norm; the loss averages over pairs, so each of them weighs 11x more), and KD alone.
+AFTER_CUT = "after_cut"
+ROUND2: tuple[Setting, ...] = (
+    Setting(
+        "kd+hs nmse cut w=1", 0.5, hidden={"loss": "nmse", "weight": 1.0, "layer_map": AFTER_CUT}
+    ),
+    Setting("kd r=1", 1.0),
+    Setting("kd+hs nmse w=1 r=1", 1.0, hidden={"loss": "nmse", "weight": 1.0}),
+)
+
+
+def after_cut(layer_map: list[str]) -> list[str]:
+    """kd init's pairs whose student and teacher points differ (the layers after the cut), and
+    the final norm."""
+    pairs = [p for p in layer_map if p.split(":")[0] != p.split(":")[1]]
+    return [*pairs, "norm:norm"]
 
 
 def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int) -> Path:
@@ -74,7 +94,9 @@ def write_config(paths: dict[str, Path], setting: Setting, out: Path, steps: int
         cfg.pop("hidden_states", None)
     else:
         for key, value in setting.hidden.items():
-            OmegaConf.update(cfg, f"hidden_states.{key}", value)
+            if key == "layer_map" and value == AFTER_CUT:
+                value = after_cut(list(cfg.hidden_states.layer_map))
+            OmegaConf.update(cfg, f"hidden_states.{key}", value, merge=False)
     if not setting.needs_teacher:
         cfg.teacher_model = None
         cfg.teacher_checkpointer = None
@@ -130,6 +152,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     parser.add_argument("--only", default=None, help="run only this setting (by name)")
     parser.add_argument("--prepare", action="store_true", help="only make folders and configs")
+    parser.add_argument(
+        "--round", type=int, choices=(1, 2), default=1, help="2: round 1's settings and ROUND2"
+    )
     args = parser.parse_args()
     paths = prepare(args.work)
     if args.prepare:
@@ -139,7 +164,7 @@ def main() -> None:
         for s in ("dev", "test")
     }
     results = []
-    for setting in SETTINGS:
+    for setting in SETTINGS + (ROUND2 if args.round == 2 else ()):
         if args.only is not None and setting.name != args.only:
             continue
         out = args.work / "runs" / f"{setting.name.replace(' ', '_').replace('=', '')}_{args.steps}"
@@ -170,7 +195,8 @@ def main() -> None:
                 ("untrained", paths["student_block"]),
             )
         }
-        (args.work / f"results_{args.steps}.json").write_text(
+        suffix = "" if args.round == 1 else "_round2"
+        (args.work / f"results_{args.steps}{suffix}.json").write_text(
             json.dumps(
                 {"runs": results, "reference": ref, "date": time.strftime("%Y-%m-%d")}, indent=1
             )
