@@ -192,21 +192,7 @@ def char_loss(folder: Path, texts: list[str], batch: int = 8) -> dict[str, float
     ids = [[tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"]] for t in texts]
     for x, t in zip(ids, texts, strict=True):  # the tokens spell the text, no more, no less
         assert tok.decode(x[1:]) == t, f"{folder}: tokens do not spell {t[:40]!r}"
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(ids), batch):
-            chunk = ids[i : i + batch]
-            width = max(len(x) for x in chunk)
-            inp = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for j, x in enumerate(chunk):
-                inp[j, : len(x)], mask[j, : len(x)] = torch.tensor(x), 1
-            logits = model(input_ids=inp, attention_mask=mask).logits.float()
-            target = inp[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-            total += torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum"
-            ).item()
-            count += int((target != -100).sum())
+    total, count = base.summed_nll(model, ids, batch)
     chars = sum(len(t) for t in texts)
     return {"nats_per_char": total / chars, "nats_per_token": total / count, "tokens": count}
 

@@ -239,18 +239,11 @@ def save_run_config(cfg: Any, paths: dict[str, Path], out: Path, steps: int, *, 
     return path
 
 
-def heldout_loss(folder: Path, texts: list[str], batch: int = 8) -> tuple[float, int]:
-    """Token-weighted next-token NLL of ``texts`` under the HF folder, and the token count.
-
-    Each text is tokenized alone and cut at ``MAX_SEQ_LEN`` tokens, like training; every token
-    after the first is predicted.
-    """
+def summed_nll(model: Any, ids: list[list[int]], batch: int = 8) -> tuple[float, int]:
+    """Summed next-token NLL of each id list under ``model`` (every id after the first is
+    predicted), batched with right padding, and the number of predicted tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = [tok(t)["input_ids"][:MAX_SEQ_LEN] for t in texts]
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(ids), batch):
@@ -271,6 +264,22 @@ def heldout_loss(folder: Path, texts: list[str], batch: int = 8) -> tuple[float,
             )
             total += nll.item()
             count += int((target != -100).sum())
+    return total, count
+
+
+def heldout_loss(folder: Path, texts: list[str], batch: int = 8) -> tuple[float, int]:
+    """Token-weighted next-token NLL of ``texts`` under the HF folder, and the token count.
+
+    Each text is tokenized alone and cut at ``MAX_SEQ_LEN`` tokens, like training; every token
+    after the first is predicted.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = [tok(t)["input_ids"][:MAX_SEQ_LEN] for t in texts]
+    total, count = summed_nll(model, ids, batch)
     return total / count, count
 
 

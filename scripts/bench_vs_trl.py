@@ -383,13 +383,13 @@ def run_kd(
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     rows = [r for r in rows if "tokens_per_second" in r]
     tps = [float(r["tokens_per_second"]) for r in rows]
-    out = _result("kd", wall, rss, cpu, tps, float(rows[0]["loss"]))
+    result = _result("kd", wall, rss, cpu, tps, float(rows[0]["loss"]))
     if mode == "on_policy":
         seconds = [float(r["num_tokens"]) / float(r["tokens_per_second"]) for r in rows]
         gen = [float(r.get("time_generate_s", 0.0)) for r in rows]
         teacher = [float(r.get("time_teacher_s", 0.0)) for r in rows]
-        out["phases"] = _phases(seconds, gen, teacher)
-    return out
+        result["phases"] = _phases(seconds, gen, teacher)
+    return result
 
 
 def _phases(seconds: list[float], generate: list[float], teacher: list[float]) -> dict:
@@ -441,14 +441,14 @@ def run_trl(
     steps = json.loads((out / "steps.json").read_text())
     timed = [s for s in steps if "seconds" in s]
     tps = [s["tokens"] / s["seconds"] for s in timed]
-    out = _result("trl", wall, rss, cpu, tps, steps[0]["loss"])
+    result = _result("trl", wall, rss, cpu, tps, steps[0]["loss"])
     if mode == "on_policy":
-        out["phases"] = _phases(
+        result["phases"] = _phases(
             [s["seconds"] for s in timed],
             [s["generate_s"] for s in timed],
             [s["teacher_s"] for s in timed],
         )
-    return out
+    return result
 
 
 def _result(tool: str, wall: float, rss: float, cpu: float, tps: list[float], loss: float) -> dict:

@@ -95,12 +95,12 @@ def section(rows: list[Row], command: str, total_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: str) -> None:
-    """Replace this script's section of ``path`` (or append it)."""
+def write_section(text: str, path: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the section between ``begin`` and ``end`` of ``path`` (or append it)."""
     old = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + text + rest.split(END, 1)[1]
+    if begin in old and end in old:
+        head, rest = old.split(begin, 1)
+        new = head + text + rest.split(end, 1)[1]
     else:
         new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_memory_accuracy  # noqa: E402
 
 MIB = 1 << 20
 BEGIN = "<!-- memory_accuracy_table.py: begin -->"
@@ -218,17 +220,6 @@ def section(rows: list[Row], command: str, total_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: str) -> None:
-    """Replace this script's section of ``path`` (or append it)."""
-    old = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else ""
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        new = head + text + rest.split(END, 1)[1]
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
-    Path(path).write_text(new, encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/memory_accuracy.md", help="markdown file to extend")
@@ -263,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value != default:
             command += f" {flag} {value}"
-    write_section(section(rows, command, time.perf_counter() - t0), args.out)
+    hf_memory_accuracy.write_section(
+        section(rows, command, time.perf_counter() - t0), args.out, BEGIN, END
+    )
     print(f"wrote {args.out}")
     return 0
 
