@@ -182,3 +182,69 @@ def test_real_size_cross_pair_within_3_percent(tmp_path):
     )
     for phase in row.trace:
         assert row.phase_ratio(phase) == pytest.approx(1.0, abs=0.03), phase
+
+
+def _members(cfg, members: list[dict]):
+    """``cfg`` with ``teachers: {combine: weights}`` in place of its one-teacher keys."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    for key in ("teacher_model", "cross_tokenizer"):
+        cfg.pop(key, None)
+    cfg.teachers = {"combine": "weights", "members": members}
+    return cfg
+
+
+def _member(name: str, folder: Path, cross: bool) -> dict:
+    entry: dict = {"name": name, "teacher_model": {"_component_": "kd.hf.causal_lm"}}
+    entry["teacher_model"]["path"] = str(folder)
+    if cross:
+        entry["cross_tokenizer"] = {"matched_weight": None}
+    return entry
+
+
+def _planned(cfg):
+    from kd.config.run import run_config
+    from kd.memory.plan import inputs_from_run
+
+    inputs = inputs_from_run(run_config(cfg))
+    return inputs, estimate(inputs.student, inputs.teacher, inputs.knobs)
+
+
+def test_a_cross_member_plans_as_the_one_teacher_cross_run(pair):
+    """``teachers:`` with one member that has another tokenizer plans every phase exactly as the
+    one-teacher cross-tokenizer config."""
+    one = _planned(_cfg(pair["small"], pair["large"]))[1]
+    inputs, member = _planned(
+        _members(_cfg(pair["small"], pair["large"]), [_member("llama", pair["large"], True)])
+    )
+    assert inputs.knobs.cross_tokenizer and inputs.knobs.cross_vocab is None
+    for phase in ("forward", "backward", "optimizer_step"):
+        assert member.allocated(phase) == one.allocated(phase), phase
+
+
+def test_a_smaller_cross_member_beside_a_larger_teacher(pair, tmp_path):
+    """A larger same-tokenizer member is planned as the teacher (its forward, its weights) and the
+    smaller member's cross-tokenizer loss (its 1500 ids) as the loss head: the plan is the one
+    of the larger teacher with cross_tokenizer over 1500 ids plus the cross member's weights."""
+    import transformers
+
+    big = tmp_path / "big"
+    transformers.Qwen3Config(
+        **{**SMALL, "num_hidden_layers": 6, "hidden_size": 192}
+    ).save_pretrained(big)
+    cfg = _cfg(pair["small"], big)
+    members = [_member("qwen", big, False), _member("llama", pair["large"], True)]
+    inputs, est = _planned(_members(cfg, members))
+    assert inputs.teacher.vocab_size == 1000 and inputs.knobs.cross_vocab == 1500
+    assert any("teachers llama: its cross-tokenizer loss (1500 ids)" in n for n in inputs.notes)
+    # the reference: the big teacher alone, its loss head built over the cross member's vocabulary
+    ref_teacher = replace(inputs.teacher, vocab_size=1500)
+    ref_knobs = replace(inputs.knobs, cross_vocab=None)
+    head = loss_head.loss_head(inputs.student, ref_teacher, ref_knobs, output_grad=0)
+    assert head == loss_head.loss_head(inputs.student, inputs.teacher, inputs.knobs, output_grad=0)
+    assert any("cross_tokenizer: planned" in n for n in head.notes)
+    without = _planned(
+        _members(cfg, [_member("qwen", big, False), _member("llama", pair["large"], False)])
+    )
+    for phase in ("forward", "backward"):
+        assert est.allocated(phase) > without[1].allocated(phase), phase
+    assert inputs.knobs.other_teacher_params == without[0].knobs.other_teacher_params > 0

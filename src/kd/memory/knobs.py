@@ -89,6 +89,10 @@ class TrainKnobs:
         cross_tokenizer: the teacher has another tokenizer (``cross_tokenizer:`` with a teacher
             model): the loss is GOLD's aligned hybrid loss on the student's full logits
             (:func:`kd.memory.loss_head.cross_loss_bytes`), not the fused head.
+        cross_vocab: the distribution size of the teacher with another tokenizer when it is not
+            the planned ``teacher``: a member of ``teachers:`` beside a larger one (the members'
+            losses run one after another; the largest's forward is planned). None: the
+            planned teacher's.
     """
 
     batch_size: int
@@ -116,6 +120,7 @@ class TrainKnobs:
     hidden_map: tuple[str, ...] = ()
     hidden_loss: str = "cosine"
     cross_tokenizer: bool = False
+    cross_vocab: int | None = None
 
     @property
     def tokens(self) -> int:

@@ -7,7 +7,7 @@ Each constant is measured with MemTracker on the real ``kd.losses`` functions
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kd.memory import hf_terms
 from kd.memory.knobs import TrainKnobs
@@ -268,6 +268,8 @@ def loss_head(
     """
     stored = k.stored_topk is not None
     if k.cross_tokenizer and teacher is not None:
+        if k.cross_vocab is not None:  # another member has the other tokenizer
+            teacher = replace(teacher, vocab_size=k.cross_vocab)
         matched = cross_matched(student, teacher, k)
         peak, saved, start = cross_loss_bytes(student, teacher, k, matched)
         note = (

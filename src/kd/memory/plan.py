@@ -379,7 +379,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes += teacher_notes
     elif run.self_teacher is not None:
         teacher = replace(student, lora=None)  # the student's own forward, without grad
-    teacher, others = _several_teachers(run, teacher, notes)
+    teacher, others, cross_vocab = _several_teachers(run, teacher, notes)
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -416,7 +416,9 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         other_teacher_params=others,
         hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
         hidden_loss=run.hidden_states.loss if run.hidden_states is not None else "cosine",
-        cross_tokenizer=run.cross_tokenizer is not None and run.has_teacher,
+        cross_tokenizer=(run.cross_tokenizer is not None and run.has_teacher)
+        or cross_vocab is not None,
+        cross_vocab=cross_vocab or None,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -486,26 +488,41 @@ def _teacher_bytes_per_param(
 
 def _several_teachers(
     run: RunConfig, teacher: ModelShape | None, notes: list[str]
-) -> tuple[ModelShape | None, int]:
+) -> tuple[ModelShape | None, int, int | None]:
     """``teachers:``: the largest local member is planned as the teacher (members run forward one
-    after another), the others' parameters stay resident. Returns ``(teacher, other params)``."""
+    after another), the others' parameters stay resident. Returns ``(teacher, other params,
+    cross)``: ``cross`` is None when no local member has another tokenizer, 0 when the planned
+    one has, else the largest distribution of the members that have (their losses run one after
+    another: the loss head is planned as theirs, on the student's full logits)."""
     from kd.config.teachers import members_of
 
-    local = []
+    local, crossed = [], []
     for member in members_of(run):
         if member.run.has_teacher:
             shape, member_notes = _shape(member.run, "teacher_model", "teacher_checkpointer")
             local.append(shape)
+            if member.run.cross_tokenizer is not None:
+                crossed.append((member.name, shape))
             notes += [f"teachers {member.name}: {n}" for n in member_notes]
     if not local:
-        return teacher, 0
+        return teacher, 0, None
     largest = max(local, key=lambda m: m.total_params())
     if len(local) > 1:
         notes.append(
             f"teachers: {len(local)} local teachers; the largest is planned as the teacher, the "
             "others' weights as resident"
         )
-    return largest, sum(m.total_params() for m in local) - largest.total_params()
+    others = sum(m.total_params() for m in local) - largest.total_params()
+    if not crossed:
+        return largest, others, None
+    if any(shape is largest for _, shape in crossed):
+        return largest, others, 0
+    name, shape = max(crossed, key=lambda c: c[1].vocab_size)
+    notes.append(
+        f"teachers {name}: its cross-tokenizer loss ({shape.vocab_size} ids) is planned as the "
+        "loss head, beside the largest member's forward"
+    )
+    return largest, others, shape.vocab_size
 
 
 def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:
