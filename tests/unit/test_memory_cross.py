@@ -248,3 +248,69 @@ def test_a_smaller_cross_member_beside_a_larger_teacher(pair, tmp_path):
     for phase in ("forward", "backward"):
         assert est.allocated(phase) > without[1].allocated(phase), phase
     assert inputs.knobs.other_teacher_params == without[0].knobs.other_teacher_params > 0
+
+
+def _store_cfg(pair, folder: Path, **over):
+    """A run from a cross-tokenizer store: ``teacher_logits`` (k 8) with ``cross_tokenizer``, the
+    teacher named by ``teacher_model`` (its size read from its config; no weights loaded)."""
+    cfg = _cfg(pair["small"], pair["large"], **over)
+    cfg.teacher_logits = {"path": str(folder), "k": 8}
+    return cfg
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_a_cross_tokenizer_store_within_3_percent_of_trace(pair, tmp_path, divergence):
+    """Training from a cross-tokenizer store: no teacher forward, every row's dense fp32 log-probs
+    over the teacher's 1500 ids made before the loss, not the plain store's top-k tensors."""
+    from kd.config.run import run_config
+    from kd.memory.plan import inputs_from_run
+
+    cfg = _store_cfg(pair, tmp_path / "store", kd_loss={"divergence": divergence})
+    inputs = inputs_from_run(run_config(cfg))
+    assert inputs.teacher is None and inputs.knobs.stored_topk == 8
+    assert inputs.knobs.cross_tokenizer and inputs.knobs.cross_vocab == 1500
+    ratios = _compare(cfg)
+    for phase, ratio in ratios.items():
+        assert ratio == pytest.approx(1.0, abs=0.03), (phase, ratios)
+    live = _planned(_cfg(pair["small"], pair["large"], kd_loss={"divergence": divergence}))[1]
+    stored = estimate(inputs.student, None, inputs.knobs)
+    # the dense rows of the whole micro-batch, against the live teacher's one row at a time
+    assert stored.allocated("forward") < live.allocated("forward")  # no teacher weights
+
+
+def test_a_cross_store_reads_its_teacher_size_from_the_manifest(pair, tmp_path):
+    """Without teacher_model the size comes from the store's manifest; with neither, the
+    student's, with a note."""
+    from kd.config.run import run_config
+    from kd.memory.plan import inputs_from_run
+
+    folder = tmp_path / "store"
+    cfg = _store_cfg(pair, folder)
+    cfg.teacher_model = None
+    inputs = inputs_from_run(run_config(cfg))
+    assert inputs.knobs.cross_vocab == 1000
+    assert any("holds no cross-tokenizer store yet" in n for n in inputs.notes)
+    from kd.teachers import stored_logits
+
+    folder.mkdir()
+    spec = stored_logits.StoreSpec(
+        teacher={"component": "kd.hf.causal_lm", "folder": "t", "files": [], "config_sha256": None},
+        config_sha256="0",
+        tokenizer_sha256="0",
+        temperature=1.0,
+        k=8,
+        vocab=1234,
+        teacher_vocab=1234,
+        max_seq_len=48,
+        dataset_fingerprint="0",
+        num_rows=4,
+        world_size=1,
+        rows_per_shard=4,
+        cross_tokenizer={
+            "teacher_size": 1234,
+            "teacher_tokenizer_sha256": "0",
+            "teacher_vocab": {},
+        },
+    )
+    stored_logits.write_manifest(folder, spec, None)  # as the precompute writes it at its start
+    assert inputs_from_run(run_config(cfg)).knobs.cross_vocab == 1234

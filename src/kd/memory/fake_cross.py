@@ -6,7 +6,9 @@ that teacher with the planner's synthetic rows in place of the tokenization: eve
 labelled, the teacher's tokens as many as the student's and aligned one to one, and the first
 ``matched`` ids of both vocabularies shared (:func:`kd.memory.loss_head.cross_matched`); the
 teacher's forward, the signal and GOLD's loss (:func:`kd.cross_tokenizer.sequence_loss`) are
-the real code.
+the real code. :class:`FakeCrossStore` is the store's teacher
+(:class:`kd.teachers.cross_stored.CrossStoredTeacher`): each row's dense fp32 log-probs made by
+the signal, no teacher forward.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 from torch import nn
 
 from kd.cross_tokenizer import VocabMatch
-from kd.teachers.base import TeacherInput
-from kd.teachers.cross import CrossTokenizerSignal, CrossTokenizerTeacher
+from kd.teachers.base import Teacher, TeacherInput
+from kd.teachers.cross import TERMS, CrossTokenizerSignal, CrossTokenizerTeacher, _Row
 
 
 class _Nested(nn.Module):
@@ -36,6 +38,18 @@ class _FakeCrossSignal(CrossTokenizerSignal):
 
     def loss(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         return _Nested()(super().loss, *args, **kwargs)
+
+
+def planner_match(sizes: tuple[int, int], matched: int) -> VocabMatch:
+    """The planner's vocabularies: the first ``matched`` ids of both shared, the rest not."""
+    vs, vt = sizes
+    return VocabMatch(
+        student=torch.arange(matched),
+        teacher=torch.arange(matched),
+        teacher_size=vt,
+        student_rest=torch.arange(matched, vs),
+        teacher_rest=torch.arange(matched, vt),
+    )
 
 
 class FakeCrossTeacher(CrossTokenizerTeacher):
@@ -56,19 +70,11 @@ class FakeCrossTeacher(CrossTokenizerTeacher):
         matched: int,
         matched_weight: float | None,
     ):
-        vs, vt = sizes
-        match = VocabMatch(
-            student=torch.arange(matched),
-            teacher=torch.arange(matched),
-            teacher_size=vt,
-            student_rest=torch.arange(matched, vs),
-            teacher_rest=torch.arange(matched, vt),
-        )
         super().__init__(
             model,
             student_tokenizer=None,
             teacher_tokenizer=None,
-            match=match,
+            match=planner_match(sizes, matched),
             sizes=sizes,
             matched_weight=matched_weight,
         )
@@ -92,3 +98,44 @@ class FakeCrossTeacher(CrossTokenizerTeacher):
             "t_ids": torch.zeros(s, dtype=torch.long),
             "t_spans": spans,
         }
+
+
+class FakeCrossStore(Teacher):
+    """A cross-tokenizer store's teacher on the planner's rows: as
+    :class:`kd.teachers.cross_stored.CrossStoredTeacher`, the signal makes every row's dense fp32
+    log-probs ``[s, Vt]`` (on the batch's device) before the loss, and the loss reads them.
+
+    Args:
+        sizes: the student's and the teacher's distribution sizes.
+        matched: token strings both vocabularies share.
+        matched_weight: ``cross_tokenizer.matched_weight``.
+    """
+
+    terms = TERMS
+
+    def __init__(self, *, sizes: tuple[int, int], matched: int, matched_weight: float | None):
+        self.sizes = sizes
+        self.match = planner_match(sizes, matched)
+        self.matched_weight = matched_weight
+
+    def signal(self, batch: TeacherInput) -> CrossTokenizerSignal:
+        b, s = batch.tokens.shape
+        device = batch.tokens.device
+        spans = [(i, i + 1) for i in range(s)]
+        rows = [
+            _Row(
+                s_rows=torch.arange(s, device=device),
+                s_ids=torch.zeros(s, dtype=torch.long, device=device),
+                s_spans=spans,
+                t_hidden=None,
+                t_ids=torch.zeros(s, dtype=torch.long, device=device),
+                t_spans=spans,
+                t_logp=torch.zeros(s, self.sizes[1], device=device),  # [s, Vt] fp32
+            )
+            for _ in range(b)
+        ]
+        return _FakeCrossSignal(self, rows)
+
+    def teacher_logp(self, row: _Row, temperature: float) -> torch.Tensor:
+        assert row.t_logp is not None
+        return row.t_logp

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -408,7 +408,18 @@ def build_fake_step(
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
     vocab = models.vocab_size(student)
     topk = None
-    if knobs.stored_topk is not None:
+    if knobs.stored_topk is not None and knobs.cross_tokenizer:
+        from kd.memory.fake_cross import FakeCrossStore
+        from kd.memory.loss_head import cross_matched
+
+        assert knobs.cross_vocab is not None and run.cross_tokenizer is not None
+        teacher_shape = replace(planned.student, vocab_size=knobs.cross_vocab)
+        signal_teacher = FakeCrossStore(
+            sizes=(vocab, knobs.cross_vocab),
+            matched=cross_matched(planned.student, teacher_shape, knobs),
+            matched_weight=run.cross_tokenizer.matched_weight,
+        )
+    elif knobs.stored_topk is not None:
         from kd.teachers import FixedTopKTeacher
 
         shape = (b, s, knobs.stored_topk)

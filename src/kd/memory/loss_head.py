@@ -209,6 +209,11 @@ def cross_loss_bytes(
     keeps_input = student.lora is None or student.lora.output
     x = a * n * student.embed_dim if keeps_input else 0
     peak_row, saved_row, bwd_row = _cross_row(vs, vt, matched, k.divergence)
+    if k.stored_topk is not None:
+        # A store (kd.teachers.cross_stored): every row's dense fp32 log-probs [n, Vt] are made
+        # by the signal, before the loss, and live through it; no teacher logits are computed.
+        peak = (b - 1) * (x + n * saved_row) + x + n * peak_row + 4 * b * n * vt
+        return peak + _CROSS_ROW_BYTES * b * n, b * (x + n * saved_row), n * bwd_row
     # the teacher's log-probs of the row (4 Vt) beside its peak; while they are computed: its
     # logits in the dtype, the tempered fp32 copy and the log-softmax, beside the student's
     # logits and CE log-probs and, after the first row, the last row's log-probs.
@@ -267,9 +272,9 @@ def loss_head(
         ValueError: stored teacher logits (``k.stored_topk``) with a teacher model.
     """
     stored = k.stored_topk is not None
-    if k.cross_tokenizer and teacher is not None:
-        if k.cross_vocab is not None:  # another member has the other tokenizer
-            teacher = replace(teacher, vocab_size=k.cross_vocab)
+    if k.cross_tokenizer and (teacher is not None or k.cross_vocab is not None):
+        if k.cross_vocab is not None:  # a store's teacher, or another member's
+            teacher = replace(teacher or student, vocab_size=k.cross_vocab)
         matched = cross_matched(student, teacher, k)
         peak, saved, start = cross_loss_bytes(student, teacher, k, matched)
         note = (

@@ -8,6 +8,7 @@ Importing it imports neither torch nor torchtune.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -380,6 +381,8 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     elif run.self_teacher is not None:
         teacher = replace(student, lora=None)  # the student's own forward, without grad
     teacher, others, cross_vocab = _several_teachers(run, teacher, notes)
+    if run.cross_tokenizer is not None and run.teacher_logits is not None:
+        cross_vocab = _cross_store_size(run, student, notes)
     seq = run.memory.seq_len
     if seq is None:
         seq = student.max_seq_len
@@ -523,6 +526,27 @@ def _several_teachers(
         "loss head, beside the largest member's forward"
     )
     return largest, others, shape.vocab_size
+
+
+def _cross_store_size(run: RunConfig, student: ModelShape, notes: list[str]) -> int:
+    """The teacher's distribution size behind a cross-tokenizer store (``teacher_logits`` with
+    ``cross_tokenizer``): its manifest's, else the configured ``teacher_model``'s (the store is
+    not written yet), else the student's (with a note)."""
+    from kd.teachers.stored_logits import read_manifest
+
+    assert run.teacher_logits is not None
+    folder = Path(run.teacher_logits.path).expanduser()
+    manifest = read_manifest(folder) if folder.is_dir() else None
+    cross = manifest.get("cross_tokenizer") if manifest is not None else None
+    if isinstance(cross, dict) and isinstance(cross.get("teacher_size"), int):
+        return int(cross["teacher_size"])
+    if run.components["teacher_model"] is not None:
+        return _shape(run, "teacher_model", "teacher_checkpointer")[0].vocab_size
+    notes.append(
+        f"teacher_logits: {folder} holds no cross-tokenizer store yet and no teacher_model names "
+        "its teacher: its distribution is planned at the student's size"
+    )
+    return student.vocab_size
 
 
 def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:

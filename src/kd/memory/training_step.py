@@ -42,7 +42,9 @@ def resident_components(
     int64 tokens and labels), stored top-k logits, optimizer states, and the gradients when
     accumulation keeps them between micro-batches."""
     n_tok = k.tokens
-    stored = STORED_TOPK_BYTES * k.stored_topk * n_tok if k.stored_topk is not None else 0
+    stored = 0  # a cross-tokenizer store reads its rows in the signal (the loss head counts them)
+    if k.stored_topk is not None and not k.cross_tokenizer:
+        stored = STORED_TOPK_BYTES * k.stored_topk * n_tok
     return {
         "teacher_weights": res.teacher_weights,
         "student_weights": res.student_weights,
