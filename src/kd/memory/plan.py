@@ -8,9 +8,9 @@ Importing it imports neither torch nor torchtune.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import sys
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
