@@ -15,7 +15,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -410,13 +410,13 @@ def build_fake_step(
     topk = None
     if knobs.stored_topk is not None and knobs.cross_tokenizer:
         from kd.memory.fake_cross import FakeCrossStore
-        from kd.memory.loss_head import cross_matched
+        from kd.memory.loss_head import cross_matched, cross_teacher
 
-        assert knobs.cross_vocab is not None and run.cross_tokenizer is not None
-        teacher_shape = replace(planned.student, vocab_size=knobs.cross_vocab)
+        crossed = cross_teacher(planned.student, None, knobs)
+        assert crossed is not None and run.cross_tokenizer is not None
         signal_teacher = FakeCrossStore(
-            sizes=(vocab, knobs.cross_vocab),
-            matched=cross_matched(planned.student, teacher_shape, knobs),
+            sizes=(vocab, crossed.vocab_size),
+            matched=cross_matched(planned.student, crossed, knobs),
             matched_weight=run.cross_tokenizer.matched_weight,
         )
     elif knobs.stored_topk is not None:

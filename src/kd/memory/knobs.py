@@ -90,9 +90,9 @@ class TrainKnobs:
             model): the loss is GOLD's aligned hybrid loss on the student's full logits
             (:func:`kd.memory.loss_head.cross_loss_bytes`), not the fused head.
         cross_vocab: the distribution size of the teacher with another tokenizer when it is not
-            the planned ``teacher``: a member of ``teachers:`` beside a larger one (the members'
-            losses run one after another; the largest's forward is planned). None: the
-            planned teacher's.
+            the planned ``teacher``: a cross-tokenizer store's teacher (no teacher model), or a
+            member of ``teachers:`` beside a larger one (the members' losses run one after
+            another; the largest's forward is planned). None: the planned teacher's.
     """
 
     batch_size: int

@@ -223,6 +223,19 @@ def cross_loss_bytes(
     return peak, b * (x + n * saved_row), n * bwd_row
 
 
+def cross_teacher(
+    student: ModelShape, teacher: ModelShape | None, k: TrainKnobs
+) -> ModelShape | None:
+    """The shape whose vocabulary the cross-tokenizer loss runs over: the planned teacher's, or
+    ``k.cross_vocab`` (a store's teacher, another member's); None when the loss is not the
+    cross-tokenizer one."""
+    if not k.cross_tokenizer:
+        return None
+    if k.cross_vocab is not None:
+        return replace(teacher or student, vocab_size=k.cross_vocab)
+    return teacher
+
+
 def cross_matched(student: ModelShape, teacher: ModelShape, k: TrainKnobs) -> int:
     """The shared token strings the plan assumes: the end (none, or every id of the smaller
     vocabulary) whose loss needs more (the tokenizers are not read; every term is linear in the
@@ -272,11 +285,10 @@ def loss_head(
         ValueError: stored teacher logits (``k.stored_topk``) with a teacher model.
     """
     stored = k.stored_topk is not None
-    if k.cross_tokenizer and (teacher is not None or k.cross_vocab is not None):
-        if k.cross_vocab is not None:  # a store's teacher, or another member's
-            teacher = replace(teacher or student, vocab_size=k.cross_vocab)
-        matched = cross_matched(student, teacher, k)
-        peak, saved, start = cross_loss_bytes(student, teacher, k, matched)
+    crossed = cross_teacher(student, teacher, k)
+    if crossed is not None:
+        matched = cross_matched(student, crossed, k)
+        peak, saved, start = cross_loss_bytes(student, crossed, k, matched)
         note = (
             "cross_tokenizer: planned with "
             + ("no token string shared" if matched == 0 else "the smaller vocabulary shared")
