@@ -314,3 +314,27 @@ def test_a_cross_store_reads_its_teacher_size_from_the_manifest(pair, tmp_path):
     )
     stored_logits.write_manifest(folder, spec, None)  # as the precompute writes it at its start
     assert inputs_from_run(run_config(cfg)).knobs.cross_vocab == 1234
+
+
+def test_kd_plan_trace_of_a_cross_store_config(pair, tmp_path, capsys):
+    """Through the CLI: ``kd plan --trace --json`` of a run from a cross-tokenizer store plans the
+    hybrid loss (its note) and matches its trace."""
+    from kd import cli
+    from kd.testing import hf_tokenizer_node, write_hf_tokenizer, write_jsonl
+
+    cfg = _store_cfg(pair, tmp_path / "store")
+    cfg.tokenizer = hf_tokenizer_node(write_hf_tokenizer(tmp_path / "tok"), 48)
+    cfg.output_dir = str(tmp_path / "out")
+    data = write_jsonl(tmp_path / "train.jsonl", [{"input": "1+1", "output": "2"}] * 4)
+    cfg.dataset = {
+        "_component_": "torchtune.datasets.instruct_dataset",
+        "source": "json",
+        "data_files": str(data),
+        "split": "train",
+    }
+    path = tmp_path / "cross_store.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg))
+    assert cli.main(["plan", "--config", str(path), "--json", "--trace"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["traced_peak_gib"] == pytest.approx(out["peak_gib"], rel=0.03)
+    assert any("cross_tokenizer: planned" in note for note in out["notes"]), out["notes"]
