@@ -216,7 +216,10 @@ def trl_child(spec_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     torch.manual_seed(0)
-    load = {"dtype": torch.float32, "trust_remote_code": False}
+    # scripts/gpu_check.py runs the same child on CUDA in bf16; this script on the CPU in fp32.
+    on_cpu = spec.get("device", "cpu") == "cpu"
+    bf16 = spec.get("dtype", "fp32") == "bf16"
+    load = {"dtype": torch.bfloat16 if bf16 else torch.float32, "trust_remote_code": False}
     student = AutoModelForCausalLM.from_pretrained(spec["student"], **load)
     teacher = AutoModelForCausalLM.from_pretrained(spec["teacher"], **load)
     tokenizer = AutoTokenizer.from_pretrained(spec["student"], trust_remote_code=False)
@@ -244,8 +247,8 @@ def trl_child(spec_path: str) -> int:
         "logging_steps": 1,
         "save_strategy": "no",
         "report_to": [],
-        "use_cpu": True,
-        "bf16": False,
+        "use_cpu": on_cpu,
+        "bf16": bf16,
         "fp16": False,
         "gradient_checkpointing": False,
         "seed": 0,
@@ -415,6 +418,7 @@ def run_trl(
     env: dict,
     rows: list[dict],
     prompts: list[list[dict[str, str]]],
+    extra: dict[str, Any] | None = None,
 ) -> dict:
     out = assets["root"] / "runs" / f"trl_{mode}_{loss}_{tag}"
     out.mkdir(parents=True, exist_ok=True)
@@ -431,6 +435,7 @@ def run_trl(
         "new_tokens": NEW_TOKENS,
         "rows": rows,
         "prompts": prompts,
+        **(extra or {}),
     }
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))

@@ -171,6 +171,7 @@ UNTIMED = {
     "time_student_s",
     "peak_memory_gib",
     "peak_memory_reserved_gib",
+    "device_used_gib",
     "planned_peak_gib",
 }
 

@@ -298,11 +298,18 @@ def _netrc_has_wandb() -> bool:
 
 
 def peak_memory_gib(device: torch.device) -> dict[str, float]:
-    """Peak memory so far: CUDA allocated/reserved on GPU; process peak RSS on CPU."""
+    """Peak memory so far: CUDA allocated/reserved on GPU; process peak RSS on CPU.
+
+    On CUDA ``device_used_gib`` is the device's used memory now (``cudaMemGetInfo``: total -
+    free), which counts what the caching allocator never sees: the CUDA context, cuBLAS
+    handles, NCCL buffers, and any other process on the device.
+    """
     if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
         return {
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+            "device_used_gib": (total - free) / GIB,
         }
     # ru_maxrss is in KiB on Linux.
     return {"peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}

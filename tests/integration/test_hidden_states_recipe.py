@@ -94,7 +94,7 @@ def test_sigterm_then_resume_restores_projections_bit_identical(
     b = load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     untimed = {"tokens_per_second", "time_teacher_s", "time_student_s", "peak_memory_gib"}
-    untimed |= {"planned_peak_gib", "val_seconds", "peak_memory_reserved_gib"}
+    untimed |= {"planned_peak_gib", "val_seconds", "peak_memory_reserved_gib", "device_used_gib"}
 
     def rows(path: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in untimed} for r in read_metrics(path)]
