@@ -205,19 +205,19 @@ def environment(device: str) -> dict[str, Any]:
         except md.PackageNotFoundError:
             env["versions"][pkg] = None
     if device == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        env.update(
-            gpu=props.name,
-            gpu_total_gib=props.total_memory / GIB,
-            sms=props.multi_processor_count,
-            cuda=torch.version.cuda,
-            cudnn=torch.backends.cudnn.version(),
-        )
+        # NVML only: this process never makes a CUDA context, so the device memory the runs
+        # measure is theirs alone
+        env["cuda"] = torch.version.cuda
         try:
             import pynvml
 
             pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(h)
+            env["gpu"] = name.decode() if isinstance(name, bytes) else name
+            env["gpu_total_gib"] = pynvml.nvmlDeviceGetMemoryInfo(h).total / GIB
             env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            env["nvml_used_at_start_gib"] = pynvml.nvmlDeviceGetMemoryInfo(h).used / GIB
         except Exception as exc:  # noqa: BLE001 - NVML is optional
             env["driver"] = f"unknown ({exc})"
     return env
@@ -233,6 +233,43 @@ def _nvml_used() -> int | None:
         return int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
     except Exception:  # noqa: BLE001 - NVML is optional
         return None
+
+
+class ProcessMemory:
+    """The most device memory NVML saw each process use (``usedGpuMemory``), sampled every
+    0.2 s: what a kd run holds on the device, context and all, even beside other processes."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._thread.start()
+        except Exception:  # noqa: BLE001 - no NVML: no per-process figure
+            self._nvml = None
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                    used = int(p.usedGpuMemory or 0)
+                    self.peak[p.pid] = max(self.peak.get(p.pid, 0), used)
+            except Exception:  # noqa: BLE001
+                pass
+            self._stop.wait(0.2)
+
+    def of(self, pid: int) -> int | None:
+        return self.peak.get(pid)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 RUNTIME_CHILD = r"""
@@ -393,22 +430,38 @@ def write_model(root: Path, name: str, *, smoke: bool, device: str, seed: int) -
     dest.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    del device  # generated on the CPU: this process keeps no CUDA context
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if t.dim() == 1:
             fill = 1.0 if "norm" in key else 0.0
-            v = torch.full(t.shape, fill, dtype=torch.bfloat16, device=device)
+            tensors[key] = torch.full(t.shape, fill, dtype=torch.bfloat16)
         else:
-            v = torch.randn(t.shape, dtype=torch.bfloat16, device=device, generator=gen) * 0.02
-        tensors[key] = v.cpu()
+            tensors[key] = torch.randn(t.shape, dtype=torch.bfloat16, generator=gen) * 0.02
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(dest)
     write_hf_tokenizer(dest)
     del tensors, model
     return dest
+
+
+def prewarm(names: list[str]) -> None:
+    """Import each model's transformers modules here: transformers' lazy imports are not
+    thread-safe, and :func:`write_model` runs in threads."""
+    import torch
+    import transformers
+
+    from kd.memory.hf_accuracy import PUBLISHED
+
+    for name in names:
+        cls_name, kwargs = PUBLISHED[name]
+        config = getattr(transformers, cls_name)(**{**kwargs, **TINY})
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config)
+    import kd.testing  # noqa: F401
 
 
 def write_data(path: Path, n: int, length: int) -> Path:
@@ -597,7 +650,11 @@ def memory_rows(
     device: str,
     deadline: float,
     results: Results,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
+    """Each row's plan, then ``kd run kd`` in its own process (``jobs`` at once)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from kd.config import load_config
     from kd.memory.plan import plan_from_config
     from kd.testing_server import TeacherTestServer
@@ -609,7 +666,6 @@ def memory_rows(
         max_logprobs=64,
         lifetime_s=3600,
     ).start()
-    out: list[dict[str, Any]] = []
     env = {
         **os.environ,
         "WANDB_MODE": "disabled",
@@ -617,75 +673,89 @@ def memory_rows(
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
+    out: list[dict[str, Any]] = []
+    for i, row in enumerate(rows):
+        rec: dict[str, Any] = {
+            "name": row.name,
+            "pair": row.pair,
+            "base": row.base,
+            "seq_len": row.seq_len,
+            "batch": row.batch,
+            "ac": row.ac,
+            "feature": row.feature or next(iter(row.sets), ""),
+            "jobs": jobs,
+        }
+        try:  # the plan first (no torch, this process), the runs after
+            base = bases[f"{row.pair}_{row.base}"]
+            run_dir = work / "runs" / f"mem{i:02d}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            extra = feature_extra(row, base, folders, server.url)
+            cfg_path = row_config(row, base, run_dir, device, extra)
+            rec["config"] = cfg_path.read_text()
+            rec["plan"] = plan_from_config(load_config(str(cfg_path), [])).to_json()
+            rec["_run"] = (str(cfg_path), str(run_dir))
+        except Exception as exc:  # noqa: BLE001 - one row's failure is a result
+            rec.update(_error(exc))
+        out.append(rec)
+    nvml = ProcessMemory()
+
+    def run_one(rec: dict[str, Any]) -> None:
+        if "_run" not in rec:
+            return
+        cfg_path, run_dir = (Path(x) for x in rec.pop("_run"))
+        if time.monotonic() > deadline:
+            rec["status"] = "skipped: time budget"
+            return
+        t0 = time.monotonic()
+        log = run_dir.parent / f"{run_dir.name}.log"
+        try:
+            with log.open("w") as fh:
+                proc = subprocess.Popen(
+                    ["kd", "run", "kd", "--config", str(cfg_path)],
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+                rc = proc.wait(timeout=max(30.0, deadline + 90 - time.monotonic()))
+            metrics = [m for m in _metrics(run_dir / "metrics.jsonl") if "loss" in m]
+            rec["rc"] = rc
+            rec["steps"] = len(metrics)
+            used = nvml.of(proc.pid)
+            if used is not None:
+                rec["process_used_gib"] = used / GIB
+            if rc != 0 or not metrics:
+                rec["status"] = "error"
+                rec["log_tail"] = _tail(log)
+            else:
+                rec["status"] = "ok"
+                rec["allocated_gib"] = max(m.get("peak_memory_gib", 0.0) for m in metrics)
+                rec["reserved_gib"] = max(m.get("peak_memory_reserved_gib", 0.0) for m in metrics)
+                rec["device_used_gib"] = max(m.get("device_used_gib", 0.0) for m in metrics)
+                rec["tokens_per_second"] = metrics[-1].get("tokens_per_second")
+        except Exception as exc:  # noqa: BLE001 - one row's failure is a result
+            rec.update(_error(exc))
+        rec["seconds"] = time.monotonic() - t0
+        plan = rec.get("plan", {})
+        print(
+            f"memory {rec['name']:38s} s{rec['seq_len']} b{rec['batch']} AC "
+            f"{'on ' if rec['ac'] else 'off'} {rec.get('status')}: plan "
+            f"{plan.get('peak_gib', float('nan')):.2f} alloc "
+            f"{rec.get('allocated_gib', float('nan')):.2f} reserved "
+            f"{rec.get('reserved_gib', float('nan')):.2f} process "
+            f"{rec.get('process_used_gib', float('nan')):.2f} GiB ({rec['seconds']:.0f} s)",
+            flush=True,
+        )
+        if rec.get("status") != "ok":
+            print("  " + (rec.get("error") or rec.get("log_tail", ""))[-1500:], flush=True)
+        results.section("memory", {"rows": out})
+
     try:
-        for i, row in enumerate(rows):
-            rec: dict[str, Any] = {
-                "name": row.name,
-                "pair": row.pair,
-                "base": row.base,
-                "seq_len": row.seq_len,
-                "batch": row.batch,
-                "ac": row.ac,
-                "feature": row.feature or next(iter(row.sets), ""),
-            }
-            if time.monotonic() > deadline:
-                rec["status"] = "skipped: time budget"
-                out.append(rec)
-                continue
-            t0 = time.monotonic()
-            try:
-                base = bases[f"{row.pair}_{row.base}"]
-                run_dir = work / "runs" / f"mem{i:02d}"
-                shutil.rmtree(run_dir, ignore_errors=True)
-                extra = feature_extra(row, base, folders, server.url)
-                cfg_path = row_config(row, base, run_dir, device, extra)
-                rec["config"] = cfg_path.read_text()
-                plan = plan_from_config(load_config(str(cfg_path), []))
-                rec["plan"] = plan.to_json()
-                log = run_dir.parent / f"{run_dir.name}.log"
-                with log.open("w") as fh:
-                    proc = subprocess.run(
-                        ["kd", "run", "kd", "--config", str(cfg_path)],
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        timeout=max(30.0, deadline + 90 - time.monotonic()),
-                    )
-                metrics = [m for m in _metrics(run_dir / "metrics.jsonl") if "step" in m]
-                rec["rc"] = proc.returncode
-                rec["steps"] = len(metrics)
-                if proc.returncode != 0 or not metrics:
-                    rec["status"] = "error"
-                    rec["log_tail"] = _tail(log)
-                else:
-                    rec["status"] = "ok"
-                    rec["allocated_gib"] = max(m.get("peak_memory_gib", 0.0) for m in metrics)
-                    rec["reserved_gib"] = max(
-                        m.get("peak_memory_reserved_gib", 0.0) for m in metrics
-                    )
-                    rec["device_used_gib"] = max(m.get("device_used_gib", 0.0) for m in metrics)
-                    rec["tokens_per_second"] = metrics[-1].get("tokens_per_second")
-            except BaseException as exc:  # noqa: BLE001 - one row's failure is a result
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                rec.update(_error(exc))
-            rec["seconds"] = time.monotonic() - t0
-            out.append(rec)
-            print(
-                f"memory {i:2d} {row.name:38s} s{row.seq_len} b{row.batch} AC "
-                f"{'on ' if row.ac else 'off'} {rec.get('status')}: plan "
-                f"{rec.get('plan', {}).get('peak_gib', float('nan')):.2f} alloc "
-                f"{rec.get('allocated_gib', float('nan')):.2f} reserved "
-                f"{rec.get('reserved_gib', float('nan')):.2f} used "
-                f"{rec.get('device_used_gib', float('nan')):.2f} GiB "
-                f"({rec['seconds']:.0f} s)",
-                flush=True,
-            )
-            if rec.get("status") != "ok":
-                print("  " + (rec.get("error") or rec.get("log_tail", ""))[-1500:], flush=True)
-            results.section("memory", {"rows": out})
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            list(pool.map(run_one, out))
     finally:
+        nvml.stop()
         server.kill()
+    results.section("memory", {"rows": out})
     return out
 
 
@@ -699,6 +769,7 @@ def speed(
     deadline: float,
     params: dict[str, int],
     peak_tflops: float | None,
+    only: set[str] | None = None,
 ) -> dict[str, Any]:
     """kd against TRL on the Qwen pair (bench_vs_trl's runners, on ``device`` in bf16)."""
     import bench_vs_trl as bvt
@@ -775,6 +846,8 @@ def speed(
     for rep, order in enumerate(orders):
         for mode in ("off_policy", "on_policy"):
             for tool in order:
+                if only is not None and f"{tool}:{mode}" not in only:
+                    continue
                 if time.monotonic() > deadline:
                     out["runs"].append(
                         {
@@ -844,8 +917,9 @@ def speed_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -------------------------------------------------------------------------------------- tests
-def gpu_tests(deadline: float) -> dict[str, Any]:
-    budget = max(20.0, deadline - time.monotonic())
+def start_gpu_tests() -> tuple[subprocess.Popen, Path]:
+    """``pytest -m gpu`` in the background (tiny models: it runs beside the memory rows)."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / "kd_gpu_tests.log"
     cmd = [
         sys.executable,
         "-m",
@@ -859,27 +933,31 @@ def gpu_tests(deadline: float) -> dict[str, Any]:
         "--no-header",
         "-rfEs",
     ]
+    fh = log.open("w")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    return proc, log
+
+
+def finish_gpu_tests(started: tuple[subprocess.Popen, Path], deadline: float) -> dict[str, Any]:
+    proc, log = started
     try:
-        proc = subprocess.run(
-            cmd,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=budget,
-            env={**os.environ, "WANDB_MODE": "disabled"},
-        )
-    except subprocess.TimeoutExpired as exc:
-        return {
-            "status": "error",
-            "error": f"timed out after {budget:.0f} s",
-            "output_tail": str(exc.stdout or "")[-3000:],
-        }
-    lines = proc.stdout.strip().splitlines()
+        rc = proc.wait(timeout=max(10.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return {"status": "error", "error": "timed out", "output_tail": _tail(log, 80)}
+    text = log.read_text(errors="replace")
+    lines = text.strip().splitlines()
     return {
-        "status": "ok" if proc.returncode in (0, 5) else "failed",
-        "rc": proc.returncode,
+        "status": "ok" if rc in (0, 5) else "failed",
+        "rc": rc,
         "summary": lines[-1] if lines else "",
-        "output_tail": proc.stdout[-4000:],
+        "output_tail": text[-6000:],
     }
 
 
@@ -919,7 +997,7 @@ def markdown(doc: dict[str, Any]) -> str:
     if mem:
         lines += [
             "| config | seq | batch | AC | planned peak GiB (alloc + reserve) | "
-            "planned alloc GiB | max allocated | max reserved | device used | "
+            "planned alloc GiB | max allocated | max reserved | process used (NVML) | "
             "plan / reserved | status |",
             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|",
         ]
@@ -934,7 +1012,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['name']} | {r['seq_len']} | {r['batch']} | {'on' if r['ac'] else 'off'} | "
                 f"{_f(plan.get('peak_gib'))} | {_f(plan.get('allocated_peak_gib'))} | "
                 f"{_f(r.get('allocated_gib'))} | {_f(r.get('reserved_gib'))} | "
-                f"{_f(r.get('device_used_gib'))} | {_f(ratio, '.3f')} | "
+                f"{_f(r.get('process_used_gib'))} | {_f(ratio, '.3f')} | "
                 f"{str(r.get('status', ''))[:60]} |"
             )
         lines.append("")
@@ -997,7 +1075,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting work after this")
     ap.add_argument("--sections", default="runtime,memory,speed,tests")
-    ap.add_argument("--rows", default=None, help="only memory rows whose name has this text")
+    ap.add_argument("--row-ids", default=None, help="only these memory rows (0,3,...)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="memory rows run at once (each row's allocator figures are its own process's; the "
+        "device memory each uses is read per process through NVML)",
+    )
+    ap.add_argument("--speed-runs", default=None, help="only these (kd:off_policy,trl:on_policy)")
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     import torch
@@ -1008,6 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     res = Results(out, args.smoke)
     wanted = set(args.sections.split(","))
+    res.doc["argv"] = sys.argv[1:]
     res.section("environment", environment(device))
     print(json.dumps(res.doc["sections"]["environment"]), flush=True)
     deadline = t_start + args.budget_s
@@ -1022,41 +1109,61 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             res.section("runtime", _error(exc))
     peak = res.doc["sections"].get("runtime", {}).get("default", {}).get("bf16_matmul_tflops")
-    # assets: four models, the data, kd init's configs
+    # assets: four models (written at once), the data, kd init's configs (at once)
+    from concurrent.futures import ThreadPoolExecutor
+
     t0 = time.monotonic()
-    folders: dict[str, Path] = {}
-    for seed, name in enumerate(sorted({m for p in PAIRS.values() for m in p[:2]})):
-        folders[name] = write_model(
-            work / "models", name, smoke=args.smoke, device=device, seed=seed
+    names = sorted({m for p in PAIRS.values() for m in p[:2]})
+    prewarm(names)
+    with ThreadPoolExecutor(len(names)) as pool:
+        made = list(
+            pool.map(
+                lambda nm: write_model(
+                    work / "models", nm[1], smoke=args.smoke, device=device, seed=nm[0]
+                ),
+                enumerate(names),
+            )
         )
+    folders: dict[str, Path] = dict(zip(names, made, strict=True))
     params = {name: count_params(f) for name, f in folders.items()}
     data = write_data(work / "data.jsonl", 64, 4200 if not args.smoke else 300)
-    rows = [r for r in rows_for(args.smoke) if args.rows is None or args.rows in r.name]
-    bases: dict[str, Path] = {}
-    for key in sorted({f"{r.pair}_{r.base}" for r in rows}):
-        pair, kind = key.split("_")
-        bases[key] = kd_init(work, pair, kind, folders, data, device, 4096)
+    rows = rows_for(args.smoke)
+    if args.row_ids:
+        rows = [rows[int(i)] for i in args.row_ids.split(",")]
+    keys = sorted(
+        {f"{r.pair}_{r.base}" for r in rows} | ({"qwen_full"} if "speed" in wanted else set())
+    )
+    with ThreadPoolExecutor(max(1, len(keys))) as pool:
+        made_bases = list(
+            pool.map(lambda key: kd_init(work, *key.split("_"), folders, data, device, 4096), keys)
+        )
+    bases: dict[str, Path] = dict(zip(keys, made_bases, strict=True))
     res.doc["assets_s"] = time.monotonic() - t0
     res.doc["params"] = params
     print(f"assets in {res.doc['assets_s']:.0f} s: {params}", flush=True)
-    # memory gets until 60% of the budget left after the assets, speed the next 30%, tests the rest
+    # memory rows (and, beside them, the GPU tests) get 60% of the budget left after the
+    # assets; speed runs alone after them, until the deadline
     left = deadline - time.monotonic()
+    tests = None
+    if "tests" in wanted:
+        tests = start_gpu_tests()
     if "memory" in wanted:
-        memory_rows(work, rows, folders, bases, device, time.monotonic() + 0.55 * left, res)
+        memory_rows(
+            work, rows, folders, bases, device, time.monotonic() + 0.6 * left, res, args.jobs
+        )
+    if tests is not None:
+        res.section("tests", finish_gpu_tests(tests, deadline))
     if "speed" in wanted:
         try:
+            only = set(args.speed_runs.split(",")) if args.speed_runs else None
             res.section(
                 "speed",
-                speed(
-                    work, folders, data, device, args.smoke, deadline - 0.12 * left, params, peak
-                ),
+                speed(work, folders, data, device, args.smoke, deadline, params, peak, only),
             )
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 raise
             res.section("speed", _error(exc))
-    if "tests" in wanted:
-        res.section("tests", gpu_tests(deadline + 30))
     res.doc["total_s"] = time.monotonic() - t_start
     res.write()
     print(markdown(res.doc))

@@ -26,7 +26,7 @@ def _run(assets: dict[str, Path], out: Path, **top) -> list[dict]:
     cfg["memory"] = {"budget_gib": None, "check": "error"}
     path = write_config(out.parent / f"{out.name}.yaml", cfg)
     assert cli.main(["run", "kd", "--config", str(path)]) == 0
-    rows = [r for r in read_metrics(out) if "step" in r]
+    rows = [r for r in read_metrics(out) if "loss" in r]
     assert rows and all(math.isfinite(r["loss"]) for r in rows)
     return rows
 
@@ -38,7 +38,7 @@ def test_bf16_step_on_cuda_matches_the_cpu_step(assets, tmp_path):
     cuda = _run(assets, tmp_path / "cuda", max_steps_per_epoch=2)
     cfg = make_config(assets, tmp_path / "cpu", device="cpu", dtype="bf16", max_steps_per_epoch=2)
     assert cli.main(["run", "kd", "--config", str(write_config(tmp_path / "cpu.yaml", cfg))]) == 0
-    cpu = [r for r in read_metrics(tmp_path / "cpu") if "step" in r]
+    cpu = [r for r in read_metrics(tmp_path / "cpu") if "loss" in r]
     for key in ("loss", "ce_loss", "kd_loss"):
         assert cuda[0][key] == pytest.approx(cpu[0][key], rel=2e-2), key
     assert cuda[1]["loss"] == pytest.approx(cpu[1]["loss"], rel=5e-2)
