@@ -9,6 +9,7 @@ from typing import Any
 from kd.config import schema
 from kd.config.checks.values import fmt
 from kd.config.schema import Problem
+from kd.errors import redact
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -60,7 +61,7 @@ def check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None:
         problems.append(
             Problem(
                 "teacher_server.url",
-                f"{fmt(url[:80])} is not an http:// or https:// URL; set teacher_server.url to "
+                f"{fmt(redact(url)[:80])} is not an http:// or https:// URL; set teacher_server.url to "
                 "the server's base URL, e.g. http://127.0.0.1:8000",
             )
         )
