@@ -21,12 +21,14 @@ are kept as float16, as kd's store holds them, so a served answer and a stored o
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
 import queue
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -115,6 +117,22 @@ class _DaemonPool:
             self._queue.put(None)
 
 
+def _url_secrets(url: str) -> tuple[str, ...]:
+    """What a server could quote back of the URL's ``user:password``: the password, and the
+    Basic credentials requests sends for it (base64 of ``user:password``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return ()
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password or "")
+    try:
+        raw = f"{user}:{password}".encode("latin1")  # as requests encodes them
+    except UnicodeEncodeError:
+        raw = f"{user}:{password}".encode()
+    basic = base64.b64encode(raw).decode()
+    return (basic, password) if len(password) >= 4 else (basic,)
+
+
 class TeacherClient:
     """Asks one server for top-k log-probs of token id rows; thread-safe (a session per thread).
 
@@ -146,6 +164,7 @@ class TeacherClient:
                 )
             self._headers["Authorization"] = f"Bearer {token}"
             self._secrets = (token,)
+        self._secrets += _url_secrets(settings.url)
         self.url = redact(settings.url)  # the base URL as kd prints it
 
     @property

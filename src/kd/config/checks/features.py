@@ -65,6 +65,14 @@ def check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None:
                 "the server's base URL, e.g. http://127.0.0.1:8000",
             )
         )
+    if isinstance(url, str) and redact(url) != url and node.get("token_env") is not None:
+        problems.append(
+            Problem(
+                "teacher_server.token_env",
+                "is set beside a user:password in teacher_server.url, and both would be sent as "
+                "the Authorization header; keep one (the token for vLLM's / SGLang's --api-key)",
+            )
+        )
     if isinstance(data.get("validation"), dict) and not isinstance(
         data.get("teacher_logits"), dict
     ):
