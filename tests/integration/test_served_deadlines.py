@@ -192,16 +192,23 @@ def test_a_retry_after_past_the_deadline_stops_at_once_and_one_within_it_is_wait
 # ------------------------------------------------------------------------- kd run, teacher_logits
 @pytest.mark.parametrize("fault", ["trickle", "429"])
 def test_kd_run_against_a_server_turning_slow_saves_and_stops_with_one_line(
-    fault, assets, teacher_fn, tokenizer, tmp_path, capsys
+    fault, assets, teacher_fn, tokenizer, tmp_path, capsys, monkeypatch
 ):
+    from kd.metrics import GuardedLogger
+
+    logged: list[str] = []  # the config the metric sink (wandb...) receives
+    monkeypatch.setattr(GuardedLogger, "log_config", lambda self, c: logged.append(str(c)))
     with _server(teacher_fn, tokenizer) as s:
         s.faults.extend([""] * (1 + 8) + [fault] * 40)  # the probe, step 1, then every request
-        config = served_config(assets, tmp_path, "slow", s.url)
+        config = served_config(assets, tmp_path, "slow", _with_password(s.url))
         capsys.readouterr()
         start = time.monotonic()
         assert cli.main(["run", "kd", "--config", str(config)]) == 2
         took = time.monotonic() - start
-    err = errors(capsys.readouterr().err)
+    captured = capsys.readouterr()
+    assert PASSWORD not in captured.out + captured.err
+    assert logged and PASSWORD not in logged[0] and "http://***@127.0.0.1" in logged[0]
+    err = errors(captured.err)
     assert len(err) == 1, err
     assert "teacher_server.url" in err[0] and "teacher_server.timeout" in err[0], err[0]
     assert "stopped after step 1; saved" in err[0] and "step_000001" in err[0], err[0]

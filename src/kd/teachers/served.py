@@ -7,11 +7,15 @@ student trains on this one, so a step waits for the server (its ``time_teacher_s
 server is slower than training; rows made during training (on-policy completions) are asked when
 the step needs them.
 
-Requests that time out, cannot connect or get a 5xx are retried with exponential backoff
-(urllib3's ``Retry``); a server that stays down raises :class:`TeacherUnavailable`, after which
-the recipe saves a step checkpoint and stops with exit status 2
-(:class:`kd.teachers.TeacherStopped`): resuming repeats the step that could not finish. A malformed answer is refused with the row, the
-position and the request, never patched.
+Every request ends by a deadline (:mod:`kd.teachers.transport`): each attempt within
+``teacher_server.timeout`` (connecting, sending and the whole answer, however slowly it comes),
+the request within ``(retries + 1) x timeout`` plus the backoff waits. Requests that time out,
+cannot connect or get a 429 / 5xx are retried inside it with exponential backoff (urllib3's
+``Retry``), or after the server's ``Retry-After`` when that fits; a server that stays down or too
+slow raises :class:`TeacherUnavailable`, after which the recipe saves a step checkpoint and stops
+with exit status 2 (:class:`kd.teachers.TeacherStopped`): resuming repeats the step that could not
+finish. A malformed answer is refused with the row, the position and the request, never patched.
+No URL password or token is printed (:func:`kd.errors.redact`).
 
 Alignment: kd's :class:`~kd.teachers.TopKSignal` position ``j`` holds the distribution predicting
 token ``j + 1`` (the shifted labels); a server's entry ``i`` is the distribution of token ``i``
