@@ -145,6 +145,9 @@ class _AttemptMixin:
         timeout = getattr(self, "timeout", None)
         if end is not None and isinstance(timeout, (int, float)):  # connecting, if it must
             self.timeout = max(min(float(timeout), end - time.monotonic()), 1e-3)
+        sock = getattr(self, "sock", None)
+        if sock is not None:  # a kept-alive socket: sending waits as connecting would
+            sock.settimeout(self.timeout)
         super().request(*args, **kwargs)  # type: ignore[misc]
 
 
