@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -50,3 +52,18 @@ def one_line(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# A URL's user information (``scheme://user:password@``), up to the last ``@`` before its path.
+_USERINFO = re.compile(r"(?<=://)[^/?#\s]*@")
+
+
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every URL's ``user:password@`` shown as ``***@`` and each of ``secrets``
+    (an API token) as ``***``: the one filter of what kd prints or logs of a URL or a server's
+    answer, so no credential reaches an error line, a log, a manifest or a metric sink."""
+    out = _USERINFO.sub("***@", text)
+    for secret in secrets:
+        if secret:
+            out = out.replace(secret, "***")
+    return out

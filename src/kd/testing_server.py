@@ -1,16 +1,30 @@
 """A test teacher server: vLLM's and SGLang's log-prob protocols over a real (tiny) model.
 
-Written from the protocols as the servers document them (:mod:`kd.teachers.protocols`): vLLM's
-``POST /v1/completions`` with ``prompt_logprobs`` (the first entry null, each other a dict keyed
-by token id as a string holding the top-k *and* the actual prompt token when it ranks below k,
-that token first) and ``GET /v1/models``; SGLang's ``POST /generate`` (``input_top_logprobs`` of
-``[logprob, id, text]`` triples, ``input_token_logprobs``) and ``GET /get_model_info``. It
-refuses more log-probs than ``max_logprobs`` as vLLM does (``--max-logprobs``).
+It answers as the servers do, written from their source (:mod:`kd.teachers.protocols` names the
+files and commits read):
+
+* vLLM: ``POST /v1/completions`` with ``prompt_logprobs`` (the first entry null, each other a dict
+  keyed by token id as a string holding the top-k *and* the actual prompt token when it ranks
+  below k, that token first); ``GET /v1/models`` (the served names, ``root`` the model path);
+  errors as ``{"error": {"message", "type", "param", "code"}}``: 404 ``NotFoundError`` for a model
+  it does not serve, 400 ``BadRequestError`` for more log-probs than ``--max-logprobs``, 500
+  ``InternalServerError``; a Bearer token (``--api-key``) guards the ``/v1`` paths only, 401
+  ``{"error": "Unauthorized"}``.
+* SGLang: ``POST /generate`` (``input_top_logprobs`` of ``[logprob, id, text]`` triples,
+  ``input_token_logprobs``; it reads no model name); ``GET /v1/models`` (the served name,
+  ``--served-model-name``, else the model path); ``GET /get_model_info`` (the model path, never
+  the served name); errors of ``/generate`` as 400 ``{"error": {"message"}}``, an unhandled one as
+  500 ``Internal Server Error`` (text); the token guards every path but ``/health``, 401
+  ``{"error": "Unauthorized"}``.
+* Both (FastAPI): an unknown path is 404 ``{"detail": "Not Found"}``, a known path with the other
+  method 405 ``{"detail": "Method Not Allowed"}``.
 
 It listens on 127.0.0.1 only, on a port of its own; requests are served by a bounded loop
 (``max_requests``, ``lifetime_s``) in a daemon thread, so a test that forgets it cannot leave it
-running. ``faults`` injects failures request by request (tests and ``scripts/``), and
-:meth:`TeacherTestServer.kill` stops it as a crashed server would (connections refused).
+running. ``faults`` injects failures request by request (tests and ``scripts/``), among them the
+network's misbehaviour no real server imitates on purpose (a hang, an answer trickled byte by
+byte, a ``Retry-After`` of an hour), and :meth:`TeacherTestServer.kill` stops it as a crashed
+server would (connections refused).
 
 Example::
 
@@ -36,11 +50,34 @@ import torch
 
 __all__ = ["FAULTS", "TeacherTestServer", "model_logprobs"]
 
-# What faults may hold, one per POST request, in order:
-#   "500": answer HTTP 500; "hang": sleep hang_s before answering (a client timeout);
+# What faults may hold, one per POST request, in order ("" : none):
+#   "500": answer HTTP 500 as the server does; "hang": sleep hang_s before answering (a client
+#   timeout); "trickle": the answer's status line, headers and body one byte every trickle_s;
+#   "429" / "503": that status with Retry-After: retry_after (a proxy or an overloaded server);
 #   "garbage": a 200 whose body is not JSON; "nan" / "positive" / "unknown_id": one bad value;
 #   "drop": one position missing; "kill": stop the server now (the request is not answered).
-FAULTS = ("500", "hang", "garbage", "nan", "positive", "unknown_id", "drop", "kill")
+FAULTS = (
+    "500",
+    "hang",
+    "trickle",
+    "429",
+    "503",
+    "garbage",
+    "nan",
+    "positive",
+    "unknown_id",
+    "drop",
+    "kill",
+)
+
+# The paths each server has, by method (anything else: FastAPI's 404 / 405).
+_ROUTES = {
+    "vllm": {"GET": ("/v1/models", "/health"), "POST": ("/v1/completions",)},
+    "sglang": {
+        "GET": ("/v1/models", "/get_model_info", "/health"),
+        "POST": ("/generate",),
+    },
+}  # SGLang's other OpenAI endpoints (/v1/completions, /v1/chat/completions) kd never asks
 
 
 def model_logprobs(model_dir: Path, tiny: Any, scratch: Path, *, vocab: int) -> Callable:
@@ -93,25 +130,72 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass
 
-    def _send(self, status: int, payload: Any, *, raw: bytes | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        payload: Any,
+        *,
+        raw: bytes | None = None,
+        content_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         body = raw if raw is not None else json.dumps(payload).encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
+    def _trickle(self, status: int, payload: Any) -> None:
+        """The whole answer (status line, headers, body) one byte every ``trickle_s``."""
+        body = json.dumps(payload).encode()
+        head = (
+            f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        try:
+            for byte in head + body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(self.server.owner.trickle_s)
+        except OSError:  # the client gave up
+            self.close_connection = True
+
+    def _route(self, method: str) -> bool:
+        """Whether the path exists for ``method``; else answer FastAPI's 404 or 405, or the
+        server's 401 when the token guards the path and is missing."""
+        owner = self.server.owner
+        routes = _ROUTES[owner.api]
+        if self.path not in routes.get(method, ()):
+            if any(self.path in paths for paths in routes.values()):
+                self._send(405, {"detail": "Method Not Allowed"})
+            else:
+                self._send(404, {"detail": "Not Found"})
+            return False
+        if not owner.authorized(self.path, self.headers.get("Authorization")):
+            self._send(401, {"error": "Unauthorized"})
+            return False
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         owner = self.server.owner
-        if not owner.authorized(self.headers.get("Authorization")):
-            self._send(401, {"error": "Unauthorized"})
-        elif owner.api == "vllm" and self.path == "/v1/models":
-            entry = {"id": owner.model_name, "object": "model", "max_model_len": 4096}
-            self._send(200, {"object": "list", "data": [entry]})
-        elif owner.api == "sglang" and self.path == "/get_model_info":
-            self._send(200, {"model_path": owner.model_name, "is_generation": True})
-        else:
-            self._send(404, {"error": f"no route {self.path}"})
+        if not self._route("GET"):
+            return
+        if self.path == "/health":
+            self._send(200, None, raw=b"")
+        elif self.path == "/v1/models":
+            self._send(200, owner.model_list())
+        else:  # SGLang's /get_model_info: the model path, not the served name
+            info = {
+                "model_path": owner.model_path,
+                "tokenizer_path": owner.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+            self._send(200, info)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         owner = self.server.owner
@@ -128,24 +212,35 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if fault == "500":
-            self._send(500, {"error": "Internal Server Error"})
+            status, payload = owner.internal_error("injected fault")
+            if owner.api == "sglang":
+                self._send(status, None, raw=b"Internal Server Error", content_type="text/plain")
+            else:
+                self._send(status, payload)
+            return
+        if fault in ("429", "503"):
+            message = "Too Many Requests" if fault == "429" else "Service Unavailable"
+            self._send(
+                int(fault),
+                {"detail": message},
+                headers={"Retry-After": owner.retry_after},
+            )
             return
         if fault == "hang":
             time.sleep(owner.hang_s)
         if fault == "garbage":
-            self._send(200, None, raw=b"<html>502 Bad Gateway</html>")
+            self._send(200, None, raw=b"<html>502 Bad Gateway</html>", content_type="text/html")
             return
-        if not owner.authorized(self.headers.get("Authorization")):
-            self._send(401, {"error": "Unauthorized"})
-            return
-        route = {"vllm": "/v1/completions", "sglang": "/generate"}[owner.api]
-        if self.path != route:
-            self._send(404, {"error": f"no route {self.path}"})
+        if not self._route("POST"):
             return
         try:
-            status, payload = (owner.vllm if owner.api == "vllm" else owner.sglang)(body, fault)
+            answer = owner.vllm if owner.api == "vllm" else owner.sglang
+            status, payload = answer(body, fault)
         except Exception as e:  # noqa: BLE001 - a server answers 500 on its own errors
-            status, payload = 500, {"error": f"{type(e).__name__}: {e}"}
+            status, payload = owner.internal_error(f"{type(e).__name__}: {e}")
+        if fault == "trickle":
+            self._trickle(status, payload)
+            return
         self._send(status, payload)
 
 
@@ -154,6 +249,13 @@ class _HTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     owner: TeacherTestServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that gave up (its deadline passed during a hang) is no error of ours."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class TeacherTestServer:
     """A vLLM- or SGLang-protocol server of ``logprobs_fn``'s log-probs on 127.0.0.1.
@@ -161,13 +263,17 @@ class TeacherTestServer:
     Args:
         logprobs_fn: ``ids -> [n, V]`` log-probs (:func:`model_logprobs`).
         api: ``vllm`` or ``sglang``.
-        model_name: the name it serves (vLLM ``--served-model-name``).
+        model_name: the name it serves (``--served-model-name``; ``/v1/models`` lists it).
+        model_path: the model it loaded (``--model`` / ``--model-path``; vLLM's ``root``,
+            SGLang's ``/get_model_info``); None: ``model_name``.
         decode: ``id -> text`` (the texts vLLM's ``decoded_token`` and SGLang's triples carry);
             None: no texts.
         max_logprobs: the most log-probs per position it gives (vLLM ``--max-logprobs``).
         token: the Bearer token it requires (None: none).
         port: the port to listen on (0: any free one).
         hang_s: how long a ``"hang"`` fault sleeps.
+        trickle_s: the pause between the bytes of a ``"trickle"`` fault's answer.
+        retry_after: the ``Retry-After`` of a ``"429"`` / ``"503"`` fault (seconds, as sent).
         max_requests: requests it serves before it stops by itself.
         lifetime_s: seconds it serves before it stops by itself.
         sglang_base64: SGLang answers in its flat base64 form (``return_logprobs_in_base64``):
@@ -184,11 +290,14 @@ class TeacherTestServer:
         *,
         api: str = "vllm",
         model_name: str = "tiny-teacher",
+        model_path: str | None = None,
         decode: Callable[[int], str] | None = None,
         max_logprobs: int = 20,
         token: str | None = None,
         port: int = 0,
         hang_s: float = 2.0,
+        trickle_s: float = 0.05,
+        retry_after: str = "3600",
         max_requests: int = 100_000,
         lifetime_s: float = 900.0,
         sglang_base64: bool = False,
@@ -197,10 +306,13 @@ class TeacherTestServer:
         self.logprobs_fn = logprobs_fn
         self.api = api
         self.model_name = model_name
+        self.model_path = model_path if model_path is not None else model_name
         self.decode = decode
         self.max_logprobs = max_logprobs
         self.token = token
         self.hang_s = hang_s
+        self.trickle_s = trickle_s
+        self.retry_after = retry_after
         self.max_requests = max_requests
         self.lifetime_s = lifetime_s
         self.sglang_base64 = sglang_base64
@@ -248,8 +360,38 @@ class TeacherTestServer:
         self.kill()
 
     # ------------------------------------------------------------ requests
-    def authorized(self, header: str | None) -> bool:
-        return self.token is None or header == f"Bearer {self.token}"
+    def authorized(self, path: str, header: str | None) -> bool:
+        """Whether the token lets the request through: vLLM guards ``/v1`` paths, SGLang every
+        path but ``/health``."""
+        if self.token is None:
+            return True
+        guarded = path.startswith("/v1") if self.api == "vllm" else not path.startswith("/health")
+        return not guarded or header == f"Bearer {self.token}"
+
+    def model_list(self) -> dict[str, Any]:
+        """``GET /v1/models``: an OpenAI model list of the served name."""
+        card: dict[str, Any] = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": self.api,
+            "root": self.model_path if self.api == "vllm" else self.model_name,
+            "max_model_len": 4096,
+        }
+        if self.api == "vllm":
+            card["parent"] = None
+            card["permission"] = [{"object": "model_permission", "allow_logprobs": True}]
+        return {"object": "list", "data": [card]}
+
+    def error(self, status: int, message: str, kind: str, param: str | None = None) -> Any:
+        """An error body as the server writes it (vLLM's ``ErrorResponse``, SGLang's
+        ``{"error": {"message"}}``)."""
+        if self.api == "sglang":
+            return {"error": {"message": message}}
+        return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+    def internal_error(self, message: str) -> tuple[int, Any]:
+        return 500, self.error(500, message, "InternalServerError")
 
     def count(self, body: Any) -> None:
         prompts = body.get("prompt", body.get("input_ids")) if isinstance(body, dict) else None
@@ -304,16 +446,17 @@ class TeacherTestServer:
         return out
 
     def vllm(self, body: dict[str, Any], fault: str | None) -> tuple[int, Any]:
-        if body.get("model") != self.model_name:
-            message = f"The model `{body.get('model')}` does not exist."
-            return 404, {"object": "error", "message": message, "type": "NotFoundError"}
+        model = body.get("model")
+        if model and model != self.model_name:  # vLLM's check_model: no name is the first
+            message = f"The model `{model}` does not exist."
+            return 404, self.error(404, message, "NotFoundError", "model")
         k = int(body.get("prompt_logprobs") or 0)
         if k > self.max_logprobs:
             message = (
                 f"Requested prompt logprobs of {k}, which is greater than max allowed: "
                 f"{self.max_logprobs}"
             )
-            return 400, {"object": "error", "message": message, "type": "BadRequestError"}
+            return 400, self.error(400, message, "BadRequestError", "prompt_logprobs")
         prompts = body["prompt"]
         prompts = prompts if prompts and isinstance(prompts[0], list) else [prompts]
         choices = []

@@ -624,3 +624,19 @@ def test_write_hf_folder_never_copies_a_link_out_of_the_source(tmp_path):
     with pytest.raises(folders.FolderError, match="merges.txt leads to .*secret, outside"):
         write_hf_folder(dest, {"w": torch.ones(2)}, source_dir=source)
     assert not (dest / "merges.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("http://u:pw@host:8000/v1", "http://***@host:8000/v1"),
+        ("https://u:p@ss@host/x", "https://***@host/x"),  # a raw @ in the password
+        ("see http://a:b@h1 and ftp://c@h2/", "see http://***@h1 and ftp://***@h2/"),
+        ("http://host/path?mail=a@b", "http://host/path?mail=a@b"),  # no user information
+        ("Bearer tok-123 rejected", "Bearer *** rejected"),
+    ],
+)
+def test_redact_hides_url_credentials_and_secrets(text, shown):
+    from kd.errors import redact
+
+    assert redact(text, ["tok-123"]) == shown

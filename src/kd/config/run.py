@@ -201,16 +201,21 @@ class TeacherServerSettings:
     timeout: float = setting(
         "teacher_server.timeout",
         60.0,
-        "seconds one request may take before it is retried",
+        "seconds one attempt of a request may take in all (connecting, sending, the whole "
+        "answer: not per read); a request with its retries and waits ends within (retries + 1) x "
+        "timeout + the backoff waits, then the run saves a checkpoint and stops",
         min_exclusive=0,
+        max=3600,
         resume=MAY_CHANGE,
     )
     retries: int = setting(
         "teacher_server.retries",
         5,
-        "retries of a request that timed out, could not connect or got a 5xx (with backoff); "
-        "then the run saves a checkpoint and stops",
+        "retries of a request that timed out, could not connect or got a 429 / 5xx (with "
+        "backoff, or the server's Retry-After when it fits the request's deadline); then the "
+        "run saves a checkpoint and stops",
         min=0,
+        max=100,
         resume=MAY_CHANGE,
     )
     backoff: float = setting(
@@ -218,6 +223,7 @@ class TeacherServerSettings:
         1.0,
         "backoff factor of the retries in seconds (waits grow as backoff x 2^n, at most 60 s)",
         min=0,
+        max=60,
         resume=MAY_CHANGE,
     )
     concurrency: int = setting(

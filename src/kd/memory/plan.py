@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config.run import OnPolicySettings, RunConfig, run_config
-from kd.errors import KDUserError, brief
+from kd.errors import KDUserError, brief, redact
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
@@ -558,7 +558,7 @@ def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:
 
     buffer = prefetch_bytes(s, batch_size=run.batch_size, seq_len=seq_len)
     return (
-        f"served top-{s.top_k} log-probs of {s.model} ({s.api} at {s.url}), no teacher weights "
+        f"served top-{s.top_k} log-probs of {s.model} ({s.api} at {redact(s.url)}), no teacher weights "
         f"or forward; prefetch buffer {s.prefetch} micro-batches ahead, {buffer / 2**20:.1f} MiB "
         "of host memory"
     )

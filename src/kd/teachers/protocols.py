@@ -18,6 +18,15 @@ with the row and the position, never patched.
   ``top_logprobs_num: k``, ``sampling_params.max_new_tokens: 0``. ``meta_info.input_top_logprobs``
   has one entry per input token (the first null or empty), each a list of ``[logprob, id, text]``
   triples.
+
+Which model a server serves: both answer ``GET /v1/models`` with an OpenAI model list whose ids
+are the served names (``--served-model-name``, else the model path). Read from their source:
+vLLM ``vllm/entrypoints/openai/api_server.py`` (``served_model_names = args.served_model_name or
+[args.model]``) and ``vllm/entrypoints/openai/models/serving.py`` (``show_available_models``,
+``check_model``: 404 "The model `X` does not exist."), commits 0001948bc769 / 00153c8b7948 of
+2025-26; SGLang ``python/sglang/srt/entrypoints/http_server.py`` (``available_models``: the
+``tokenizer_manager.served_model_name``), commits 9c0549b727fe and 0025436eab05, whose
+``/get_model_info`` gives ``model_path`` and never the served name.
 """
 
 from __future__ import annotations
@@ -75,12 +84,22 @@ class ServerProtocol(Protocol):
         ...
 
     def served_models(self, answer: Any) -> list[str]:
-        """The model names the models endpoint lists."""
+        """The model names the models endpoint lists; :class:`BadAnswer` when it is no list."""
         ...
 
     def refusal_fix(self, status: int, text: str, k: int) -> str | None:
         """A fix for a refused request (HTTP 4xx) this protocol knows, or None."""
         ...
+
+
+def _model_list(answer: Any) -> list[str]:
+    """The ids of an OpenAI model list (``GET /v1/models``: ``{"object": "list", "data": [{"id":
+    ...}, ...]}``, as vLLM and SGLang both answer it); :class:`BadAnswer` for anything else."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(data, list):
+        got = f"keys {sorted(answer)[:4]}" if isinstance(answer, dict) else type(answer).__name__
+        raise BadAnswer(f"no model list (data) in the answer, got {got}")
+    return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id") is not None]
 
 
 def _logprob(value: Any, where: str) -> float:
@@ -181,10 +200,7 @@ class VLLMProtocol:
         return RowTopK(ids, lps, texts)
 
     def served_models(self, answer: Any) -> list[str]:
-        data = answer.get("data") if isinstance(answer, dict) else None
-        if not isinstance(data, list):
-            return []
-        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+        return _model_list(answer)
 
     def refusal_fix(self, status: int, text: str, k: int) -> str | None:
         if "logprobs" in text.lower() and ("max" in text.lower() or "greater" in text.lower()):
@@ -253,7 +269,9 @@ class SGLangProtocol:
 
     name = "sglang"
     path = "/generate"
-    models_path = "/get_model_info"
+    # Its OpenAI-compatible model list names --served-model-name (the model path when none is
+    # given); /get_model_info gives the model path only, never the served name.
+    models_path = "/v1/models"
 
     def body(self, model: str, rows: Sequence[Sequence[int]], k: int) -> dict[str, Any]:
         return {
@@ -303,10 +321,7 @@ class SGLangProtocol:
         return out
 
     def served_models(self, answer: Any) -> list[str]:
-        if not isinstance(answer, dict):
-            return []
-        names = [answer.get("model_path"), answer.get("served_model_name")]
-        return [str(n) for n in names if n]
+        return _model_list(answer)
 
     def refusal_fix(self, status: int, text: str, k: int) -> str | None:
         return None

@@ -7,11 +7,15 @@ student trains on this one, so a step waits for the server (its ``time_teacher_s
 server is slower than training; rows made during training (on-policy completions) are asked when
 the step needs them.
 
-Requests that time out, cannot connect or get a 5xx are retried with exponential backoff
-(urllib3's ``Retry``); a server that stays down raises :class:`TeacherUnavailable`, after which
-the recipe saves a step checkpoint and stops with exit status 2
-(:class:`kd.teachers.TeacherStopped`): resuming repeats the step that could not finish. A malformed answer is refused with the row, the
-position and the request, never patched.
+Every request ends by a deadline (:mod:`kd.teachers.transport`): each attempt within
+``teacher_server.timeout`` (connecting, sending and the whole answer, however slowly it comes),
+the request within ``(retries + 1) x timeout`` plus the backoff waits. Requests that time out,
+cannot connect or get a 429 / 5xx are retried inside it with exponential backoff (urllib3's
+``Retry``), or after the server's ``Retry-After`` when that fits; a server that stays down or too
+slow raises :class:`TeacherUnavailable`, after which the recipe saves a step checkpoint and stops
+with exit status 2 (:class:`kd.teachers.TeacherStopped`): resuming repeats the step that could not
+finish. A malformed answer is refused with the row, the position and the request, never patched.
+No URL password or token is printed (:func:`kd.errors.redact`).
 
 Alignment: kd's :class:`~kd.teachers.TopKSignal` position ``j`` holds the distribution predicting
 token ``j + 1`` (the shifted labels); a server's entry ``i`` is the distribution of token ``i``
@@ -21,12 +25,14 @@ are kept as float16, as kd's store holds them, so a served answer and a stored o
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
 import queue
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -35,14 +41,13 @@ from typing import Any, Protocol
 import numpy as np
 import requests
 import torch
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
 from kd.config.run import TeacherServerSettings
-from kd.errors import KDUserError, brief, one_line
+from kd.errors import KDUserError, brief, one_line, redact
 from kd.teachers.base import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.protocols import PROTOCOLS, BadAnswer, RowTopK
 from kd.teachers.signals import TopKSignal
+from kd.teachers.transport import PastDeadline, deadline, deadline_session, request_budget
 from kd.training import distributed
 
 __all__ = [
@@ -57,8 +62,9 @@ __all__ = [
 
 log = logging.getLogger("kd")
 
-_RETRY_STATUS = (500, 502, 503, 504)
-_BACKOFF_MAX = 60.0
+# Retried (with backoff, or the server's Retry-After when it fits the deadline): overloaded, or
+# failing for now.
+_RETRY_STATUS = (429, 500, 502, 503, 504)
 _KEY = "teacher_server"
 
 
@@ -115,8 +121,30 @@ class _DaemonPool:
             self._queue.put(None)
 
 
+def _url_secrets(url: str) -> tuple[str, ...]:
+    """What a server could quote back of the URL's ``user:password``: the password, and the
+    Basic credentials requests sends for it (base64 of ``user:password``)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return ()
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password or "")
+    try:
+        raw = f"{user}:{password}".encode("latin1")  # as requests encodes them
+    except UnicodeEncodeError:
+        raw = f"{user}:{password}".encode()
+    basic = base64.b64encode(raw).decode()
+    return (basic, password) if len(password) >= 4 else (basic,)
+
+
 class TeacherClient:
     """Asks one server for top-k log-probs of token id rows; thread-safe (a session per thread).
+
+    Every request ends by its deadline (:mod:`kd.teachers.transport`): each attempt within
+    ``teacher_server.timeout`` (connecting, sending and the whole answer, however slowly it
+    comes), the request with its retries and waits within :meth:`deadline_s`; a server's
+    ``Retry-After`` is waited only when it fits. Every URL and server text it prints goes through
+    :func:`kd.errors.redact` (no password of the URL, no token).
 
     Args:
         settings: ``teacher_server:``.
@@ -129,6 +157,7 @@ class TeacherClient:
         self.protocol = PROTOCOLS[settings.api]
         self._local = threading.local()
         self._headers = {"Content-Type": "application/json"}
+        self._secrets: tuple[str, ...] = ()
         if settings.token_env is not None:
             token = os.environ.get(settings.token_env, "")
             if not token:
@@ -138,72 +167,106 @@ class TeacherClient:
                     "teacher_server.token_env to null for a server without one"
                 )
             self._headers["Authorization"] = f"Bearer {token}"
+            self._secrets = (token,)
+        self._secrets += _url_secrets(settings.url)
+        self.url = redact(settings.url)  # the base URL as kd prints it
+
+    @property
+    def deadline_s(self) -> float:
+        """Seconds one request may take in all, its retries and waits included."""
+        s = self.settings
+        return request_budget(timeout=s.timeout, retries=s.retries, backoff=s.backoff)
+
+    def shown(self, text: str) -> str:
+        """A server's text or an error's, as kd may print it: one line, no credential."""
+        return one_line(redact(text, self._secrets))
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
         if session is None:
             s = self.settings
-            retry = Retry(
-                total=s.retries,
-                connect=s.retries,
-                read=s.retries,
-                status=s.retries,
-                backoff_factor=s.backoff,
-                backoff_max=_BACKOFF_MAX,
-                status_forcelist=_RETRY_STATUS,
-                allowed_methods=frozenset({"GET", "POST"}),
-                raise_on_status=False,
+            session = deadline_session(
+                retries=s.retries,
+                backoff=s.backoff,
+                statuses=_RETRY_STATUS,
+                methods=("GET", "POST"),
             )
-            session = requests.Session()
-            session.mount("http://", HTTPAdapter(max_retries=retry))
-            session.mount("https://", HTTPAdapter(max_retries=retry))
             self._local.session = session
         return session
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """The JSON answer of one request, retried; :class:`TeacherUnavailable` when the server
-        stays down, :class:`KDUserError` when it refuses the request."""
+        """The JSON answer of one request, retried, by its deadline; :class:`TeacherUnavailable`
+        when the server stays down or too slow, :class:`TeacherStopped` when it refuses the
+        request, :class:`BadAnswer` when the answer is not JSON."""
         s = self.settings
-        url = f"{s.url}{path}"
+        url, shown = f"{s.url}{path}", f"{self.url}{path}"
+        limits = (
+            f"{_KEY}.timeout {s.timeout:g} s per attempt, {_KEY}.retries {s.retries}: at most "
+            f"{self.deadline_s:.0f} s a request"
+        )
         start = time.monotonic()
         try:
-            response = self._session().request(
-                method, url, json=body, headers=self._headers, timeout=s.timeout
-            )
+            with deadline(attempt_s=s.timeout, total_s=self.deadline_s):
+                response = self._session().request(
+                    method, url, json=body, headers=self._headers, timeout=(s.timeout, s.timeout)
+                )
+        except PastDeadline as e:
+            if e.retry_after is not None:
+                raise TeacherUnavailable(
+                    f"{_KEY}.url: {shown} asked to be retried after {e.retry_after:.0f} s "
+                    f"(HTTP {e.status}, Retry-After), later than the request may wait "
+                    f"({limits}); run again once the server takes requests (or raise "
+                    f"{_KEY}.timeout / {_KEY}.retries)"
+                ) from None
+            raise TeacherUnavailable(
+                f"{_KEY}.url: {shown} did not answer within {time.monotonic() - start:.0f} s "
+                f"({limits}); fix the server (or raise {_KEY}.timeout) and run again"
+            ) from None
         except requests.RequestException as e:
             raise TeacherUnavailable(
-                f"{_KEY}.url: {url} did not answer after {s.retries} retries over "
-                f"{time.monotonic() - start:.0f} s ({brief(e, 160)}); start the server (or raise "
-                f"{_KEY}.timeout / {_KEY}.retries) and run again"
-            ) from e
+                f"{_KEY}.url: {shown} did not answer after {s.retries} retries over "
+                f"{time.monotonic() - start:.0f} s ({self.shown(brief(e, 160))}; {limits}); "
+                f"start the server (or raise {_KEY}.timeout / {_KEY}.retries) and run again"
+            ) from None
         if response.status_code in _RETRY_STATUS:
             raise TeacherUnavailable(
-                f"{_KEY}.url: {url} answered HTTP {response.status_code} after {s.retries} "
-                f"retries ({one_line(response.text[:160])}); fix the server and run again"
+                f"{_KEY}.url: {shown} answered HTTP {response.status_code} after {s.retries} "
+                f"retries ({self.shown(response.text[:160])}); fix the server and run again"
             )
         if response.status_code != 200:
             text = response.text[:300]
             k = int((body or {}).get("prompt_logprobs", (body or {}).get("top_logprobs_num", 0)))
             fix = self.protocol.refusal_fix(response.status_code, text, k)
             raise TeacherStopped(
-                f"{_KEY}: {url} refused the request with HTTP {response.status_code} "
-                f"({one_line(text)}); "
+                f"{_KEY}: {shown} refused the request with HTTP {response.status_code} "
+                f"({self.shown(text)}); "
                 + (fix or f"check {_KEY}.url, {_KEY}.api and {_KEY}.model against the server")
             )
         try:
             return response.json()
-        except ValueError as e:
-            raise BadAnswer(f"the answer is not JSON ({one_line(response.text[:80])!r})") from e
+        except ValueError:
+            kind = response.headers.get("Content-Type", "no Content-Type")
+            raise BadAnswer(
+                f"the answer is not JSON ({self.shown(kind)}: {self.shown(response.text[:80])!r})"
+            ) from None
 
     def models(self) -> list[str]:
-        """The model names the server lists."""
-        return self.protocol.served_models(self._call("GET", self.protocol.models_path))
+        """The model names the server serves (its ``GET /v1/models``)."""
+        path = self.protocol.models_path
+        try:
+            return self.protocol.served_models(self._call("GET", path))
+        except BadAnswer as e:
+            raise TeacherStopped(
+                f"{_KEY}.url: {self.url}{path} did not list the served models ({e}); point "
+                f"{_KEY}.url at the {self.settings.api} server's base URL (without /v1), or set "
+                f"{_KEY}.api to the server it is"
+            ) from None
 
     def topk(self, rows: Sequence[Sequence[int]], k: int) -> list[RowTopK]:
         """The top-k of every position after the first of each row (one request).
 
         Raises:
-            TeacherUnavailable: the server stayed down.
+            TeacherUnavailable: the server stayed down, or too slow.
             KDUserError: it refused the request, or answered something malformed.
         """
         body = self.protocol.body(self.settings.model, rows, k)
@@ -214,9 +277,10 @@ class TeacherClient:
         except BadAnswer as e:
             lengths = ", ".join(str(len(r)) for r in rows[:4])
             raise TeacherStopped(
-                f"{_KEY}: {self.settings.url}{self.protocol.path} gave a malformed answer: {e} "
-                f"(request: {len(rows)} row(s) of {lengths} tokens, {k} log-probs per position); "
-                f"check {_KEY}.api matches the server ({self.settings.api} now)"
+                f"{_KEY}: {self.url}{self.protocol.path} gave a malformed answer: "
+                f"{self.shown(str(e))} (request: {len(rows)} row(s) of {lengths} tokens, {k} "
+                f"log-probs per position); check {_KEY}.api matches the server "
+                f"({self.settings.api} now)"
             ) from None
 
 
@@ -455,8 +519,9 @@ def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
     served = client.models()
     if served and s.model not in served:
         raise KDUserError(
-            f"{_KEY}.model: the server at {s.url} serves {', '.join(served[:3])}, not {s.model}; "
-            f"set {_KEY}.model={served[0]}, or start the server with the teacher you meant"
+            f"{_KEY}.model: the server at {client.url} serves "
+            f"{client.shown(', '.join(served[:3]))}, not {s.model}; set "
+            f"{_KEY}.model={client.shown(served[0])}, or start the server with the teacher you meant"
         )
     ids = [int(i) for i in tokenizer.encode(TOKENIZER_PROBE, add_bos=False, add_eos=False)]
     (answer,) = client.topk([ids], k)  # also: k accepted, ids in the vocabulary, finite values
@@ -472,7 +537,7 @@ def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
         "teacher_server: %s (%s at %s) answers top-%d log-probs; %s",
         s.model,
         s.api,
-        s.url,
+        client.url,
         k,
         "its tokenizer decodes the probe as the student's"
         if any(t is not None for t in answer.texts)
@@ -486,7 +551,7 @@ def served_identity(settings: TeacherServerSettings) -> dict[str, Any]:
     the URL stands where a local teacher's folder does (a moved server is the same teacher)."""
     return {
         "component": f"teacher_server {settings.api} {settings.model}",
-        "folder": settings.url,
+        "folder": redact(settings.url),
         "files": [],
         "config_sha256": None,
     }

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from kd.errors import redact
 from kd.metrics import GuardedLogger, build_quietly
 from kd.training import outputs
 from kd.training.run_context import RunContext
@@ -35,7 +36,8 @@ class RunLog:
             build_quietly(lambda: ctx.build("metric_logger", fix="fix the logger's arguments")),
             target=ctx.node("metric_logger").get("_component_"),
         )
-        self.logger.log_config(OmegaConf.create(config_yaml))
+        # The metric sink (wandb...) gets the config without a URL's password.
+        self.logger.log_config(OmegaConf.create(redact(config_yaml)))
         try:
             self.metrics = outputs.open_metrics(
                 output_dir, config_yaml=config_yaml, resume_step=resume_step

@@ -9,6 +9,7 @@ from typing import Any
 from kd.config import schema
 from kd.config.checks.values import fmt
 from kd.config.schema import Problem
+from kd.errors import redact
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -60,8 +61,16 @@ def check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None:
         problems.append(
             Problem(
                 "teacher_server.url",
-                f"{fmt(url[:80])} is not an http:// or https:// URL; set teacher_server.url to "
+                f"{fmt(redact(url)[:80])} is not an http:// or https:// URL; set teacher_server.url to "
                 "the server's base URL, e.g. http://127.0.0.1:8000",
+            )
+        )
+    if isinstance(url, str) and redact(url) != url and node.get("token_env") is not None:
+        problems.append(
+            Problem(
+                "teacher_server.token_env",
+                "is set beside a user:password in teacher_server.url, and both would be sent as "
+                "the Authorization header; keep one (the token for vLLM's / SGLang's --api-key)",
             )
         )
     if isinstance(data.get("validation"), dict) and not isinstance(

@@ -36,6 +36,8 @@ def expected(key: Key) -> str:
     noun = "an integer" if key.types == (int,) else "a number"
     if key.min is not None and key.max is not None:
         return f"{noun} between {fmt(key.min)} and {fmt(key.max)}"
+    if key.min_exclusive is not None and key.max is not None:
+        return f"{noun} greater than {fmt(key.min_exclusive)} and at most {fmt(key.max)}"
     if key.min_exclusive is not None:
         return f"{noun} greater than {fmt(key.min_exclusive)}"
     if key.min is not None:
