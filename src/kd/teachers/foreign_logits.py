@@ -600,7 +600,7 @@ class ForeignLogitsReader:
                 "id needs its value"
             )
         if len(sel) and int(n_ids.min()) < k:
-            r = int(np.argmin(n_ids))
+            r = int(np.flatnonzero(n_ids < k)[0])
             raise KDUserError(
                 f"teacher_logits.k: {k} is more than the {n_ids[r]} entries stored at "
                 f"position {sel[r]} of row {where.split(': row ')[-1]}; set teacher_logits.k to "

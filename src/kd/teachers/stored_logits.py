@@ -911,7 +911,7 @@ class TeacherLogitsReader:
                 f"{MANIFEST_FILE} was edited, or the shard replaced: restore them, or rerun kd "
                 "run teacher_logits into a new folder"
             ) from e
-        self._check(path, records, stored_rows, first)
+        self._check(path, records, stored_rows, first, len(groups))
         per = self.rows_per_group
         for g in groups:
             part = records[(g - first) * per : (g - first + 1) * per]
@@ -922,9 +922,11 @@ class TeacherLogitsReader:
             self._cached_bytes -= sum(r.nbytes for r in dropped)
         return self._cache[key]
 
-    def _check(self, path: Path, records: list[Record], stored: np.ndarray, first: int) -> None:
-        """Refuse decoded rows that are not the ones the manifest places at the shard's
-        positions from row group ``first`` on (a shard rewritten behind the manifest), or that
+    def _check(
+        self, path: Path, records: list[Record], stored: np.ndarray, first: int, groups: int
+    ) -> None:
+        """Refuse decoded rows that are not the ones the manifest places in the shard's ``groups``
+        row groups from ``first`` on (a shard rewritten behind the manifest), or that
         are not top-k rows of one distribution (:mod:`kd.teachers.answer_checks`): one line
         naming the shard, the dataset row and the position. Raised as
         :class:`~kd.teachers.TeacherStopped`, so that training saves the steps completed."""
@@ -932,7 +934,8 @@ class TeacherLogitsReader:
             f"delete {path} and rerun kd run teacher_logits --config <this config> (it rewrites "
             "only what is missing)"
         )
-        expected = self._rows_at(path.name, first * self.rows_per_group, len(records))
+        per = self.rows_per_group
+        expected = self._rows_at(path.name, first * per, groups * per)
         if stored.shape != expected.shape or not np.array_equal(stored, expected):
             if stored.size == expected.size:
                 bad = int(np.flatnonzero(stored != expected)[0])
