@@ -164,6 +164,26 @@ def test_a_poisoned_answer_mid_run_saves_stops_and_resumes(
     assert_same_steps(stored_run, tmp_path / "poisoned")
 
 
+def test_a_server_of_processed_log_probs_is_refused_before_training(
+    assets,
+    teacher_fn,  # noqa: F811
+    tokenizer,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """The probe before training meets the renormalised answer: exit 2, nothing trained."""
+    with _poisoning(teacher_fn, tokenizer) as s:
+        s.faults.append("renorm")
+        config = served_config(assets, tmp_path, "probe", s.url)
+        capsys.readouterr()
+        assert cli.main(["run", "kd", "--config", str(config)]) == 2
+        assert s.requests == 1
+    line = _one_line(capsys)
+    assert "renormalised around a cut vocabulary" in line and "raw_logprobs" in line, line
+    assert "stopped after step" not in line
+    assert not (tmp_path / "probe" / "metrics.jsonl").exists()
+
+
 def test_teacher_logits_stores_nothing_of_a_poisoned_answer(
     assets,
     teacher_fn,  # noqa: F811
