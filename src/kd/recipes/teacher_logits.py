@@ -309,6 +309,8 @@ class TeacherLogitsRecipe:
             num_tokens=[r[0] for r in results],
             ids=[r[1] for r in results],
             logprobs=[r[2] for r in results],
+            k=self.spec.k,
+            vocab=self.spec.vocab,
             teacher=[r[3] for r in results] if self.cross is not None else None,
         )
 

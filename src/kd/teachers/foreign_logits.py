@@ -49,10 +49,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kd.errors import KDUserError, brief
-from kd.teachers import distillkit_compressed
+from kd.teachers import answer_checks, distillkit_compressed
 from kd.teachers.stored_logits import dataset_fingerprint, labelled_positions, row_hash
 
 __all__ = [
@@ -80,8 +81,6 @@ _UNSUPPORTED = {
 _SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 KEY = "teacher_logits.path"
 ALIGNMENT_KEY = "teacher_logits.alignment"
-# A stored log-prob above this is not one (fp16 rounds log 1 = 0 to at most this).
-_MAX_LOGPROB = 1e-3
 
 
 def _saved_dataset_files(path: Path, key: str) -> list[Path] | None:
@@ -453,6 +452,7 @@ class ForeignLogitsReader:
     ):
         self.path = Path(path).expanduser()
         self.k = k
+        self._vocab = student_vocab
         ids_col, value_cols = FORMATS[format]
         present = _column_names(self.path, KEY)
         values_col = next((c for c in value_cols if c in present), value_cols[0])
@@ -460,8 +460,10 @@ class ForeignLogitsReader:
         wanted = _COMPRESSED if compressed else (ids_col, values_col)
         columns = ["input_ids", *wanted] + (["labels"] if "labels" in present else [])
         cols = read_rows(self.path, columns=columns, key=KEY)
+        # DistillKit's compressed rows: only the exact values count toward the mass check.
+        self._mass_columns: int | None = None
         if compressed:
-            _decode_compressed(cols, self.path)
+            self._mass_columns = _decode_compressed(cols, self.path)
         _check_token_ids(cols["input_ids"], self.path)
         if alignment == "auto":
             evidence = detect_alignment(
@@ -561,7 +563,7 @@ class ForeignLogitsReader:
                 "the file's rows and targets do not line up: check the file, or set "
                 f"{ALIGNMENT_KEY} to the tool's convention"
             )
-        top_ids, top_lp = self._topk(ids, values, sel.tolist(), where, ids_col)
+        top_ids, top_lp = self._topk(ids, values, sel.tolist(), where)
         if top_ids.numel() and int(top_ids.max()) >= student_vocab:
             raise KDUserError(
                 f"{where}: teacher id {int(top_ids.max())} is outside the student's "
@@ -577,47 +579,58 @@ class ForeignLogitsReader:
         )
 
     def _topk(
-        self, ids: list[Any], values: list[Any], sel: list[int], where: str, ids_col: str
+        self, ids: list[Any], values: list[Any], sel: list[int], where: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k (by value, descending) of the selected positions: ``[n, k]`` int64, fp32."""
+        """The top-k (by value, descending) of the selected positions: ``[n, k]`` int64, fp32.
+
+        Every stored entry of those positions is checked first, all positions at once
+        (:func:`kd.teachers.answer_checks.topk_problem`: distinct ids, finite or -inf log-probs
+        <= 0, probabilities adding up to at most 1, no distribution renormalised around -inf);
+        under DistillKit's compression only its exact values count toward the mass (the rest
+        are a lossy fit)."""
         k = self.k
-        out_ids = torch.zeros(len(sel), k, dtype=torch.int64)
-        out_lp = torch.zeros(len(sel), k, dtype=torch.float32)
-        for row, j in enumerate(sel):
-            pid, pval = ids[j] or [], values[j] or []
-            if len(pid) != len(pval):
-                raise KDUserError(
-                    f"{where}: position {j} has {len(pid)} ids and {len(pval)} values; each "
-                    "id needs its value"
-                )
-            if len(pid) < k:
-                raise KDUserError(
-                    f"teacher_logits.k: {k} is more than the {len(pid)} entries stored at "
-                    f"position {j} of row {where.split(': row ')[-1]}; set teacher_logits.k to "
-                    f"{len(pid)} or less"
-                )
-            v = torch.tensor(pval, dtype=torch.float32)
-            if torch.isnan(v).any() or (v == float("inf")).any() or not torch.isfinite(v).any():
-                raise KDUserError(
-                    f"{where}: position {j} holds non-finite values ({v.tolist()[:4]}...); "
-                    "the teacher file is damaged, or its entries are read at the wrong position "
-                    f"(set {ALIGNMENT_KEY} to the tool's convention)"
-                )
-            if float(v.max()) > _MAX_LOGPROB:
-                raise KDUserError(
-                    f"{where}: position {j} holds a positive log-prob ({float(v.max()):.4g}); "
-                    "log-probs are <= 0: write log_softmax of the teacher's logits, not the "
-                    "logits or probabilities"
-                )
-            top, order = torch.topk(v, k)
-            chosen = torch.tensor(pid, dtype=torch.int64)[order]
-            if chosen.unique().numel() != k or int(chosen.min()) < 0:
-                raise KDUserError(
-                    f"{where}: position {j} of {ids_col} repeats an id or holds a negative one "
-                    "among its top-k; each position needs k distinct token ids"
-                )
-            out_ids[row], out_lp[row] = chosen, top
-        return out_ids, out_lp
+        pid = [ids[j] or [] for j in sel]
+        pval = [values[j] or [] for j in sel]
+        n_ids = np.fromiter(map(len, pid), dtype=np.int64, count=len(sel))
+        n_values = np.fromiter(map(len, pval), dtype=np.int64, count=len(sel))
+        if (n_ids != n_values).any():
+            r = int(np.flatnonzero(n_ids != n_values)[0])
+            raise KDUserError(
+                f"{where}: position {sel[r]} has {n_ids[r]} ids and {n_values[r]} values; each "
+                "id needs its value"
+            )
+        if len(sel) and int(n_ids.min()) < k:
+            r = int(np.flatnonzero(n_ids < k)[0])
+            raise KDUserError(
+                f"teacher_logits.k: {k} is more than the {n_ids[r]} entries stored at "
+                f"position {sel[r]} of row {where.split(': row ')[-1]}; set teacher_logits.k to "
+                f"{n_ids[r]} or less"
+            )
+        m = int(n_ids.max()) if len(sel) else k
+        if (n_ids == m).all():
+            all_ids = np.asarray(pid, dtype=np.int64).reshape(len(sel), m)
+            all_lp = np.asarray(pval, dtype=np.float64).reshape(len(sel), m)
+            valid = None
+        else:  # positions of unequal length: padded, the padding marked
+            all_ids = np.zeros((len(sel), m), dtype=np.int64)
+            all_lp = np.full((len(sel), m), -np.inf)
+            for r, (i, v) in enumerate(zip(pid, pval, strict=True)):
+                all_ids[r, : len(i)], all_lp[r, : len(v)] = i, v
+            valid = np.arange(m) < n_ids[:, None]
+        found = answer_checks.topk_problem(
+            all_ids, all_lp, valid=valid, mass_columns=self._mass_columns, whole=m >= self._vocab
+        )
+        if found is not None:
+            raise KDUserError(
+                f"{where}: position {sel[found.position]} {found.what}; the teacher "
+                "file is damaged, or not top-k log-probs of the teacher (each position: distinct "
+                "ids, log_softmax values, at most 1 in all); fix or rewrite it (or, for entries "
+                f"read at the wrong position, set {ALIGNMENT_KEY} to the tool's convention)"
+            )
+        order = np.argsort(-all_lp, axis=-1, kind="stable")[:, :k]
+        top_ids = np.take_along_axis(all_ids, order, axis=-1)
+        top_lp = np.take_along_axis(all_lp, order, axis=-1)
+        return torch.from_numpy(top_ids), torch.from_numpy(top_lp.astype(np.float32))
 
     def batch(
         self,
@@ -651,10 +664,11 @@ class ForeignLogitsReader:
         return ids, logprobs
 
 
-def _decode_compressed(cols: dict[str, list[Any]], path: Path) -> None:
+def _decode_compressed(cols: dict[str, list[Any]], path: Path) -> int:
     """Replace DistillKit's compressed columns in ``cols`` by the raw ``token_ids`` /
     ``top_values`` they hold (:mod:`kd.teachers.distillkit_compressed`, with the
-    ``compression_config.yaml`` beside the rows)."""
+    ``compression_config.yaml`` beside the rows); returns the exact values per position
+    (``exact_k``: the first of each position's entries, the rest a lossy fit)."""
     cfg = distillkit_compressed.load_config(path, KEY)
     cols["token_ids"], cols["top_values"] = [], []
     for i, (lp, ids) in enumerate(
@@ -665,6 +679,7 @@ def _decode_compressed(cols: dict[str, list[Any]], path: Path) -> None:
         )
         cols["token_ids"].append(row_ids)
         cols["top_values"].append(row_values)
+    return cfg.exact_k
 
 
 def _retemper(logprobs: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -47,7 +47,14 @@ _POSITIVE_SLACK = 1e-4
 
 
 class BadAnswer(ValueError):
-    """A server answer that is not what the protocol promises (the message names where)."""
+    """A server answer that is not what the protocol promises (the message names where).
+
+    Attributes:
+        fix: what to do about it, when more is known than "check the protocol"
+            (:func:`kd.teachers.answer_checks.check_answer`); None otherwise.
+    """
+
+    fix: str | None = None
 
 
 @dataclass

@@ -44,6 +44,7 @@ import torch
 
 from kd.config.run import TeacherServerSettings
 from kd.errors import KDUserError, brief, one_line, redact
+from kd.teachers.answer_checks import check_answer
 from kd.teachers.base import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.protocols import PROTOCOLS, BadAnswer, RowTopK
 from kd.teachers.signals import TopKSignal
@@ -271,16 +272,18 @@ class TeacherClient:
         """
         body = self.protocol.body(self.settings.model, rows, k)
         try:
-            return self.protocol.parse(
+            answer = self.protocol.parse(
                 self._call("POST", self.protocol.path, body), rows, k, self.vocab
             )
+            check_answer(answer, vocab=self.vocab)  # distinct ids, finite, mass <= 1
+            return answer
         except BadAnswer as e:
             lengths = ", ".join(str(len(r)) for r in rows[:4])
             raise TeacherStopped(
                 f"{_KEY}: {self.url}{self.protocol.path} gave a malformed answer: "
                 f"{self.shown(str(e))} (request: {len(rows)} row(s) of {lengths} tokens, {k} "
-                f"log-probs per position); check {_KEY}.api matches the server "
-                f"({self.settings.api} now)"
+                "log-probs per position); "
+                + (e.fix or f"check {_KEY}.api matches the server ({self.settings.api} now)")
             ) from None
 
 

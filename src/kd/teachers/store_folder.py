@@ -290,6 +290,9 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
             num_tokens=[rec.num_tokens for rec in records],
             ids=[rec.ids.flatten() for rec in records],
             logprobs=[rec.logprobs.flatten() for rec in records],
+            k=self.spec.k,
+            vocab=self.spec.vocab,
+            key=self.key,
         )
         self.done.add(name)
         if self.complete:

@@ -56,6 +56,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ import torch
 from kd import folders, models
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path, pid_alive, sha256_file
+from kd.teachers import answer_checks
+from kd.teachers.base import TeacherStopped
 
 __all__ = [
     "CROSS_VERSION",
@@ -310,9 +313,14 @@ def write_shard(
     num_tokens: Sequence[int],
     ids: Sequence[np.ndarray],
     logprobs: Sequence[np.ndarray],
-    teacher: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None,
+    k: int,
+    vocab: int,
+    teacher: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = None,
+    key: str = KEY,
 ) -> None:
-    """Write one shard atomically (temporary file, fsync, rename): whole or absent.
+    """Write one shard atomically (temporary file, fsync, rename): whole or absent. A row that
+    is not a top-k of one distribution (:mod:`kd.teachers.answer_checks`) is refused first:
+    nothing of the shard is written.
 
     Args:
         path: the shard's final path.
@@ -321,12 +329,37 @@ def write_shard(
         num_tokens: length of each row.
         ids: per row, ``[n_labelled * k]`` int32 top-k token ids.
         logprobs: per row, ``[n_labelled * k]`` float16 log-probs (float32 with ``teacher``).
+        k: entries per labelled position.
+        vocab: the vocabulary the ids index (the manifest's ``vocab``).
         teacher: a cross-tokenizer store's per row ``(teacher_tokens [n] int32,
             teacher_offsets [2n] int32, teacher_token_logprobs [n] float32, student_offsets
             [2 n_s] int32)``; ``n_labelled`` is then the teacher's ``n``.
+        key: the config key named in errors.
+
+    Raises:
+        KDUserError: a row the teacher answered with something no distribution gives.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    records = [
+        Record(h, int(n), np.asarray(i).reshape(-1, k), np.asarray(lp).reshape(-1, k))
+        for h, n, i, lp in zip(hashes, num_tokens, ids, logprobs, strict=True)
+    ]
+    for rec, extra in zip(records, teacher or [None] * len(records), strict=True):
+        if extra is not None:
+            tokens, offsets, token_lps, s_offsets = (np.asarray(x) for x in extra)
+            rec.teacher_tokens, rec.teacher_offsets = tokens, offsets
+            rec.teacher_token_logprobs, rec.student_offsets = token_lps, s_offsets
+    found = _records_problem(records, vocab=vocab)
+    if found is not None:
+        i, where, what = found
+        raise KDUserError(
+            f"{key}: the teacher's answer for dataset row {rows[i]}, {where}, {what}; nothing "
+            f"of shard {path.name} was written (the shards before it are kept): check the "
+            "teacher (its weights, or the server's log-probs mode), then rerun kd run "
+            "teacher_logits with this config"
+        )
 
     columns = {
         "row": pa.array(rows, pa.int64()),
@@ -506,7 +539,14 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 
 # Manifest fields the reader computes with, and their least value.
-_MANIFEST_INTS = {"k": 1, "world_size": 1, "rows_per_shard": 1, "rows_per_group": 1, "num_rows": 0}
+_MANIFEST_INTS = {
+    "k": 1,
+    "vocab": 1,
+    "world_size": 1,
+    "rows_per_shard": 1,
+    "rows_per_group": 1,
+    "num_rows": 0,
+}
 
 
 def _is_int(value: Any, least: int) -> bool:
@@ -697,6 +737,58 @@ class Record:
         )
 
 
+def _records_problem(records: Sequence[Record], *, vocab: int) -> tuple[int, str, str] | None:
+    """The first of a shard's rows that is not a top-k row of one distribution
+    (:func:`kd.teachers.answer_checks.topk_problem`, every position of every row in one pass)
+    or, in a cross-tokenizer store, whose teacher columns or spans do not fit its positions
+    (:func:`kd.teachers.answer_checks.spans_problem`): ``(index in records, where, what)``;
+    None when every row is sound.
+
+    Args:
+        records: the rows (spans flat or as pairs).
+        vocab: the vocabulary the ids index (a cross-tokenizer store's: the teacher's).
+    """
+    if not records:
+        return None
+    cross = records[0].teacher_tokens is not None
+    tokens, token_lps = [], []
+    for i, rec in enumerate(records if cross else ()):  # per row, not per token
+        assert rec.teacher_tokens is not None and rec.teacher_token_logprobs is not None
+        assert rec.teacher_offsets is not None and rec.student_offsets is not None
+        n = rec.ids.shape[0]
+        if not len(rec.teacher_tokens) == len(rec.teacher_token_logprobs) == n:
+            return (
+                i,
+                "its teacher_tokens and teacher_token_logprobs",
+                f"hold {len(rec.teacher_tokens)} and {len(rec.teacher_token_logprobs)} entries "
+                f"for {n} top-k positions",
+            )
+        spans = (
+            ("teacher_offsets", rec.teacher_offsets, n),
+            ("student_offsets", rec.student_offsets, None),
+        )
+        for name, value, count in spans:
+            problem = answer_checks.spans_problem(value.reshape(-1), count)
+            if problem is not None:
+                return i, f"its {name}", problem
+        tokens.append(rec.teacher_tokens)
+        token_lps.append(rec.teacher_token_logprobs)
+    lengths = np.array([rec.ids.shape[0] for rec in records])
+    found = answer_checks.topk_problem(
+        np.concatenate([rec.ids for rec in records]),
+        np.concatenate([rec.logprobs for rec in records]),
+        vocab=vocab,
+        own=(np.concatenate(tokens), np.concatenate(token_lps)) if cross else None,
+    )
+    if found is None:
+        return None
+    ends = np.cumsum(lengths)
+    i = int(np.searchsorted(ends, found.position, side="right"))
+    j = found.position - int(ends[i] - lengths[i])
+    what = "teacher token" if cross else "labelled position"
+    return i, f"{what} {j} (of {int(lengths[i])})", found.what
+
+
 class TeacherLogitsReader:
     """A complete store, opened and checked; :meth:`batch` returns a batch's aligned top-k.
 
@@ -812,12 +904,14 @@ class TeacherLogitsReader:
             ) from e
         try:
             records = self._decode(table)
+            stored_rows = np.asarray(table.column("row").to_numpy(zero_copy_only=False))
         except (KeyError, TypeError, ValueError) as e:
             raise KDUserError(
                 f"{self.key}: shard {path} does not hold rows of k={self.k} entries ({brief(e)}); its "
                 f"{MANIFEST_FILE} was edited, or the shard replaced: restore them, or rerun kd "
                 "run teacher_logits into a new folder"
             ) from e
+        self._check(path, records, stored_rows, first, len(groups))
         per = self.rows_per_group
         for g in groups:
             part = records[(g - first) * per : (g - first + 1) * per]
@@ -827,6 +921,57 @@ class TeacherLogitsReader:
             _, dropped = self._cache.popitem(last=False)
             self._cached_bytes -= sum(r.nbytes for r in dropped)
         return self._cache[key]
+
+    def _check(
+        self, path: Path, records: list[Record], stored: np.ndarray, first: int, groups: int
+    ) -> None:
+        """Refuse decoded rows that are not the ones the manifest places in the shard's ``groups``
+        row groups from ``first`` on (a shard rewritten behind the manifest), or that
+        are not top-k rows of one distribution (:mod:`kd.teachers.answer_checks`): one line
+        naming the shard, the dataset row and the position. Raised as
+        :class:`~kd.teachers.TeacherStopped`, so that training saves the steps completed."""
+        redo = (
+            f"delete {path} and rerun kd run teacher_logits --config <this config> (it rewrites "
+            "only what is missing)"
+        )
+        per = self.rows_per_group
+        expected = self._rows_at(path.name, first * per, groups * per)
+        if stored.shape != expected.shape or not np.array_equal(stored, expected):
+            if stored.size == expected.size:
+                bad = int(np.flatnonzero(stored != expected)[0])
+                what = (
+                    f"dataset row {int(stored[bad])} where its manifest places row "
+                    f"{int(expected[bad])}"
+                )
+            else:
+                what = f"{stored.size} rows where its manifest places {expected.size}"
+            raise TeacherStopped(
+                f"{self.key}: shard {path} holds {what}: it was rewritten behind "
+                f"{MANIFEST_FILE}; {redo}"
+            )
+        found = _records_problem(records, vocab=int(self.manifest["vocab"]))
+        if found is not None:
+            i, where, what = found
+            raise TeacherStopped(
+                f"{self.key}: shard {path}, dataset row {int(stored[i])}, {where}, {what}; the "
+                f"store holds values no teacher gives (edited, or written by another tool); {redo}"
+            )
+        for rec in records:  # checked: the spans as pairs
+            if rec.teacher_offsets is not None and rec.student_offsets is not None:
+                rec.teacher_offsets = rec.teacher_offsets.reshape(-1, 2)
+                rec.student_offsets = rec.student_offsets.reshape(-1, 2)
+
+    def _rows_at(self, name: str, start: int, count: int) -> np.ndarray:
+        """The dataset rows the layout puts at positions ``start .. start + count - 1`` of shard
+        ``name`` (fewer where the shard ends): rank r's shard i holds rows r, r + W, ... from its
+        ``i * rows_per_shard``-th on."""
+        found = re.fullmatch(r"rank(\d+)-(\d+)\.parquet", name)
+        if found is None:  # not a shard name of this layout: it holds no row
+            return np.zeros(0, dtype=np.int64)
+        rank, index = int(found[1]), int(found[2])
+        per_rank = range(rank, self.num_rows, self.world_size)
+        shard = per_rank[index * self.rows_per_shard : (index + 1) * self.rows_per_shard]
+        return np.asarray(shard[start : start + count], dtype=np.int64)
 
     def _decode(self, table: Any) -> list[Record]:
         """A decoded table's rows (a cross-tokenizer store's with the teacher's columns)."""
@@ -853,12 +998,11 @@ class TeacherLogitsReader:
                 table.column(name).to_numpy(zero_copy_only=False) for name in _CROSS_COLUMNS
             )
             for r, t, o, lp, so in zip(records, tokens, offsets, token_lps, s_offsets, strict=True):
+                # The spans stay flat until checked (_records_problem), then are made pairs.
                 r.teacher_tokens = np.asarray(t, dtype=np.int32)
-                r.teacher_offsets = np.asarray(o, dtype=np.int32).reshape(-1, 2)
+                r.teacher_offsets = np.asarray(o, dtype=np.int32)
                 r.teacher_token_logprobs = np.asarray(lp, dtype=np.float32)
-                r.student_offsets = np.asarray(so, dtype=np.int32).reshape(-1, 2)
-                if not len(r.teacher_tokens) == len(r.teacher_token_logprobs) == r.ids.shape[0]:
-                    raise ValueError("teacher columns of another length than its top-k rows")
+                r.student_offsets = np.asarray(so, dtype=np.int32)
         return records
 
     def record(self, row: int) -> Record:
