@@ -14,10 +14,9 @@ from kd.memory.activations import (
     student_activations,
     student_forward_bytes,
 )
+from kd.memory import runtime
 from kd.memory.estimate import (
     GIB,
-    RESERVE_FIXED_BYTES,
-    RESERVE_NCCL_BYTES,
     estimate,
     runtime_reserve,
 )
@@ -216,11 +215,30 @@ def test_generation_by_a_missing_model_is_refused():
 
 # --------------------------------------------------------------------------- reserve
 def test_runtime_reserve():
+    """CUDA: the measured terms by name (kd.memory.runtime); CPU: the process and 3%."""
     one = TrainKnobs(batch_size=1, seq_len=8)
-    assert runtime_reserve(100 * GIB, one) == RESERVE_FIXED_BYTES + int(0.03 * 100 * GIB)
+    cuda = runtime_reserve(100 * GIB, one)
+    assert cuda == (
+        runtime.CUDA_CONTEXT_BYTES + runtime.CUBLAS_WORKSPACE_BYTES + int(0.05 * 100 * GIB)
+    )
+    ac = replace(one, activation_checkpointing=True)
+    assert runtime_reserve(100 * GIB, ac) - cuda == int(0.135 * 100 * GIB) - int(0.05 * 100 * GIB)
     two = replace(one, world_size=2)
-    assert runtime_reserve(100 * GIB, two) == runtime_reserve(100 * GIB, one) + RESERVE_NCCL_BYTES
+    assert runtime_reserve(100 * GIB, two) == cuda + runtime.NCCL_BYTES_PER_RANK
+    cpu = replace(one, device_type="cpu")
+    assert runtime_reserve(100 * GIB, cpu) == GIB + int(0.03 * 100 * GIB)
     assert runtime_reserve(100 * GIB, replace(one, reserve_bytes=5)) == 5
+
+
+def test_plan_reports_allocated_reserved_and_device_peaks():
+    """allocated + allocator_slack = reserved; + cuda_runtime = the device peak (the budget's)."""
+    est = estimate(QWEN, None, TrainKnobs(batch_size=1, seq_len=64))
+    slack = est.phases[est.peak_phase]["allocator_slack"]
+    rt = est.phases[est.peak_phase]["cuda_runtime"]
+    assert slack == est.runtime.fragmentation + est.runtime.workspace > 0
+    assert rt == est.runtime.context == runtime.CUDA_CONTEXT_BYTES
+    assert est.reserved_peak_bytes == est.allocated_peak_bytes + slack
+    assert est.peak_bytes == est.reserved_peak_bytes + rt
 
 
 # --------------------------------------------------------------------------- monotonicity

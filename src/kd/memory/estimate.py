@@ -17,8 +17,9 @@ What one optimizer step of ``kd.training.train`` allocates on one device, phase 
 Every byte term is derived from the tensors torchtune's modules and ``kd.losses`` save or
 allocate (transformers' layers, for ``kd.hf`` models: :mod:`kd.memory.hf_terms`) (see
 ``docs/memory_accuracy.md`` for the derivation and the check against MemTracker traces). Bytes
-are per device; FSDP2 terms divide the sharded pieces by the world size. The runtime reserve is
-added to every phase.
+are per device; FSDP2 terms divide the sharded pieces by the world size. The runtime terms
+(:mod:`kd.memory.runtime`: the allocator's slack, the CUDA context, NCCL) are added to every
+phase.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kd.memory.hidden import hidden_terms
 from kd.memory.knobs import TrainKnobs
 from kd.memory.loss_head import loss_head
 from kd.memory.resident import resident_bytes
+from kd.memory.runtime import RuntimeTerms, runtime_terms
 from kd.memory.shapes import ModelShape
 from kd.memory.training_step import (
     Components,
@@ -42,15 +44,6 @@ from kd.memory.training_step import (
 )
 
 GIB = 1 << 30
-
-# Runtime reserve the tracer cannot see, per device: CUDA context + cuBLAS/cuDNN workspaces
-# (~0.5-0.7 GiB on H100 with CUDA 12 lazy loading) and caching-allocator rounding/fragmentation
-# (2 MiB rounding of large blocks, partly used segments). Documented in docs/memory_accuracy.md;
-# override with ``memory.reserve_gib``.
-RESERVE_FIXED_BYTES = 1 * GIB
-RESERVE_FRACTION = 0.03  # of the allocated peak: allocator rounding and fragmentation
-RESERVE_NCCL_BYTES = GIB // 2  # extra per rank when distributed (NCCL channel buffers)
-
 
 # The phases of every training step; on-policy sampling precedes them (``on_policy``), the
 # evaluation phase follows them when validation is on.
@@ -76,8 +69,11 @@ COMPONENTS = (
     "sampling",
     "hidden_states",
     "fsdp_in_flight",
-    "runtime_reserve",
+    "allocator_slack",
+    "cuda_runtime",
 )
+# What a trace does not see (kd.memory.runtime): inside the allocator, then outside it.
+RUNTIME_COMPONENTS = ("allocator_slack", "cuda_runtime")
 
 
 @dataclass
@@ -103,6 +99,7 @@ class Estimate:
     teacher_params: int
     notes: list[str] = field(default_factory=list)
     subphases: dict[str, int] = field(default_factory=dict)
+    runtime: RuntimeTerms = field(default_factory=RuntimeTerms)
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -119,40 +116,54 @@ class Estimate:
 
     @property
     def allocated_peak_bytes(self) -> int:
-        """Peak without the runtime reserve (what a MemTracker trace measures)."""
-        return self.peak_bytes - self.phases[self.peak_phase].get("runtime_reserve", 0)
+        """Peak without the runtime terms (what a MemTracker trace measures, and
+        ``torch.cuda.max_memory_allocated``)."""
+        return self.allocated(self.peak_phase)
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """The allocated peak plus the allocator's slack (``torch.cuda.max_memory_reserved``)."""
+        return self.allocated_peak_bytes + self.phases[self.peak_phase].get("allocator_slack", 0)
 
     def allocated(self, phase: str) -> int:
-        return self.total(phase) - self.phases[phase].get("runtime_reserve", 0)
+        return self.total(phase) - sum(self.phases[phase].get(c, 0) for c in RUNTIME_COMPONENTS)
 
 
 def runtime_reserve(allocated: int, k: TrainKnobs) -> int:
-    """The runtime reserve added to every phase: ``memory.reserve_gib`` when set, else the fixed
-    part, a fraction of the allocated peak and, distributed, NCCL's buffers."""
-    if k.reserve_bytes is not None:
-        return int(k.reserve_bytes)
-    reserve = RESERVE_FIXED_BYTES + int(RESERVE_FRACTION * allocated)
-    if k.num_ranks > 1:
-        reserve += RESERVE_NCCL_BYTES
-    return reserve
+    """Every runtime term added to each phase (bytes): :func:`kd.memory.runtime.runtime_terms`."""
+    terms = runtime_of(allocated, k)
+    return terms.allocator_slack + terms.cuda_runtime
+
+
+def runtime_of(allocated: int, k: TrainKnobs) -> RuntimeTerms:
+    """The named runtime terms of a run whose tensors peak at ``allocated`` bytes."""
+    return runtime_terms(
+        allocated,
+        device_type=k.device_type,
+        activation_checkpointing=k.activation_checkpointing,
+        num_ranks=k.num_ranks,
+        override=k.reserve_bytes,
+    )
 
 
 def _with_reserve(
     phases: dict[str, Components], subphases: dict[str, int], k: TrainKnobs
-) -> tuple[dict[str, Components], str]:
+) -> tuple[dict[str, Components], str, RuntimeTerms]:
     """Every component in every phase (0 when absent), the runtime reserve added, the allocated
     peaks of the phases after forward recorded in ``subphases``; and the peak phase."""
     for ph in phases.values():
         for c in COMPONENTS:
             ph.setdefault(c, 0)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    reserve = runtime_reserve(sum(phases[peak_phase].values()), k)
+    terms = runtime_of(sum(phases[peak_phase].values()), k)
     for name in ("backward", "optimizer_step", EVAL_PHASE, GEN_PHASE):
         if name in phases:
             subphases[name] = sum(phases[name].values())
     for ph in phases.values():
-        ph["runtime_reserve"] = reserve
-    return {p: {c: int(phases[p][c]) for c in COMPONENTS} for p in phases}, peak_phase
+        ph["allocator_slack"] = terms.allocator_slack
+        ph["cuda_runtime"] = terms.cuda_runtime
+    out = {p: {c: int(phases[p][c]) for c in COMPONENTS} for p in phases}
+    return out, peak_phase, terms
 
 
 def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs) -> Estimate:
@@ -200,7 +211,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     if k.num_ranks > 1:
         ws = k.num_ranks
         notes.append(f"FSDP2 over {ws} ranks: per-rank numbers; weights, grads and states / {ws}")
-    phases, peak_phase = _with_reserve(phases, subphases, k)
+    phases, peak_phase, terms = _with_reserve(phases, subphases, k)
     return Estimate(
         phases=phases,
         peak_phase=peak_phase,
@@ -209,4 +220,5 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         teacher_params=res.teacher_params,
         notes=[*notes, *head.notes],
         subphases=subphases,
+        runtime=terms,
     )

@@ -70,7 +70,9 @@ class TrainKnobs:
         fsdp_cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads, states on CPU).
         reshard_after_forward: FSDP2 frees unsharded layers after forward.
         reduce_dtype_bytes: FSDP2 gradient reduce-scatter dtype (4 = fp32).
-        reserve_bytes: runtime reserve override (None = documented default).
+        reserve_bytes: runtime reserve override (None = the named terms of
+            :mod:`kd.memory.runtime` for :attr:`device_type`).
+        device_type: ``cuda`` or ``cpu``: which runtime's terms the plan adds.
         select_labelled: the real fused path copies labelled rows of both hidden states; the
             fake-tensor trace keeps all rows instead (False reproduces the trace).
         teacher_bytes_per_param: a quantized teacher's bytes per parameter (the fit search's
@@ -110,6 +112,7 @@ class TrainKnobs:
     reshard_after_forward: bool = True
     reduce_dtype_bytes: int = 4
     reserve_bytes: int | None = None
+    device_type: str = "cuda"
     select_labelled: bool = True
     teacher_bytes_per_param: float | None = None
     eval_batch: int | None = None

@@ -105,7 +105,12 @@ class MemoryPlan:
 
     @property
     def reserve_bytes(self) -> int:
-        return self.components.get("runtime_reserve", 0)
+        return self.components.get("allocator_slack", 0) + self.components.get("cuda_runtime", 0)
+
+    @property
+    def reserved_peak_gib(self) -> float:
+        """Allocated peak + the allocator's slack: what ``max_memory_reserved`` will show."""
+        return self.estimate.reserved_peak_bytes / GIB
 
     @property
     def traced_peak_gib(self) -> float | None:
@@ -128,7 +133,9 @@ class MemoryPlan:
                 p: {c: round(b / GIB, 4) for c, b in e.phases[p].items()} for p in e.phase_names
             },
             "allocated_peak_gib": round(e.allocated_peak_bytes / GIB, 4),
+            "reserved_peak_gib": round(self.reserved_peak_gib, 4),
             "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
+            "runtime_terms": e.runtime.to_json(),
             "student": {
                 "builder": self.inputs.student.name,
                 "params": e.student_params,
@@ -233,6 +240,11 @@ class MemoryPlan:
                 f"  {'estimate (alloc.)':<18}"
                 + "".join(f"{self._trace_est().allocated(p) / GIB:12.2f}" for p in phases)
             )
+        lines.append(
+            f"  peaks: allocated {e.allocated_peak_bytes / GIB:.2f} GiB (tensors), reserved "
+            f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
+            "(+ cuda_runtime); the budget is checked against the device peak"
+        )
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
             verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
@@ -407,6 +419,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         reshard_after_forward=run.fsdp.reshard_after_forward,
         reduce_dtype_bytes=4 if run.fsdp.reduce_dtype == "fp32" else 2,
         reserve_bytes=None if reserve is None else int(reserve * GIB),
+        device_type="cpu" if run.device.startswith("cpu") else "cuda",
         eval_batch=run.validation.batch_size if run.validation is not None else None,
         stored_topk=run.teacher_logits.k
         if run.teacher_logits is not None
