@@ -1,0 +1,122 @@
+"""A fake accelerator: the training step's device code on a CPU-only machine, under fake tensors.
+
+On a CPU-only torch build, ``FakeTensorMode`` fakes ``device="cuda"`` for forward ops, but the
+first backward aborts the process (torch is not linked with CUDA). torch's PrivateUse1 backend,
+renamed (:func:`torch.utils.backend_registration._setup_privateuseone_for_python_backend`), is a
+device of its own that autograd, the optimizers and FSDP2 accept; under fake tensors it runs
+forward and backward and raises ``FakeTensorDeviceMismatchError`` when a CPU tensor meets it, as
+CUDA would. :func:`register` names it :data:`FAKE_DEVICE` once per process.
+
+:class:`FakeAccelerator` is the mode a step runs in. It differs from a plain ``FakeTensorMode``
+in two ways, both so that the step's host side runs for real as it does beside a GPU:
+
+* an op that touches no fake tensor and makes nothing on the fake device runs for real (the data
+  loader's collation, safetensors and Parquet reads, a served teacher's request and answer,
+  tokenization): those tensors are real CPU tensors, as on a GPU machine, and one that reaches a
+  device tensor without being moved is a device mismatch;
+* reading a value off a fake tensor (``float(t)``, ``t.item()``, ``bool(t)``, ``t.tolist()``)
+  gives zeros (``0``, ``0.0``, ``False``): the step's host-side decisions take their zero branch
+  (a finite gradient norm, so the optimizer steps; a sampled token that is not EOS, so rollouts
+  run to their length). Values are fake; shapes, dtypes and devices are the step's.
+
+How the fake device answers kd's ``device.type == "cuda"`` branches: it is not ``"cuda"``, so the
+CUDA-only host calls are skipped (``torch.cuda.synchronize`` in :class:`kd.metrics.PhaseTimer`,
+``torch.cuda.max_memory_allocated`` in :func:`kd.metrics.peak_memory_gib` (the process's RSS is
+logged instead), ``torch.cuda.set_device``, ``pin_memory`` for FSDP2's CPU offload); kd uses no
+autocast and builds its optimizer as the config names it (no implicit ``fused``). Everything
+else (where tensors live, which dtype they have) follows the run's device as on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+
+FAKE_DEVICE = "fakecuda"
+"""The fake accelerator's device type (torch's PrivateUse1 backend, renamed)."""
+
+_aten = torch.ops.aten
+
+
+def register() -> torch.device:
+    """Register the fake accelerator (idempotent: once per process); its device.
+
+    Raises:
+        RuntimeError: PrivateUse1 is already registered under another name in this process
+            (another backend extension is loaded).
+    """
+    from torch.utils import backend_registration
+
+    name = torch._C._get_privateuse1_backend_name()
+    if name == FAKE_DEVICE:
+        return torch.device(FAKE_DEVICE)
+    if name != "privateuseone":
+        raise RuntimeError(
+            f"the PrivateUse1 backend is already {name!r}; the fake accelerator needs it unused"
+        )
+    backend_registration._setup_privateuseone_for_python_backend(FAKE_DEVICE)
+    return torch.device(FAKE_DEVICE)
+
+
+def is_fake_device(device: torch.device | str) -> bool:
+    """Whether ``device`` is the fake accelerator."""
+    return torch.device(device).type == FAKE_DEVICE
+
+
+def _on_fake_device(value: object) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == FAKE_DEVICE
+    if isinstance(value, str):
+        return value.split(":", 1)[0] == FAKE_DEVICE
+    return False
+
+
+def _zero(dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point or dtype.is_complex:
+        return 0.0
+    return 0
+
+
+class FakeAccelerator(FakeTensorMode):
+    """``FakeTensorMode`` for a step on the fake device; real CPU work stays real (module doc).
+
+    Real tensors that meet fake ones are converted (``allow_non_fake_inputs``), so a real CPU
+    tensor meeting a fake device tensor raises ``FakeTensorDeviceMismatchError``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        register()
+        super().__init__(allow_non_fake_inputs=True, **kwargs)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        kwargs = dict(kwargs or {})
+        leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        fake = [x for x in leaves if isinstance(x, FakeTensor)]
+        if func is _aten._local_scalar_dense.default and fake:
+            return _zero(fake[0].dtype)
+        if not fake:
+            if not any(_on_fake_device(x) for x in leaves):
+                return func(*args, **kwargs)  # host work: real (the mode is off in its handler)
+            # A real tensor sent to the fake device (``.to(device)``): its fake copy goes.
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self.from_tensor, (args, kwargs))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@contextlib.contextmanager
+def fake_accelerator() -> Iterator[FakeAccelerator]:
+    """Enter :class:`FakeAccelerator` (the fake device registered); yields the mode."""
+    with FakeAccelerator() as mode:
+        yield mode
