@@ -105,6 +105,7 @@ def fake_device_step(
         FakeTensorDeviceMismatchError: a tensor met a tensor on another device.
         ValueError: the config's device is not cuda.
     """
+    from kd.memory.fake_step import fake_friendly
     from kd.recipes.kd import KDRecipe
     from kd.training.distributed import WorldInfo
 
@@ -115,7 +116,8 @@ def fake_device_step(
         recipe = KDRecipe(run, world=world)
         try:
             recipe.preload()
-            with fake_device.FakeAccelerator():
+            # What lets torchtune, transformers and peft build on fake tensors (as the tracer).
+            with fake_friendly(run), fake_device.FakeAccelerator():
                 recipe.load()
                 grad_accum = recipe.run.optimizer.grad_accum
                 batches = list(itertools.islice(iter(recipe.loader), grad_accum))

@@ -43,6 +43,73 @@ FAKE_DEVICE = "fakecuda"
 _aten = torch.ops.aten
 
 
+class _FakeDeviceModule:
+    """``torch.fakecuda``: what torch asks a device module for (autocast's dtypes, activation
+    checkpointing's RNG state, device counts), answered as one CUDA device answers."""
+
+    class device:  # noqa: N801 - torch calls ``torch.<backend>.device(index)`` as CUDA's
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        return None
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        return None
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)  # a host byte tensor, as CUDA's
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    @staticmethod
+    def is_bf16_supported() -> bool:
+        return True
+
+
 def register() -> torch.device:
     """Register the fake accelerator (idempotent: once per process); its device.
 
@@ -59,7 +126,9 @@ def register() -> torch.device:
         raise RuntimeError(
             f"the PrivateUse1 backend is already {name!r}; the fake accelerator needs it unused"
         )
-    backend_registration._setup_privateuseone_for_python_backend(FAKE_DEVICE)
+    backend_registration._setup_privateuseone_for_python_backend(
+        FAKE_DEVICE, backend_module=_FakeDeviceModule()
+    )
     return torch.device(FAKE_DEVICE)
 
 
@@ -94,6 +163,12 @@ class FakeAccelerator(FakeTensorMode):
     def __init__(self, **kwargs: Any) -> None:
         register()
         super().__init__(allow_non_fake_inputs=True, **kwargs)
+
+    @property
+    def avoid_device_init(self) -> bool:
+        """Always: the device allocates nothing, so ``torch.tensor(data, device=...)`` must be
+        made on the CPU and then moved (through this mode) as on a machine without CUDA."""
+        return True
 
     def __torch_dispatch__(
         self,
