@@ -135,13 +135,8 @@ def test_int8_teacher(assets, tmp_path):
 
 # ------------------------------------------------------------------------- teacher files
 def test_kd_store(assets, kd_store, tmp_path):  # noqa: F811
-    cfg = gpu_config(
-        assets,
-        tmp_path / "out",
-        teacher_logits={"path": str(kd_store), "k": K},
-        validation=heldout(assets),
-    )
-    assert step(no_teacher_nodes(cfg), tmp_path).validated
+    cfg = gpu_config(assets, tmp_path / "out", teacher_logits={"path": str(kd_store), "k": K})
+    step(no_teacher_nodes(cfg), tmp_path)
 
 
 @pytest.mark.parametrize("fmt", ["axolotl", "distillkit"])

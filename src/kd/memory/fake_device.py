@@ -17,7 +17,10 @@ in two ways, both so that the step's host side runs for real as it does beside a
 * reading a value off a fake tensor (``float(t)``, ``t.item()``, ``bool(t)``, ``t.tolist()``)
   gives zeros (``0``, ``0.0``, ``False``): the step's host-side decisions take their zero branch
   (a finite gradient norm, so the optimizer steps; a sampled token that is not EOS, so rollouts
-  run to their length). Values are fake; shapes, dtypes and devices are the step's.
+  run to their length), and an op whose output shape depends on values takes its largest shape
+  (``nonzero``: every position, so a selection of labelled positions keeps them all, the
+  worst case the planner plans for). Values are fake; shapes, dtypes and devices are the
+  step's.
 
 How the fake device answers kd's ``device.type == "cuda"`` branches: it is not ``"cuda"``, so the
 CUDA-only host calls are skipped (``torch.cuda.synchronize`` in :class:`kd.metrics.PhaseTimer`,
@@ -30,11 +33,18 @@ else (where tensors live, which dtype they have) follows the run's device as on 
 from __future__ import annotations
 
 import contextlib
+import threading
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+)
 from torch.utils import _pytree as pytree
 
 FAKE_DEVICE = "fakecuda"
@@ -153,6 +163,18 @@ def _zero(dtype: torch.dtype) -> bool | int | float:
     return 0
 
 
+def _where(error: Exception) -> str:
+    """``error`` and the frames of the stack outside torch that led to it."""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_stack()[:-2] if not f.filename.startswith(torch_dir)]
+    return "".join(traceback.format_list(frames)) + f"{type(error).__name__}: {error}"
+
+
+class FakeDeviceMismatch(RuntimeError):
+    """A device mismatch met during backward (autograd's device thread), raised when the mode
+    exits; the message holds the first one's traceback."""
+
+
 class FakeAccelerator(FakeTensorMode):
     """``FakeTensorMode`` for a step on the fake device; real CPU work stays real (module doc).
 
@@ -163,6 +185,7 @@ class FakeAccelerator(FakeTensorMode):
     def __init__(self, **kwargs: Any) -> None:
         register()
         super().__init__(allow_non_fake_inputs=True, **kwargs)
+        self.mismatches: list[str] = []  # tracebacks of those met in autograd's device thread
 
     @property
     def avoid_device_init(self) -> bool:
@@ -178,16 +201,58 @@ class FakeAccelerator(FakeTensorMode):
         kwargs: Mapping[str, object] | None = None,
     ) -> object:
         kwargs = dict(kwargs or {})
+        # Autograd's device thread (backward, activation checkpointing's recompute) runs with the
+        # mode but not its thread-local flag that makes ``torch.tensor(data, device=...)`` move
+        # its CPU tensor through the mode (FakeTensorMode sets it on entering, for one thread).
+        torch._C._set_only_lift_cpu_tensors(True)
         leaves = pytree.arg_tree_leaves(*args, **kwargs)
         fake = [x for x in leaves if isinstance(x, FakeTensor)]
         if func is _aten._local_scalar_dense.default and fake:
             return _zero(fake[0].dtype)
+        if func is _aten.nonzero.default and fake:
+            (arg,) = args
+            assert isinstance(arg, torch.Tensor)
+            size = [arg.numel(), arg.dim()]  # every position: the largest answer
+            return super().__torch_dispatch__(
+                _aten.empty.memory_format,
+                types,
+                (size,),
+                {"dtype": torch.long, "device": arg.device},
+            )
         if not fake:
             if not any(_on_fake_device(x) for x in leaves):
                 return func(*args, **kwargs)  # host work: real (the mode is off in its handler)
             # A real tensor sent to the fake device (``.to(device)``): its fake copy goes.
             args, kwargs = pytree.tree_map_only(torch.Tensor, self.from_tensor, (args, kwargs))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except FakeTensorDeviceMismatchError as e:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            # In autograd's device thread an exception aborts the process (torch's Python
+            # device guard cannot unwind it): note it, go on as if both were on the device, and
+            # raise it when the mode exits.
+            self.mismatches.append(_where(e))
+            args, kwargs = pytree.tree_map_only(FakeTensor, self._to_device, (args, kwargs))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _to_device(self, t: FakeTensor) -> FakeTensor:
+        if t.device.type == FAKE_DEVICE or t.dim() == 0:
+            return t
+        moved = super().__torch_dispatch__(
+            _aten._to_copy.default, (type(t),), (t,), {"device": torch.device(FAKE_DEVICE)}
+        )
+        assert isinstance(moved, FakeTensor)
+        return moved
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.mismatches and exc[0] is None:
+            found, self.mismatches = self.mismatches, []
+            raise FakeDeviceMismatch(
+                f"{len(found)} device mismatch(es) in autograd's device thread; the first:\n"
+                + found[0]
+            )
 
 
 @contextlib.contextmanager
