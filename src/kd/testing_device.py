@@ -106,7 +106,7 @@ def fake_device_step(
         FakeTensorDeviceMismatchError: a tensor met a tensor on another device.
         ValueError: the config's device is not cuda.
     """
-    from kd.memory.fake_step import fake_friendly
+    from kd.memory.fake_step import fake_friendly, fake_friendly_kv_cache
     from kd.recipes.kd import KDRecipe
     from kd.training.distributed import WorldInfo
 
@@ -117,8 +117,9 @@ def fake_device_step(
         recipe = KDRecipe(run, world=world)
         try:
             recipe.preload()
-            # What lets torchtune, transformers and peft build on fake tensors (as the tracer).
-            with fake_friendly(run), fake_device.FakeAccelerator():
+            # What lets torchtune, transformers and peft build and sample on fake tensors (as
+            # the tracer): value reads in their own checks.
+            with fake_friendly(run), fake_friendly_kv_cache(), fake_device.FakeAccelerator():
                 recipe.load()
                 grad_accum = recipe.run.optimizer.grad_accum
                 batches = list(itertools.islice(iter(recipe.loader), grad_accum))

@@ -170,6 +170,16 @@ def _where(error: Exception) -> str:
     return "".join(traceback.format_list(frames)) + f"{type(error).__name__}: {error}"
 
 
+class _HostGenerator(torch.Generator):
+    """``torch.Generator(device=<the fake device>)``: a CPU generator (torch's Python backend
+    cannot make one of its own; fake sampling draws nothing from it)."""
+
+    def __new__(cls, device: Any = "cpu") -> torch.Generator:
+        if is_fake_device(device):
+            device = "cpu"
+        return super().__new__(cls, device)
+
+
 class FakeDeviceMismatch(RuntimeError):
     """A device mismatch met during backward (autograd's device thread), raised when the mode
     exits; the message holds the first one's traceback."""
@@ -245,7 +255,13 @@ class FakeAccelerator(FakeTensorMode):
         assert isinstance(moved, FakeTensor)
         return moved
 
+    def __enter__(self) -> FakeAccelerator:
+        self._generator = torch.Generator
+        torch.Generator = _HostGenerator  # type: ignore[misc]
+        return super().__enter__()
+
     def __exit__(self, *exc: Any) -> None:
+        torch.Generator = self._generator  # type: ignore[misc]
         super().__exit__(*exc)
         if self.mismatches and exc[0] is None:
             found, self.mismatches = self.mismatches, []
