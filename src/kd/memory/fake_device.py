@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorDeviceMismatchError,
     FakeTensorMode,
+    _check_for_subclass,
 )
 from torch.utils import _pytree as pytree
 
@@ -55,7 +56,8 @@ _aten = torch.ops.aten
 
 class _FakeDeviceModule:
     """``torch.fakecuda``: what torch asks a device module for (autocast's dtypes, activation
-    checkpointing's RNG state, device counts), answered as one CUDA device answers."""
+    checkpointing's RNG state, FSDP2's streams and events, device counts), answered as one CUDA
+    device with one stream answers."""
 
     class device:  # noqa: N801 - torch calls ``torch.<backend>.device(index)`` as CUDA's
         def __init__(self, device: Any) -> None:
@@ -66,6 +68,23 @@ class _FakeDeviceModule:
 
         def __exit__(self, *exc: object) -> None:
             return None
+
+    @staticmethod
+    def Stream(device: Any = None, priority: int = 0) -> torch.Stream:  # noqa: N802 - CUDA's name
+        return torch.Stream(device=FAKE_DEVICE, priority=priority)
+
+    @staticmethod
+    def Event(enable_timing: bool = False, **kwargs: Any) -> torch.Event:  # noqa: N802
+        return torch.Event(device=FAKE_DEVICE, enable_timing=enable_timing)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> torch.Stream:
+        return torch.Stream(device=FAKE_DEVICE)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream: Any) -> Iterator[None]:
+        yield  # one stream: every op is in order
 
     @staticmethod
     def is_available() -> bool:
@@ -216,6 +235,8 @@ class FakeAccelerator(FakeTensorMode):
         # its CPU tensor through the mode (FakeTensorMode sets it on entering, for one thread).
         torch._C._set_only_lift_cpu_tensors(True)
         leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        if _check_for_subclass(leaves):  # a DTensor...: its own dispatch goes first
+            return super().__torch_dispatch__(func, types, args, kwargs)
         fake = [x for x in leaves if isinstance(x, FakeTensor)]
         if func is _aten._local_scalar_dense.default and fake:
             return _zero(fake[0].dtype)
@@ -232,8 +253,8 @@ class FakeAccelerator(FakeTensorMode):
         if not fake:
             if not any(_on_fake_device(x) for x in leaves):
                 return func(*args, **kwargs)  # host work: real (the mode is off in its handler)
-            # A real tensor sent to the fake device (``.to(device)``): its fake copy goes.
-            args, kwargs = pytree.tree_map_only(torch.Tensor, self.from_tensor, (args, kwargs))
+            if any(isinstance(x, torch.Tensor) for x in leaves):
+                return self._made_on_device(func, args, kwargs)
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except FakeTensorDeviceMismatchError as e:
@@ -245,6 +266,21 @@ class FakeAccelerator(FakeTensorMode):
             self.mismatches.append(_where(e))
             args, kwargs = pytree.tree_map_only(FakeTensor, self._to_device, (args, kwargs))
             return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _made_on_device(self, func: Any, args: Any, kwargs: dict[str, Any]) -> object:
+        """A real (or meta) tensor's op whose output goes to the fake device (``.to(device)``,
+        ``to_empty``, ``empty_like(t, device=...)``): run on the meta device, the output made
+        fake on the fake device. The inputs are not converted (a conversion keeps a reference
+        to them, and a module's ``to_empty`` then cannot swap its parameters)."""
+        meta = torch.device("meta")
+        args, kwargs = pytree.tree_map(
+            lambda x: meta if _on_fake_device(x) else x, (args, kwargs)
+        )
+        out = func(*args, **kwargs)
+        device = torch.device(FAKE_DEVICE, 0)
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: FakeTensor(self, t.to(meta), device), out
+        )
 
     def _to_device(self, t: FakeTensor) -> FakeTensor:
         if t.device.type == FAKE_DEVICE or t.dim() == 0:
