@@ -55,28 +55,28 @@ class FakeStepResult:
 
 @contextlib.contextmanager
 def _fake_process_group(world_size: int) -> Iterator[None]:
+    """Rank 0 of ``world_size`` over torch's fake process group, on the fake device (nothing at
+    world size 1)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from kd.memory.trace_fsdp import fake_process_group
 
     if world_size == 1:
         yield
         return
+
     def rank_zeros_objects(object_list: list[Any], src: int = 0, **kwargs: Any) -> None:
         # This process is rank 0, the source: a broadcast leaves its objects as they are (torch's
         # pickling into a byte tensor is not done on the fake device).
         assert src == 0
 
-    # Collectives on the fake device and on the CPU (as NCCL and gloo beside a GPU).
-    backend = f"{fake_device.FAKE_DEVICE}:fake,cpu:fake"
-    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
     broadcast = dist.broadcast_object_list
     dist.broadcast_object_list = rank_zeros_objects
     try:
-        yield
+        with fake_process_group(world_size, fake_device.FAKE_DEVICE):
+            yield
     finally:
         dist.broadcast_object_list = broadcast
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run_of(config: Path | str, overrides: Sequence[str]) -> Any:

@@ -17,17 +17,15 @@ import pytest
 import torch
 from conftest import (
     MAX_SEQ_LEN,
-    STUDENT,
     TEACHER,
     builder,
     checkpointer_node,
     make_config,
-    tiny_model,
     write_config,
     write_hf_qwen2,
 )
 from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 (fixtures)
-from test_foreign_logits import K, T_GEN, foreign, kd_store  # noqa: F401 (fixtures)
+from test_foreign_logits import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
 from test_served_teacher import teacher_fn, tokenizer  # noqa: F401 (fixtures)
 
 from kd.memory.fake_device import FAKE_DEVICE
@@ -39,7 +37,9 @@ COSINE = {
     "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
     "num_warmup_steps": 1,
 }
-LORA = dict(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8)
+LORA = dict(
+    lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4, lora_alpha=8
+)
 
 
 def gpu_config(assets: dict, out: Path, *, lora: bool = False, **top: Any) -> dict:

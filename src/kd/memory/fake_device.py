@@ -22,12 +22,25 @@ in two ways, both so that the step's host side runs for real as it does beside a
   worst case the planner plans for). Values are fake; shapes, dtypes and devices are the
   step's.
 
+Further, so that the device step runs as on CUDA: attention takes a fused kernel (torch has no
+fused-kernel choice for a Python backend and would keep the math path's ``[b, h, s, s]``
+weights); ``torch.Generator(device=<fake>)`` is a CPU generator (a Python backend cannot make
+one; its device is not checked); FSDP2's streams and events are one stream's no-ops; a device
+mismatch in backward (autograd's device thread, where an exception would abort the process) is
+noted and raised as :class:`FakeDeviceMismatch`, with the frame that made it, when the mode
+exits.
+
 How the fake device answers kd's ``device.type == "cuda"`` branches: it is not ``"cuda"``, so the
 CUDA-only host calls are skipped (``torch.cuda.synchronize`` in :class:`kd.metrics.PhaseTimer`,
 ``torch.cuda.max_memory_allocated`` in :func:`kd.metrics.peak_memory_gib` (the process's RSS is
 logged instead), ``torch.cuda.set_device``, ``pin_memory`` for FSDP2's CPU offload); kd uses no
 autocast and builds its optimizer as the config names it (no implicit ``fused``). Everything
 else (where tensors live, which dtype they have) follows the run's device as on CUDA.
+``optimizer_in_cpu`` (one CUDA device only) is refused by the recipe on it.
+
+``kd plan --trace`` stays on fake CPU tensors: torch's memory trackers (``MemTracker``,
+``FSDPMemTracker``) do not see the ops autograd runs in the fake device's thread, so a trace on
+it would miss the backward's allocations. :mod:`kd.testing_device` runs ``kd run``'s step on it.
 """
 
 from __future__ import annotations
@@ -189,6 +202,40 @@ def _where(error: Exception) -> str:
     return "".join(traceback.format_list(frames)) + f"{type(error).__name__}: {error}"
 
 
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` on the fake device as a fused kernel: the CPU's flash
+    attention (it takes grouped k/v heads and a mask, as the CPU's choice does), which saves the
+    output and the log-sum-exp for backward like CUDA's flash and memory-efficient kernels."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(query.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
+
+
+def _fused_attention(original: Any) -> Any:
+    """``scaled_dot_product_attention`` that takes a fused kernel on the fake device, as on
+    CUDA. torch picks one per device type, and has none for a Python backend: it would run the
+    math path, which keeps the ``[b, h, s, s]`` weights for backward, memory the device step
+    never holds. Elsewhere: ``original``."""
+
+    def attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(query, torch.Tensor) and query.device.type == FAKE_DEVICE:
+            return _attention(query, *args, **kwargs)
+        return original(query, *args, **kwargs)
+
+    return attention
+
+
 class _HostGenerator(torch.Generator):
     """``torch.Generator(device=<the fake device>)``: a CPU generator (torch's Python backend
     cannot make one of its own; fake sampling draws nothing from it)."""
@@ -215,6 +262,7 @@ class FakeAccelerator(FakeTensorMode):
         register()
         super().__init__(allow_non_fake_inputs=True, **kwargs)
         self.mismatches: list[str] = []  # tracebacks of those met in autograd's device thread
+        self._depth = 0
 
     @property
     def avoid_device_init(self) -> bool:
@@ -264,7 +312,7 @@ class FakeAccelerator(FakeTensorMode):
             # device guard cannot unwind it): note it, go on as if both were on the device, and
             # raise it when the mode exits.
             self.mismatches.append(_where(e))
-            args, kwargs = pytree.tree_map_only(FakeTensor, self._to_device, (args, kwargs))
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._to_device, (args, kwargs))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _made_on_device(self, func: Any, args: Any, kwargs: dict[str, Any]) -> object:
@@ -273,42 +321,43 @@ class FakeAccelerator(FakeTensorMode):
         fake on the fake device. The inputs are not converted (a conversion keeps a reference
         to them, and a module's ``to_empty`` then cannot swap its parameters)."""
         meta = torch.device("meta")
-        args, kwargs = pytree.tree_map(
-            lambda x: meta if _on_fake_device(x) else x, (args, kwargs)
-        )
+        args, kwargs = pytree.tree_map(lambda x: meta if _on_fake_device(x) else x, (args, kwargs))
         out = func(*args, **kwargs)
         device = torch.device(FAKE_DEVICE, 0)
         return pytree.tree_map_only(
             torch.Tensor, lambda t: FakeTensor(self, t.to(meta), device), out
         )
 
-    def _to_device(self, t: FakeTensor) -> FakeTensor:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (fake, or a real host tensor) on the fake device; 0-d tensors may stay."""
         if t.device.type == FAKE_DEVICE or t.dim() == 0:
             return t
-        moved = super().__torch_dispatch__(
-            _aten._to_copy.default, (type(t),), (t,), {"device": torch.device(FAKE_DEVICE)}
-        )
+        to = {"device": torch.device(FAKE_DEVICE)}
+        if not isinstance(t, FakeTensor):
+            return self._made_on_device(_aten._to_copy.default, (t,), to)  # type: ignore[return-value]
+        moved = super().__torch_dispatch__(_aten._to_copy.default, (type(t),), (t,), to)
         assert isinstance(moved, FakeTensor)
         return moved
 
     def __enter__(self) -> FakeAccelerator:
-        self._generator = torch.Generator
-        torch.Generator = _HostGenerator  # type: ignore[misc]
+        # Fake tensors re-enter their mode for each op: patch on the outermost entry only.
+        if self._depth == 0:
+            self._generator = torch.Generator
+            torch.Generator = _HostGenerator  # type: ignore[misc]
+            self._sdpa = torch.nn.functional.scaled_dot_product_attention
+            torch.nn.functional.scaled_dot_product_attention = _fused_attention(self._sdpa)
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        torch.Generator = self._generator  # type: ignore[misc]
+        self._depth -= 1
+        if self._depth == 0:
+            torch.Generator = self._generator  # type: ignore[misc]
+            torch.nn.functional.scaled_dot_product_attention = self._sdpa
         super().__exit__(*exc)
-        if self.mismatches and exc[0] is None:
+        if self.mismatches and exc[0] is None and self._depth == 0:
             found, self.mismatches = self.mismatches, []
             raise FakeDeviceMismatch(
                 f"{len(found)} device mismatch(es) in autograd's device thread; the first:\n"
                 + found[0]
             )
-
-
-@contextlib.contextmanager
-def fake_accelerator() -> Iterator[FakeAccelerator]:
-    """Enter :class:`FakeAccelerator` (the fake device registered); yields the mode."""
-    with FakeAccelerator() as mode:
-        yield mode
