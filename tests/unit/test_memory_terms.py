@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 
+from kd.memory import runtime
 from kd.memory.activations import (
     layer_saved_bytes,
     nograd_forward_bytes,
     student_activations,
     student_forward_bytes,
 )
-from kd.memory import runtime
 from kd.memory.estimate import (
     GIB,
     estimate,

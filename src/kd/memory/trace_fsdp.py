@@ -9,9 +9,11 @@ and gradients, all-gather and reduce-scatter buffers, activations, temporaries, 
 
 Caveats:
 
-* fake CPU tensors only (fake CUDA aborts on autograd); so ``fsdp.cpu_offload`` cannot be traced
-  (its point is the device/host split) and CUDA-only buffer behaviour (streams, allocator rounding,
-  NCCL workspace) is not seen: add the plan's runtime reserve on top;
+* fake CPU tensors only (fake CUDA aborts on autograd; the fake accelerator of
+  :mod:`kd.memory.fake_device` runs the device step, but torch's trackers do not see the ops
+  autograd runs in its device thread); so ``fsdp.cpu_offload`` cannot be traced (its point is
+  the device/host split) and CUDA-only buffer behaviour (streams, allocator rounding, NCCL
+  workspace) is not seen: add the plan's runtime reserve on top;
 * the optimizer is traced with ``foreach=False``: with ``foreach=True`` FSDPMemTracker reported
   optimizer-step temporaries of 6-15x the sharded parameter bytes in the research probe, which
   looks like an artefact of foreach on DTensors and is unverified on a GPU;
@@ -42,8 +44,10 @@ from kd.memory.fake_step import (
 
 
 @contextlib.contextmanager
-def _fake_process_group(world_size: int) -> Iterator[Any]:
-    """A fake process group of ``world_size`` ranks (this process is rank 0) and its 1-D CPU mesh."""
+def fake_process_group(world_size: int, device_type: str = "cpu") -> Iterator[Any]:
+    """A fake process group of ``world_size`` ranks (this process is rank 0) and its 1-D mesh of
+    ``device_type`` (the CPU, or the fake accelerator: collectives on it and on the CPU, as NCCL
+    and gloo beside a GPU)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -51,11 +55,13 @@ def _fake_process_group(world_size: int) -> Iterator[Any]:
         raise KDUserError(
             "--trace: a process group is already initialized; run kd plan outside torchrun"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    backend = "fake" if device_type == "cpu" else f"{device_type}:fake,cpu:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield init_device_mesh(device_type, (world_size,))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # what ran inside may have left it (a recipe's cleanup)
+            dist.destroy_process_group()
 
 
 def trace_fsdp_step(run: RunConfig, *, world_size: int) -> TraceResult:
@@ -101,7 +107,7 @@ def trace_fsdp_step(run: RunConfig, *, world_size: int) -> TraceResult:
     gc.collect()
     with (
         fake_friendly(run),
-        _fake_process_group(world_size) as mesh,
+        fake_process_group(world_size) as mesh,
         FakeTensorMode(),
     ):
         shard = ShardSpec(

@@ -261,7 +261,8 @@ class CrossTokenizerTeacher(Teacher):
         """Each row of the batch, the teacher run on its own tokens (no grad)."""
         if batch.labels is None:
             raise ValueError("a cross-tokenizer teacher needs the batch's labels")
-        device = batch.tokens.device
+        # The model's device: the batch's tokens arrive as the loader made them (on the CPU).
+        device = next(self.model.parameters()).device
         indices = batch.rows if batch.rows is not None else [None] * len(batch.tokens)
         made = [
             self._row(t.cpu(), lab.cpu(), None if i is None else int(i))

@@ -33,8 +33,10 @@ class ModelTeacher(Teacher):
         self.generator: nn.Module | None = model
 
     def signal(self, batch: TeacherInput) -> LogitsSignal:
+        # The batch's tokens arrive as the loader made them (on the CPU): the model's device.
+        device = next(self.model.parameters()).device
         with torch.no_grad():
-            hidden = self.model(batch.tokens)  # [b, s, d_t]
+            hidden = self.model(batch.tokens.to(device))  # [b, s, d_t]
         return LogitsSignal(hidden=hidden, model=self.model)
 
     def check_loaded(self) -> None:

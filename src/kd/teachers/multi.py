@@ -329,6 +329,7 @@ class MultiSignal:
             if part is None or rows is None or rows.numel() == 0:
                 self.terms[f"kd_loss/{name}"] = zero.detach()
                 continue
+            rows = rows.to(labels.device)  # made where the batch's tokens were (the loader's)
             lab = labels.index_select(0, rows)
             share = (lab != ign).sum().to(torch.float32) / n_all
             loss_i, ce_i, kd_i = part.loss(

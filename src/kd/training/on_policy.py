@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -77,6 +77,11 @@ class Prompts:
     mask: torch.Tensor
     lengths: torch.Tensor
     truncated: int = 0
+
+    def to(self, device: torch.device) -> Prompts:
+        """The prompts with ``tokens`` and ``mask`` (what the models read) on ``device``;
+        ``lengths`` stay where they are (the host, where the training batch is assembled)."""
+        return replace(self, tokens=self.tokens.to(device), mask=self.mask.to(device))
 
 
 @dataclass(frozen=True)
@@ -483,14 +488,16 @@ class OnPolicyBatches:
         # is scored by the teacher its row names; rows naming none keep their own tokens (CE).
         route: list[str | None] | None = batch.get("route")  # type: ignore[assignment]
         limit = self.max_seq_len
+        # The prompts are cut from the batch where the loader made it (the host: no device
+        # round trip per row), then sent to the device.
         prompts = prompts_of(
-            batch["tokens"].to(self.device),
-            batch["labels"].to(self.device),
+            batch["tokens"],
+            batch["labels"],
             pad_id=self.pad_id,
             max_len=None if limit is None else limit - op.max_new_tokens,
             rows=rows,
             header=self.header,
-        )
+        ).to(self.device)
         generators = (
             row_generators(self.seed, epoch, rows, device=self.device)
             if op.temperature > 0
@@ -572,9 +579,10 @@ class OnPolicyBatches:
 
 def _select(prompts: Prompts, sel: Sequence[int]) -> Prompts:
     """The prompts of rows ``sel``, their common left padding removed."""
-    index = torch.tensor(list(sel), dtype=torch.long, device=prompts.tokens.device)
-    lengths = prompts.lengths.index_select(0, index)
+    index = torch.tensor(list(sel), dtype=torch.long)
+    lengths = prompts.lengths.index_select(0, index.to(prompts.lengths.device))
     width = int(lengths.max())
+    index = index.to(prompts.tokens.device)
     return Prompts(
         tokens=prompts.tokens.index_select(0, index)[:, -width:],
         mask=prompts.mask.index_select(0, index)[:, -width:],
