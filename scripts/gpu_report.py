@@ -1,0 +1,188 @@
+"""The tables of ``docs/gpu.md`` from a GPU session's JSON (``scripts/gpu_check.py``'s documents).
+
+The memory rows are planned again with today's runtime terms (:mod:`kd.memory.runtime`): each
+row keeps the planner's allocated peak as the GPU run computed it, and the reserved and device
+peaks are derived from it here, so a change to the terms shows against the same measurements.
+
+    python scripts/gpu_report.py                      # bench_data/gpu_check_h100.json -> docs/gpu.md
+    python scripts/gpu_report.py --json X.json --out /tmp/gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kd.memory.runtime import runtime_terms
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+MIB = 1 << 20
+BEGIN = "<!-- gpu_report.py: begin -->"
+END = "<!-- gpu_report.py: end -->"
+
+
+def memory_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every measured row (the latest call's when a configuration ran twice)."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for call in calls:
+        for r in call["doc"]["sections"].get("memory", {}).get("rows", []):
+            if r.get("status") == "ok":
+                rows[(r["name"], r["seq_len"], r["batch"], r["ac"])] = r
+    return list(rows.values())
+
+
+def replan(r: dict[str, Any]) -> dict[str, float]:
+    """Reserved and device peaks from the row's planned allocated peak and today's terms."""
+    alloc = r["plan"]["allocated_peak_gib"] * GIB
+    terms = runtime_terms(
+        int(alloc), device_type="cuda", activation_checkpointing=r["ac"], num_ranks=1
+    )
+    reserved = alloc + terms.allocator_slack
+    return {
+        "allocated": alloc / GIB,
+        "reserved": reserved / GIB,
+        "device": (reserved + terms.cuda_runtime) / GIB,
+    }
+
+
+def memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| configuration | tokens | batch | AC | planned alloc. | max allocated | planned "
+        "reserved | max reserved | plan / reserved | planned device | process (NVML) | "
+        "plan / process |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        p = replan(r)
+        proc = r.get("process_used_gib")
+        lines.append(
+            f"| {r['name']} | {r['seq_len']} | {r['batch']} | {'on' if r['ac'] else 'off'} | "
+            f"{p['allocated']:.2f} | {r['allocated_gib']:.2f} | {p['reserved']:.2f} | "
+            f"{r['reserved_gib']:.2f} | {p['reserved'] / r['reserved_gib']:.3f} | "
+            f"{p['device']:.2f} | {proc:.2f} | {p['device'] / proc:.3f} |"
+            if proc
+            else f"| {r['name']} | {r['seq_len']} | {r['batch']} | {'on' if r['ac'] else 'off'} | "
+            f"{p['allocated']:.2f} | {r['allocated_gib']:.2f} | {p['reserved']:.2f} | "
+            f"{r['reserved_gib']:.2f} | {p['reserved'] / r['reserved_gib']:.3f} | "
+            f"{p['device']:.2f} | - | - |"
+        )
+    return lines
+
+
+def runtime_table(calls: list[dict[str, Any]]) -> list[str]:
+    rt = calls[0]["doc"]["sections"].get("runtime", {})
+    if rt.get("status") != "ok":
+        return []
+    lines = ["| measured in a fresh process | default allocator | expandable_segments:True |",
+             "|---|---:|---:|"]
+    labels = {
+        "used_after_context": "device used after `torch.cuda.init` + one tensor (MiB)",
+        "cublas_reserved_delta": "first bf16 matmul: allocator reserved (cuBLAS workspace, MiB)",
+        "cublas_used_delta": "first bf16 matmul: device used (MiB)",
+        "cublaslt_used_delta": "first matmul with bias (cuBLASLt): device used (MiB)",
+        "segment_for_1048577": "segment reserved for a 1 MiB + 1 B tensor (MiB)",
+        "segment_for_10485761": "segment reserved for a 10 MiB + 1 B tensor (MiB)",
+        "nccl_used_delta": "one-rank NCCL group, first all-reduce: device used (MiB)",
+    }
+    d, e = rt["default"], rt.get("expandable", {})
+    for key, label in labels.items():
+        a = d.get(key)
+        b = e.get(key)
+        fa = f"{a / MIB:.0f}" if isinstance(a, int) else "-"
+        fb = f"{b / MIB:.0f}" if isinstance(b, int) else "-"
+        lines.append(f"| {label} | {fa} | {fb} |")
+    lines.append(
+        f"| bf16 matmul 8192^3, median of 10 (TFLOP/s) | {d.get('bf16_matmul_tflops', 0):.0f} | "
+        f"{e.get('bf16_matmul_tflops', 0):.0f} |"
+    )
+    return lines
+
+
+def speed_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    runs = []
+    for i, call in enumerate(calls):
+        sp = call["doc"]["sections"].get("speed")
+        if isinstance(sp, dict):
+            for r in sp.get("runs", []):
+                if r.get("status") == "ok":
+                    runs.append({**r, "call": i + 1})
+    return runs
+
+
+def speed_table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| mode | tool | call | labelled tokens/s | model TFLOP/s | MFU (of the measured 784) | "
+        "step split (s): sampling / teacher / student |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in runs:
+        ph = r.get("phases")
+        split = (
+            f"{ph['generate_s']:.3f} / {ph['teacher_s']:.3f} / {ph['student_s']:.3f}" if ph else "-"
+        )
+        lines.append(
+            f"| {r['mode']} | {r['tool']} | {r['call']} | {r['tokens_per_s']:.0f} | "
+            f"{r['model_tflops']:.1f} | {r['model_tflops'] / 784:.3f} | {split} |"
+        )
+    return lines
+
+
+def section(data: dict[str, Any], json_path: str) -> str:
+    calls = data["calls"]
+    env = calls[-1]["doc"]["sections"]["environment"]
+    v = env["versions"]
+    lines = [
+        BEGIN,
+        f"Generated by `python scripts/gpu_report.py` from `{json_path}`.",
+        "",
+        f"Device: {env.get('gpu')} ({env.get('gpu_total_gib', 0):.1f} GiB), driver "
+        f"{env.get('driver')}, CUDA {env.get('cuda')}, {env.get('cpus')} CPUs; measured "
+        f"{data['date']}; torch {v['torch']}, transformers {v['transformers']}, peft "
+        f"{v['peft']}, torchtune {v['torchtune']}, torchao {v['torchao']}, trl {v['trl']}, "
+        f"datasets {v['datasets']}, pyarrow {v['pyarrow']}.",
+        "",
+        "### The CUDA runtime, term by term",
+        "",
+        *runtime_table(calls),
+        "",
+        "### Plan against the device (planned with today's `kd.memory.runtime` terms)",
+        "",
+        *memory_table(memory_rows(calls)),
+        "",
+        "### kd against TRL",
+        "",
+        *speed_table(speed_rows(calls)),
+        "",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path) -> None:
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + text + rest.split(END, 1)[1]
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="scripts/bench_data/gpu_check_h100.json")
+    ap.add_argument("--out", default="docs/gpu.md")
+    args = ap.parse_args(argv)
+    data = json.loads((REPO / args.json).read_text())
+    write_section(section(data, args.json), REPO / args.out if not Path(args.out).is_absolute()
+                  else Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
