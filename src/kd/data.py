@@ -100,26 +100,40 @@ def collate_with_route(
     return batch
 
 
-def row_field(dataset: Any, index: int, name: str) -> Any:
-    """Field ``name`` of row ``index`` of the raw data behind ``dataset`` (None when the row has
-    none): through kd's wrappers, a concatenation of datasets, torchtune's SFT datasets (their
-    Hugging Face rows) and kd's pre-tokenized rows."""
+def raw_row(dataset: Any, index: int) -> Any:
+    """Row ``index`` of the raw data behind ``dataset`` (a mapping of its fields; None when kd
+    cannot see one): through kd's wrappers, a concatenation of datasets, torchtune's SFT datasets
+    (their Hugging Face rows) and kd's pre-tokenized rows."""
     rows = getattr(dataset, "_data", None)  # torchtune's SFTDataset: the loaded rows
     if rows is None and isinstance(getattr(dataset, "rows", None), list):
         rows = dataset.rows  # PretokenizedDataset
     if rows is not None:
-        row = rows[index]
-        return row.get(name) if isinstance(row, dict) else None
+        return rows[index]
     inner = getattr(dataset, "dataset", None)
     if inner is not None:  # NamedRows, WithRows, EvalShard-like wrappers with the same index
-        return row_field(inner, index, name)
+        return raw_row(inner, index)
     parts = getattr(dataset, "datasets", None)
     if parts is not None:  # torch / torchtune ConcatDataset
         for part in parts:
             if index < len(part):
-                return row_field(part, index, name)
+                return raw_row(part, index)
             index -= len(part)
     return None
+
+
+def row_field(dataset: Any, index: int, name: str) -> Any:
+    """Field ``name`` of row ``index`` of the raw data behind ``dataset`` (:func:`raw_row`; None
+    when the row has none)."""
+    row = raw_row(dataset, index)
+    return row.get(name) if isinstance(row, dict) else None
+
+
+def filled_fields(row: Any) -> list[str]:
+    """The fields of a raw row that hold a value, sorted. A Hugging Face dataset fills a field
+    that some rows lack with null in the others, so a row's keys are not the fields it has."""
+    if not hasattr(row, "items"):
+        return []
+    return sorted(str(k) for k, v in row.items() if v is not None)
 
 
 class WithRoute(Dataset):

@@ -44,8 +44,8 @@ from torch.utils.checkpoint import checkpoint
 from kd import losses, models
 from kd.config.run import LossSettings, RunConfig
 from kd.config.teachers import Member, members_of
-from kd.data import row_field
-from kd.errors import KDUserError
+from kd.data import filled_fields, raw_row, row_field
+from kd.errors import KDUserError, one_line
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
 from kd.training import distributed
 
@@ -71,7 +71,7 @@ def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> 
     """Every row's teacher (field ``name``; None or empty: none), each a member's name.
 
     Raises:
-        KDUserError: a row names no member.
+        KDUserError: a row names no member, or no row fills the field.
     """
     out: list[str | None] = []
     for i in range(len(dataset)):
@@ -86,7 +86,26 @@ def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> 
                 "name (rows without the field learn from CE only)"
             )
         out.append(str(value))
+    if out and all(r is None for r in out):
+        raise KDUserError(_no_route_message(dataset, name, key))
     return out
+
+
+def _no_route_message(dataset: Any, name: str, key: str) -> str:
+    """The line for a route field no row fills (every row would learn from CE alone)."""
+    have = ", ".join(filled_fields(raw_row(dataset, 0))) or "none kd can read"
+    nested = (
+        " (kd reads a top-level field of each row, not a nested one; give each row its own "
+        "field naming its teacher)"
+        if "." in name
+        else ""
+    )
+    return (
+        f"teachers.route_field: no row of {key} has a value in field {one_line(repr(name))}, so "
+        "every row "
+        f"would learn from CE only{nested}; set teachers.route_field to the field naming each "
+        f"row's teacher (row 1 has: {one_line(have)[:200]})"
+    )
 
 
 class MultiTeacherSource:
