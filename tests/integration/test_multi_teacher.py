@@ -274,6 +274,15 @@ def test_top_level_teacher_keys_set_to_null_beside_teachers(assets, tmp_path, ca
     cfg.update(teacher_model=None, teacher_checkpointer=None, teacher_logits=None)
     assert _run(cfg, tmp_path / "c.yaml", "max_steps_per_epoch=1") == 0
     assert _steps(out)[0]["kd_loss/a"] > 0
+    # Resumed without those null lines: the same run, already complete (a null top-level key
+    # is the key left out).
+    resumed = {k: v for k, v in cfg.items() if not k.startswith("teacher_")}
+    capsys.readouterr()
+    assert (
+        _run(resumed, tmp_path / "r.yaml", "max_steps_per_epoch=1", "resume_from_checkpoint=true")
+        == 0
+    )
+    assert "already complete" in capsys.readouterr().err
     cfg["teacher_checkpointer"] = checkpointer_node(assets["teacher"], out / "tt")
     line = _one_error(cfg, tmp_path / "d.yaml", capsys)
     assert "teacher_checkpointer: is set beside teachers; move it into the entry" in line, line
