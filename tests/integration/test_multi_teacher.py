@@ -236,6 +236,35 @@ def test_a_misspelt_member_key_is_one_line_with_the_key_meant(assets, tmp_path, 
     assert "teachers.members[0].kd_ratio: unknown key" in line and "top level" in line, line
 
 
+def test_a_validation_row_naming_no_teacher_is_one_line(assets, tmp_path, capsys, routed_data):
+    """The held-out rows are routed too: a row naming no member is refused before any weight
+    is loaded (it used to end in a ValueError at the first validation)."""
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(routed_data))
+    rows = [{"input": "1+1", "output": "2", "domain": "a"}] * 3
+    held_out = write_jsonl(
+        tmp_path / "val.jsonl", [*rows, {"input": "1", "output": "1", "domain": "z"}]
+    )
+    teachers = {
+        "combine": "route",
+        "route_field": "domain",
+        "members": [_member("a", assets["teacher"], out), _member("b", assets["teacher"], out)],
+    }
+    val = {"dataset": dict(dataset, data_files=str(held_out)), "max_batches": 1}
+    cfg = _multi(assets, out, teachers, dataset=dataset, validation=val)
+    capsys.readouterr()
+    assert _run(cfg, tmp_path / "c.yaml") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("kd: error:")]
+    assert lines == [
+        "kd: error: validation.dataset: row 4 has domain='z', which names no teacher of "
+        "teachers.members (a, b); fix the row or add a member of that name (rows without the field "
+        "learn from CE only)"
+    ], err
+    assert not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("field", ["domian", "meta.domain"])
 def test_a_route_field_no_row_fills_is_one_line(assets, tmp_path, capsys, field):
     """A misspelt or nested route field would train every row on CE alone: refused."""
@@ -254,16 +283,25 @@ def test_a_route_field_no_row_fills_is_one_line(assets, tmp_path, capsys, field)
     assert ("not a nested one" in line) == ("." in field), line
 
 
-def test_hidden_states_beside_teachers_is_one_line(assets, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("top", "expected"),
+    [
+        ({"hidden_states": {"layer_map": ["0:0", "1:1"]}}, "hidden_states: is not supported"),
+        ({"self_teacher": {"context": "{input}"}}, "self_teacher: is set beside teachers"),
+        (
+            {"teacher_quantization": "int8"},
+            "teacher_quantization: int8 quantizes a local teacher_model, and the members of "
+            "teachers: are not quantized",
+        ),
+    ],
+)
+def test_a_run_wide_teacher_key_beside_teachers_is_one_line(
+    assets, tmp_path, capsys, top, expected
+):
     out = tmp_path / "run"
-    cfg = _multi(
-        assets,
-        out,
-        {"members": [_member("a", assets["teacher"], out)]},
-        hidden_states={"layer_map": ["0:0", "1:1"]},
-    )
+    cfg = _multi(assets, out, {"members": [_member("a", assets["teacher"], out)]}, **top)
     line = _one_error(cfg, tmp_path / "c.yaml", capsys)
-    assert "hidden_states: is not supported with teachers:" in line, line
+    assert line.startswith(f"kd: error: {expected}"), line
 
 
 def test_top_level_teacher_keys_set_to_null_beside_teachers(assets, tmp_path, capsys):

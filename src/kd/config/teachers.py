@@ -196,6 +196,14 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
             problems.append(
                 Problem(key, f"is set beside teachers; move it into {which} of teachers.members")
             )
+    if isinstance(data.get("self_teacher"), dict):
+        problems.append(
+            Problem(
+                "self_teacher",
+                "is set beside teachers (the student as its own teacher, and other teachers); "
+                "remove self_teacher or teachers",
+            )
+        )
     members = node.get("members")
     if not isinstance(members, list) or not members:
         problems.append(

@@ -42,9 +42,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kd import losses, models
-from kd.config.run import LossSettings, RunConfig
+from kd.config.run import VALIDATION_DATASET, LossSettings, RunConfig
 from kd.config.teachers import Member, members_of
-from kd.data import filled_fields, raw_row, row_field
+from kd.data import build_dataset, filled_fields, raw_row, row_field
 from kd.errors import KDUserError, one_line
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
 from kd.training import distributed
@@ -136,7 +136,8 @@ class MultiTeacherSource:
 
     def check(self, ctx: Any, facts: Any, dataset: Sequence[Any]) -> None:
         """Each member's weight-free checks, as a one-teacher run of it would make them; with
-        ``combine: route`` every row's field names a member."""
+        ``combine: route`` every row's field (the training rows' and the validation rows') names
+        a member or none, and some row names one."""
         from kd.training.run_context import RunContext
 
         tokenizer = ctx.tokenizer()
@@ -151,7 +152,16 @@ class MultiTeacherSource:
                 raise KDUserError(f"teachers.members {member.name}: {e}") from None
             self._checked.append((sub, sub_facts))
         if self.route_field is not None:
-            routes_of(dataset, self.route_field, [m.name for m in self.members], key="dataset")
+            names = [m.name for m in self.members]
+            routes_of(dataset, self.route_field, names, key="dataset")
+            if self.run.validation is not None:  # its rows are routed too (raw rows: no tokens)
+                held_out = build_dataset(
+                    self.run.validation.dataset,
+                    tokenizer,
+                    trust=self.run.trust_remote_components,
+                    key=VALIDATION_DATASET,
+                )
+                routes_of(held_out, self.route_field, names, key=VALIDATION_DATASET)
 
     def load(self, ctx: Any, facts: Any, *, run_dir: Any = None) -> MultiTeacher:
         assert self._checked, "check() inspects every member"
