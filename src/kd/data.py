@@ -8,6 +8,7 @@ same set whatever the number of ranks.
 from __future__ import annotations
 
 import functools
+import glob
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -298,8 +299,12 @@ def check_line_lengths(node: Any, *, key: str) -> None:
         files = [files]
     if not isinstance(files, ListConfig | list):
         return
+    paths = []
     for name in files:
         path = Path(str(name)).expanduser()
+        wild = any(c in str(name) for c in "*?[")
+        paths += sorted(Path(p) for p in glob.glob(str(path))) if wild else [path]
+    for path in paths:
         found = _long_line(path, json=node.get("source") == "json")
         if found is not None:
             raise KDUserError(

@@ -122,3 +122,7 @@ def test_line_lengths_are_read_per_line_and_skip_json_arrays(tmp_path):
         check_line_lengths(node, key="dataset")
     (tmp_path / "a.jsonl").write_bytes(b"[" + near + b"xy]")
     check_line_lengths(node, key="dataset")
+    # A pattern: each file it matches.
+    (tmp_path / "b.jsonl").write_bytes(b"{}\n" + near + b"xy\n")
+    with pytest.raises(KDUserError, match="line 2 of .*b.jsonl"):
+        check_line_lengths(dict(node, data_files=str(tmp_path / "*.jsonl")), key="dataset")
