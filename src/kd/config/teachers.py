@@ -59,6 +59,8 @@ MEMBER_WEIGHT = Key(
 )
 # Run-wide keys a member's teacher may refuse (a teacher with another tokenizer refuses these).
 _RUN_KEYS = ("validation", "on_policy")
+# The keys of which a member sets one: its teacher.
+_NAMING_KEYS = ("teacher_model", "teacher_logits", "teacher_server")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -123,9 +125,9 @@ def member_problems(
     return problems
 
 
-def _unknown_member_key(where: str, key: str) -> Problem:
+def _unknown_member_key(where: str, key: str) -> tuple[Problem, str | None]:
     """A key a member does not hold, with the key meant: a member key spelled alike
-    (``teacher_modle``), or a run-wide key that belongs at the top level."""
+    (``teacher_modle``; returned too), or a run-wide key that belongs at the top level."""
     meant = close_key(key, MEMBER_KEYS, ("member", "teacher"))
     if meant is not None:
         fix = f"did you mean {meant}?"
@@ -133,7 +135,7 @@ def _unknown_member_key(where: str, key: str) -> Problem:
         fix = f"{key} is set for the whole run, not per teacher; move it to the top level"
     else:
         fix = f"remove it (a member holds {', '.join(MEMBER_KEYS)})"
-    return Problem(f"{where}.{key}", f"unknown key; {fix}")
+    return Problem(f"{where}.{key}", f"unknown key; {fix}"), meant
 
 
 def _member_shape_problems(i: int, member: Any, names: set[str], combine: Any) -> list[Problem]:
@@ -146,8 +148,8 @@ def _member_shape_problems(i: int, member: Any, names: set[str], combine: Any) -
     meant_teacher = False  # an unknown key that means a teacher key (one line, not two)
     for key in member:
         if key not in MEMBER_KEYS:
-            problem = _unknown_member_key(where, str(key))
-            meant_teacher |= any(f"did you mean {k}?" in problem.message for k in TEACHER_KEYS)
+            problem, meant = _unknown_member_key(where, str(key))
+            meant_teacher |= meant in _NAMING_KEYS
             problems.append(problem)
     name = member.get("name")
     if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -171,9 +173,7 @@ def _member_shape_problems(i: int, member: Any, names: set[str], combine: Any) -
             )
         if message is not None:
             problems.append(Problem(f"{where}.weight", message))
-    if not meant_teacher and not any(
-        member.get(k) is not None for k in ("teacher_model", "teacher_logits", "teacher_server")
-    ):
+    if not meant_teacher and not any(member.get(k) is not None for k in _NAMING_KEYS):
         problems.append(
             Problem(where, "names no teacher; set teacher_model, teacher_logits or teacher_server")
         )
