@@ -181,12 +181,12 @@ def _member_shape_problems(i: int, member: Any, names: set[str], combine: Any) -
 
 
 def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
-    """``teachers:``: its members' own keys, nothing of one teacher at the top level beside it,
-    weights summing to a positive number (under ``combine: route`` none but 1), a route field
-    exactly with ``combine: route``,
-    full distributions for ``combine: mix``, and with ``on_policy`` members that score (and,
-    routed under ``seq_kd``, sample) completions made during training. Each member's teacher
-    keys are checked by :func:`member_problems` (the validation passes call it)."""
+    """``teachers:``: its members' own keys, nothing of one teacher (nor ``self_teacher``) at
+    the top level beside it, weights summing to a positive number (under ``combine: route`` none
+    but 1), a route field exactly with ``combine: route``, full distributions for ``combine:
+    mix``, and with ``on_policy`` members that score (and, routed under ``seq_kd``, sample)
+    completions made during training. Each member's teacher keys are checked by
+    :func:`member_problems` (the validation passes call it)."""
     node = data.get("teachers")
     if not isinstance(node, dict):
         return
