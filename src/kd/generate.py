@@ -327,6 +327,12 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool) -
             add_generation_prompt=True,
         )[0]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise KDUserError(
+                f"--chat: the chat template of {folder} renders the prompt as no text; fix or "
+                "replace the folder's chat_template (tokenizer_config.json or "
+                "chat_template.jinja), or drop --chat"
+            )
     else:
         ids = tokenizer(prompt)["input_ids"]
     if not ids:

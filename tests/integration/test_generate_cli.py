@@ -333,6 +333,7 @@ BROKEN_TEMPLATES = {
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         "did not finish rendering one conversation in 0.5 s",
     ),
+    "empty": ("{% if false %}x{% endif %}", "renders the prompt as no text"),
 }
 
 
