@@ -8,6 +8,7 @@ same set whatever the number of ranks.
 from __future__ import annotations
 
 import functools
+import glob
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -100,26 +101,40 @@ def collate_with_route(
     return batch
 
 
-def row_field(dataset: Any, index: int, name: str) -> Any:
-    """Field ``name`` of row ``index`` of the raw data behind ``dataset`` (None when the row has
-    none): through kd's wrappers, a concatenation of datasets, torchtune's SFT datasets (their
-    Hugging Face rows) and kd's pre-tokenized rows."""
+def raw_row(dataset: Any, index: int) -> Any:
+    """Row ``index`` of the raw data behind ``dataset`` (a mapping of its fields; None when kd
+    cannot see one): through kd's wrappers, a concatenation of datasets, torchtune's SFT datasets
+    (their Hugging Face rows) and kd's pre-tokenized rows."""
     rows = getattr(dataset, "_data", None)  # torchtune's SFTDataset: the loaded rows
     if rows is None and isinstance(getattr(dataset, "rows", None), list):
         rows = dataset.rows  # PretokenizedDataset
     if rows is not None:
-        row = rows[index]
-        return row.get(name) if isinstance(row, dict) else None
+        return rows[index]
     inner = getattr(dataset, "dataset", None)
     if inner is not None:  # NamedRows, WithRows, EvalShard-like wrappers with the same index
-        return row_field(inner, index, name)
+        return raw_row(inner, index)
     parts = getattr(dataset, "datasets", None)
     if parts is not None:  # torch / torchtune ConcatDataset
         for part in parts:
             if index < len(part):
-                return row_field(part, index, name)
+                return raw_row(part, index)
             index -= len(part)
     return None
+
+
+def row_field(dataset: Any, index: int, name: str) -> Any:
+    """Field ``name`` of row ``index`` of the raw data behind ``dataset`` (:func:`raw_row`; None
+    when the row has none)."""
+    row = raw_row(dataset, index)
+    return row.get(name) if isinstance(row, dict) else None
+
+
+def filled_fields(row: Any) -> list[str]:
+    """The fields of a raw row that hold a value, sorted. A Hugging Face dataset fills a field
+    that some rows lack with null in the others, so a row's keys are not the fields it has."""
+    if not hasattr(row, "items"):
+        return []
+    return sorted(str(k) for k, v in row.items() if v is not None)
 
 
 class WithRoute(Dataset):
@@ -210,6 +225,7 @@ def build_dataset(node: Any, tokenizer: Any, *, trust: bool, key: str = "dataset
                 f"{dotted}: {one_line(empty)} has no examples (it is empty); point "
                 f"{dotted}.data_files at a file with examples"
             )
+        check_line_lengths(sub, key=dotted)
         fix = f"check {dotted}.source, {dotted}.data_files and its rows"
         return build_component(dotted, sub, tokenizer, trust=trust, fix=fix)
 
@@ -247,6 +263,83 @@ def _empty_data_file(node: Any) -> str | None:
                 return str(path)
         except OSError:
             continue  # the builder reports an unreadable file
+    return None
+
+
+# The longest line of a JSON Lines or text data file kd hands to the datasets library: a row is
+# at most tokenizer.max_seq_len tokens of text (a few MB for the longest contexts), and the json
+# builder re-parses a line longer than its 10 MB blocks with ever larger blocks, for minutes.
+MAX_LINE_BYTES = 8 << 20
+_LINE_SOURCES = ("json", "text")
+_SCAN_BYTES = 1 << 20
+
+
+def check_line_lengths(node: Any, *, key: str) -> None:
+    """Refuse a local JSON Lines or text data file with a line over :data:`MAX_LINE_BYTES`,
+    before the datasets library reads it (one pass in 1 MiB reads, nothing parsed).
+
+    A JSON file that is one array or object (its first byte ``[``, or ``field`` set) is read
+    whole by the builder, not line by line, and is not checked.
+
+    Raises:
+        KDUserError: the first such line: its file and number, the limit and the fix.
+    """
+    from omegaconf import DictConfig, ListConfig
+
+    if not isinstance(node, DictConfig | dict) or node.get("source") not in _LINE_SOURCES:
+        return
+    if node.get("field") is not None:
+        return
+    files = node.get("data_files")
+    if isinstance(files, DictConfig | dict):
+        files = [
+            f for split in files.values() for f in ([split] if isinstance(split, str) else split)
+        ]
+    elif isinstance(files, str):
+        files = [files]
+    if not isinstance(files, ListConfig | list):
+        return
+    paths = []
+    for name in files:
+        path = Path(str(name)).expanduser()
+        wild = any(c in str(name) for c in "*?[")
+        paths += sorted(Path(p) for p in glob.glob(str(path))) if wild else [path]
+    for path in paths:
+        found = _long_line(path, json=node.get("source") == "json")
+        if found is not None:
+            raise KDUserError(
+                f"{key}.data_files: line {found} of {one_line(str(path))} is longer than "
+                f"{MAX_LINE_BYTES >> 20} MiB (a training row is at most tokenizer.max_seq_len "
+                "tokens of text); split that row, drop it, or fix the file's line breaks (one "
+                "JSON object per line)"
+            )
+
+
+def _long_line(path: Path, *, json: bool) -> int | None:
+    """The 1-based number of the first line of ``path`` longer than :data:`MAX_LINE_BYTES`, or
+    None (also for what is not a regular file, or a JSON file whose first byte is ``[``)."""
+    try:
+        if not path.is_file():
+            return None
+        with path.open("rb") as f:
+            line, since, first = 1, 0, True
+            while chunk := f.read(_SCAN_BYTES):
+                if first:
+                    first = False
+                    if json and chunk.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                        return None  # one JSON array: read whole by the builder
+                at = chunk.find(b"\n")
+                if at < 0:
+                    since += len(chunk)
+                else:
+                    if since + at > MAX_LINE_BYTES:
+                        return line
+                    line += chunk.count(b"\n")
+                    since = len(chunk) - chunk.rfind(b"\n") - 1
+                if since > MAX_LINE_BYTES:
+                    return line
+    except OSError:
+        return None  # unreadable: the builder says so
     return None
 
 

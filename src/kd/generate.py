@@ -304,8 +304,9 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool) -
             (with the tokenizer's usual special tokens, such as a BOS).
 
     Raises:
-        KDUserError: ``chat`` and the tokenizer has no chat template; the prompt is not UTF-8
-            text or encodes to nothing.
+        KDUserError: ``chat`` and the tokenizer has no chat template, or one that fails to
+            render (:func:`kd.hf.tokenization.render_chat_template`: the sandbox, the template's
+            own error, the time limit); the prompt is not UTF-8 text or encodes to nothing.
     """
     _check_prompt(prompt)
     if chat:
@@ -315,10 +316,23 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool) -
                 "chat_template.jinja); drop --chat, or copy the chat template of the student's "
                 "original folder"
             )
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
+        from kd.hf.tokenization import render_chat_template
+
+        # Training's rendering: jinja2's sandbox, the time limit, one line blaming the template.
+        folder = one_line(str(getattr(tokenizer, "name_or_path", "") or "the model folder"))
+        text = render_chat_template(
+            tokenizer,
+            [[{"role": "user", "content": prompt}]],
+            where=f"--chat: the chat template of {folder}",
+            add_generation_prompt=True,
+        )[0]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise KDUserError(
+                f"--chat: the chat template of {folder} renders the prompt as no text; fix or "
+                "replace the folder's chat_template (tokenizer_config.json or "
+                "chat_template.jinja), or drop --chat"
+            )
     else:
         ids = tokenizer(prompt)["input_ids"]
     if not ids:

@@ -179,3 +179,59 @@ def test_kd_init_writes_the_cross_tokenizer_config(
     assert cli.main(["run", "kd", "--config", str(tmp_path / "kd.yaml"), *overrides]) == 0
     row = _steps(tmp_path / "out")[0]
     assert row["kd_loss/matched"] > 0 and row["kd_loss/unmatched"] > 0
+
+
+def _disjoint_tokenizer():
+    """A working fast tokenizer (WordPiece over ASCII characters) none of whose token strings is
+    in the student's byte-level vocabulary (``▁x`` / ``##x`` pieces, ``<s>`` / ``</s>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for prefix in ("▁", "##"):
+        for c in range(32, 127):
+            vocab[prefix + chr(c)] = len(vocab)
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def test_a_teacher_tokenizer_sharing_no_token_is_one_line(assets, tmp_path, capsys):
+    """A teacher folder whose tokenizer shares no token string with the student's: in a Qwen2
+    folder transformers reads it as a byte-level tokenizer that encodes every text to nothing
+    (the run used to end in an IndexError inside the teacher's forward)."""
+    teacher = write_hf_qwen2(tmp_path / "teacher", TEACHER, seed=4)
+    _disjoint_tokenizer().save(str(teacher / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "[UNK]", "pad_token": "</s>"}
+    (teacher / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    cfg = _cfg(assets, out, teacher, cross_tokenizer={})
+    assert _run(cfg, tmp_path / "cfg.yaml") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("kd: error:")]
+    assert len(lines) == 1, err
+    assert f"cross_tokenizer: the teacher's tokenizer in {teacher} encodes" in lines[0]
+    assert f"check that {teacher} holds the teacher's own tokenizer files" in lines[0]
+    assert not (out / "final").exists()
+
+
+def test_a_working_teacher_tokenizer_sharing_no_token_is_refused(tmp_path):
+    """The same vocabulary as a tokenizer that encodes (transformers' own fast class): the
+    check the source runs refuses the pair, naming the folder."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from kd.cross_tokenizer import vocab_match
+    from kd.errors import KDUserError
+    from kd.teachers.cross import check_pair
+
+    teacher = PreTrainedTokenizerFast(tokenizer_object=_disjoint_tokenizer())
+    assert teacher("12+30", add_special_tokens=False)["input_ids"]
+    student = AutoTokenizer.from_pretrained(write_hf_tokenizer(tmp_path / "s"))
+    match = vocab_match(student.get_vocab(), teacher.get_vocab(), teacher_size=len(teacher))
+    with pytest.raises(KDUserError) as err:
+        check_pair(teacher, match, tmp_path / "t")
+    assert str(err.value).startswith(
+        f"cross_tokenizer: the teacher's tokenizer in {tmp_path / 't'} shares no token string "
+        "with the student's"
+    )

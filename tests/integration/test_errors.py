@@ -1005,7 +1005,7 @@ def self_teacher_context_field_missing(assets, tmp, cfg):
     """`self_teacher.context` names a field no row has"""
     cfg.update(teacher_model=None, teacher_checkpointer=None)
     cfg["self_teacher"] = {"context": "Reference: {reference}"}
-    return _validate(), "self_teacher.context: row 1 of dataset has no field 'reference'"
+    return _validate(), "self_teacher.context: row 1 of dataset has no value in field 'reference'"
 
 
 def teachers_weights_sum_to_zero(assets, tmp, cfg):

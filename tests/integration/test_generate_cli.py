@@ -316,6 +316,47 @@ def test_user_mistakes_are_one_line(case, model_dir, tmp_path, capsys):
     assert needle in line, line
 
 
+# Chat templates that cannot render (the cases training refuses, kd.hf.tokenization).
+BROKEN_TEMPLATES = {
+    "syntax": ("{% for m in messages %}{{ m['content'] }}", "is not valid Jinja (line 1"),
+    "sandbox": ("{{ ''.__class__.__mro__ }}", "does something jinja2's sandbox forbids"),
+    "escape": (
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "does something jinja2's sandbox forbids",
+    ),
+    "mutation": ("{{ messages.append(1) }}", "does something jinja2's sandbox forbids"),
+    "raise_exception": (
+        "{{ raise_exception('only user and assistant roles') }}",
+        "stopped with its own error (TemplateError: only user and assistant roles)",
+    ),
+    "endless": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "did not finish rendering one conversation in 0.5 s",
+    ),
+    "empty": ("{% if false %}x{% endif %}", "renders the prompt as no text"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_TEMPLATES))
+def test_a_chat_template_that_cannot_render_is_one_line(
+    name, model_dir, tmp_path, capsys, monkeypatch
+):
+    """``kd generate --chat`` renders as training does: jinja2's sandbox, the time limit (here
+    0.5 s), the template's own error; one line naming the folder, no traceback, no hang."""
+    from kd.hf import tokenization
+
+    monkeypatch.setattr(tokenization, "TEMPLATE_TIME_LIMIT_S", 0.5)
+    template, words = BROKEN_TEMPLATES[name]
+    folder = broken(model_dir, tmp_path / "x", chat_template=template)
+    argv = ["generate", "--model", str(folder), "--prompt", PROMPT, "--chat"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"kd: error: --chat: the chat template of {folder} "), line
+    assert words in line and "fix or replace the folder's chat_template" in line, line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_unavailable_subprocess(model_dir):
     proc = kd_subprocess("generate", "--model", str(model_dir), "--prompt", "x", "--device", "cuda")

@@ -403,6 +403,22 @@ def test_config_out_exists_refused(folders, tmp_path, capsys):
     assert _written(tmp_path)["model"]["_component_"] == "torchtune.models.qwen2.qwen2"
 
 
+def test_a_flag_read_only_beside_another_is_refused_without_it(folders, tmp_path, capsys):
+    """``--context`` is the self teacher's: without ``--self`` it is refused, not ignored (a
+    config with a teacher and no context would be written); ``--cross-tokenizer`` with
+    ``--self`` likewise. Nothing is written."""
+    assert cli.main(_init(folders, tmp_path, "--context", "Reference: {reference}")) == 2
+    line = _error_line(capsys)
+    assert line == (
+        "kd: error: --context: only read with --self (the self teacher's privileged context); "
+        "add --self (and drop --teacher) for self-distillation, or drop --context"
+    )
+    argv = [a for a in _init(folders, tmp_path) if a not in ("--teacher", str(folders["teacher"]))]
+    assert cli.main([*argv, "--self", "--cross-tokenizer"]) == 2
+    assert _error_line(capsys).startswith("kd: error: --cross-tokenizer: not with --self")
+    assert not (tmp_path / "kd.yaml").exists()
+
+
 def test_backend_torchtune_refused_for_unsupported_model(folders, tmp_path, capsys):
     assert cli.main(_init(folders, tmp_path, "--backend", "torchtune", student="qwen3")) == 2
     line = _error_line(capsys)

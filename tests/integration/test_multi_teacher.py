@@ -181,6 +181,151 @@ def test_bad_teachers_one_line(assets, tmp_path, capsys, teachers, expected):
     assert "Traceback" not in err
 
 
+def _one_error(cfg: dict, path: Path, capsys) -> str:
+    """``kd validate``'s one error line for ``cfg`` (exit status 2, no traceback)."""
+    capsys.readouterr()
+    assert cli.main(["validate", "--config", str(write_config(path, cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("weight", "expected"),
+    [
+        (float("nan"), "nan is not a finite number"),
+        (float("inf"), "inf is not a finite number"),
+        (1e308, "1e+308 is outside [0, 1e+06]"),
+        (-1.0, "-1 is outside [0, 1e+06]"),
+        (None, "null is not allowed"),
+        (True, "True is not a number"),
+    ],
+)
+def test_a_weight_that_is_no_usable_share_is_one_line(assets, tmp_path, capsys, weight, expected):
+    out = tmp_path / "run"
+    members = [_member("a", assets["teacher"], out, weight=weight)]
+    line = _one_error(_multi(assets, out, {"members": members}), tmp_path / "c.yaml", capsys)
+    assert f"teachers.members[0].weight: {expected}" in line, line
+    assert "set teachers.members[0].weight to a" in line, line
+
+
+def test_weights_under_route_are_refused(assets, tmp_path, capsys, routed_data):
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(routed_data))
+    members = [
+        _member("a", assets["teacher"], out, weight=0.7),
+        _member("b", assets["teacher"], out),
+    ]
+    teachers = {"combine": "route", "route_field": "domain", "members": members}
+    line = _one_error(_multi(assets, out, teachers, dataset=dataset), tmp_path / "c.yaml", capsys)
+    assert "teachers.members[0].weight: 0.7 is not used by combine: route" in line, line
+    assert "use combine: weights" in line
+
+
+def test_a_misspelt_member_key_is_one_line_with_the_key_meant(assets, tmp_path, capsys):
+    out = tmp_path / "run"
+    member = _member("a", assets["teacher"], out)
+    member["teacher_modle"] = member.pop("teacher_model")
+    line = _one_error(_multi(assets, out, {"members": [member]}), tmp_path / "c.yaml", capsys)
+    assert "teachers.members[0].teacher_modle: unknown key; did you mean teacher_model?" in line
+    # a run-wide key put in a member says where it goes
+    member = dict(_member("a", assets["teacher"], out), kd_ratio=0.3)
+    line = _one_error(_multi(assets, out, {"members": [member]}), tmp_path / "d.yaml", capsys)
+    assert "teachers.members[0].kd_ratio: unknown key" in line and "top level" in line, line
+
+
+def test_a_validation_row_naming_no_teacher_is_one_line(assets, tmp_path, capsys, routed_data):
+    """The held-out rows are routed too: a row naming no member is refused before any weight
+    is loaded (it used to end in a ValueError at the first validation)."""
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(routed_data))
+    rows = [{"input": "1+1", "output": "2", "domain": "a"}] * 3
+    held_out = write_jsonl(
+        tmp_path / "val.jsonl", [*rows, {"input": "1", "output": "1", "domain": "z"}]
+    )
+    teachers = {
+        "combine": "route",
+        "route_field": "domain",
+        "members": [_member("a", assets["teacher"], out), _member("b", assets["teacher"], out)],
+    }
+    val = {"dataset": dict(dataset, data_files=str(held_out)), "max_batches": 1}
+    cfg = _multi(assets, out, teachers, dataset=dataset, validation=val)
+    capsys.readouterr()
+    assert _run(cfg, tmp_path / "c.yaml") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("kd: error:")]
+    assert lines == [
+        "kd: error: validation.dataset: row 4 has domain='z', which names no teacher of "
+        "teachers.members (a, b); fix the row or add a member of that name (rows without the field "
+        "learn from CE only)"
+    ], err
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("field", ["domian", "meta.domain"])
+def test_a_route_field_no_row_fills_is_one_line(assets, tmp_path, capsys, field):
+    """A misspelt or nested route field would train every row on CE alone: refused."""
+    rows = [{"input": "1+1", "output": "2", "domain": "a", "meta": {"domain": "a"}}] * 8
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "run"
+    dataset = dict(make_config(assets, out)["dataset"], data_files=str(data))
+    teachers = {
+        "combine": "route",
+        "route_field": field,
+        "members": [_member("a", assets["teacher"], out)],
+    }
+    line = _one_error(_multi(assets, out, teachers, dataset=dataset), tmp_path / "c.yaml", capsys)
+    assert f"teachers.route_field: no row of dataset has a value in field '{field}'" in line
+    assert "(row 1 has: domain, input, meta, output)" in line, line
+    assert ("not a nested one" in line) == ("." in field), line
+
+
+@pytest.mark.parametrize(
+    ("top", "expected"),
+    [
+        ({"hidden_states": {"layer_map": ["0:0", "1:1"]}}, "hidden_states: is not supported"),
+        ({"self_teacher": {"context": "{input}"}}, "self_teacher: is set beside teachers"),
+        (
+            {"teacher_quantization": "int8"},
+            "teacher_quantization: int8 quantizes a local teacher_model, and the members of "
+            "teachers: are not quantized",
+        ),
+    ],
+)
+def test_a_run_wide_teacher_key_beside_teachers_is_one_line(
+    assets, tmp_path, capsys, top, expected
+):
+    out = tmp_path / "run"
+    cfg = _multi(assets, out, {"members": [_member("a", assets["teacher"], out)]}, **top)
+    line = _one_error(cfg, tmp_path / "c.yaml", capsys)
+    assert line.startswith(f"kd: error: {expected}"), line
+
+
+def test_top_level_teacher_keys_set_to_null_beside_teachers(assets, tmp_path, capsys):
+    """A ``kd cp`` template keeps its teacher keys; set to null they name no teacher, and the
+    members teach: the run trains (a set one is still refused)."""
+    out = tmp_path / "run"
+    cfg = _multi(assets, out, {"members": [_member("a", assets["teacher"], out)]})
+    cfg.update(teacher_model=None, teacher_checkpointer=None, teacher_logits=None)
+    assert _run(cfg, tmp_path / "c.yaml", "max_steps_per_epoch=1") == 0
+    assert _steps(out)[0]["kd_loss/a"] > 0
+    # Resumed without those null lines: the same run, already complete (a null top-level key
+    # is the key left out).
+    resumed = {k: v for k, v in cfg.items() if not k.startswith("teacher_")}
+    capsys.readouterr()
+    assert (
+        _run(resumed, tmp_path / "r.yaml", "max_steps_per_epoch=1", "resume_from_checkpoint=true")
+        == 0
+    )
+    assert "already complete" in capsys.readouterr().err
+    cfg["teacher_checkpointer"] = checkpointer_node(assets["teacher"], out / "tt")
+    line = _one_error(cfg, tmp_path / "d.yaml", capsys)
+    assert "teacher_checkpointer: is set beside teachers; move it into the entry" in line, line
+
+
 def _plan(cfg: dict, path: Path, capsys) -> dict:
     import json
 

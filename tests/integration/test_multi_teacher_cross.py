@@ -239,7 +239,7 @@ def test_mix_with_a_cross_tokenizer_member_is_one_line(
         ),
         (
             {"hidden_states": {"layer_map": [[1, 1]]}},
-            "hidden_states: teachers.members[1] (x): matches positions of one tokenization",
+            "hidden_states: is not supported with teachers: (it matches one teacher's layers",
         ),
         (
             {"on_policy": {"max_new_tokens": 16}},

@@ -358,6 +358,62 @@ def test_resume_of_a_finished_run_says_already_complete(assets, reference, tmp_p
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == mtimes
 
 
+def test_resume_of_a_finished_run_with_seed_null_says_already_complete(assets, tmp_path, capsys):
+    """``seed: null`` resumes as the seed the run drew: a finished run says it is complete
+    (exit 0, nothing written), not that the seed differs."""
+    out = tmp_path / "run"
+    config = write_config(
+        tmp_path / "cfg.yaml", trajectory_config(assets, out, seed=None, epochs=1)
+    )
+    assert run_cli(config) == 0
+    seed = yaml.safe_load((out / "final" / "config.yaml").read_text())["seed"]
+    assert isinstance(seed, int)
+    before = snapshot(out)
+    capsys.readouterr()
+    assert run_cli(config, "resume_from_checkpoint=true") == 0
+    err = capsys.readouterr().err
+    assert "kd: error" not in err, err
+    (line,) = [x for x in err.splitlines() if "already complete" in x]
+    assert f"the run in {out} is already complete" in line and "step 4" in line
+    assert snapshot(out) == before
+    # A set seed other than the run's is still a change.
+    assert run_cli(config, "resume_from_checkpoint=true", f"seed={seed + 1}") == 2
+    assert any(
+        e.startswith(f"kd: error: seed: {seed} in the checkpoint, {seed + 1} now")
+        for e in _errors(capsys)
+    )
+
+
+def test_resume_with_another_teacher_says_so_in_the_users_terms(
+    assets, reference, tmp_path, capsys
+):
+    """The teacher changed (a ``teachers:`` member in place of teacher_model): one line per
+    teacher key, in YAML terms (null, not set), not a line per leaf of each node."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    cfg = trajectory_config(assets, out)
+    member = {
+        "name": "a",
+        "teacher_model": cfg.pop("teacher_model"),
+        "teacher_checkpointer": cfg.pop("teacher_checkpointer"),
+    }
+    cfg["teachers"] = {"members": [member]}
+    before = snapshot(out)
+    assert run_cli(write_config(tmp_path / "cfg.yaml", cfg), "resume_from_checkpoint=true") == 2
+    errors = _errors(capsys)
+    assert errors[:3] == [
+        "kd: error: teacher_checkpointer: {_component_: "
+        "torchtune.training.FullModelHFCheckpointer, ...} in the checkpoint, not set now",
+        "kd: error: teacher_model: {_component_: torchtune.models.qwen2.qwen2, ...} in the "
+        "checkpoint, not set now",
+        errors[2],
+    ]
+    assert errors[2].startswith("kd: error: teachers: null in the checkpoint, {combine: weights")
+    assert len(errors) == 4 and "resume_from_checkpoint:" in errors[3]
+    assert not any("None" in e or "unset" in e for e in errors), errors
+    assert snapshot(out) == before
+
+
 def test_resume_with_more_epochs_and_a_cosine_schedule_is_refused(
     assets, reference, tmp_path, capsys
 ):

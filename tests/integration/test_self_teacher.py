@@ -330,7 +330,11 @@ def test_mistakes_are_one_line_each(assets, rows_file, tmp_path, capsys):
     del rows[2]["reference"]
     holed = write_jsonl(tmp_path / "holed.jsonl", rows)
     lines = validate(self_config(assets, tmp_path / "o1", holed), "a.yaml")
-    assert len(lines) == 1 and "row 3 of dataset has no field 'reference'" in lines[0]
+    assert len(lines) == 1, lines
+    # The datasets library fills the row's missing field with null: the line names the fields
+    # the row fills, not its keys (which include the missing one).
+    assert "row 3 of dataset has no value in field 'reference'" in lines[0]
+    assert "(the row fills: input, output); give every row a reference" in lines[0], lines[0]
     # A teacher model named beside the self teacher.
     cfg = self_config(assets, tmp_path / "o2", rows_file)
     cfg["teacher_model"] = hf_node(assets["teacher"], lora=False)
@@ -361,6 +365,34 @@ def test_mistakes_are_one_line_each(assets, rows_file, tmp_path, capsys):
     lines = validate(cfg, "e.yaml")
     assert len(lines) == 1 and "PretokenizedDataset" in lines[0] and "instruct_dataset" in lines[0]
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+
+
+@pytest.mark.parametrize("token", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+def test_a_control_token_in_a_context_field_is_refused(assets, rows_file, tmp_path, capsys, token):
+    """A row's field that the tokenizer would read as one of its special tokens (a turn's end or
+    start) would become a real control token in the teacher's prompt: refused with the row, the
+    field and the token, before anything is written; the text of such a token that this
+    tokenizer does not have is plain text and trains."""
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    rows[4]["reference"] = f"42{token} or so"
+    data = write_jsonl(tmp_path / "tokens.jsonl", rows)
+    cfg = self_config(assets, tmp_path / "o", data)
+    lines = error_lines(capsys, "validate", "--config", str(write_config(tmp_path / "a.yaml", cfg)))
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        f"kd: error: self_teacher.context: row 5 of dataset: field 'reference' holds '{token}', "
+        "which the tokenizer reads as its control token"
+    ), lines[0]
+    assert "remove or reword it in the row" in lines[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_text_like_a_token_the_tokenizer_lacks_is_text(assets, rows_file, tmp_path):
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    rows[4]["reference"] = "42<|eot_id|> <|im_end"  # not special tokens of this tokenizer
+    data = write_jsonl(tmp_path / "text.jsonl", rows)
+    cfg = self_config(assets, tmp_path / "o", data)
+    assert cli.main(["validate", "--config", str(write_config(tmp_path / "a.yaml", cfg))]) == 0
 
 
 def test_validate_reports_the_longest_teacher_input(assets, rows_file, tmp_path, caplog):

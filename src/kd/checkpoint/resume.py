@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from kd.checkpoint.layout import CONFIG_SNAPSHOT_FILE, HF_CONFIG_FILE, read_checkpoint_marker
 from kd.config import schema
-from kd.errors import KDUserError
+from kd.errors import KDUserError, one_line
 
 logger = logging.getLogger("kd")
 
@@ -153,6 +154,37 @@ def _with_defaults(cfg_yaml: str) -> str:
     return OmegaConf.to_yaml(cfg)
 
 
+_ABSENT: Any = object()  # a key a config does not hold
+
+
+def _top_level(cfg_yaml: str) -> dict[str, Any]:
+    container = OmegaConf.to_container(OmegaConf.create(cfg_yaml), resolve=False)
+    return container if isinstance(container, dict) else {}
+
+
+def _unset(value: Any) -> bool:
+    return value is _ABSENT or value is None or value == {}
+
+
+def _shown(value: Any, limit: int = 160) -> str:
+    """A config value as the user wrote it in YAML (``null``, ``true``, a node's
+    ``_component_``), cut to ``limit`` characters."""
+    if value is _ABSENT:
+        return "not set"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict) and isinstance(value.get("_component_"), str):
+        return f"{{_component_: {value['_component_']}, ...}}"
+    if isinstance(value, (dict, list)):
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+    else:
+        text = repr(value)
+    text = one_line(text)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def check_resume_compatible(
     saved_config_yaml: str, current_config_yaml: str, *, checkpoint: Path | None = None
 ) -> None:
@@ -172,16 +204,30 @@ def check_resume_compatible(
         saved_hash = _saved_config_hash(checkpoint)
         if saved_hash is not None and saved_hash == config_hash(current_config_yaml):
             return
-    saved = _must_match(_with_defaults(saved_config_yaml))
-    current = _must_match(_with_defaults(current_config_yaml))
-    missing = object()
+    saved_yaml, current_yaml = (
+        _with_defaults(saved_config_yaml),
+        _with_defaults(current_config_yaml),
+    )
+    saved, current = _must_match(saved_yaml), _must_match(current_yaml)
+    tops = (_top_level(saved_yaml), _top_level(current_yaml))
     problems = []
+    said: set[str] = set()
     for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, missing), current.get(key, missing)
-        if a != b and not _moved(key, a, b, checkpoint):
-            a_s = "unset" if a is missing else repr(a)
-            b_s = "unset" if b is missing else repr(b)
-            problems.append(f"{key}: {a_s} in the checkpoint, {b_s} now")
+        a, b = saved.get(key, _ABSENT), current.get(key, _ABSENT)
+        top = key.split(".", 1)[0]
+        if a == b or (top == key and _unset(a) and _unset(b)) or _moved(key, a, b, checkpoint):
+            continue  # a top-level null is the key left out (teacher_model: null, no teacher)
+        whole = tuple(t.get(top, _ABSENT) for t in tops)
+        if _unset(whole[0]) != _unset(whole[1]):
+            # A node set on one side only (another teacher): one line for the node, not a line
+            # per leaf of it.
+            if top not in said:
+                said.add(top)
+                problems.append(
+                    f"{top}: {_shown(whole[0])} in the checkpoint, {_shown(whole[1])} now"
+                )
+            continue
+        problems.append(f"{key}: {_shown(a)} in the checkpoint, {_shown(b)} now")
     if not problems:
         return
     where = (

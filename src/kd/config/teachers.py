@@ -20,12 +20,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from kd.config.checks.values import fmt
+from kd.config import schema
+from kd.config.checks.keys import close_key
+from kd.config.checks.values import check_value, fmt
+from kd.config.declare import Key
 from kd.config.run import RunConfig, run_config
 from kd.config.schema import Problem
 
 __all__ = [
     "MEMBER_KEYS",
+    "MEMBER_WEIGHT",
     "TEACHER_KEYS",
     "Member",
     "check_teachers",
@@ -44,8 +48,19 @@ TEACHER_KEYS: tuple[str, ...] = (
     "cross_tokenizer",
 )
 MEMBER_KEYS: tuple[str, ...] = ("name", "weight", *TEACHER_KEYS)
+# A member's weight: relative (its share is weight / the sum of weights), so a bound far above any
+# useful ratio keeps the shares finite and every member's share above float32's resolution.
+MEMBER_WEIGHT = Key(
+    1.0,
+    (int, float),
+    "the member's weight (combine: weights and mix; its share is weight / the sum of weights)",
+    min=0.0,
+    max=1e6,
+)
 # Run-wide keys a member's teacher may refuse (a teacher with another tokenizer refuses these).
-_RUN_KEYS = ("validation", "on_policy", "hidden_states")
+_RUN_KEYS = ("validation", "on_policy")
+# The keys of which a member sets one: its teacher.
+_NAMING_KEYS = ("teacher_model", "teacher_logits", "teacher_server")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -79,7 +94,8 @@ def members_of(run: RunConfig) -> list[Member]:
         member = OmegaConf.to_container(node, resolve=True)
         assert isinstance(member, dict)
         sub = run_config(OmegaConf.create(member_data(data, member)))
-        out.append(Member(str(member["name"]), float(member.get("weight", 1.0)), sub))
+        weight = float(member.get("weight", MEMBER_WEIGHT.default))
+        out.append(Member(str(member["name"]), weight, sub))
     return out
 
 
@@ -109,17 +125,32 @@ def member_problems(
     return problems
 
 
-def _member_shape_problems(i: int, member: Any, names: set[str]) -> list[Problem]:
-    """One member's own keys: a dict with a unique name, a weight >= 0 and one teacher."""
+def _unknown_member_key(where: str, key: str) -> tuple[Problem, str | None]:
+    """A key a member does not hold, with the key meant: a member key spelled alike
+    (``teacher_modle``; returned too), or a run-wide key that belongs at the top level."""
+    meant = close_key(key, MEMBER_KEYS, ("member", "teacher"))
+    if meant is not None:
+        fix = f"did you mean {meant}?"
+    elif key in schema.TOP_LEVEL:
+        fix = f"{key} is set for the whole run, not per teacher; move it to the top level"
+    else:
+        fix = f"remove it (a member holds {', '.join(MEMBER_KEYS)})"
+    return Problem(f"{where}.{key}", f"unknown key; {fix}"), meant
+
+
+def _member_shape_problems(i: int, member: Any, names: set[str], combine: Any) -> list[Problem]:
+    """One member's own keys: a dict with a unique name, a weight in [0, 1e6] (under
+    ``combine: route``, none but 1) and one teacher."""
     where = f"teachers.members[{i}]"
     if not isinstance(member, dict):
         return [Problem(where, "is not a mapping; give {name, weight, teacher_model | ...}")]
     problems = []
+    meant_teacher = False  # an unknown key that means a teacher key (one line, not two)
     for key in member:
         if key not in MEMBER_KEYS:
-            problems.append(
-                Problem(f"{where}.{key}", f"unknown key; a member holds {', '.join(MEMBER_KEYS)}")
-            )
+            problem, meant = _unknown_member_key(where, str(key))
+            meant_teacher |= meant in _NAMING_KEYS
+            problems.append(problem)
     name = member.get("name")
     if not isinstance(name, str) or not _NAME_RE.match(name):
         problems.append(
@@ -132,12 +163,17 @@ def _member_shape_problems(i: int, member: Any, names: set[str]) -> list[Problem
         problems.append(Problem(f"{where}.name", f"{name} names two teachers; rename one"))
     else:
         names.add(name)
-    weight = member.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        problems.append(Problem(f"{where}.weight", f"{fmt(weight)} is not a number >= 0"))
-    if not any(
-        member.get(k) is not None for k in ("teacher_model", "teacher_logits", "teacher_server")
-    ):
+    if "weight" in member:
+        weight = member["weight"]
+        message = check_value(f"{where}.weight", weight, MEMBER_WEIGHT)
+        if message is None and combine == "route" and weight != MEMBER_WEIGHT.default:
+            message = (
+                f"{fmt(weight)} is not used by combine: route (each row learns from the one "
+                "teacher it names, at full weight); remove the weight, or use combine: weights"
+            )
+        if message is not None:
+            problems.append(Problem(f"{where}.weight", message))
+    if not meant_teacher and not any(member.get(k) is not None for k in _NAMING_KEYS):
         problems.append(
             Problem(where, "names no teacher; set teacher_model, teacher_logits or teacher_server")
         )
@@ -145,20 +181,29 @@ def _member_shape_problems(i: int, member: Any, names: set[str]) -> list[Problem
 
 
 def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
-    """``teachers:``: its members' own keys, nothing of one teacher at the top level beside it,
-    weights summing to a positive number, a route field exactly with ``combine: route``,
-    full distributions for ``combine: mix``, and with ``on_policy`` members that score (and,
-    routed under ``seq_kd``, sample) completions made during training. Each member's teacher
-    keys are checked by :func:`member_problems` (the validation passes call it)."""
+    """``teachers:``: its members' own keys, nothing of one teacher (nor ``self_teacher``) at
+    the top level beside it, weights summing to a positive number (under ``combine: route`` none
+    but 1), a route field exactly with ``combine: route``, full distributions for ``combine:
+    mix``, and with ``on_policy`` members that score (and, routed under ``seq_kd``, sample)
+    completions made during training. Each member's teacher keys are checked by
+    :func:`member_problems` (the validation passes call it)."""
     node = data.get("teachers")
     if not isinstance(node, dict):
         return
-    for key in ("teacher_model", "teacher_logits", "teacher_server", "cross_tokenizer"):
+    for key in TEACHER_KEYS:  # null (a template's teacher keys set to null) is no teacher
         if data.get(key) is not None:
             which = "the entry" if key != "cross_tokenizer" else "the entry of the teacher"
             problems.append(
                 Problem(key, f"is set beside teachers; move it into {which} of teachers.members")
             )
+    if isinstance(data.get("self_teacher"), dict):
+        problems.append(
+            Problem(
+                "self_teacher",
+                "is set beside teachers (the student as its own teacher, and other teachers); "
+                "remove self_teacher or teachers",
+            )
+        )
     members = node.get("members")
     if not isinstance(members, list) or not members:
         problems.append(
@@ -166,11 +211,11 @@ def check_teachers(data: dict[str, Any], problems: list[Problem]) -> None:
         )
         return
     names: set[str] = set()
-    for i, member in enumerate(members):
-        problems += _member_shape_problems(i, member, names)
     combine = node.get("combine", "weights")
-    weights = [m.get("weight", 1.0) for m in members if isinstance(m, dict)]
-    numbers = [w for w in weights if isinstance(w, (int, float)) and not isinstance(w, bool)]
+    for i, member in enumerate(members):
+        problems += _member_shape_problems(i, member, names, combine)
+    weights = [m.get("weight", MEMBER_WEIGHT.default) for m in members if isinstance(m, dict)]
+    numbers = [w for w in weights if check_value("weight", w, MEMBER_WEIGHT) is None]
     if combine != "route" and len(numbers) == len(weights) and sum(numbers) <= 0:
         problems.append(
             Problem(

@@ -117,6 +117,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _check_flag_pairs(args: argparse.Namespace) -> None:
+    """A flag read only beside another one is refused without it, not ignored."""
+    if args.context is not None and not args.self_teacher:
+        raise KDUserError(
+            "--context: only read with --self (the self teacher's privileged context); add "
+            "--self (and drop --teacher) for self-distillation, or drop --context"
+        )
+    if args.cross_tokenizer and args.self_teacher:
+        raise KDUserError(
+            "--cross-tokenizer: not with --self (the student is its own teacher, one tokenizer); "
+            "drop --cross-tokenizer"
+        )
+
+
 def _config_out(value: str, *, force: bool) -> Path:
     dest = Path(value).expanduser()
     if dest.is_dir():
@@ -209,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     Every check (folders, tokenizers, chat template, data) runs before the config is written, so a
     refusal writes nothing.
     """
+    _check_flag_pairs(args)
     dest = _config_out(args.config_out, force=args.force)
     if args.budget_gib is not None:
         from kd.cli.commands import budget_flag

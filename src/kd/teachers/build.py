@@ -113,10 +113,11 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
             _check_no_quantization(run, "this run's teacher has another tokenizer")
             return CrossTokenizerSource(run)
         return ModelTeacherSource(run)
-    _check_no_quantization(run, "this run has no teacher_model")
     # Several teachers (no top-level one), each built here.
     if run.teachers is not None:
+        _check_no_quantization(run, "the members of teachers: are not quantized")
         return MultiTeacherSource(run, teacher_source)
+    _check_no_quantization(run, "this run has no teacher_model")
     return None
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from kd import models
 from kd.config.run import LossSettings, RunConfig
 from kd.cross_tokenizer import VocabMatch, sequence_loss, vocab_match
-from kd.errors import KDUserError
+from kd.errors import KDUserError, one_line
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.cross_chat import ChatRows, chat_rows_of
 from kd.training import distributed
@@ -124,6 +124,7 @@ class CrossTokenizerSource:
             s: i for s, i in vocab_of(ctx.tokenizer()).items() if i < self.student_size
         }
         self.match = vocab_match(student_vocab, hf.get_vocab(), teacher_size=self.teacher_size)
+        check_pair(hf, self.match, folder)
 
     def load(
         self, ctx: Any, facts: Any, *, run_dir: Any = None, compile: bool | None = None
@@ -147,6 +148,32 @@ class CrossTokenizerSource:
             matched_weight=settings.matched_weight,
             ignore_index=self.run.loss.ignore_index,
             chat=self.chat,
+        )
+
+
+def check_pair(teacher_tokenizer: Any, match: VocabMatch, folder: Path) -> None:
+    """The teacher's tokenizer encodes text, and its vocabulary shares token strings with the
+    student's (a pair sharing none compares nothing token by token: the folder's tokenizer files
+    are not the teacher's own, or transformers read them as another kind of tokenizer).
+
+    Raises:
+        KDUserError: the teacher's tokenizer encodes a plain line to no tokens, or the two
+            vocabularies share no token string.
+    """
+    from kd.hf.tokenization import TOKENIZER_PROBE
+
+    where = f"cross_tokenizer: the teacher's tokenizer in {one_line(str(folder))}"
+    fix = (
+        f"check that {one_line(str(folder))} holds the teacher's own tokenizer files "
+        "(tokenizer.json, tokenizer_config.json) and that transformers' AutoTokenizer loads them "
+        "as that tokenizer"
+    )
+    if not teacher_tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]:
+        raise KDUserError(f"{where} encodes {TOKENIZER_PROBE!r} to no tokens; {fix}")
+    if match.teacher.numel() == 0:
+        raise KDUserError(
+            f"{where} shares no token string with the student's (tokenizer.path), so no token "
+            f"of the two can be compared; {fix}"
         )
 
 

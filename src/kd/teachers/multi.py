@@ -42,10 +42,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kd import losses, models
-from kd.config.run import LossSettings, RunConfig
+from kd.config.run import VALIDATION_DATASET, LossSettings, RunConfig
 from kd.config.teachers import Member, members_of
-from kd.data import row_field
-from kd.errors import KDUserError
+from kd.data import build_dataset, filled_fields, raw_row, row_field
+from kd.errors import KDUserError, one_line
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
 from kd.training import distributed
 
@@ -71,7 +71,7 @@ def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> 
     """Every row's teacher (field ``name``; None or empty: none), each a member's name.
 
     Raises:
-        KDUserError: a row names no member.
+        KDUserError: a row names no member, or no row fills the field.
     """
     out: list[str | None] = []
     for i in range(len(dataset)):
@@ -86,7 +86,26 @@ def routes_of(dataset: Any, name: str, teachers: Sequence[str], *, key: str) -> 
                 "name (rows without the field learn from CE only)"
             )
         out.append(str(value))
+    if out and all(r is None for r in out):
+        raise KDUserError(_no_route_message(dataset, name, key))
     return out
+
+
+def _no_route_message(dataset: Any, name: str, key: str) -> str:
+    """The line for a route field no row fills (every row would learn from CE alone)."""
+    have = ", ".join(filled_fields(raw_row(dataset, 0))) or "none kd can read"
+    nested = (
+        " (kd reads a top-level field of each row, not a nested one; give each row its own "
+        "field naming its teacher)"
+        if "." in name
+        else ""
+    )
+    return (
+        f"teachers.route_field: no row of {key} has a value in field {one_line(repr(name))}, so "
+        "every row "
+        f"would learn from CE only{nested}; set teachers.route_field to the field naming each "
+        f"row's teacher (row 1 has: {one_line(have)[:200]})"
+    )
 
 
 class MultiTeacherSource:
@@ -117,7 +136,8 @@ class MultiTeacherSource:
 
     def check(self, ctx: Any, facts: Any, dataset: Sequence[Any]) -> None:
         """Each member's weight-free checks, as a one-teacher run of it would make them; with
-        ``combine: route`` every row's field names a member."""
+        ``combine: route`` every row's field (the training rows' and the validation rows') names
+        a member or none, and some row names one."""
         from kd.training.run_context import RunContext
 
         tokenizer = ctx.tokenizer()
@@ -132,7 +152,16 @@ class MultiTeacherSource:
                 raise KDUserError(f"teachers.members {member.name}: {e}") from None
             self._checked.append((sub, sub_facts))
         if self.route_field is not None:
-            routes_of(dataset, self.route_field, [m.name for m in self.members], key="dataset")
+            names = [m.name for m in self.members]
+            routes_of(dataset, self.route_field, names, key="dataset")
+            if self.run.validation is not None:  # its rows are routed too (raw rows: no tokens)
+                held_out = build_dataset(
+                    self.run.validation.dataset,
+                    tokenizer,
+                    trust=self.run.trust_remote_components,
+                    key=VALIDATION_DATASET,
+                )
+                routes_of(held_out, self.route_field, names, key=VALIDATION_DATASET)
 
     def load(self, ctx: Any, facts: Any, *, run_dir: Any = None) -> MultiTeacher:
         assert self._checked, "check() inspects every member"

@@ -22,11 +22,18 @@ from typing import Any
 from kd import _torchtune as tt
 from kd.config.checks.self_teacher import template_fields
 from kd.config.run import IGNORE_INDEX, SelfTeacherSettings
+from kd.data import filled_fields
 from kd.errors import KDUserError, one_line
 
 log = logging.getLogger("kd")
 
-__all__ = ["PrivilegedRows", "TeacherRow", "labelled_positions", "with_context"]
+__all__ = [
+    "PrivilegedRows",
+    "TeacherRow",
+    "control_tokens",
+    "labelled_positions",
+    "with_context",
+]
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,16 @@ def with_context(messages: list[Any], text: str, *, place: str) -> list[Any]:
     return out
 
 
+def control_tokens(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's special tokens, id -> text (torchtune's tokenizers and kd's Hugging Face
+    one both keep ``special_tokens``: text -> id): the ids that mark turns and the sequence's
+    ends, which no row's text may turn into."""
+    table = getattr(tokenizer, "special_tokens", None)
+    if not isinstance(table, dict):
+        return {}
+    return {int(i): str(text) for text, i in table.items()}
+
+
 def _sft_part(dataset: Any, index: int) -> tuple[Any, int]:
     """The torchtune SFT dataset holding row ``index`` of ``dataset`` (also inside a
     ``ConcatDataset``) and the row's index in it."""
@@ -139,6 +156,8 @@ class PrivilegedRows:
             # whenever a limit is set (their truncate()), and the student's rows had one.
             untruncated.max_seq_len = 1 << 30
         self.transform = tt.SFTTransform(model_transform=untruncated)
+        self.tokenizer = tokenizer
+        self.control = control_tokens(tokenizer)
         self.rows: dict[int, TeacherRow] = {}
 
     def context(self, index: int, raw: Any) -> str:
@@ -147,14 +166,32 @@ class PrivilegedRows:
         for name in self.fields:
             value = raw.get(name) if hasattr(raw, "get") else None
             if value is None:
-                have = ", ".join(sorted(str(k) for k in raw)) if hasattr(raw, "keys") else ""
+                # A Hugging Face dataset fills a field some rows lack with null in the others:
+                # name the fields this row fills, not its keys.
+                have = ", ".join(filled_fields(raw)) or "none"
                 raise KDUserError(
-                    f"self_teacher.context: row {index + 1} of {self.key} has no field "
-                    f"{name!r} (it has: {one_line(have)[:200]}); add {name} to every row, or "
-                    "change self_teacher.context"
+                    f"self_teacher.context: row {index + 1} of {self.key} has no value in field "
+                    f"{name!r} (the row fills: {one_line(have)[:200]}); give every row a "
+                    f"{name}, or change self_teacher.context"
                 )
             values[name] = str(value)
+            self._check_text(index, name, values[name])
         return self.settings.context.format(**values)
+
+    def _check_text(self, index: int, name: str, text: str) -> None:
+        """Refuse a field whose text the tokenizer reads as one of its control tokens
+        (``<|im_end|>`` in a row): in the teacher's prompt it would end the turn, not be text."""
+        if not self.control or not text:
+            return
+        ids = self.tokenizer.encode(text, add_bos=False, add_eos=False)
+        hit = next((int(i) for i in ids if int(i) in self.control), None)
+        if hit is not None:
+            raise KDUserError(
+                f"self_teacher.context: row {index + 1} of {self.key}: field {name!r} holds "
+                f"{one_line(self.control[hit])!r}, which the tokenizer reads as its control token "
+                f"{hit}, not as text (in the teacher's prompt it would open or end a turn); "
+                "remove or reword it in the row (kd does not alter a row's text)"
+            )
 
     def render(self, index: int) -> TeacherRow:
         """Row ``index`` as the teacher sees it (rendered once, then kept)."""

@@ -394,13 +394,20 @@ def find_resume(output_dir: Path, *, resume: bool, overwrite: bool) -> ResumePoi
     return ResumePoint(found, saved, seed if isinstance(seed, int) else None)
 
 
-def completed_run(output_dir: Path, *, config_yaml: str) -> Path | None:
-    """``output_dir/final/`` when the run this config resumes has already finished, else None.
+def with_saved_seed(run: Any, seed: Any) -> Any:
+    """``run`` resuming a run whose snapshot holds ``seed``: with ``seed: null`` (a fresh seed per
+    process) it takes the seed the resumed run drew; a set seed stays (compared on resume)."""
+    return run.with_seed(seed) if run.seed is None and isinstance(seed, int) else run
+
+
+def completed_run(output_dir: Path, *, run: Any) -> Path | None:
+    """``output_dir/final/`` when the run ``run`` resumes has already finished, else None.
 
     Finished: ``final/`` is complete (:func:`kd.checkpoint.store.final_step`), no step folder is
     newer than it, and its config snapshot asks for the same schedule (``epochs``,
-    ``max_steps_per_epoch``; a run resumed with more epochs trains on). Said in one line on the
-    ``kd`` logger; nothing is read beyond the markers and snapshots, nothing written.
+    ``max_steps_per_epoch``; a run resumed with more epochs trains on). ``seed: null`` is the
+    finished run's seed (:func:`with_saved_seed`). Said in one line on the ``kd`` logger; nothing
+    is read beyond the markers and snapshots, nothing written.
 
     Raises:
         KDUserError: the config differs from the finished run's in a key that must match.
@@ -414,12 +421,13 @@ def completed_run(output_dir: Path, *, config_yaml: str) -> Path | None:
     final = Path(output_dir) / FINAL_DIRNAME
     try:
         saved = load_checkpoint_config(final)
-        same_schedule = schedule_of(saved) == schedule_of(config_yaml)
+        same_schedule = schedule_of(saved) == schedule_of(run.yaml)
+        seed = OmegaConf.create(saved).get("seed")
     except Exception:  # noqa: BLE001 - an unreadable snapshot: let the resume path report it
         return None
     if not same_schedule:
         return None
-    check_resume_compatible(saved, config_yaml, checkpoint=final)
+    check_resume_compatible(saved, with_saved_seed(run, seed).yaml, checkpoint=final)
     logger.info(
         "resume_from_checkpoint: the run in %s is already complete (%s, step %d); nothing to "
         "train. To train further, raise epochs; to start over, set "
@@ -557,12 +565,10 @@ def resume_point(output_dir: Path, run: Any) -> tuple[Any, ResumePoint | None] |
     """
     check_not_in_use(output_dir)
     ckpt = run.checkpoint
-    if ckpt.resume and completed_run(output_dir, config_yaml=run.yaml):
+    if ckpt.resume and completed_run(output_dir, run=run):
         return None
     found = find_resume(output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
     if found is not None:
-        if run.seed is None and found.seed is not None:
-            # seed: null draws a fresh seed per process; the run being resumed drew its own.
-            run = run.with_seed(found.seed)
+        run = with_saved_seed(run, found.seed)
         check_resume_compatible(found.config_yaml, run.yaml, checkpoint=found.checkpoint)
     return run, found

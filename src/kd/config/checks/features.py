@@ -253,7 +253,15 @@ def check_hidden_states(data: dict[str, Any], problems: list[Problem]) -> None:
     if not isinstance(data.get("hidden_states"), dict):
         return
     fix = "remove hidden_states, or distil from a local teacher_model"
-    if isinstance(data.get("teacher_logits"), dict):
+    if isinstance(data.get("teachers"), dict):
+        problems.append(
+            Problem(
+                "hidden_states",
+                "is not supported with teachers: (it matches one teacher's layers to the "
+                "student's); remove hidden_states, or distil from one teacher_model",
+            )
+        )
+    elif isinstance(data.get("teacher_logits"), dict):
         problems.append(
             Problem(
                 "hidden_states",

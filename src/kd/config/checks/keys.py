@@ -24,14 +24,23 @@ def _strip_word(name: str, words: tuple[str, ...]) -> list[str]:
     return out
 
 
+def close_key(
+    name: str, keys: list[str] | tuple[str, ...], words: tuple[str, ...] = ()
+) -> str | None:
+    """The one of ``keys`` that ``name`` (as written, or without one of ``words`` in front or at
+    the end) most likely means, or None (a close spelling: ``teacher_modle`` ->
+    ``teacher_model``)."""
+    for rest in [name, *_strip_word(name, words)]:
+        close = difflib.get_close_matches(rest, list(keys), n=1, cutoff=0.8)
+        if close:
+            return close[0]
+    return None
+
+
 def _in_section(name: str, section: str) -> str | None:
     """The key of ``section`` that ``name`` (with or without the section's word) means."""
-    subs = list(schema.SECTIONS[section])
-    for rest in [name, *_strip_word(name, schema.SECTION_WORDS[section])]:
-        close = difflib.get_close_matches(rest, subs, n=1, cutoff=0.8)
-        if close:
-            return f"{section}.{close[0]}"
-    return None
+    meant = close_key(name, list(schema.SECTIONS[section]), schema.SECTION_WORDS[section])
+    return f"{section}.{meant}" if meant is not None else None
 
 
 def suggest_key(name: str, section: str | None) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,17 @@ def _dataset_base(dotted: str, node: dict[str, Any], problems: list[Problem]) ->
     if not base.exists():
         problems.append(Problem(f"{dotted}.source", f"{source} does not exist; fix the path"))
         return None
+    kind = not_a_data_file(base, folder_ok=True)
+    if kind is not None:
+        problems.append(
+            Problem(
+                f"{dotted}.source",
+                f"{source} is {kind}, not a data folder or file; set {dotted}.source to a folder "
+                "of data files, or to the format (json, csv, parquet...) with the files in "
+                f"{dotted}.data_files",
+            )
+        )
+        return None
     if files is None:
         return None
     return base.parent if base.is_file() else base
@@ -244,9 +256,59 @@ def _check_dataset(dotted: str, node: dict[str, Any], problems: list[Problem]) -
         path = path if path.is_absolute() else base / path
         if not _path_ok(f"{dotted}.data_files", str(path), problems):
             continue
-        exists = bool(glob.glob(str(path))) if any(c in entry for c in "*?[") else path.exists()
-        if not exists:
+        pattern = any(c in entry for c in "*?[")
+        matches = [Path(m) for m in glob.glob(str(path))] if pattern else [path]
+        if not (matches if pattern else path.exists()):
             problems.append(Problem(f"{dotted}.data_files", f"{path} does not exist; fix the path"))
+            continue
+        if pattern and all(m.is_dir() for m in matches):
+            problems.append(
+                Problem(
+                    f"{dotted}.data_files",
+                    f"{path} matches only folders ({matches[0]}...), no data file; match the "
+                    f"files in them (e.g. {matches[0]}/*.jsonl)",
+                )
+            )
+            continue
+        for match in matches:
+            kind = not_a_data_file(match, folder_ok=pattern)
+            if kind is not None:
+                problems.append(
+                    Problem(
+                        f"{dotted}.data_files",
+                        f"{match} is {kind}, not a data file; {_data_file_fix(dotted, kind, match)}",
+                    )
+                )
+                break
+
+
+def not_a_data_file(path: Path, *, folder_ok: bool = False) -> str | None:
+    """What ``path`` is when it is not a regular file a dataset builder can read (a folder, a
+    named pipe, a device, a socket), or None. A named pipe or a device never ends (``/dev/zero``)
+    or waits for a writer; the datasets library hashes and reads data files whole. A folder
+    matched by a pattern is skipped by the builder (``folder_ok``)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None  # missing or unreadable: reported by the checks above or the builder
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return None if folder_ok else "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+
+
+def _data_file_fix(dotted: str, kind: str, path: Path) -> str:
+    if kind == "a folder":
+        return (
+            f"set {dotted}.data_files to the files in it (e.g. {path}/*.jsonl), or "
+            f"{dotted}.source to the folder"
+        )
+    return f"save the rows to a regular file and set {dotted}.data_files to it"
 
 
 def writable_dir_problem(folder: str) -> str | None:

@@ -58,6 +58,8 @@ def check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         return  # the server teaches (check_teacher_server)
     if isinstance(data.get("self_teacher"), dict):
         return  # the student teaches itself (check_self_teacher)
+    if isinstance(data.get("teachers"), dict):
+        return  # the members teach; top-level teacher keys, null or not, are check_teachers'
     if "teacher_model" in data and data["teacher_model"] is None:
         ratio = data.get("kd_ratio")
         if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio != 0:
