@@ -436,12 +436,11 @@ class KDRecipe:
                     tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
                 )
         rows = batch.get("rows")
-        # On the training device, as on-policy completions are: a model teacher embeds them
-        # there, and every teacher takes its device from them (the loader's batches are on the
-        # CPU; a file or served teacher reads ids back on the CPU itself).
+        # The loader's host tensors: a file, store or served teacher reads their values on the
+        # host (no device round trip); a model teacher moves them to its own device.
         return TeacherInput(
-            tokens=batch["tokens"].to(self.device),
-            labels=batch["labels"].to(self.device),
+            tokens=batch["tokens"],
+            labels=batch["labels"],
             rows=rows.tolist() if rows is not None else None,
             route=batch.get("route"),
         )
