@@ -131,8 +131,6 @@ def rows_for(smoke: bool) -> list[Row]:
         Row("Qwen2.5 0.5B served teacher (vLLM)", "qwen", "full", 2048, 1, True, feature="served"),
     ]
     if smoke:
-        keep = {0, 2, 7, 8, 9, 11, 12}
-        rows = [r for i, r in enumerate(rows) if i in keep]
         for r in rows:
             r.seq_len = 256 if r.base == "self" else 128
             if "on_policy" in r.sets:
@@ -1128,8 +1126,10 @@ def main(argv: list[str] | None = None) -> int:
     params = {name: count_params(f) for name, f in folders.items()}
     data = write_data(work / "data.jsonl", 64, 4200 if not args.smoke else 300)
     rows = rows_for(args.smoke)
-    if args.row_ids:
-        rows = [rows[int(i)] for i in args.row_ids.split(",")]
+    # --row-ids index the whole grid; --smoke alone runs one row of each code path
+    ids = args.row_ids or ("0,2,7,8,9,11,12" if args.smoke else None)
+    if ids:
+        rows = [rows[int(i)] for i in ids.split(",")]
     keys = sorted(
         {f"{r.pair}_{r.base}" for r in rows} | ({"qwen_full"} if "speed" in wanted else set())
     )
