@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from kd.memory.fake_device import register as register_fake_device
 from kd.testing import (
     TinyModel,
     checkpointer_node,
@@ -26,6 +27,11 @@ from kd.testing import (
 )
 
 warnings.filterwarnings("ignore")
+
+# The fake accelerator (kd.memory.fake_device) is registered before any test runs a backward:
+# autograd sizes its per-device ready queues once, at the process's first backward, so a device
+# registered later fails its backward (an internal assert in torch/csrc/autograd/engine.cpp).
+register_fake_device()
 
 # Tiny models: one intra-op thread is much faster than two fighting over a 2-core machine, for this
 # process and the `kd` subprocesses the tests start (they inherit the environment).
