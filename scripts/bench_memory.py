@@ -131,7 +131,7 @@ def write_markdown(rows: list[dict], path: str, command: str, total_s: float) ->
         "autograd, fused loss, backward; then the optimizer step) for the full-size torchtune",
         "modules under `FakeTensorMode` with torch's `MemTracker` (`kd plan --trace`), in the steady",
         "state (optimizer states exist). Both are *allocated* bytes per device, without the runtime",
-        "reserve that `kd plan` adds on top (CUDA context + allocator: 1 GiB + 3% of the peak).",
+        "terms that `kd plan` adds on top (allocator slack and CUDA runtime, measured: docs/gpu.md).",
         "",
         f"**Worst peak error: {100 * worst:.2f}%; worst error of any phase: {100 * worst_phase:.2f}%.**",
         "",

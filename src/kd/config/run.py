@@ -555,7 +555,7 @@ class MemorySettings:
     reserve_gib: float | None = setting(
         "memory.reserve_gib",
         None,
-        "runtime reserve (CUDA context, allocator); null = calibrated default",
+        "runtime terms in one number (CUDA context, allocator slack); null = the measured terms",
         min=0.0,
         resume=MAY_CHANGE,
     )
