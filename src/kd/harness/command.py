@@ -10,6 +10,7 @@ folder, the output file), then the models load one at a time. Importing this mod
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``kd eval``: check everything, evaluate, print the table, write the results file."""
-    from kd.harness.evaluate import Settings, evaluate_models, lm_eval_version, table, write_json
+    from kd.harness.evaluate import (
+        Settings,
+        evaluate_models,
+        lm_eval_version,
+        table,
+        task_manager,
+        write_json,
+    )
 
     _check_numbers(args)
     output = Path(args.output).expanduser()
@@ -148,8 +156,12 @@ def run(args: argparse.Namespace) -> int:
             f"--output: {one_line(str(output))} already exists; pass --force to overwrite it"
         )
     tasks = task_list(args.tasks)  # every task file and its data, before anything loads
-    models = model_folders(args.model)
     lm_eval_version()
+    # Nothing is downloaded: lm-eval's tasks read their data from the local cache.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    manager = task_manager(tasks)  # lm-eval task names and their data
+    models = model_folders(args.model)
     settings = Settings(
         device=args.device,
         batch_size=args.batch_size,
@@ -157,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         num_fewshot=args.num_fewshot,
         chat=args.chat,
     )
-    payload = evaluate_models(models, tasks, settings)
+    payload = evaluate_models(models, tasks, settings, manager=manager)
     print(table(payload))
     write_json(output, payload)
     print(f"wrote {output}")

@@ -145,9 +145,15 @@ def _metrics(task_results: dict[str, Any]) -> dict[str, dict[str, float | None]]
 
 
 def evaluate_models(
-    models: Sequence[ModelFolder], tasks: Tasks, settings: Settings
+    models: Sequence[ModelFolder], tasks: Tasks, settings: Settings, *, manager: Any = None
 ) -> dict[str, Any]:
     """Every model on every task, one model in memory at a time.
+
+    Args:
+        models: the model folders, in column order.
+        tasks: the checked task specs and lm-eval task names.
+        settings: how the tasks run.
+        manager: lm-eval's ``TaskManager`` from :func:`task_manager` (built here if None).
 
     Returns:
         The ``eval.json`` payload: the models, tasks, settings and
@@ -164,7 +170,7 @@ def evaluate_models(
 
     from kd import __version__
 
-    manager = task_manager(tasks)
+    manager = task_manager(tasks) if manager is None else manager
     configs: list[Any] = [lm_eval_config(s) for s in tasks.specs] + list(tasks.builtin)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
