@@ -378,3 +378,59 @@ def test_lm_eval_task_names(models, tmp_path, capsys):
         capsys, "--model", str(tmp_path / "none"), "--tasks", "arc_easy", "--output", out
     )
     assert code == 2 and "cannot read its data" in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_block_scores_final_at_the_end_of_training(assets, tmp_path, capsys):
+    """`eval:` in a run config: final/ scored by lm-eval after training; the same numbers in the
+    table, output_dir/eval.json and the last metrics.jsonl row; final/ scores as `kd eval` says."""
+    from conftest import make_config, read_metrics, write_config
+
+    tasks = write_mc_task(tmp_path / "tasks")
+    out = tmp_path / "run"
+    cfg = make_config(assets, out, max_steps_per_epoch=2, eval={"tasks": [str(tasks)], "limit": 6})
+    assert (
+        main(["run", "kd_single_device", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    payload = json.loads((out / "eval.json").read_text())
+    acc = payload["results"]["arith_mc"]["acc"]["final"]
+    assert payload["models"] == [{"name": "final", "path": str(out / "final")}]
+    last = read_metrics(out)[-1]
+    assert last["step"] == 2
+    assert last["eval/arith_mc/acc"] == acc["value"]
+    assert last["eval/arith_mc/acc_stderr"] == acc["stderr"]
+    assert any(line.split()[:2] == ["arith_mc", "acc"] for line in printed.splitlines())
+    code, _, err = run_eval(
+        capsys,
+        "--model",
+        str(out / "final"),
+        "--tasks",
+        str(tasks),
+        "--limit",
+        "6",
+        "--output",
+        str(tmp_path / "again.json"),
+    )
+    assert code == 0, err
+    again = json.loads((tmp_path / "again.json").read_text())["results"]["arith_mc"]["acc"]
+    assert again["run/final"] == acc
+
+
+def test_eval_block_refuses_a_planted_task_file_before_any_weight(assets, tmp_path, capsys):
+    from conftest import make_config, write_config
+
+    folder = _planted(tmp_path / "tasks", BASE + "process_docs: !function utils.f\n")
+    out = tmp_path / "run"
+    cfg = make_config(assets, out, eval={"tasks": [str(folder)]})
+    path = str(write_config(tmp_path / "c.yaml", cfg))
+    for command in (["validate", "--config", path], ["run", "kd_single_device", "--config", path]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if "error" in line] == [
+            f"kd: error: process_docs: {folder / 'mc.yaml'} uses the YAML tag !function, which "
+            "would make lm-eval run Python; kd runs nothing from a task file: describe the task "
+            "with kd's keys (docs/eval.md)"
+        ], err
+        assert not (folder / MARKER).exists()
+        assert not out.exists()  # nothing written: the check comes before output_dir is taken

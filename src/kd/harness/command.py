@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kd.errors import KDUserError, one_line
-from kd.harness.tasks import read_task_folder
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,63}")
 _GENERIC = ("final", "best", "adapter")  # kd's folder names: the run's folder names the column
@@ -108,25 +107,6 @@ def _check_folder(folder: Path) -> None:
     _check_model_folder(_inspect(folder, "--model"), "--model")
 
 
-def task_list(values: list[str]) -> Any:
-    """``--tasks`` values: task folders read and checked here, other values lm-eval names."""
-    from kd.harness.evaluate import Tasks
-
-    tasks = Tasks()
-    for value in values:
-        path = Path(value).expanduser()
-        if path.exists() or "/" in value or value.startswith("."):
-            tasks.specs += read_task_folder(path)
-        elif value not in tasks.builtin:
-            tasks.builtin.append(value)
-    seen: set[str] = set()
-    for name in tasks.names():
-        if name in seen:
-            raise KDUserError(f"--tasks: two tasks are named {one_line(name)}; rename one (task:)")
-        seen.add(name)
-    return tasks
-
-
 def _check_numbers(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise KDUserError(f"--batch-size: {args.batch_size} is not a batch size; pass 1 or more")
@@ -142,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         Settings,
         evaluate_models,
         lm_eval_version,
+        resolve_tasks,
         table,
         task_manager,
         write_json,
@@ -155,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         raise KDUserError(
             f"--output: {one_line(str(output))} already exists; pass --force to overwrite it"
         )
-    tasks = task_list(args.tasks)  # every task file and its data, before anything loads
+    tasks = resolve_tasks(
+        args.tasks, key="--tasks"
+    )  # every task file and its data, before anything loads
     lm_eval_version()
     # Nothing is downloaded: lm-eval's tasks read their data from the local cache.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kd.errors import KDUserError, brief, one_line
-from kd.harness.tasks import TaskSpec, lm_eval_config
+from kd.harness.tasks import TaskSpec, lm_eval_config, read_task_folder
 
 INSTALL_HINT = "install it with pip install 'kd[eval]' (lm_eval 0.4.13)"
 
@@ -58,6 +58,31 @@ class Settings:
     bootstrap_iters: int = 1000
 
 
+def resolve_tasks(values: Sequence[str], *, key: str) -> Tasks:
+    """Task folders read and checked here (every file and row); other values lm-eval names.
+
+    A value that exists, holds a ``/`` or starts with ``.`` is a folder; lm-eval names are checked
+    by :func:`task_manager`.
+
+    Raises:
+        KDUserError: a task folder's problem, or two tasks of one name; the line starts with
+            ``key``.
+    """
+    tasks = Tasks()
+    for value in values:
+        path = Path(value).expanduser()
+        if path.exists() or "/" in value or value.startswith("."):
+            tasks.specs += read_task_folder(path, key=key)
+        elif value not in tasks.builtin:
+            tasks.builtin.append(value)
+    seen: set[str] = set()
+    for name in tasks.names():
+        if name in seen:
+            raise KDUserError(f"{key}: two tasks are named {one_line(name)}; rename one (task:)")
+        seen.add(name)
+    return tasks
+
+
 def lm_eval_version() -> str:
     """The installed lm_eval's version.
 
@@ -86,7 +111,7 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def task_manager(tasks: Tasks) -> Any:
+def task_manager(tasks: Tasks, *, key: str = "--tasks") -> Any:
     """lm-eval's ``TaskManager``: its built-in task index only when a built-in task is named.
 
     The user's task folders are never given to it (``include_path``): lm-eval would read every
@@ -107,14 +132,14 @@ def task_manager(tasks: Tasks) -> Any:
                 else "pass a task folder or a name lm-eval lists (lm-eval ls tasks)"
             )
             raise KDUserError(
-                f"--tasks: {one_line(name)} is not a task folder here nor a task lm-eval knows; {hint}"
+                f"{key}: {one_line(name)} is not a task folder here nor a task lm-eval knows; {hint}"
             )
         try:
             with _quiet():
                 manager.load([name])  # reads its data now: before any model loads
         except Exception as e:  # datasets raises many types for data it cannot reach
             raise KDUserError(
-                f"--tasks: lm-eval task {name} cannot read its data ({brief(e)}); its data must be "
+                f"{key}: lm-eval task {name} cannot read its data ({brief(e)}); its data must be "
                 "available locally (the Hugging Face datasets cache, HF_DATASETS_OFFLINE=1) or use "
                 "a task folder of your own"
             ) from e
@@ -262,3 +287,43 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         raise KDUserError(
             f"--output: cannot write {one_line(str(path))} ({brief(e)}); choose a path you can write to"
         ) from e
+
+
+class FinalEvaluation:
+    """The run's ``eval:`` (the recipe's component): tasks checked before any weight loads,
+    ``final/`` scored at the end of training on rank 0.
+
+    Args:
+        settings: the run's :class:`kd.config.run.EvalSettings`.
+        device: the run's device.
+
+    Raises:
+        KDUserError: lm_eval missing, or a task :func:`resolve_tasks` / :func:`task_manager`
+            refuses (named ``eval.tasks``).
+    """
+
+    KEY = "eval.tasks"
+
+    def __init__(self, settings: Any, *, device: str) -> None:
+        lm_eval_version()
+        self.tasks = resolve_tasks(settings.tasks, key=self.KEY)
+        self.settings = Settings(
+            device=device,
+            batch_size=settings.batch_size,
+            limit=settings.limit,
+            num_fewshot=settings.num_fewshot,
+            chat=settings.chat,
+        )
+        self.manager = task_manager(self.tasks, key=self.KEY)
+
+    def run(self, final_dir: Path, *, output_dir: Path) -> dict[str, float]:
+        """Score ``final_dir``; print the table, write ``output_dir/eval.json``.
+
+        Returns:
+            The metrics row of the model (:func:`metrics_row`) for metrics.jsonl.
+        """
+        model = ModelFolder(name="final", path=final_dir)
+        payload = evaluate_models([model], self.tasks, self.settings, manager=self.manager)
+        print(table(payload))
+        write_json(output_dir / "eval.json", payload)
+        return metrics_row(payload, model.name)

@@ -144,19 +144,19 @@ def _refuse_tags(node: yaml.Node, path: Path, key: str = "(top)") -> None:
             _refuse_tags(item, path, key)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, key: str) -> dict[str, Any]:
     where = _where(path)
     try:
         text = path.read_text(encoding="utf-8")
         node = yaml.compose(text, Loader=yaml.SafeLoader)  # nodes only: nothing constructed yet
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise KDUserError(f"--tasks: cannot read {where} ({brief(e)}); fix the YAML") from e
+        raise KDUserError(f"{key}: cannot read {where} ({brief(e)}); fix the YAML") from e
     if node is None:
-        raise KDUserError(f"--tasks: {where} is empty; {FIX}")
+        raise KDUserError(f"{key}: {where} is empty; {FIX}")
     _refuse_tags(node, path)
     data = yaml.safe_load(text)
     if not isinstance(data, dict):
-        raise KDUserError(f"--tasks: {where} is not a mapping of keys; {FIX}")
+        raise KDUserError(f"{key}: {where} is not a mapping of keys; {FIX}")
     return data
 
 
@@ -316,13 +316,13 @@ def _check_rows(spec: TaskSpec) -> int:
     return count
 
 
-def read_task_file(path: Path, folder: Path) -> TaskSpec:
+def read_task_file(path: Path, folder: Path, *, key: str = "--tasks") -> TaskSpec:
     """One task file of ``folder``, checked with its data file.
 
     Raises:
         KDUserError: one line naming the key and the file, and the fix.
     """
-    data = _read_yaml(path)
+    data = _read_yaml(path, key)
     _check_keys(data, path)
     where = _where(path)
     name = _text(data, "task", path)
@@ -365,8 +365,12 @@ def read_task_file(path: Path, folder: Path) -> TaskSpec:
 _GENERATE_ONLY = ("reference", "extract", "until", "max_new_tokens", "ignore_case")
 
 
-def read_task_folder(folder: Path) -> list[TaskSpec]:
+def read_task_folder(folder: Path, *, key: str = "--tasks") -> list[TaskSpec]:
     """Every task file (``*.yaml``, ``*.yml``) directly in ``folder``, checked.
+
+    Args:
+        folder: the task folder.
+        key: the flag or config key that named it (``--tasks``, ``eval.tasks``).
 
     Raises:
         KDUserError: no task file, a file that links out of the folder or is not regular, or any
@@ -374,19 +378,19 @@ def read_task_folder(folder: Path) -> list[TaskSpec]:
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise KDUserError(f"--tasks: {_where(folder)} is not a folder; pass a task folder")
+        raise KDUserError(f"{key}: {_where(folder)} is not a folder; pass a task folder")
     names = sorted(p.name for p in folder.iterdir() if p.name.endswith(SPEC_SUFFIXES))
     if not names:
         raise KDUserError(
-            f"--tasks: {_where(folder)} holds no task file (*.yaml); write one per task "
+            f"{key}: {_where(folder)} holds no task file (*.yaml); write one per task "
             "(docs/eval.md)"
         )
     specs = []
     for name in names:
-        path = folders.file_in(folder, name, key="--tasks")
+        path = folders.file_in(folder, name, key=key)
         if path is None:  # a dangling link
-            raise KDUserError(f"--tasks: {_where(folder / name)} is a broken link; remove it")
-        specs.append(read_task_file(folder / name, folder))
+            raise KDUserError(f"{key}: {_where(folder / name)} is a broken link; remove it")
+        specs.append(read_task_file(folder / name, folder, key=key))
     return specs
 
 
