@@ -359,6 +359,11 @@ def test_model_mistakes_are_one_line(models, tmp_path, capsys):
             "two models are named student",
         ),
         (["--model", str(tasks)], "has no config.json"),
+        (
+            ["--model", str(models["student"]), "--device", "tpu"],
+            "--device: 'tpu' is not cpu or cuda",
+        ),
+        (["--model", str(models["student"]), "--limit", "0"], "--limit: 0 evaluates nothing"),
     ]
     for model_args, message in cases:
         code, _, err = run_eval(capsys, *model_args, "--tasks", str(tasks), "--output", out)

@@ -108,6 +108,9 @@ def _check_folder(folder: Path) -> None:
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    from kd.generate import _check_device
+
+    _check_device(args.device)
     if args.batch_size < 1:
         raise KDUserError(f"--batch-size: {args.batch_size} is not a batch size; pass 1 or more")
     if args.limit is not None and args.limit < 1:
