@@ -439,3 +439,21 @@ def test_eval_block_refuses_a_planted_task_file_before_any_weight(assets, tmp_pa
         ], err
         assert not (folder / MARKER).exists()
         assert not out.exists()  # nothing written: the check comes before output_dir is taken
+
+
+def test_eval_block_scores_a_lora_students_merged_weights(assets, tmp_path, capsys):
+    """A LoRA run's final/ (merged weights, the adapter in final/adapter/) scores as transformers
+    scores those merged weights: the adapter is not applied a second time."""
+    from conftest import make_config, write_config
+
+    tasks = write_mc_task(tmp_path / "tasks")
+    out = tmp_path / "run"
+    cfg = make_config(assets, out, lora=True, max_steps_per_epoch=2, eval={"tasks": [str(tasks)]})
+    cfg["optimizer"]["lr"] = 0.05  # the adapter moves the weights enough to change some answers
+    assert (
+        main(["run", "kd_single_device", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+        == 0
+    )
+    assert (out / "final" / "adapter" / "adapter_config.json").is_file()
+    acc = json.loads((out / "eval.json").read_text())["results"]["arith_mc"]["acc"]["final"]
+    assert acc["value"] == pytest.approx(choice_accuracy(out / "final", mc_rows()))

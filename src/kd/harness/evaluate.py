@@ -199,6 +199,9 @@ def evaluate_models(
     configs: list[Any] = [lm_eval_config(s) for s in tasks.specs] + list(tasks.builtin)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
+        gc.collect()  # what the caller (or the previous model) let go of leaves the device first
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         loaded, tokenizer = _load(model, settings.device)
         with _quiet():
             lm = HFLM(
@@ -221,9 +224,6 @@ def evaluate_models(
             for metric, value in _metrics(task_results).items():
                 results.setdefault(task, {}).setdefault(metric, {})[model.name] = value
         del lm, loaded
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return {
         "kd_version": __version__,
         "lm_eval_version": version,
