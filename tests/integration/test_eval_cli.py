@@ -253,6 +253,8 @@ PLANTED = [
     ),
     ("jinja_prompt", BASE + 'prompt: "{{ cycler.__init__.__globals__ }}"\n', ["prompt", "brace"]),
     ("attribute_prompt", BASE + 'prompt: "{question.__class__}"\n', ["prompt", "plain field name"]),
+    ("jinja_word_prompt", BASE + 'prompt: "{self}"\n', ["prompt", "Jinja word"]),
+    ("jinja_word_field", BASE + "choices: loop\n", ["choices", "Jinja word"]),
     ("dataset_path", BASE + "dataset_path: ./loader.py\n", ["dataset_path", "loading script"]),
     ("unknown_key", BASE + "num_shots: 3\n", ["num_shots", "unknown key"]),
     (

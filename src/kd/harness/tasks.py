@@ -75,6 +75,17 @@ CODE_KEYS: dict[str, str] = {
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _FIELD = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,99}")
 _STANDARD_TAG = "tag:yaml.org,2002:"
+# Names Jinja gives a meaning of its own (keywords, literals, the template's own variables): a
+# field of that name would not be the row's value.
+_JINJA_NAMES = frozenset(
+    "and or not in is if else elif for endfor recursive block extends import include from with "
+    "without context as set macro call filter raw endraw true false none True False None self "
+    "loop varargs kwargs caller".split()
+)
+
+
+def _plain_field(name: str) -> bool:
+    return bool(_FIELD.fullmatch(name)) and name not in _JINJA_NAMES
 
 
 @dataclass(frozen=True)
@@ -184,10 +195,10 @@ def _text(data: Mapping[str, Any], key: str, path: Path, default: str | None = N
 
 def _field(data: Mapping[str, Any], key: str, path: Path, default: str) -> str:
     value = _text(data, key, path, default)
-    if not _FIELD.fullmatch(value):
+    if not _plain_field(value):
         raise KDUserError(
             f"{key}: {one_line(value)!r} in {_where(path)} is not a field name; use letters, digits "
-            "and _ (the key of the rows' JSON objects)"
+            "and _ (the key of the rows' JSON objects), not a Jinja word (self, loop, not...)"
         )
     return value
 
@@ -217,10 +228,10 @@ def parse_prompt(prompt: str, path: Path) -> tuple[tuple[str, str | None], ...]:
                 f"prompt: in {where} has a brace outside a field; braces may only surround a "
                 "field name ({question})"
             )
-        if field is not None and (spec or conversion or not _FIELD.fullmatch(field)):
+        if field is not None and (spec or conversion or not _plain_field(field)):
             raise KDUserError(
                 f"prompt: {{{one_line(field)}}} in {where} is not a plain field name; write "
-                "{name} with letters, digits and _ only"
+                "{name} with letters, digits and _ only, not a Jinja word (self, loop, not...)"
             )
         out.append((literal, field))
     return tuple(out)
