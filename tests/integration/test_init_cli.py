@@ -633,7 +633,7 @@ def _uncommented(text: str, keys: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize(
     "keys",
-    [("validation", "keep_best", "early_stopping"), ("teacher_logits",), ("on_policy",)],
+    [("validation", "keep_best", "early_stopping"), ("teacher_logits",), ("on_policy",), ("eval",)],
 )
 def test_optional_features_are_written_commented_and_validate_when_turned_on(
     folders, tmp_path, keys

@@ -52,6 +52,7 @@ _OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
     ("kd.scaffold.command", "init"),
     ("kd.memory.cli", "plan"),
     ("kd.demo", "demo"),
+    ("kd.harness.command", "eval"),
 )
 
 _RUN_USAGE = "kd run [TORCHRUN-OPTIONS] <recipe> --config <name|path> [key=value ...] [~key ...]"

@@ -751,6 +751,36 @@ class OnPolicySettings:
     )
 
 
+@settings
+class EvalSettings:
+    """lm-evaluation-harness tasks scored on ``final/`` at the end of training (``eval:``;
+    :mod:`kd.harness`, what ``kd eval`` runs): the table, ``output_dir/eval.json`` and one
+    metrics row; null = none."""
+
+    tasks: tuple[str, ...] = setting(
+        "eval.tasks",
+        MISSING,
+        "task folders of kd task files (docs/eval.md) or lm-eval task names with local data",
+        resume=MAY_CHANGE,
+    )
+    limit: int | None = setting(
+        "eval.limit", None, "at most limit examples per task; null = all", min=1, resume=MAY_CHANGE
+    )
+    batch_size: int = setting(
+        "eval.batch_size", 8, "examples per lm-eval batch", min=1, resume=MAY_CHANGE
+    )
+    num_fewshot: int | None = setting(
+        "eval.num_fewshot",
+        None,
+        "few-shot examples per prompt; null = each task's own",
+        min=0,
+        resume=MAY_CHANGE,
+    )
+    chat: bool = setting(
+        "eval.chat", False, "prompts through the tokenizer's chat template", resume=MAY_CHANGE
+    )
+
+
 def _components(cfg: DictConfig) -> dict[str, DictConfig | ListConfig | None]:
     return {key: frozen_node(cfg.get(key)) for key in COMPONENT_KEYS}
 
@@ -784,6 +814,7 @@ class RunConfig:
     teachers: TeachersSettings | None = group(_has("teachers"))
     cross_tokenizer: CrossTokenizerSettings | None = group(_has("cross_tokenizer"))
     hidden_states: HiddenStateSettings | None = group(_has("hidden_states"))
+    eval: EvalSettings | None = group(_has("eval"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
     )

@@ -195,6 +195,13 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("hidden_states", "hidden", "hs", "intermediate", "layer_map"),
     ),
+    "eval": Section(
+        "lm-evaluation-harness tasks scored on final/ at the end of training: {tasks, limit, "
+        "batch_size, num_fewshot, chat}; null = none (kd eval scores any folder later)",
+        MAY_CHANGE,
+        optional=True,
+        words=("lm_eval", "harness", "benchmark", "tasks"),
+    ),
     "keep_best": Section(
         "keep output_dir/best/, the student of the best validation: {metric, mode}; "
         "needs validation",

@@ -100,6 +100,7 @@ class KDRecipe:
         self.found: outputs.ResumePoint | None = None
         # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
         self.extra: torch.nn.Module | None = None
+        self.final_eval: Any = None  # kd.harness.evaluate.FinalEvaluation with eval:
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -139,6 +140,10 @@ class KDRecipe:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
             )
+        if run.eval is not None:  # the task files, their data and lm-eval's names
+            from kd.harness.evaluate import FinalEvaluation
+
+            self.final_eval = FinalEvaluation(run.eval, device=str(self.device))
 
         def steps(max_steps: int | None) -> int:
             return ctx.steps_per_epoch(len(self.dataset), max_steps)
@@ -347,6 +352,7 @@ class KDRecipe:
             if self.validator is not None and self.validator.tracker.last_step != self.global_step:
                 self.validate()  # the end of training (unless this step was just evaluated)
             final = self.save(final=True)
+            self._evaluate(final)
             if stop.requested and self.world.is_rank_zero:
                 print(
                     f"kd: received {stop.signal_name} at the end of training; saved {final} "
@@ -480,6 +486,7 @@ class KDRecipe:
         assert self.validator is not None
         stop.action = "finishing the final save"
         final = self.save(final=True)
+        self._evaluate(final)
         if self.world.is_rank_zero:
             print(
                 self.validator.stop_message(
@@ -490,6 +497,21 @@ class KDRecipe:
                 ),
                 file=sys.stderr,
             )
+
+    def _evaluate(self, final: Path | None) -> None:
+        """``eval:``: rank 0 scores ``final/`` on lm-eval's tasks (table, eval.json, a metrics
+        row at the last step)."""
+        if self.final_eval is None or final is None or not self.world.is_rank_zero:
+            return
+        # The run is saved: the trained models and the optimizer leave the device before final/
+        # loads, so the evaluation holds one model (not planned by kd plan: docs/eval.md).
+        if self.teacher is not None:
+            self.teacher.close()
+            self.teacher = None
+        self.student = self.optimizer = self.lr_scheduler = self.extra = None  # type: ignore[assignment]
+        row = self.final_eval.run(final, output_dir=self.output_dir)
+        assert self.log is not None
+        self.log.write({"step": self.global_step, **row})
 
     def _log(self, stats: train.StepStats) -> None:
         row: dict[str, Any] = {

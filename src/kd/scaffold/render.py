@@ -325,7 +325,8 @@ def optional_sections(
     config): ``validation`` (held-out data read like ``dataset``, here pointed at a ``val``
     file beside the training data) with ``keep_best`` and ``early_stopping``; ``teacher_logits``
     (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD,
-    its completions at most half of ``max_seq_len`` so that a prompt fits beside them).
+    its completions at most half of ``max_seq_len`` so that a prompt fits beside them); ``eval``
+    (lm-evaluation-harness tasks scored on ``final/``, a task folder beside the training data).
     """
     train = Path(str(data.node["data_files"]))
     val_node = {**data.node, "data_files": str(train.with_name(f"val{train.suffix}"))}
@@ -354,6 +355,17 @@ def optional_sections(
         ),
         "# Stop after `patience` evaluations without improvement (needs validation):",
         *_commented(["early_stopping:", _line("  patience", 3)]),
+        "# Score final/ on lm-evaluation-harness tasks after training (eval.json, metrics.jsonl;",
+        "# a folder of task files, docs/eval.md; `kd eval` scores any folders later):",
+        *_commented(
+            [
+                "eval:",
+                _line(
+                    "  tasks", [str(train.with_name("eval_tasks"))], "task folders or lm-eval names"
+                ),
+                _line("  limit", None, "null = every example"),
+            ]
+        ),
         "# Stored teacher logits: `kd run teacher_logits --config "
         f"{one_line(config_name)}` writes them once, then",
         "# `kd run kd` trains from them without loading the teacher:",
