@@ -820,6 +820,14 @@ class RunConfig:
         "recompute decoder layers in backward (less memory, ~30% slower)",
         resume=MAY_CHANGE,
     )
+    activation_offloading: bool = setting(
+        "enable_activation_offloading",
+        False,
+        "keep the student's saved activations in host memory between its forward and backward "
+        "(torchtune's OffloadActivations: pinned memory, a side stream on CUDA; with activation "
+        "checkpointing only each layer's input moves); kd plan reports the host memory",
+        resume=MAY_CHANGE,
+    )
     compile: bool = setting(
         "compile",
         False,
