@@ -11,9 +11,15 @@ from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 from kd import cli
+from kd.memory import fake_device
+from kd.teachers import parking
 from kd.training import offload
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
+
+# The fake accelerator's device must exist before this process's first backward starts autograd's
+# device threads (a backward on the CPU first leaves no queue for it: an internal assert later).
+fake_device.register()
 
 
 def _kd_run(assets, out: Path, *, lora: bool = False, **top) -> tuple[list[dict], dict]:
@@ -30,8 +36,10 @@ def _kd_run(assets, out: Path, *, lora: bool = False, **top) -> tuple[list[dict]
 
 def _assert_same(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> None:
     (ma, wa), (mb, wb) = a, b
-    for key in ("loss", "ce_loss", "kd_loss", "grad_norm"):
-        assert [r[key] for r in ma] == pytest.approx([r[key] for r in mb], abs=1e-6), key
+    for key in ("loss", "ce_loss", "kd_loss", "grad_norm", "val_loss", "val_kd_loss"):
+        va, vb = [r[key] for r in ma if key in r], [r[key] for r in mb if key in r]
+        assert va == pytest.approx(vb, abs=1e-6) and len(va) == len(vb), key
+    assert any("loss" in r for r in ma)
     assert wa.keys() == wb.keys() and wa
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
@@ -63,6 +71,70 @@ def test_activation_offloading_is_exact(assets, tmp_path, managers, ac, lora):
     off = _kd_run(assets, tmp_path / "offload", lora=lora, enable_activation_offloading=True, **top)
     assert len(managers) == 1 and managers[0].offloaded_bytes > 0
     assert not managers[0].tracker, "every offloaded activation came back in backward"
+    _assert_same(base, off)
+
+
+@pytest.fixture
+def parked(monkeypatch) -> list[parking.ParkedWeights]:
+    """Every parked teacher the run builds."""
+    made: list[parking.ParkedWeights] = []
+    init = parking.ParkedWeights.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(parking.ParkedWeights, "__init__", spy)
+    return made
+
+
+def _parked_step(cfg: dict, tmp: Path, *overrides: str):
+    """``test_fake_device_steps.step`` for a parked teacher: the student on the fake device, the
+    teacher's weights on the host but its output projection (and buffers) there too."""
+    from kd.memory.fake_device import FAKE_DEVICE
+    from kd.testing_device import fake_device_step
+
+    result = fake_device_step(write_config(tmp / "c.yaml", cfg), overrides)
+    for kind, types in result.devices.items():
+        want = {FAKE_DEVICE, "cpu"} if kind.startswith("teacher") else {FAKE_DEVICE}
+        assert types == want, (kind, types)
+    assert result.stats.stepped
+    return result
+
+
+def _assert_parked(p: parking.ParkedWeights) -> None:
+    """Between forwards every parked weight is its host copy, and it was brought in."""
+    assert p.forwards > 0 and p.moved_bytes > 0 and p.parked_bytes > 0
+    copies = p.host_copies()
+    assert copies and all(now is host and host.device.type == "cpu" for now, host in copies)
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_parked_teacher_is_exact(assets, tmp_path, parked, mode):
+    """teacher_offload park / stream: the resident run's losses, gradient norms and weights
+    (with validation, whose teacher forwards park it too)."""
+    val = {
+        "dataset": make_config(assets, tmp_path)["dataset"],
+        "every_n_steps": 1,
+        "max_batches": 1,
+        "batch_size": 2,
+    }
+    base = _kd_run(assets, tmp_path / "resident", validation=val)
+    off = _kd_run(assets, tmp_path / mode, validation=val, teacher_offload=mode)
+    assert len(parked) == 1
+    _assert_parked(parked[0])
+    _assert_same(base, off)
+    assert any("val_loss" in r for r in off[0])
+
+
+def test_everything_offloaded_is_exact(assets, tmp_path, parked, managers):
+    """Activation offloading and a streamed teacher together: still the resident run."""
+    top = {"enable_activation_checkpointing": True}
+    base = _kd_run(assets, tmp_path / "resident", **top)
+    off = _kd_run(
+        assets, tmp_path / "off", enable_activation_offloading=True, teacher_offload="stream", **top
+    )
+    assert len(parked) == 1 and len(managers) == 1
     _assert_same(base, off)
 
 
@@ -124,3 +196,76 @@ def test_compute_stream_is_read_live():
     assert manager.s0 is None
     manager.s0 = "stale"
     assert manager.s0 is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "backend"),
+    [("park", "torchtune"), ("stream", "torchtune"), ("park", "transformers")],
+)
+def test_parked_teacher_device_step(assets, tmp_path, parked, mode, backend):
+    """The device step with the teacher parked: its forward, the validation's and its sampling
+    (seq_kd) run on device copies; a weight left in host memory would be a device mismatch."""
+    from test_fake_device_steps import gpu_config, heldout, on_transformers
+
+    cfg = gpu_config(
+        assets,
+        tmp_path / "out",
+        teacher_offload=mode,
+        validation=heldout(assets),
+        on_policy={"lmbda": 0.0, "seq_kd": True, "max_new_tokens": 4, "temperature": 1.0},
+    )
+    if backend == "transformers":
+        on_transformers(cfg, assets, student=False, teacher=True, lora=False)
+    result = _parked_step(cfg, tmp_path)
+    assert result.validated and result.stats.sampled["teacher"][0] == 2
+    assert len(parked) == 1
+    _assert_parked(parked[0])
+
+
+def test_several_parked_teachers_device_step(assets, tmp_path, parked):
+    """teachers: each member parked and brought in in turn."""
+    from conftest import TEACHER, builder, write_hf_qwen2
+    from test_fake_device_steps import checkpointer_node, gpu_config, no_teacher_nodes
+
+    out = tmp_path / "out"
+    second = write_hf_qwen2(tmp_path / "teacher2", TEACHER, seed=7)
+    members = [
+        {
+            "name": name,
+            "weight": 1.0,
+            "teacher_model": builder(TEACHER),
+            "teacher_checkpointer": checkpointer_node(folder, out / f"tt_{name}"),
+        }
+        for name, folder in (("a", assets["teacher"]), ("b", second))
+    ]
+    cfg = no_teacher_nodes(
+        gpu_config(assets, out, teachers={"combine": "weights", "members": members})
+    )
+    _parked_step(cfg, tmp_path, "teacher_offload=park")
+    assert len(parked) == 2
+    for p in parked:
+        _assert_parked(p)
+
+
+# ------------------------------------------------------------------ refused settings
+@pytest.mark.parametrize(
+    ("top", "says"),
+    [
+        ({"teacher_quantization": "int8"}, "does not park an int8 teacher"),
+        ({"compile": True}, "does not park compiled layers (compile)"),
+        (
+            {"teacher_model": None, "teacher_checkpointer": None, "kd_ratio": 0.0},
+            "needs a local teacher model",
+        ),
+    ],
+    ids=["int8", "compile", "no-teacher"],
+)
+def test_teacher_offload_refusals(assets, tmp_path, capsys, top, says):
+    """One line naming teacher_offload and the fix, exit 2, before anything loads."""
+    cfg = make_config(assets, tmp_path / "out", teacher_offload="park", **top)
+    path = write_config(tmp_path / "c.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kd: error: teacher_offload: park ")
+    assert says in err[0] and err[0].endswith("set teacher_offload=none")
+    assert not (tmp_path / "out").exists()
