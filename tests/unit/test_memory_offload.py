@@ -116,3 +116,19 @@ def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
     # parking alone is not enough here
     assert cli.main([*base, "teacher_offload=park", "--json"]) == 1
     assert not json.loads(capsys.readouterr().out)["fits"]
+
+
+def test_trace_compares_with_the_resident_step(assets, tmp_path, capsys):
+    """``kd plan --trace`` traces the resident step; with offloading set, its rows still compare
+    with that step's estimate (the same ratio as without), and the table says so."""
+    from conftest import make_config, write_config
+
+    path = str(write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out")))
+    ratios = []
+    for over in ([], ["teacher_offload=park", "enable_activation_offloading=true"]):
+        assert cli.main(["plan", "--config", path, "--json", "--trace", *over]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ratios.append(out["trace_vs_estimate"])
+    assert ratios[1] == pytest.approx(ratios[0], abs=1e-4)
+    assert any("traces the step without activation offloading" in n for n in out["notes"])
+    assert out["host"]["host_gib"]
