@@ -159,6 +159,27 @@ def test_activation_offloading_device_step(assets, tmp_path, managers, ac, world
     assert not managers[0].tracker
 
 
+@pytest.mark.parametrize("case", ["transformers-lora", "on-policy"])
+def test_activation_offloading_other_steps(assets, tmp_path, managers, case):
+    """A transformers LoRA student, and a student that samples its own completions (no autograd
+    in the rollout: nothing is offloaded there) before its offloaded training forward."""
+    from test_fake_device_steps import gpu_config, heldout, on_transformers, step
+
+    if case == "transformers-lora":
+        cfg = gpu_config(
+            assets, tmp_path / "out", enable_activation_offloading=True, validation=heldout(assets)
+        )
+        on_transformers(cfg, assets, student=True, teacher=False, lora=True)
+    else:
+        node = {"lmbda": 1.0, "max_new_tokens": 4, "temperature": 1.0}
+        cfg = gpu_config(
+            assets, tmp_path / "out", enable_activation_offloading=True, on_policy=node
+        )
+    step(cfg, tmp_path)
+    assert len(managers) == 1 and managers[0].offloaded_bytes > 0
+    assert not managers[0].tracker
+
+
 # ------------------------------------------------------------------ the two stream fixes
 def test_parameter_views_stay_and_slices_are_dense(monkeypatch):
     """A linear layer's saved ``weight.t()`` is not offloaded (only the input is); a saved slice

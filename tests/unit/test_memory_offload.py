@@ -132,3 +132,16 @@ def test_trace_compares_with_the_resident_step(assets, tmp_path, capsys):
     assert ratios[1] == pytest.approx(ratios[0], abs=1e-4)
     assert any("traces the step without activation offloading" in n for n in out["notes"])
     assert out["host"]["host_gib"]
+
+
+def test_a_sampling_parked_teacher_moves_twice():
+    """seq_kd: the teacher is held in for its rollout, then brought in for its forward."""
+    from kd.memory.knobs import GenerationKnobs
+
+    k = replace(K, teacher_offload="park")
+    sampling = replace(k, generation=GenerationKnobs(new_tokens=4, models=("teacher",)))
+    once = estimate(LLAMA, TEACHER, k).host.moved["parked_teacher"]
+    assert estimate(LLAMA, TEACHER, sampling).host.moved["parked_teacher"] == 2 * once
+    # and during the rollout all its weights are on the device
+    gen = estimate(LLAMA, TEACHER, sampling).phases["generation"]["teacher_weights"]
+    assert gen == 2 * TEACHER.total_params()

@@ -123,5 +123,8 @@ def host_terms(
     if parked:
         others = int(k.teacher_dtype_bytes * (k.other_teacher_params - k.other_teacher_head_params))
         host["parked_teacher"] = parked + others
-        moved["parked_teacher"] = (parked + others) * k.grad_accum
+        # each micro-batch's forward brings it in; a teacher that samples (seq_kd) is held in
+        # for its rollout too (at most once more per micro-batch)
+        samples = k.generation is not None and "teacher" in k.generation.models
+        moved["parked_teacher"] = (parked + others) * k.grad_accum * (2 if samples else 1)
     return HostTerms(host=host, moved=moved)
