@@ -290,3 +290,34 @@ def test_teacher_offload_refusals(assets, tmp_path, capsys, top, says):
     assert len(err) == 1 and err[0].startswith("kd: error: teacher_offload: park ")
     assert says in err[0] and err[0].endswith("set teacher_offload=none")
     assert not (tmp_path / "out").exists()
+
+
+HIDDEN = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine"}
+
+
+def test_hidden_state_teacher_streamed_is_exact(assets, tmp_path, parked):
+    """Hidden-state distillation reads the teacher's layers' outputs during its forward: the same
+    with each layer brought in for its own forward."""
+    base = _kd_run(assets, tmp_path / "resident", hidden_states=HIDDEN)
+    off = _kd_run(assets, tmp_path / "stream", hidden_states=HIDDEN, teacher_offload="stream")
+    assert len(parked) == 1
+    _assert_parked(parked[0])
+    _assert_same(base, off)
+    for key in ("hidden_loss",):
+        va, vb = [r[key] for r in base[0] if key in r], [r[key] for r in off[0] if key in r]
+        assert va and va == pytest.approx(vb, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_hidden_state_teacher_parked_device_step(assets, tmp_path, parked, mode):
+    from test_fake_device_steps import gpu_config, heldout
+
+    cfg = gpu_config(
+        assets,
+        tmp_path / "out",
+        hidden_states=HIDDEN,
+        validation=heldout(assets),
+        teacher_offload=mode,
+    )
+    assert _parked_step(cfg, tmp_path).validated
+    _assert_parked(parked[0])
