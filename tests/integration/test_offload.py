@@ -321,3 +321,16 @@ def test_hidden_state_teacher_parked_device_step(assets, tmp_path, parked, mode)
     )
     assert _parked_step(cfg, tmp_path).validated
     _assert_parked(parked[0])
+
+
+def test_parked_teacher_refused_under_fsdp2(assets, tmp_path):
+    """Over several ranks the teacher is sharded: parking is refused before any weight loads,
+    naming fsdp.cpu_offload."""
+    from test_fake_device_steps import gpu_config
+
+    from kd.errors import KDUserError
+    from kd.testing_device import fake_device_step
+
+    cfg = gpu_config(assets, tmp_path / "out", teacher_offload="park")
+    with pytest.raises(KDUserError, match=r"teacher_offload: park runs on one device.*fsdp\.cpu"):
+        fake_device_step(write_config(tmp_path / "c.yaml", cfg), world_size=2)
