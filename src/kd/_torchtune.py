@@ -61,6 +61,7 @@ with warnings.catch_warnings():
     )
     from torchtune.modules.tied_linear import TiedLinear
     from torchtune.training import FullModelHFCheckpointer, ModelType
+    from torchtune.training._activation_offloading import OffloadActivations
     from torchtune.training.activations import apply_selective_activation_checkpointing
     from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
@@ -83,6 +84,7 @@ __all__ = [
     "MODEL_KEY",
     "QWEN2_5_SPECIAL_TOKENS",
     "ModelType",
+    "OffloadActivations",
     "ReverseKLLoss",
     "ReverseKLWithChunkedOutputLoss",
     "SFTTransform",

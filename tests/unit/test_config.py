@@ -164,7 +164,6 @@ def test_torchtune_losses_and_ignored_keys_mapped_with_notices(tmp_path, capsys)
             "_component_": "torchtune.modules.loss.ReverseKLWithChunkedOutputLoss",
             "num_output_chunks": 8,
         },
-        enable_activation_offloading=False,
         profiler={"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
         fsdp_cpu_offload=True,
     )
@@ -172,14 +171,13 @@ def test_torchtune_losses_and_ignored_keys_mapped_with_notices(tmp_path, capsys)
     err = capsys.readouterr().err
     assert cfg.loss is None and "loss" in cfg
     assert cfg.kd_loss.divergence == "reverse_kl"
-    assert "enable_activation_offloading" not in cfg and "profiler" not in cfg
+    assert "profiler" not in cfg
     assert cfg.fsdp.cpu_offload is True and cfg.fsdp.reduce_dtype == "fp32"
     lines = err.splitlines()
     assert all(line.startswith("kd: notice: ") for line in lines)
     for word in (
         "CEWithChunkedOutputLoss",
         "reverse_kl",
-        "enable_activation_offloading",
         "profiler",
         "fsdp.cpu_offload",
     ):

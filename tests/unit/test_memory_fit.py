@@ -142,8 +142,11 @@ def test_lora_suggestion_is_planned_again_and_fits():
     assert lora and lora[0].peak_bytes <= 44 * GIB
     assert "loss_chunk_size=512" in lora[0].overrides  # the current knobs alone do not fit
     _replans(FULL_14B_3B, ["device=cuda"], plan, world_size=1)
-    # no setting of a LoRA student fits 20 GiB (the teacher alone is 27.5): nothing is suggested
-    nothing = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=20)
+    # at 20 GiB (the teacher alone is 27.5) only settings with the teacher streamed from host
+    # memory fit, LoRA or not; at 8 GiB nothing does, and nothing is suggested
+    streamed = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=20)
+    assert streamed.fit and all("teacher_offload=stream" in o.overrides for o in streamed.fit)
+    nothing = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=8)
     assert nothing.fit == []
 
 

@@ -176,6 +176,7 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
             teachers=None,
             hidden_states=None,
             teacher_quantization="none",
+            teacher_offload="none",
             components={"teacher_model": teacher_model},
         )
 

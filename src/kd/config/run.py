@@ -851,6 +851,14 @@ class RunConfig:
         "recompute decoder layers in backward (less memory, ~30% slower)",
         resume=MAY_CHANGE,
     )
+    activation_offloading: bool = setting(
+        "enable_activation_offloading",
+        False,
+        "keep the student's saved activations in host memory between its forward and backward "
+        "(torchtune's OffloadActivations: pinned memory, a side stream on CUDA; with activation "
+        "checkpointing only each layer's input moves); kd plan reports the host memory",
+        resume=MAY_CHANGE,
+    )
     compile: bool = setting(
         "compile",
         False,
@@ -881,6 +889,16 @@ class RunConfig:
         "scripts/int8_teacher_report.py)",
         choices=("none", "int8"),
         resume=MUST_MATCH,
+    )
+    teacher_offload: str = setting(
+        "teacher_offload",
+        "none",
+        "where a local teacher model's weights wait between its forwards: none (on the device), "
+        "park (in pinned host memory, all copied to the device for each forward), or stream "
+        "(copied one decoder layer at a time); its output projection stays on the device; one "
+        "device only; kd plan states the host memory and the bytes moved per step",
+        choices=("none", "park", "stream"),
+        resume=MAY_CHANGE,
     )
     trust_remote_components: bool = setting(
         "trust_remote_components",

@@ -275,7 +275,6 @@ TOP_LEVEL: dict[str, Key] = {
 
 # Keys torchtune's KD recipes accept that kd does not use; they are dropped with a notice.
 IGNORED_TORCHTUNE_KEYS: dict[str, str] = {
-    "enable_activation_offloading": "torchtune's KD recipe ignores it too; use enable_activation_checkpointing",
     "profiler": "profiling is not wired into kd recipes; use scripts/ benchmarks",
     "low_cpu_ram": "kd loads weights shard by shard already",
     "log_level": "kd logs at INFO",

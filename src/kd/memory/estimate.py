@@ -32,6 +32,14 @@ from kd.memory.generation import generation_phase
 from kd.memory.hidden import hidden_terms
 from kd.memory.knobs import TrainKnobs
 from kd.memory.loss_head import loss_head
+from kd.memory.offload import (
+    OFFLOAD_STASH,
+    PCIE_GB_PER_S,
+    HostTerms,
+    host_terms,
+    parked_teacher_bytes,
+    teacher_forward_in_bytes,
+)
 from kd.memory.resident import resident_bytes
 from kd.memory.runtime import RuntimeTerms, runtime_terms
 from kd.memory.shapes import ModelShape
@@ -87,6 +95,7 @@ class Estimate:
         trainable_params: student parameters that train.
         teacher_params: exact teacher parameter count (0 without a teacher).
         notes: one-line remarks (assumptions the user should know).
+        host: host memory and PCIe traffic (activation offloading, a parked teacher).
         subphases: allocated bytes (no reserve) at the peaks of the forward's sub-phases
             (``student_forward``, ``teacher_forward``, ``loss_forward``) and of the other
             phases, as a trace reports them.
@@ -100,6 +109,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     subphases: dict[str, int] = field(default_factory=dict)
     runtime: RuntimeTerms = field(default_factory=RuntimeTerms)
+    host: HostTerms = field(default_factory=HostTerms)
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -194,23 +204,47 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         "backward": backward_phase(student, k, resident, res, acts, head, hidden),
         "optimizer_step": optimizer_phase(resident, res, hidden),
     }
+    # The evaluation runs the teacher's forward, its sampling holds every parked weight in.
+    in_eval, sampling = dict(resident), dict(resident)
+    in_eval["teacher_weights"] += teacher_forward_in_bytes(teacher, k)
+    sampling["teacher_weights"] += parked_teacher_bytes(teacher, k)
     if k.eval_batch is not None:
         phases[EVAL_PHASE] = evaluation_phase(
             student,
             teacher,
             k,
-            resident,
+            in_eval,
             model_buffers=res.model_buffers,
             in_flight=res.in_flight_forward,
         )
     if k.generation is not None:
+        sampler = sampling if "teacher" in k.generation.models else resident
         phases[GEN_PHASE] = generation_phase(
-            student, teacher, k, resident, model_buffers=res.model_buffers
+            student, teacher, k, sampler, model_buffers=res.model_buffers
         )
     notes = []
     if k.num_ranks > 1:
         ws = k.num_ranks
         notes.append(f"FSDP2 over {ws} ranks: per-rank numbers; weights, grads and states / {ws}")
+    if k.teacher_offload != "none" and teacher is not None:
+        which = "all of them" if k.teacher_offload == "park" else "one decoder layer at a time"
+        notes.append(
+            f"teacher_offload={k.teacher_offload}: the teacher's weights but its output projection "
+            f"wait in host memory; on the device during its forwards: {which} (its sampling: all)"
+        )
+    if k.activation_offloading:
+        notes.append(
+            "enable_activation_offloading: the student's saved activations wait in host memory "
+            f"(torchtune's stash of {OFFLOAD_STASH} tensors and the layer in backward stay)"
+        )
+    host = host_terms(student, teacher, acts, k)
+    if host.moved:
+        notes.append(
+            f"host memory {host.host_bytes / GIB:.2f} GiB (pinned); "
+            f"{host.moved_bytes / GIB:.2f} GiB moved per optimizer step, "
+            f"~{host.seconds_per_step:.2f} s at an assumed {PCIE_GB_PER_S:g} GB/s PCIe "
+            "(measure your link)"
+        )
     phases, peak_phase, terms = _with_reserve(phases, subphases, k)
     return Estimate(
         phases=phases,
@@ -221,4 +255,5 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         notes=[*notes, *head.notes],
         subphases=subphases,
         runtime=terms,
+        host=host,
     )

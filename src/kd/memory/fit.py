@@ -31,6 +31,7 @@ from typing import Any
 from kd import families
 from kd.memory.estimate import EVAL_PHASE, GEN_PHASE, GIB, Estimate, estimate
 from kd.memory.knobs import OptimizerSpec, TrainKnobs
+from kd.memory.offload import PCIE_GB_PER_S, parked_teacher_bytes
 from kd.memory.shapes import (
     BUILDERS,
     INT8_BYTES_PER_PARAM,  # noqa: F401  (re-exported: kd.memory.fit.INT8_BYTES_PER_PARAM)
@@ -43,13 +44,18 @@ from kd.memory.shapes import (
 # Multipliers on the step time (ordering heuristics, not measurements):
 # recomputing every layer's forward costs ~1/3 of a forward+backward; each halving of the
 # micro-batch loses some GPU efficiency; smaller loss chunks add kernel launches; 8-bit states
-# add (de)quantization; CPU-offloaded states (or FSDP2 shards) move over PCIe every step.
+# add (de)quantization; CPU-offloaded states (or FSDP2 shards) move over PCIe every step, and so
+# do offloaded activations and a parked or streamed teacher (whose options state the bytes and the
+# seconds at kd.memory.offload.PCIE_GB_PER_S, an assumption).
 _TIME = {
     "ac": 1.33,
     "halve_batch": 1.06,
     "halve_chunk": 1.01,
     "adamw8bit": 1.03,
     "cpu_offload": 1.6,
+    "activation_offloading": 1.15,
+    "teacher_park": 1.5,
+    "teacher_stream": 1.55,
 }
 
 # Examples per rank one optimizer step may need when the dataset's length is unknown at plan time.
@@ -175,6 +181,27 @@ def _optimizers(knobs: TrainKnobs, device: str) -> list[str]:
     return opts
 
 
+def _host_offloads(knobs: TrainKnobs, device: str, has_teacher: bool) -> list[tuple[bool, str]]:
+    """(activation offloading, teacher offload) pairs the recipe accepts here, the current first:
+    on one CUDA device, the student's activations to host memory, and a teacher model (not
+    quantized, not the student itself, not another tokenizer's) parked or streamed."""
+    out = [(knobs.activation_offloading, knobs.teacher_offload)]
+    if not device.startswith("cuda") or knobs.world_size > 1:
+        return out
+    acts = [knobs.activation_offloading] + ([True] if not knobs.activation_offloading else [])
+    teachers = [knobs.teacher_offload]
+    parkable = (
+        has_teacher
+        and knobs.teacher_offload == "none"
+        and knobs.teacher_bytes_per_param is None
+        and not knobs.self_teacher_copy
+        and not knobs.cross_tokenizer
+    )
+    if parkable:
+        teachers += ["park", "stream"]
+    return [out[0], *(p for p in itertools.product(acts, teachers) if p != out[0])]
+
+
 def _log2_ratio(a: int, b: int) -> int:
     n = 0
     while a > b:
@@ -190,9 +217,47 @@ def _settings(
     bound: int,
     optimizer_keys: tuple[str, ...],
     data_known: bool = False,
+    teacher: ModelShape | None = None,
 ) -> Iterator[tuple[TrainKnobs, list[str], list[str], float]]:
     """Every searched knob setting: (knobs, overrides, words, relative time), the current one
     first when the data holds it; ``bound`` examples per rank at most (:func:`examples_bound`)."""
+    for k, over, words, t in _knob_settings(
+        knobs, device=device, bound=bound, optimizer_keys=optimizer_keys, data_known=data_known
+    ):
+        for acts, parked in _host_offloads(knobs, device, teacher is not None):
+            kk, o, w, tt = (
+                replace(k, activation_offloading=acts, teacher_offload=parked),
+                over,
+                words,
+                t,
+            )
+            if acts != knobs.activation_offloading:
+                o, w = [*o, "enable_activation_offloading=true"], [*w, "activations in host memory"]
+                tt *= _TIME["activation_offloading"]
+            if parked != knobs.teacher_offload:
+                moved = parked_teacher_bytes(teacher, kk) * kk.grad_accum
+                seconds = moved / (PCIE_GB_PER_S * 1e9)
+                how = "all of it" if parked == "park" else "one layer at a time"
+                o = [*o, f"teacher_offload={parked}"]
+                w = [
+                    *w,
+                    f"teacher in host memory, on the device for its forwards ({how}): "
+                    f"{moved / GIB:.1f} GiB moved per step, ~{seconds:.1f} s at an assumed "
+                    f"{PCIE_GB_PER_S:g} GB/s",
+                ]
+                tt *= _TIME[f"teacher_{parked}"]
+            yield kk, o, w, tt
+
+
+def _knob_settings(
+    knobs: TrainKnobs,
+    *,
+    device: str,
+    bound: int,
+    optimizer_keys: tuple[str, ...],
+    data_known: bool = False,
+) -> Iterator[tuple[TrainKnobs, list[str], list[str], float]]:
+    """:func:`_settings` without the host offloads."""
     total = knobs.batch_size * knobs.grad_accum
     why = "the dataset's size" if data_known else "the bound for data of unknown size"
     ac_values = [knobs.activation_checkpointing] + (
@@ -282,7 +347,12 @@ def _fitting(
     first (ties: lower peak first)."""
     found: list[FitOption] = []
     for k, over, words, t in _settings(
-        knobs, device=device, bound=bound, optimizer_keys=optimizer_keys, data_known=data_known
+        knobs,
+        device=device,
+        bound=bound,
+        optimizer_keys=optimizer_keys,
+        data_known=data_known,
+        teacher=teacher,
     ):
         if k.batch_size * k.grad_accum > bound:
             continue
@@ -559,7 +629,12 @@ def _quantized_teacher_setting(
     none (or it saves less than :data:`MIN_SAVING_BYTES`)."""
     found: list[tuple[FitOption, int]] = []
     for k, over, words, t in _settings(
-        knobs, device=device, bound=bound, optimizer_keys=optimizer_keys, data_known=data_known
+        knobs,
+        device=device,
+        bound=bound,
+        optimizer_keys=optimizer_keys,
+        data_known=data_known,
+        teacher=teacher,
     ):
         if k.batch_size * k.grad_accum > bound:
             continue

@@ -91,6 +91,12 @@ class TrainKnobs:
         cross_tokenizer: the teacher has another tokenizer (``cross_tokenizer:`` with a teacher
             model): the loss is GOLD's aligned hybrid loss on the student's full logits
             (:func:`kd.memory.loss_head.cross_loss_bytes`), not the fused head.
+        activation_offloading: the student's saved activations wait in host memory
+            (``enable_activation_offloading``; :mod:`kd.memory.offload`).
+        teacher_offload: ``none`` or ``park``: the teacher's weights but its output projection
+            wait in host memory between its forwards (:mod:`kd.memory.offload`).
+        other_teacher_head_params: the output projections of :attr:`other_teacher_params` (what
+            stays on the device of a parked member).
         cross_vocab: the distribution size of the teacher with another tokenizer when it is not
             the planned ``teacher``: a cross-tokenizer store's teacher (no teacher model), or a
             member of ``teachers:`` beside a larger one (the members' losses run one after
@@ -124,6 +130,9 @@ class TrainKnobs:
     hidden_loss: str = "cosine"
     cross_tokenizer: bool = False
     cross_vocab: int | None = None
+    activation_offloading: bool = False
+    teacher_offload: str = "none"
+    other_teacher_head_params: int = 0
 
     @property
     def tokens(self) -> int:

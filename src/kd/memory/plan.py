@@ -22,6 +22,7 @@ from kd.errors import KDUserError, brief, redact
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
+from kd.memory.offload import PCIE_GB_PER_S
 from kd.memory.shapes import (
     LoraSpec,
     ModelShape,
@@ -136,6 +137,7 @@ class MemoryPlan:
             "reserved_peak_gib": round(self.reserved_peak_gib, 4),
             "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
             "runtime_terms": e.runtime.to_json(),
+            "host": e.host.to_json(),
             "student": {
                 "builder": self.inputs.student.name,
                 "params": e.student_params,
@@ -173,6 +175,21 @@ class MemoryPlan:
         if self.fit:
             out["fit"] = [opt.to_json() for opt in self.fit]
         return out
+
+    def _host_lines(self) -> list[str]:
+        """The table's host-memory lines: what waits in host memory, what moves, how long."""
+        h = self.estimate.host
+        lines = [
+            f"  host memory {c}: {b / GIB:.2f} GiB (pinned), "
+            f"{h.moved.get(c, 0) / GIB:.2f} GiB moved per optimizer step"
+            for c, b in h.host.items()
+        ]
+        if h.moved:
+            lines.append(
+                f"  host transfers: ~{h.seconds_per_step:.2f} s per optimizer step at an "
+                f"assumed {PCIE_GB_PER_S:g} GB/s (PCIe; measure your link)"
+            )
+        return lines
 
     def table(self) -> str:
         """A readable table: components by phase, share of the budget, the peak and the verdict."""
@@ -245,6 +262,7 @@ class MemoryPlan:
             f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
             "(+ cuda_runtime); the budget is checked against the device peak"
         )
+        lines += self._host_lines()
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
             verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
@@ -392,7 +410,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes += teacher_notes
     elif run.self_teacher is not None:
         teacher = replace(student, lora=None)  # the student's own forward, without grad
-    teacher, others, cross_vocab = _several_teachers(run, teacher, notes)
+    teacher, others, cross_vocab, other_heads = _several_teachers(run, teacher, notes)
     if run.cross_tokenizer is not None and run.teacher_logits is not None:
         cross_vocab = _cross_store_size(run, student, notes)
     seq = run.memory.seq_len
@@ -435,6 +453,9 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         cross_tokenizer=(run.cross_tokenizer is not None and run.has_teacher)
         or cross_vocab is not None,
         cross_vocab=cross_vocab or None,
+        activation_offloading=run.activation_offloading,
+        teacher_offload=run.teacher_offload if teacher is not None else "none",
+        other_teacher_head_params=other_heads,
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -504,7 +525,7 @@ def _teacher_bytes_per_param(
 
 def _several_teachers(
     run: RunConfig, teacher: ModelShape | None, notes: list[str]
-) -> tuple[ModelShape | None, int, int | None]:
+) -> tuple[ModelShape | None, int, int | None, int]:
     """``teachers:``: the largest local member is planned as the teacher (members run forward one
     after another), the others' parameters stay resident. Returns ``(teacher, other params,
     cross)``: ``cross`` is None when no local member has another tokenizer, 0 when the planned
@@ -521,24 +542,30 @@ def _several_teachers(
                 crossed.append((member.name, shape))
             notes += [f"teachers {member.name}: {n}" for n in member_notes]
     if not local:
-        return teacher, 0, None
+        return teacher, 0, None, 0
     largest = max(local, key=lambda m: m.total_params())
+    heads = sum(m.vocab_size * m.embed_dim for m in local) - largest.vocab_size * largest.embed_dim
     if len(local) > 1:
+        where = (
+            "parked in host memory and brought in in turn"
+            if run.teacher_offload != "none"
+            else "as resident"
+        )
         notes.append(
             f"teachers: {len(local)} local teachers; the largest is planned as the teacher, the "
-            "others' weights as resident"
+            f"others' weights {where}"
         )
     others = sum(m.total_params() for m in local) - largest.total_params()
     if not crossed:
-        return largest, others, None
+        return largest, others, None, heads
     if any(shape is largest for _, shape in crossed):
-        return largest, others, 0
+        return largest, others, 0, heads
     name, shape = max(crossed, key=lambda c: c[1].vocab_size)
     notes.append(
         f"teachers {name}: its cross-tokenizer loss ({shape.vocab_size} ids) is planned as the "
         "loss head, beside the largest member's forward"
     )
-    return largest, others, shape.vocab_size
+    return largest, others, shape.vocab_size, heads
 
 
 def _cross_store_size(run: RunConfig, student: ModelShape, notes: list[str]) -> int:

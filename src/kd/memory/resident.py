@@ -104,6 +104,16 @@ class Resident:
     teacher_params: int
 
 
+def _device_teacher_params(teacher: ModelShape | None, k: TrainKnobs) -> int:
+    """Teacher parameters on the device between its forwards: all of them, or a parked
+    teacher's output projections (:mod:`kd.memory.offload`)."""
+    if teacher is None:
+        return k.other_teacher_params
+    if k.teacher_offload != "none":
+        return teacher.vocab_size * teacher.embed_dim + k.other_teacher_head_params
+    return teacher.total_params() + k.other_teacher_params
+
+
 def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnobs) -> Resident:
     """The resident terms of ``student`` trained against ``teacher`` with knobs ``k``.
 
@@ -134,7 +144,7 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
     return Resident(
         student_weights=k.per_rank(student_w),
         lora_adapters=k.per_rank(a * student.lora_params()),
-        teacher_weights=k.per_rank(int(k.teacher_dtype_bytes * teacher_params)),
+        teacher_weights=k.per_rank(int(k.teacher_dtype_bytes * _device_teacher_params(teacher, k))),
         model_buffers=student.buffer_bytes(a) + (teacher.buffer_bytes(a) if teacher else 0),
         gradients=grads,
         optimizer_states=k.per_rank(states),

@@ -26,6 +26,7 @@ from kd.memory.activations import (
 from kd.memory.hidden import HiddenTerms
 from kd.memory.knobs import TrainKnobs
 from kd.memory.loss_head import STORED_TOPK_BYTES, LossHead
+from kd.memory.offload import forward_kept, teacher_forward_in_bytes
 from kd.memory.resident import Resident
 from kd.memory.shapes import ModelShape
 
@@ -77,18 +78,25 @@ def forward_phase(
     hid_s = a * n_tok * student.embed_dim
     hid_t = a * n_tok * teacher.embed_dim if teacher else 0
     base = sum(resident.values()) + in_flight
-    s_fwd = student_forward_bytes(student, k, acts)
+    kept = forward_kept(student, acts, k)
+    if k.activation_offloading:  # the saved set waits in host memory but torchtune's stash
+        none_saved = StudentActivations(tuple(0 for _ in acts.layers), 0)
+        s_fwd = student_forward_bytes(student, k, none_saved) + kept
+    else:
+        s_fwd = student_forward_bytes(student, k, acts)
     t_fwd = nograd_forward_bytes(teacher, k.batch_size, k.seq_len, a) if teacher else 0
     h = hidden or HiddenTerms()
     parts = {
         "student_forward": {"activations": s_fwd},
         "teacher_forward": {
-            "activations": acts.total + hid_s,
+            "activations": kept + hid_s,
             "teacher_forward": t_fwd,
+            # a parked teacher's weights are on the device for its forward only
+            "teacher_weights": teacher_forward_in_bytes(teacher, k),
             "hidden_states": h.teacher_forward,
         },
         "loss_forward": {
-            "activations": acts.total + hid_s,
+            "activations": kept + hid_s,
             "teacher_forward": hid_t,
             "logits_loss": head.peak,
             "hidden_states": h.loss_forward,
@@ -98,6 +106,7 @@ def forward_phase(
     peak = max(subphases, key=lambda x: subphases[x])
     comps = dict(resident, fsdp_in_flight=in_flight, **parts[peak])
     comps["hidden_states"] = resident["hidden_states"] + parts[peak].get("hidden_states", 0)
+    comps["teacher_weights"] = resident["teacher_weights"] + parts[peak].get("teacher_weights", 0)
     return comps, subphases
 
 
@@ -193,7 +202,9 @@ def _layer_candidates(
     g_done = res.head_grads + output_grad_held
     remaining = sum(acts.layers)
     for i in reversed(range(student.num_layers)):
-        for grads_here, saved, temp in _layer_steps(student, k, i, g_done, remaining, lb):
+        # offloaded: only the layer being differentiated is back on the device
+        here = acts.layers[i] if k.activation_offloading else remaining
+        for grads_here, saved, temp in _layer_steps(student, k, i, g_done, here, lb):
             new_grads = (grads_here - g_done + held_apart) if grads_resident else 0
             yield {
                 "activations": saved,
@@ -225,7 +236,12 @@ def backward_phase(
         # the final norm's backward allocates its temporaries
         start = max(0, start - held)
     first = {
-        "activations": acts.total,
+        # offloaded: the forward's stash is still there when the final norm's set comes back
+        "activations": (
+            min(acts.total, forward_kept(student, acts, k) + acts.head)
+            if k.activation_offloading
+            else acts.total
+        ),
         "logits_loss": head.saved - (0 if grads_resident else held) + start,
         "gradients": grads_resident or (res.head_grads + held),
         "backward_temp": 0,

@@ -245,11 +245,16 @@ class KDRecipe:
     def _load_model(self, key: str) -> torch.nn.Module:
         """The student with its weights, prepared (LoRA, activation checkpointing, FSDP2)."""
         ac, lora = self.run.activation_checkpointing, self.facts.lora
+        offload = self.ctx.device.type if self.run.activation_offloading else None
         return self.ctx.load_model(
             key,
             self.facts.sources[key],
             lambda m, shard: prepare_student(
-                m, lora=lora, activation_checkpointing=ac, shard=shard
+                m,
+                lora=lora,
+                activation_checkpointing=ac,
+                shard=shard,
+                activation_offloading=offload,
             ),
             run_dir=self.output_dir,
         )

@@ -32,6 +32,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
+
 from kd import data
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
@@ -43,6 +45,7 @@ from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.multi import MultiTeacherSource
+from kd.teachers.parking import ParkedWeights
 from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.quantize import quantize_int8
 from kd.teachers.self_teacher import SelfTeacher
@@ -143,6 +146,7 @@ class ModelTeacherSource:
     def __init__(self, run: RunConfig | None = None):
         self.hidden_states = run.hidden_states if run is not None else None
         self.quantization: str = run.teacher_quantization if run is not None else "none"
+        self.offload: str = run.teacher_offload if run is not None else "none"
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
@@ -155,16 +159,32 @@ class ModelTeacherSource:
                 f"teacher_quantization: {self.quantization} runs on one device (an FSDP2-sharded "
                 "teacher is not quantized); set teacher_quantization=none, or run on one device"
             )
+        if self.offload != "none" and ctx.world.distributed:
+            raise KDUserError(
+                f"teacher_offload: {self.offload} runs on one device (an FSDP2-sharded teacher "
+                "keeps only its shard); set teacher_offload=none (fsdp.cpu_offload keeps the "
+                "shards in host memory), or run on one device"
+            )
 
     def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
         def prepare(model: Any, shard: Any) -> Any:
             model = prepare_teacher(model, shard=shard)
             return quantize_int8(model) if self.quantization == "int8" else model
 
+        parked = self.offload != "none"
+        # A parked teacher is read into host memory; only its output projection goes to the device.
         model = ctx.load_model(
-            "teacher_model", facts.sources["teacher_model"], prepare, run_dir=run_dir
+            "teacher_model",
+            facts.sources["teacher_model"],
+            prepare,
+            run_dir=run_dir,
+            device=torch.device("cpu") if parked else None,
         )
-        teacher = ModelTeacher(model, folder=facts.sources["teacher_model"].folder)
+        teacher = ModelTeacher(
+            model,
+            folder=facts.sources["teacher_model"].folder,
+            parked=ParkedWeights(model, ctx.device, mode=self.offload) if parked else None,
+        )
         if self.hidden_states is not None:
             return HiddenStateTeacher(teacher, self.hidden_states)
         return teacher

@@ -328,6 +328,9 @@ class HiddenStateTeacher(Teacher):
     def check_loaded(self) -> None:
         self.inner.check_loaded()
 
+    def generator_for(self, route: str | None) -> nn.Module | None:
+        return self.inner.generator_for(route)
+
     def release(self) -> None:
         self.inner.release()
 

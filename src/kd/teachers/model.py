@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kd.teachers.base import Teacher, TeacherInput
+from kd.teachers.parking import ParkedWeights
 from kd.teachers.signals import LogitsSignal
 from kd.training import distributed
 
@@ -22,22 +23,43 @@ __all__ = ["ModelTeacher", "as_teacher"]
 class ModelTeacher(Teacher):
     """A prepared teacher decoder (frozen, hidden-output mode, possibly FSDP2-sharded).
 
+    With ``parked`` (``teacher_offload``) its weights wait in host memory and are on the device
+    only while it runs (:mod:`kd.teachers.parking`): during its forward (brought in and dropped
+    by the parking's hooks, before the loss, whose output projection stays on the device) and
+    while it samples (:meth:`generator_for` holds it in until :meth:`release`).
+
     Args:
         model: the decoder, as :func:`kd.training.prepare.prepare_teacher` leaves it.
         folder: where its weights were read from (named when they hold NaN or inf).
+        parked: its parked weights, or None (on the device throughout).
     """
 
-    def __init__(self, model: nn.Module, *, folder: Path | None = None):
+    def __init__(
+        self, model: nn.Module, *, folder: Path | None = None, parked: ParkedWeights | None = None
+    ):
         self.model = model
         self.folder = folder
+        self.parked = parked
         self.generator: nn.Module | None = model
+
+    @property
+    def device(self) -> torch.device:
+        """Where the teacher computes (a parked teacher's weights wait elsewhere)."""
+        if self.parked is not None:
+            return self.parked.device
+        return next(self.model.parameters()).device
 
     def signal(self, batch: TeacherInput) -> LogitsSignal:
         # The batch's tokens arrive as the loader made them (on the CPU): the model's device.
-        device = next(self.model.parameters()).device
         with torch.no_grad():
-            hidden = self.model(batch.tokens.to(device))  # [b, s, d_t]
+            hidden = self.model(batch.tokens.to(self.device))  # [b, s, d_t]
         return LogitsSignal(hidden=hidden, model=self.model)
+
+    def generator_for(self, route: str | None) -> nn.Module | None:
+        # Sampling runs the model once per token: a parked teacher stays in until release().
+        if self.parked is not None:
+            self.parked.hold()
+        return self.generator
 
     def check_loaded(self) -> None:
         from kd.checkpoint.training import check_loaded_weights_finite
@@ -45,8 +67,11 @@ class ModelTeacher(Teacher):
         check_loaded_weights_finite({"teacher_model": (self.model, self.folder or Path())})
 
     def release(self) -> None:
-        # Free the sharded teacher's gathered root (norm + output) before the backward peaks.
+        # Free the sharded teacher's gathered root (norm + output) before the backward peaks; a
+        # parked teacher held in for sampling goes back to host memory.
         distributed.reshard(self.model)
+        if self.parked is not None:
+            self.parked.let_go()
 
 
 def as_teacher(teacher: object) -> object:

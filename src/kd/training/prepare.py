@@ -22,7 +22,7 @@ from torch import nn
 
 from kd import models
 from kd.config.run import FSDPSettings
-from kd.training import distributed
+from kd.training import distributed, offload
 from kd.training.distributed import WorldInfo
 
 if TYPE_CHECKING:
@@ -86,13 +86,16 @@ def prepare_student(
     lora: bool,
     activation_checkpointing: bool,
     shard: ShardSpec | None = None,
+    activation_offloading: str | None = None,
 ) -> nn.Module:
     """Make a built student trainable as the recipe trains it, in place.
 
     In order: with ``lora`` only the adapter weights require grad; with
     ``activation_checkpointing`` each decoder layer is wrapped to recompute in backward;
     ``model(tokens)`` returns final-norm hidden states ``[b, s, d]`` (the fused loss applies the
-    output projection); train mode; then FSDP2 sharding when ``shard`` is given.
+    output projection); train mode; then FSDP2 sharding when ``shard`` is given; then, with
+    ``activation_offloading``, hooks around its forward that keep its saved activations in host
+    memory until backward (:mod:`kd.training.offload`).
 
     The caller still builds the model, loads its weights (before, at world size 1; into the
     shards after, when distributed, then recomputes the RoPE buffers), compiles it
@@ -104,6 +107,7 @@ def prepare_student(
         lora: the model has LoRA adapters (:func:`kd.models.is_lora`): train only those.
         activation_checkpointing: recompute each decoder layer in backward.
         shard: FSDP2 settings when distributed; None leaves the model unsharded.
+        activation_offloading: the training device's type to offload from, or None.
 
     Returns:
         ``model`` itself (an ``FSDPModule`` too when sharded).
@@ -114,7 +118,11 @@ def prepare_student(
         models.enable_activation_checkpointing(model)
     models.set_hidden_output(model)
     model.train()
-    return _shard(model, shard) if shard is not None else model
+    if shard is not None:
+        model = _shard(model, shard)
+    if activation_offloading is not None:
+        offload.enable_activation_offloading(model, activation_offloading)
+    return model
 
 
 def prepare_teacher(model: nn.Module, *, shard: ShardSpec | None = None) -> nn.Module:

@@ -235,6 +235,7 @@ class RunContext:
         *,
         run_dir: Any = None,
         compile: bool | None = None,
+        device: torch.device | None = None,
     ) -> nn.Module:
         """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
         by ``prepare`` (and sharded when distributed: rank 0 alone reads the files,
@@ -248,6 +249,8 @@ class RunContext:
             run_dir: the run's output_dir, when a torchtune checkpointer's own ``output_dir``
                 must exist (``kd run kd``); None leaves it alone.
             compile: compile its layers (None: the ``compile`` key).
+            device: where to build and load it on one device (None: the training device; the
+                CPU for a teacher parked in host memory).
         """
         ckpt_key = CHECKPOINTER_OF[key]
 
@@ -273,7 +276,8 @@ class RunContext:
             if self.world.distributed
             else None
         )
-        model = materialize(build, load, prepare, device=self.device, shard=shard, world=self.world)
+        where = self.device if device is None else device
+        model = materialize(build, load, prepare, device=where, shard=shard, world=self.world)
         if self.run.compile if compile is None else compile:
             models.compile_layers(model)
         return model

@@ -1,5 +1,5 @@
 """Rules between keys, one function per feature: stored teacher logits, on-policy distillation,
-validation (keep_best, early_stopping), outputs, the device."""
+validation (keep_best, early_stopping), outputs, the device, a parked teacher."""
 
 from __future__ import annotations
 
@@ -290,3 +290,35 @@ def check_hidden_states(data: dict[str, Any], problems: list[Problem]) -> None:
                 "student's tokenizer)",
             )
         )
+
+
+def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teacher_offload`` parks a local teacher model (``teacher_model``, or the members of
+    ``teachers:`` that have one) that is neither quantized, compiled, another tokenizer's, a
+    source of stored logits nor the student itself."""
+    mode = data.get("teacher_offload", "none")
+    if mode in (None, "none"):
+        return
+    fix = "set teacher_offload=none"
+    members = (
+        data.get("teachers", {}).get("members") if isinstance(data.get("teachers"), dict) else None
+    )
+    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    if isinstance(members, list):
+        local = local or any(
+            isinstance(m, dict)
+            and m.get("teacher_model") is not None
+            and m.get("teacher_logits") is None
+            for m in members
+        )
+    reasons = []
+    if not local or data.get("self_teacher") is not None:
+        reasons.append("needs a local teacher model (teacher_model) to park")
+    if data.get("teacher_quantization", "none") != "none":
+        reasons.append("does not park an int8 teacher (teacher_quantization)")
+    if data.get("compile"):
+        reasons.append("does not park compiled layers (compile)")
+    if data.get("cross_tokenizer") is not None:
+        reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
+    if reasons:
+        problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))

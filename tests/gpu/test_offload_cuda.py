@@ -1,0 +1,104 @@
+"""Activation offloading and a parked teacher on a real CUDA device (marker ``gpu``; skipped
+without one): the side stream, pinned memory and asynchronous copies, where the CPU path has none.
+Each mode gives the resident run's numbers (fp32), and the two stream races torchtune's
+``OffloadActivations`` had (axolotl PRs #3833 and #3776) stay fixed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_config, read_metrics, write_config
+
+from kd import cli
+from kd.teachers import parking
+from kd.training import offload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
+
+
+def _run(assets: dict[str, Path], out: Path, **top) -> list[dict]:
+    cfg = make_config(
+        assets, out, device="cuda", dtype="fp32", optimizer=SGD, max_steps_per_epoch=2, **top
+    )
+    cfg["memory"] = {"budget_gib": None, "check": "error"}
+    path = write_config(out.parent / f"{out.name}.yaml", cfg)
+    assert cli.main(["run", "kd", "--config", str(path)]) == 0
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    for key in ("loss", "ce_loss", "kd_loss", "grad_norm"):
+        assert [r[key] for r in a] == pytest.approx([r[key] for r in b], abs=1e-5), key
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["plain", "ac"])
+def test_activation_offloading_on_cuda_is_exact(assets, tmp_path, ac):
+    top = {"enable_activation_checkpointing": ac}
+    base = _run(assets, tmp_path / "resident", **top)
+    _same(base, _run(assets, tmp_path / "off", enable_activation_offloading=True, **top))
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_parked_teacher_on_cuda_is_exact(assets, tmp_path, mode, monkeypatch):
+    made: list[parking.ParkedWeights] = []
+    init = parking.ParkedWeights.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(parking.ParkedWeights, "__init__", spy)
+    base = _run(assets, tmp_path / "resident")
+    _same(base, _run(assets, tmp_path / mode, teacher_offload=mode))
+    (p,) = made
+    copies = p.host_copies()
+    assert copies and all(now is host and host.is_pinned() for now, host in copies)
+
+
+def _layer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)
+    ).cuda()
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, manager=None) -> list[torch.Tensor]:
+    model.zero_grad()
+    ctx = (
+        manager
+        if manager is not None
+        else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    )
+    with ctx:
+        y = model(x[:, 1:])  # a saved slice: storage offset 1, like shifted labels
+        for _ in range(8):  # enough saved tensors to cycle the forward stash
+            y = model(torch.nn.functional.gelu(y[:, :, :256].contiguous()))
+    y.square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_offloading_on_a_side_stream_is_exact():
+    """Forward and backward on a stream that is not the default one (what FSDP2 and checkpoint
+    recompute do): torchtune cached the default stream and synced against it (#3833); kd reads
+    the live one. The saved slice goes over dense (#3776). Repeated, since races are rare."""
+    model = _layer()
+    x = torch.randn(8, 65, 256, device="cuda", requires_grad=False)
+    want = _grads(model, x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x and the weights were made on the default
+    for _ in range(20):
+        manager = offload.HostActivations("cuda")
+        with torch.cuda.stream(side):
+            assert manager.s0 == side
+            got = _grads(model, x, manager)
+        torch.cuda.synchronize()
+        assert manager.offloaded_bytes > 0 and not manager.tracker
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=0)

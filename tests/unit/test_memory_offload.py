@@ -1,0 +1,147 @@
+"""The planner's host-memory terms (kd.memory.offload): activation offloading and a parked or
+streamed teacher, byte counts by hand for small shapes, and what `kd plan` says of them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from test_memory_terms import LLAMA, TEACHER
+
+from kd import cli
+from kd.memory.activations import student_activations
+from kd.memory.estimate import GIB, estimate
+from kd.memory.knobs import TrainKnobs
+from kd.memory.offload import (
+    OFFLOAD_STASH,
+    PCIE_GB_PER_S,
+    forward_kept,
+    parked_teacher_bytes,
+    teacher_forward_in_bytes,
+)
+
+K = TrainKnobs(batch_size=2, seq_len=16, grad_accum=3, dtype_bytes=2)
+FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_offloaded_activations_move_to_host(ac):
+    """The saved set goes to host memory (moved out and back per micro-batch); on the device stay
+    torchtune's stash: 5 layer inputs with checkpointing, at most one layer's set without."""
+    k = replace(K, activation_checkpointing=ac)
+    acts = student_activations(LLAMA, k)
+    off = replace(k, activation_offloading=True)
+    per_input = 2 * k.tokens * LLAMA.embed_dim
+    want = min(acts.total, OFFLOAD_STASH * per_input) if ac else max(acts.layers)
+    assert forward_kept(LLAMA, acts, off) == want < acts.total
+    assert forward_kept(LLAMA, acts, k) == acts.total
+    plain, moved = estimate(LLAMA, None, k), estimate(LLAMA, None, off)
+    assert moved.host.host == {"offloaded_activations": acts.total}
+    assert moved.host.moved == {"offloaded_activations": 2 * acts.total * k.grad_accum}
+    assert moved.host.seconds_per_step == pytest.approx(
+        2 * acts.total * k.grad_accum / (PCIE_GB_PER_S * 1e9)
+    )
+    assert not plain.host.host
+    assert moved.phases["backward"]["activations"] < plain.phases["backward"]["activations"]
+    assert moved.peak_bytes <= plain.peak_bytes
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_parked_teacher_terms(mode):
+    """Between its forwards only the teacher's output projection is on the device; during its
+    forward all its weights (park) or its largest layer (stream); host: the rest, moved once per
+    micro-batch."""
+    k = replace(K, teacher_offload=mode)
+    head = TEACHER.vocab_size * TEACHER.embed_dim
+    body = 2 * (TEACHER.total_params() - head)
+    assert parked_teacher_bytes(TEACHER, k) == body
+    assert parked_teacher_bytes(TEACHER, K) == 0
+    layer = 2 * TEACHER.largest_layer_params()
+    embedding = 2 * TEACHER.embedding_params()  # untied: a unit of its own when streamed
+    want_in = body if mode == "park" else max(layer, embedding)
+    assert teacher_forward_in_bytes(TEACHER, k) == want_in
+    resident, parked = estimate(LLAMA, TEACHER, K), estimate(LLAMA, TEACHER, k)
+    for phase in ("backward", "optimizer_step"):
+        assert parked.phases[phase]["teacher_weights"] == 2 * head
+        assert resident.phases[phase]["teacher_weights"] == 2 * TEACHER.total_params()
+    assert parked.subphases["teacher_forward"] - resident.subphases["teacher_forward"] == (
+        want_in - body
+    )
+    assert parked.host.host == {"parked_teacher": body}
+    assert parked.host.moved == {"parked_teacher": body * k.grad_accum}
+
+
+def test_more_layers_never_need_less_host():
+    k = replace(K, teacher_offload="park", activation_offloading=True)
+    small, big = LLAMA, replace(LLAMA, num_layers=4)
+    assert estimate(big, TEACHER, k).host.host_bytes > estimate(small, TEACHER, k).host.host_bytes
+
+
+def test_plan_json_and_table_show_host_memory(capsys):
+    """``kd plan`` reports the host memory beside the device terms, the bytes moved per step and
+    the time at the stated bandwidth."""
+    over = ["teacher_offload=park", "enable_activation_offloading=true"]
+    assert cli.main(["plan", "--config", FULL_14B_3B, "--json", *over]) in (0, 1)
+    out = json.loads(capsys.readouterr().out)
+    host = out["host"]
+    assert set(host["host_gib"]) == {"offloaded_activations", "parked_teacher"}
+    assert host["pcie_gb_per_s"] == PCIE_GB_PER_S and host["transfer_s_per_step"] > 0
+    # 14.77e9 parameters, less the 152064 x 5120 output projection, in bf16
+    assert host["host_gib"]["parked_teacher"] == pytest.approx(
+        2 * (14_770_033_664 - 152_064 * 5120) / GIB, abs=1e-3
+    )
+    assert cli.main(["plan", "--config", FULL_14B_3B, *over]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "host memory parked_teacher: 26.06 GiB (pinned)" in text
+    assert "s per optimizer step at an assumed 25 GB/s" in text
+
+
+def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
+    """The 14B -> 3B full template does not fit 40 GiB; ``--fit`` answers with the teacher in
+    host memory (streamed: a whole parked 14B teacher alone is 27.5 GiB beside the student's 23
+    GiB of weights, gradients and AdamW states), stating the bytes and seconds it moves per step,
+    and the option planned again fits."""
+    base = ["plan", "--config", FULL_14B_3B, "--budget-gib", "40"]
+    assert cli.main([*base, "--fit"]) == 1
+    text = capsys.readouterr().out
+    line = next(x for x in text.splitlines() if x.startswith("  teacher_offload="))
+    overrides = line.split("#")[0].split()
+    assert "teacher_offload=stream" in overrides
+    assert "GiB moved per step" in line and "s at an assumed 25 GB/s" in line
+    assert cli.main([*base, *overrides, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["peak_gib"] <= 40
+    assert out["host"]["transfer_s_per_step"] > 0
+    # parking alone is not enough here
+    assert cli.main([*base, "teacher_offload=park", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["fits"]
+
+
+def test_trace_compares_with_the_resident_step(assets, tmp_path, capsys):
+    """``kd plan --trace`` traces the resident step; with offloading set, its rows still compare
+    with that step's estimate (the same ratio as without), and the table says so."""
+    from conftest import make_config, write_config
+
+    path = str(write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out")))
+    ratios = []
+    for over in ([], ["teacher_offload=park", "enable_activation_offloading=true"]):
+        assert cli.main(["plan", "--config", path, "--json", "--trace", *over]) == 0
+        out = json.loads(capsys.readouterr().out)
+        ratios.append(out["trace_vs_estimate"])
+    assert ratios[1] == pytest.approx(ratios[0], abs=1e-4)
+    assert any("traces the step without activation offloading" in n for n in out["notes"])
+    assert out["host"]["host_gib"]
+
+
+def test_a_sampling_parked_teacher_moves_twice():
+    """seq_kd: the teacher is held in for its rollout, then brought in for its forward."""
+    from kd.memory.knobs import GenerationKnobs
+
+    k = replace(K, teacher_offload="park")
+    sampling = replace(k, generation=GenerationKnobs(new_tokens=4, models=("teacher",)))
+    once = estimate(LLAMA, TEACHER, k).host.moved["parked_teacher"]
+    assert estimate(LLAMA, TEACHER, sampling).host.moved["parked_teacher"] == 2 * once
+    # and during the rollout all its weights are on the device
+    gen = estimate(LLAMA, TEACHER, sampling).phases["generation"]["teacher_weights"]
+    assert gen == 2 * TEACHER.total_params()
