@@ -74,6 +74,8 @@ _RUN_EPILOG = textwrap.dedent(
     examples:
       kd run kd_single_device --config ./my_kd.yaml batch_size=2
       kd run --nproc_per_node 4 kd_distributed --config ./my_kd.yaml
+
+    {features}
     """
 )
 
@@ -119,6 +121,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         shown = recipe_name if recipe_name != previous else ""
         previous = recipe_name
         print(f"{shown:<{width}}{config}".rstrip())
+    from kd.cli.features import FEATURES_HEADING, feature_lines
+
+    print(f"\n{FEATURES_HEADING}", *feature_lines(), sep="\n")
     return 0
 
 
@@ -408,12 +413,16 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from kd.cli.features import FEATURES_HEADING, feature_lines
     from kd.cli.registry import recipe_lines
 
+    features_text = "\n".join([FEATURES_HEADING, *feature_lines()])
     parser = _Parser(
         prog="kd",
         description="Knowledge-distillation fine-tuning for LLMs that checks the memory budget "
         "before loading a weight.",
+        epilog=features_text,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="store_true", help="print versions and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -440,7 +449,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="run a recipe (torchrun options before the recipe launch it distributed)",
         usage=_RUN_USAGE,
         description="Run a recipe with a config and overrides.",
-        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines())),
+        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines()), features=features_text),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("recipe", help="a recipe name (below; kd ls lists them with their configs)")
