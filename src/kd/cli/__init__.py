@@ -128,10 +128,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from kd.cli.registry import configs_dir, list_configs
+    from kd.cli.registry import configs_dir, list_configs, torchtune_config_fix
 
     name = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
     builtin = list_configs()
+    torchtune = torchtune_config_fix(name) if name not in builtin else None
+    if torchtune is not None:
+        raise KDUserError(f"cp: {one_line(args.config)} is {torchtune}")
     if name not in builtin:
         import difflib
 
