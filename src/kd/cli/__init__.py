@@ -208,21 +208,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
-    """No progress bar (Hugging Face datasets preparing a data file) and no torchao notice about
-    its C++ extensions while ``kd validate`` checks: its output is the plan and ``config OK``."""
-    import logging
-
+    """No progress bar (Hugging Face datasets preparing a data file) while ``kd validate``
+    checks: its output is the plan and ``config OK`` (torchao's notice about its C++ extensions
+    is filtered in kd/__init__.py)."""
     import datasets
 
-    torchao = logging.getLogger("torchao")
-    level = torchao.level
     bars_were_off = datasets.is_progress_bar_enabled() is False
-    torchao.setLevel(logging.ERROR)
     datasets.disable_progress_bars()
     try:
         yield
     finally:
-        torchao.setLevel(level)
         if not bars_were_off:
             datasets.enable_progress_bars()
 
