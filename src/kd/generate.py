@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
 import tempfile
@@ -437,9 +436,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kd generate``: print the generated text on stdout."""
     _check_options(args.max_new_tokens, args.temperature, args.seed)  # before the slow imports
     _check_prompt(args.prompt)
-    # torchao (imported by peft and transformers) warns about its C++ extensions when torch is
-    # newer than its wheel; generation does not use them.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # (torchao's notice about its C++ extensions is filtered in kd/__init__.py.)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # stdout and stderr carry only the answer or one error line

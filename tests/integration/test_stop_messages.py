@@ -1,5 +1,6 @@
-"""Ctrl-C during training: the checkpoint is saved and reported once, then how to resume
-(issue 42: ``saved checkpoint`` was printed twice)."""
+"""What a run says on stderr (issue 42): what it loads, no progress bar when stderr is not a
+terminal, and on Ctrl-C the checkpoint saved and reported once (it was printed twice), then how
+to resume."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def test_ctrl_c_reports_the_checkpoint_once(assets, tmp_path, monkeypatch, capfd
     said = captured.err  # what the user sees: kd's log lines and its prints
     assert "received SIGINT" in said and "stopped after step 1" in said
     assert said.count(f"saved checkpoint {latest}") == 1, said
+    # A log file gets no progress bar (one line of every redraw), but says what loads.
+    assert "%|" not in said and "it/s" not in said
+    assert f"kd: loading model weights from {assets['student']}" in said
+    assert f"kd: loading teacher_model weights from {assets['teacher']}" in said
     assert (
         f"to resume from {latest}, run: kd run kd_single_device --config {config} "
         "resume_from_checkpoint=True"

@@ -228,7 +228,11 @@ class TeacherLogitsRecipe:
             tt.padded_collate_sft, padding_idx=data.pad_id_of(self.tokenizer), ignore_idx=-100
         )
         filler = [self.world.rank]
-        for i in tqdm(range(steps), disable=not self.world.is_rank_zero, desc="teacher_logits"):
+        for i in tqdm(
+            range(steps),
+            disable=None if self.world.is_rank_zero else True,  # None: off unless a terminal
+            desc="teacher_logits",
+        ):
             name, rows = batches[i] if i < len(batches) else (None, filler)
             results = self._forward(rows, collate)
             if name is None:
