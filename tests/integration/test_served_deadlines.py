@@ -394,3 +394,23 @@ def test_no_password_or_token_is_printed_or_logged(
     assert "'ftp://***@127.0.0.1:9' is not an http:// or https:// URL" in bad
     both = check("validate", url=_with_password("http://127.0.0.1:9"), token_env="KD_TEST_TOKEN")
     assert "teacher_server.token_env: is set beside a user:password" in both
+
+
+def test_kd_validate_probes_a_failing_server_briefly_whatever_the_training_budget(
+    assets, teacher_fn, tokenizer, tmp_path, capsys
+):
+    # The training requests may wait long (60 s attempts, 5 retries with backoff: 15 s of waits
+    # for a refused or failing request); the probe before training asks twice at most (issue 42:
+    # a server that is down answers in seconds). Bounded by the requests made, not by a clock.
+    from kd.teachers.served import PROBE_RETRIES
+
+    with _server(teacher_fn, tokenizer, retry_after="0") as s:
+        s.faults.extend(["503"] * 10)
+        config = served_config(assets, tmp_path, "p", s.url, timeout=60, retries=5, backoff=1)
+        capsys.readouterr()
+        assert cli.main(["validate", "--config", str(config)]) == 2
+        asked = s.requests
+    err = errors(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("kd: error: teacher_server.url: "), err
+    assert "answered HTTP 503 after 1 retries" in err[0]
+    assert asked == PROBE_RETRIES + 1 == 2

@@ -67,6 +67,12 @@ log = logging.getLogger("kd")
 # failing for now.
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 _KEY = "teacher_server"
+# The probe before training (kd validate, and kd run before it loads a weight) asks once more at
+# most, each attempt within this many seconds: a server that is down answers in seconds, not
+# after the whole retry budget of a training request (with the defaults, 15 s of backoff waits
+# for a refused connection, 6 minutes for one that never answers).
+PROBE_TIMEOUT_S = 30.0
+PROBE_RETRIES = 1
 
 
 class TeacherUnavailable(TeacherStopped):
@@ -507,6 +513,19 @@ class ServedTeacher(Teacher):
         self.pool.shutdown()
         if self.store is not None:
             self.store.close()
+
+
+def probe_client(settings: TeacherServerSettings, *, vocab: int) -> TeacherClient:
+    """The client of :func:`check_server`: ``settings`` with at most :data:`PROBE_RETRIES`
+    retries of at most :data:`PROBE_TIMEOUT_S` seconds each (training keeps ``settings``)."""
+    import dataclasses
+
+    short = dataclasses.replace(
+        settings,
+        timeout=min(settings.timeout, PROBE_TIMEOUT_S),
+        retries=min(settings.retries, PROBE_RETRIES),
+    )
+    return TeacherClient(short, vocab=vocab)
 
 
 def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
