@@ -35,6 +35,7 @@ from kd.cli.launch import (
     is_rank_zero,
     print_error,
     run_recipe,
+    setup_logging,
     split_config_args,
 )
 from kd.errors import KDUserError, one_line
@@ -198,6 +199,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
+    setup_logging()  # the pre-load's lines, as kd run shows them (self_teacher's longest input)
     with _quiet_libraries():
         recipe.preload()
     if recipe.plan is not None:
