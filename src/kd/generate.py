@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,9 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kd import folders
+from kd.cli.launch import status
 from kd.errors import KDUserError, brief, one_line
-
-log = logging.getLogger("kd")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -373,7 +370,7 @@ def generate(
             ``max_new_tokens`` longer than the model's ``max_position_embeddings``.
     """
     _check_options(max_new_tokens, temperature, seed)
-    _status("loading %s on %s", model_dir, device)  # a large model takes minutes
+    status("loading %s on %s", model_dir, device)  # a large model takes minutes
     model, tokenizer = load_model(model_dir, device=device)
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -391,7 +388,7 @@ def generate(
         options = {"do_sample": True, "temperature": temperature}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
-    _status("generating up to %d tokens after a %d-token prompt", max_new_tokens, len(ids))
+    status("generating up to %d tokens after a %d-token prompt", max_new_tokens, len(ids))
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
@@ -401,13 +398,6 @@ def generate(
             **options,
         )
     return tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
-
-
-def _status(message: str, *args: Any) -> None:
-    """What the coming minutes go to, on the ``kd`` logger, when stderr is a terminal: piped or
-    written to a file, stdout and stderr carry only the answer or one error line."""
-    if sys.stderr.isatty():
-        log.info(message, *args)
 
 
 # ------------------------------------------------------------------------------------ command
@@ -454,10 +444,7 @@ def run(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()  # stdout and stderr carry only the answer or one error line
     hf_logging.disable_progress_bar()
-    if sys.stderr.isatty():  # ... but a terminal is told what the minutes go to
-        from kd.cli.launch import setup_logging
-
-        setup_logging()
+    # (A terminal is told what the minutes go to: kd.cli.launch.status.)
     text = generate(
         Path(args.model),
         args.prompt,

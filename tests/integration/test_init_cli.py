@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -676,3 +677,17 @@ def test_the_config_points_to_every_other_kind_of_teacher(folders, tmp_path):
     comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     for section in ("teachers", "teacher_server", "self_teacher", "cross_tokenizer"):
         assert f"{section}:" in comments and doc_of(section) in comments, section
+
+
+def test_a_terminal_is_told_what_kd_init_is_doing(folders, tmp_path, capsys, monkeypatch):
+    """On a terminal, each long phase says so first (issue 42); piped, stderr stays empty (the
+    other tests read kd init's one error line)."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(_init(folders, tmp_path)) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:3] == [
+        "kd: comparing the tokenizers (every token id) and rendering the data's first rows",
+        "kd: reading both config.json files with transformers",
+        f"kd: validating {tmp_path / 'kd.yaml'} as kd run will read it",
+    ]

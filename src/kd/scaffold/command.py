@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kd.cli.launch import status
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat, detect_data_format
 from kd.scaffold.inspection import (
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
     from kd.hf.tokenization import TokenizersDiffer
 
     cross: str | None = None
+    status("comparing the tokenizers (every token id) and rendering the data's first rows")
     try:
         check: Any = check_tokenizers(teacher or student, student, data)
     except TokenizersDiffer as e:  # a teacher with another tokenizer: GOLD's loss
@@ -275,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
         teacher = dataclasses.replace(
             teacher, torchtune=None, why_not_torchtune="its tokenizer differs from the student's"
         )
+    status("reading both config.json files with transformers")
     check_transformers_config(student, flag="--student")
     if teacher is not None:
         check_transformers_config(teacher, flag="--teacher")
@@ -296,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         for key, choice in (("checkpointer", student), ("teacher_checkpointer", teacher))
         if choice is not None and choice.torchtune is not None and not choice.weight_files
     ]
+    status("validating %s as kd run will read it", dest)
     write_config(text, dest, weights_pending=pending)
     _print_summary(teacher, student, data, check, output_dir=output_dir, lora=args.lora)
     print(f"wrote {one_line(str(dest))}")
