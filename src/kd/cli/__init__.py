@@ -37,6 +37,7 @@ from kd.cli.launch import (
     run_recipe,
     setup_logging,
     split_config_args,
+    status,
 )
 from kd.errors import KDUserError, one_line
 
@@ -200,6 +201,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
     setup_logging()  # the pre-load's lines, as kd run shows them (self_teacher's longest input)
+    status("checking the folders, the tokenizer, the data and the memory plan (no weight is read)")
     with _quiet_libraries():
         recipe.preload()
     if recipe.plan is not None:
