@@ -125,7 +125,12 @@ def render_config(
             *_cross_tokenizer_section(cross_tokenizer),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype, vocab=student.vocab_size),
-            *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
+            *optional_sections(
+                data,
+                max_seq_len=max_seq_len,
+                config_name=config_name,
+                other_teachers=teacher is not None,
+            ),
             # Hidden states match one tokenization between two models (not a self teacher, not
             # a teacher with another tokenizer).
             *(
@@ -317,7 +322,11 @@ def _commented(lines: list[str]) -> list[str]:
 
 
 def optional_sections(
-    data: DataFormat, *, max_seq_len: int, config_name: str = "my_kd.yaml"
+    data: DataFormat,
+    *,
+    max_seq_len: int,
+    config_name: str = "my_kd.yaml",
+    other_teachers: bool = True,
 ) -> list[str]:
     """The optional features, commented out: remove the ``# `` of a block to turn it on.
 
@@ -325,7 +334,9 @@ def optional_sections(
     config): ``validation`` (held-out data read like ``dataset``, here pointed at a ``val``
     file beside the training data) with ``keep_best`` and ``early_stopping``; ``teacher_logits``
     (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD,
-    its completions at most half of ``max_seq_len`` so that a prompt fits beside them).
+    its completions at most half of ``max_seq_len`` so that a prompt fits beside them); with
+    ``other_teachers`` (a config with a teacher model), ``teacher_server`` and pointers to the
+    pages of the other kinds of teacher.
     """
     from kd.cli.features import doc_of
 
@@ -381,7 +392,7 @@ def optional_sections(
                 _line("  temperature", 0.9, "sampling temperature (0 = greedy)"),
             ]
         ),
-        *_teacher_alternatives(),
+        *(_teacher_alternatives() if other_teachers else []),
         "",
     ]
 
