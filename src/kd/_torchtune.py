@@ -6,12 +6,9 @@ replacement touches one module. Import from ``kd._torchtune``, never from ``torc
 
 from __future__ import annotations
 
-import logging
 import warnings
 
-# torchao prints a warning about its C++ extensions when torch is newer than the wheel it was
-# built for; the extensions are not used by kd (no int4 GPU kernels on this path).
-logging.getLogger("torchao").setLevel(logging.ERROR)
+# torchao's notice about its C++ extensions is filtered in kd/__init__.py.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import torchtune

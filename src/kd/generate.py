@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import math
 import os
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kd import folders
+from kd.cli.launch import status
 from kd.errors import KDUserError, brief, one_line
 
 if TYPE_CHECKING:
@@ -370,6 +370,7 @@ def generate(
             ``max_new_tokens`` longer than the model's ``max_position_embeddings``.
     """
     _check_options(max_new_tokens, temperature, seed)
+    status("loading %s on %s", model_dir, device)  # a large model takes minutes
     model, tokenizer = load_model(model_dir, device=device)
     ids = prompt_ids(tokenizer, prompt, chat=chat)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -387,6 +388,7 @@ def generate(
         options = {"do_sample": True, "temperature": temperature}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(seed)
+    status("generating up to %d tokens after a %d-token prompt", max_new_tokens, len(ids))
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,
@@ -437,13 +439,12 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kd generate``: print the generated text on stdout."""
     _check_options(args.max_new_tokens, args.temperature, args.seed)  # before the slow imports
     _check_prompt(args.prompt)
-    # torchao (imported by peft and transformers) warns about its C++ extensions when torch is
-    # newer than its wheel; generation does not use them.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # (torchao's notice about its C++ extensions is filtered in kd/__init__.py.)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # stdout and stderr carry only the answer or one error line
     hf_logging.disable_progress_bar()
+    # (A terminal is told what the minutes go to: kd.cli.launch.status.)
     text = generate(
         Path(args.model),
         args.prompt,

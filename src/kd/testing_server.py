@@ -30,6 +30,15 @@ Example::
 
     with TeacherTestServer(logprobs_fn, api="vllm", model_name="tiny") as server:
         ...  # teacher_server.url = server.url
+
+As a command, it stands in for ``vllm serve`` / SGLang to try a served teacher (and test kd against
+it) without a GPU: it serves a local Hugging Face folder, on 127.0.0.1 only, until Ctrl-C::
+
+    python -m kd.testing_server --model DIR --api vllm --port 8000
+    # teacher_server: {url: http://127.0.0.1:8000, api: vllm, model: DIR}
+
+It is slow (one CPU forward per request, no batching): for trying and testing, not for training
+at scale (docs/served_teacher.md).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["FAULTS", "TeacherTestServer", "model_logprobs"]
+__all__ = ["FAULTS", "TeacherTestServer", "folder_logprobs", "main", "model_logprobs"]
 
 # What faults may hold, one per POST request, in order ("" : none):
 #   "500": answer HTTP 500 as the server does; "hang": sleep hang_s before answering (a client
@@ -524,3 +533,96 @@ class TeacherTestServer:
                 _flatten(meta, table)
             out.append({"text": "", "meta_info": meta})
         return 200, out[0] if single else out
+
+
+def folder_logprobs(model_dir: Path) -> tuple[Callable, Callable[[int], str]]:
+    """``ids -> [n, V]`` fp32 log-softmax of a Hugging Face folder's model (loaded as ``kd
+    generate`` loads it: offline, checked, no remote code), over its tokenizer's vocabulary, and
+    ``id -> text`` (the texts the servers send beside each id).
+
+    Raises:
+        KDUserError: the folder is not a loadable model (names ``--model`` and the fix).
+    """
+    from kd.generate import load_model
+
+    model, tokenizer = load_model(Path(model_dir))
+    vocab = len(tokenizer)
+
+    @torch.no_grad()
+    def fn(ids: Sequence[int]) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([list(ids)])).logits[0]  # [n, V]
+        return torch.log_softmax(logits[:, :vocab].float(), dim=-1)
+
+    return fn, lambda i: tokenizer.decode([i])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kd.testing_server``: serve a local model folder as vLLM or SGLang would.
+
+    Returns:
+        The exit status: 0 after Ctrl-C or ``--lifetime-s``, 2 for a bad folder or port.
+    """
+    import argparse
+    import sys
+
+    from kd.errors import KDUserError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kd.testing_server",
+        description="A stand-in for vllm serve / SGLang to try and test a served teacher without "
+        "a GPU: serves DIR's top-k log-probs on 127.0.0.1 only (slow: one CPU forward per "
+        "request). kd's config: teacher_server: {url: http://127.0.0.1:PORT, api: API, model: "
+        "NAME}; see docs/served_teacher.md.",
+    )
+    parser.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face folder")
+    parser.add_argument("--api", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free one")
+    parser.add_argument(
+        "--served-model-name", metavar="NAME", help="the name it serves (default: DIR, as vLLM)"
+    )
+    parser.add_argument("--max-logprobs", type=int, default=20, metavar="K", help="default 20")
+    parser.add_argument("--api-key", metavar="TOKEN", help="require this Bearer token")
+    parser.add_argument(
+        "--lifetime-s", type=float, default=24 * 3600.0, metavar="S", help="stop after S seconds"
+    )
+    args = parser.parse_args(argv)
+    try:
+        fn, decode = folder_logprobs(Path(args.model))
+        server = TeacherTestServer(
+            fn,
+            api=args.api,
+            model_name=args.served_model_name or args.model,
+            model_path=args.model,
+            decode=decode,
+            max_logprobs=args.max_logprobs,
+            token=args.api_key,
+            port=args.port,
+            lifetime_s=args.lifetime_s,
+            max_requests=10**12,
+        )
+    except KDUserError as e:
+        print(f"kd.testing_server: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the port is taken or not ours to bind
+        print(
+            f"kd.testing_server: error: --port {args.port}: cannot listen ({e.strerror or e}); "
+            "pass another port (0 picks a free one)",
+            file=sys.stderr,
+        )
+        return 2
+    name = args.served_model_name or args.model
+    print(f"serving {args.model} as {name!r} ({args.api} protocol) on {server.url}", flush=True)
+    print(
+        f"teacher_server: {{url: {server.url}, api: {args.api}, model: {name}}}  (Ctrl-C stops)",
+        flush=True,
+    )
+    server.start()
+    try:
+        server._thread.join()
+    except KeyboardInterrupt:
+        server.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -31,7 +31,11 @@ def test_quick_demo_runs_through_the_cli(
 ) -> None:
     out_dir = tmp_path / "demo"
     assert main(["demo", "--quick", "--output-dir", str(out_dir), "--seed", "3"]) == 0
-    kd, ce, teacher = _result_line(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    kd, ce, teacher = _result_line(out)
+    # The evaluation (the demo's longest part) says which run it is on.
+    for i, name in enumerate(("teacher", "kd_student", "ce_student"), start=1):
+        assert f"      {name} ({i}/3): its final model, then its initial weights and 2 step" in out
     assert all(math.isfinite(x) and x > 0 for x in (kd, ce, teacher))
 
     png = out_dir / "kd_demo.png"
@@ -71,7 +75,11 @@ def test_full_demo_kd_closes_half_the_gap(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["demo", "--output-dir", str(tmp_path / "demo")]) == 0
-    kd, ce, teacher = _result_line(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    kd, ce, teacher = _result_line(out)
+    # The evaluation (the demo's longest part) says which run it is on.
+    for i, name in enumerate(("teacher", "kd_student", "ce_student"), start=1):
+        assert f"      {name} ({i}/3): its final model, then its initial weights and 2 step" in out
     assert teacher < kd < ce
     assert ce - kd >= 0.5 * (ce - teacher)
 

@@ -382,3 +382,15 @@ def test_seed_past_2_63_samples(model_dir, capsys):
     first = capsys.readouterr().out
     assert main([*argv, "--seed", str(2**63), "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out == first
+
+
+def test_a_terminal_is_told_what_the_minutes_go_to(model_dir, capsys, monkeypatch):
+    """On a terminal, loading and generating each say so first (issue 42: minutes without a
+    word); piped, stderr stays empty (test_greedy_cli_prints_what_transformers_generates)."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    argv = ["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "3"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert f"kd: loading {model_dir} on cpu" in err
+    assert any(line.startswith("kd: generating up to 3 tokens after a ") for line in err), err

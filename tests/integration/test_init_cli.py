@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -358,6 +359,9 @@ def test_tokenizer_mismatch_refused(folders, tmp_path, capsys):
     assert "tokenizers differ" in line
     assert str(folders["merged"]) in line and str(folders["student"]) in line
     assert "teacher id 256, student id 72" in line
+    # The way out that works is named: kd init --cross-tokenizer.
+    assert "or pass --cross-tokenizer to distil across tokenizers" in line
+    assert "docs/multi_teacher.md" in line
     assert not (tmp_path / "kd.yaml").exists()
 
 
@@ -633,18 +637,30 @@ def _uncommented(text: str, keys: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize(
     "keys",
-    [("validation", "keep_best", "early_stopping"), ("teacher_logits",), ("on_policy",), ("eval",)],
+    [
+        ("validation", "keep_best", "early_stopping"),
+        ("teacher_logits",),
+        ("on_policy",),
+        ("teacher_server",),
+        ("eval",),
+    ],
 )
 def test_optional_features_are_written_commented_and_validate_when_turned_on(
     folders, tmp_path, keys
 ):
+    from kd.cli.features import doc_of
+
     assert cli.main(_init(folders, tmp_path)) == 0
     text = (tmp_path / "kd.yaml").read_text()
     assert all(f"\n# {key}:" in text for key in keys)
+    assert all(doc_of(key) in text for key in keys)  # each block names its page
     assert not any(key in yaml.safe_load(text) for key in keys)  # off as written
     shutil.copyfile(folders["chat"], folders["chat"].with_name("val.jsonl"))
     turned_on = tmp_path / "on.yaml"
-    turned_on.write_text(_uncommented(text, keys))
+    on = yaml.safe_load(_uncommented(text, keys))
+    if keys == ("teacher_server",):  # in place of the model teacher, as its comment says
+        del on["teacher_model"], on["teacher_checkpointer"]
+    turned_on.write_text(yaml.safe_dump(on))
     cfg = load_config(str(turned_on), [])
     for key in keys:
         assert cfg[key] is not None
@@ -652,3 +668,27 @@ def test_optional_features_are_written_commented_and_validate_when_turned_on(
     if keys[0] == "validation":
         assert cfg.validation.dataset.data_files == str(folders["chat"].with_name("val.jsonl"))
         validate_config(cfg, check_paths=True, check_components=False)
+
+
+def test_the_config_points_to_every_other_kind_of_teacher(folders, tmp_path):
+    from kd.cli.features import doc_of
+
+    assert cli.main(_init(folders, tmp_path)) == 0
+    text = (tmp_path / "kd.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    for section in ("teachers", "teacher_server", "self_teacher", "cross_tokenizer"):
+        assert f"{section}:" in comments and doc_of(section) in comments, section
+
+
+def test_a_terminal_is_told_what_kd_init_is_doing(folders, tmp_path, capsys, monkeypatch):
+    """On a terminal, each long phase says so first (issue 42); piped, stderr stays empty (the
+    other tests read kd init's one error line)."""
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(_init(folders, tmp_path)) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:3] == [
+        "kd: comparing the tokenizers (every token id) and rendering the data's first rows",
+        "kd: reading both config.json files with transformers",
+        f"kd: validating {tmp_path / 'kd.yaml'} as kd run will read it",
+    ]

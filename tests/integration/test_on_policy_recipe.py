@@ -92,16 +92,23 @@ def test_lmbda_0_is_the_off_policy_run(assets, tmp_path):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_lmbda_1_trains_on_the_students_samples(assets, tmp_path, monkeypatch, lora):
+def test_lmbda_1_trains_on_the_students_samples(assets, tmp_path, monkeypatch, lora, caplog):
     vocabs = sampling_vocabs(monkeypatch)
-    out = run(
-        tmp_path,
-        "run",
-        assets,
-        lora=lora,
-        max_steps_per_epoch=2,
-        on_policy=on_policy(lmbda=1.0),
-    )
+    with caplog.at_level("INFO", logger="kd"):
+        out = run(
+            tmp_path,
+            "run",
+            assets,
+            lora=lora,
+            max_steps_per_epoch=2,
+            on_policy=on_policy(lmbda=1.0),
+        )
+    # The run says once where a step's time goes (issue 42: minutes without a word).
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("on_policy: ")]
+    assert said == [
+        "on_policy: the student samples up to 8 tokens per prompt (4 prompts a micro-batch); "
+        "sampling takes most of a step (metrics.jsonl: time_generate_s)"
+    ]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert vocabs == [288] * 4  # the student, every micro-batch

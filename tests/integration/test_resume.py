@@ -175,8 +175,11 @@ def test_sigterm_saves_prints_resume_command_and_exits_0(assets, reference, tmp_
     step = checkpoint.read_checkpoint_marker(latest)["step"]
     assert step == read_metrics(out)[-1]["step"] < 8
     assert f"stopped after step {step}" in stderr
-    assert f"saved checkpoint {latest}" in stderr
-    hint = f"to resume, run: kd run kd_single_device --config {config} resume_from_checkpoint=True"
+    assert stderr.count(f"saved checkpoint {latest}") == 1  # once, not again in the hint
+    hint = (
+        f"to resume from {latest}, run: kd run kd_single_device --config {config} "
+        "resume_from_checkpoint=True"
+    )
     assert hint in stderr
 
     # The printed command, run as printed, finishes the run where the uninterrupted one ends.

@@ -395,12 +395,23 @@ def test_text_like_a_token_the_tokenizer_lacks_is_text(assets, rows_file, tmp_pa
     assert cli.main(["validate", "--config", str(write_config(tmp_path / "a.yaml", cfg))]) == 0
 
 
-def test_validate_reports_the_longest_teacher_input(assets, rows_file, tmp_path, caplog):
+def test_validate_reports_the_longest_teacher_input(
+    assets, rows_file, tmp_path, capsys, monkeypatch, request
+):
+    import logging
+
+    kd_logger = logging.getLogger("kd")  # as in a fresh `kd validate` process: no handler
+    monkeypatch.setattr(kd_logger, "handlers", [])
+    request.addfinalizer(lambda level=kd_logger.level: kd_logger.setLevel(level))
+    kd_logger.setLevel(logging.NOTSET)
     cfg = self_config(assets, tmp_path / "o", rows_file)
-    with caplog.at_level("INFO", logger="kd"):
-        assert cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 0
-    said = [r.getMessage() for r in caplog.records if "longest teacher input" in r.getMessage()]
-    assert len(said) == 1 and f"within tokenizer.max_seq_len {SEQ_LEN}" in said[0]
+    capsys.readouterr()
+    assert cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 0
+    # On stderr, where the user reads it (issue 42: it was logged and never shown).
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if "longest teacher input" in line]
+    assert len(said) == 1 and said[0].startswith("kd: self_teacher: the longest teacher input")
+    assert f"within tokenizer.max_seq_len {SEQ_LEN}" in said[0]
     assert not (tmp_path / "o").exists()
 
 

@@ -394,3 +394,34 @@ def test_no_password_or_token_is_printed_or_logged(
     assert "'ftp://***@127.0.0.1:9' is not an http:// or https:// URL" in bad
     both = check("validate", url=_with_password("http://127.0.0.1:9"), token_env="KD_TEST_TOKEN")
     assert "teacher_server.token_env: is set beside a user:password" in both
+
+
+def test_kd_validate_probes_a_failing_server_briefly_whatever_the_training_budget(
+    assets, teacher_fn, tokenizer, tmp_path, capsys, monkeypatch
+):
+    # Training requests may wait long between retries (backoff 1: 15 s of waits over 5 retries
+    # for a failing request, 30 s here); the probe before training waits at most 0.1 s x 2^n
+    # (issue 42: a server that is down answers in seconds). Bounded by the waits kd asks of
+    # urllib3's retry, not by a clock.
+    from kd.teachers import transport
+    from kd.teachers.served import PROBE_BACKOFF_S
+
+    waits: list[float] = []
+    original = transport._DeadlineRetry.get_backoff_time
+
+    def recorded(self) -> float:
+        waits.append(original(self))
+        return waits[-1]
+
+    monkeypatch.setattr(transport._DeadlineRetry, "get_backoff_time", recorded)
+    with _server(teacher_fn, tokenizer, retry_after="0") as s:
+        s.faults.extend(["503"] * 10)
+        config = served_config(assets, tmp_path, "p", s.url, timeout=60, retries=5, backoff=1)
+        capsys.readouterr()
+        assert cli.main(["validate", "--config", str(config)]) == 2
+        asked = s.requests
+    err = errors(capsys.readouterr().err)
+    assert len(err) == 1 and err[0].startswith("kd: error: teacher_server.url: "), err
+    assert "answered HTTP 503 after 5 retries" in err[0]
+    assert asked == 6  # the configured retries: a server failing now and then still passes
+    assert len(waits) == 5 and sum(waits) <= PROBE_BACKOFF_S * (2 + 4 + 8 + 16) + 1e-9, waits

@@ -374,3 +374,37 @@ def test_run_hands_over_to_torchrun(tmp_path, monkeypatch, capfd):
     assert main([*argv, "seed=7"]) == 2  # a worker's user error comes back as exit 2
     err = capfd.readouterr().err
     assert err.count("kd: error: seed: 7 is unlucky") == 1  # rank 0 only
+
+
+@pytest.mark.parametrize(
+    ("argv", "recipe"),
+    [
+        (
+            ["run", "kd_single_device", "--config", "qwen2/1.5_to_0.5B_KD_lora_single_device"],
+            "kd_single_device",
+        ),
+        (["validate", "--config", "llama3_2/8B_to_1B_KD_lora_distributed.yaml"], "kd_distributed"),
+        (["cp", "qwen2/1.5_to_0.5B_KD_lora_single_device", "x.yaml"], "kd_single_device"),
+    ],
+)
+def test_a_torchtune_kd_config_name_says_how_to_copy_it(
+    argv, recipe, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    name = argv[argv.index("--config") + 1] if "--config" in argv else argv[1]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    name = name.removesuffix(".yaml")
+    assert (
+        f"a torchtune KD config, not one of kd's; copy it with `tune cp {name} my_kd.yaml`" in err
+    )
+    assert f"then `kd run {recipe} --config my_kd.yaml`" in err
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_torchtune_kd_configs_are_read_from_its_file_list():
+    names = registry.torchtune_kd_configs()
+    assert "qwen2/1.5_to_0.5B_KD_lora_single_device" in names
+    assert all("_KD_" in n for n in names)
+    assert registry.torchtune_config_fix("llama3_2/8B_lora_single_device") is None  # not a KD one

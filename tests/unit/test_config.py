@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from kd.config import instantiate, load_config, validate_config
 from kd.config.parse import fill_defaults
-from kd.config.validate import writable_dir_problem
+from kd.config.validate import component_problems, writable_dir_problem
 from kd.errors import ConfigError, KDUserError
 
 _SHAPE = dict(
@@ -302,7 +302,11 @@ def test_components_import_and_bind(cfg_path):
             "trust_remote_components=true",
         ],
     )
-    found = problems_of(cfg)
+    # The arguments their source declares are refused with the schema, before any import.
+    assert set(problems_of(cfg)) == {"model.num_layrs", "checkpointer.bogus"}
+    # The component pass, which imports the targets, finds them too, with the rest.
+    data = OmegaConf.to_container(cfg, resolve=True)
+    found = {p.key: p.message for p in component_problems(data)}
     assert "did you mean model.num_layers?" in found["model.num_layrs"]
     assert "torchtune.models.qwen2 has no qwen2_nope" in found["teacher_model._component_"]
     assert "torch.optim has no NoSuchOpt" in found["optimizer._component_"]

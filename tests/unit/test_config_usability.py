@@ -155,7 +155,10 @@ def test_validate_prints_no_progress_bar(assets, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "config OK"
-    assert result.stderr == "", result.stderr
+    # Only kd's own lines (what the pre-load says, as under kd run): no bar, no library notice.
+    lines = result.stderr.splitlines()
+    assert all(line.startswith("kd: ") and "error" not in line for line in lines), lines
+    assert "%|" not in result.stderr and "Skipping import" not in result.stderr
     assert (tmp_path / "fresh_cache").exists()  # the data file was prepared in this run
 
 
@@ -246,3 +249,18 @@ def test_config_json_text_config_is_checked():
         "model.path: /m/config.json: text_config.hidden_size is 'big', not a whole number >= 1; "
         "fix text_config.hidden_size in that file (the model's source has the right value)"
     ]
+
+
+def test_validate_tells_a_terminal_what_it_checks(assets, tmp_path, capsys, monkeypatch):
+    """On a terminal, kd validate says first what the coming seconds (minutes, on a real model's
+    data) go to (issue 42)."""
+    from kd.cli import main
+
+    path = write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out"))
+    capsys.readouterr()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["validate", "--config", str(path)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (
+        "kd: checking the folders, the tokenizer, the data and the memory plan (no weight is read)"
+    )

@@ -138,7 +138,11 @@ def test_find_config_folder_is_an_error(tmp_path):
 
 def test_kd_ls_lists_every_recipe_and_config(capsys):
     assert main(["ls"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    # The table, then (after a blank line) the features and their pages (kd.cli.features).
+    table, features = out.split("\n\n", 1)
+    assert features.startswith("features ")
+    lines = table.splitlines()
     assert lines[0].split() == ["RECIPE", "CONFIG"]
     listed: dict[str, str] = {}
     current = ""

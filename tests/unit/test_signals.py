@@ -67,6 +67,6 @@ def test_resume_hint_replaces_resume_override() -> None:
     ]
     text = resume_hint(cmd, Path("/o/step_000010"))
     assert text.splitlines() == [
-        "saved checkpoint /o/step_000010",
-        "to resume, run: kd run kd_single_device --config 'my run.yaml' resume_from_checkpoint=True",
+        "to resume from /o/step_000010, run: kd run kd_single_device --config 'my run.yaml' "
+        "resume_from_checkpoint=True",
     ]

@@ -35,7 +35,9 @@ from kd.cli.launch import (
     is_rank_zero,
     print_error,
     run_recipe,
+    setup_logging,
     split_config_args,
+    status,
 )
 from kd.errors import KDUserError, one_line
 
@@ -75,6 +77,8 @@ _RUN_EPILOG = textwrap.dedent(
     examples:
       kd run kd_single_device --config ./my_kd.yaml batch_size=2
       kd run --nproc_per_node 4 kd_distributed --config ./my_kd.yaml
+
+    {features}
     """
 )
 
@@ -120,14 +124,20 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         shown = recipe_name if recipe_name != previous else ""
         previous = recipe_name
         print(f"{shown:<{width}}{config}".rstrip())
+    from kd.cli.features import FEATURES_HEADING, feature_lines
+
+    print(f"\n{FEATURES_HEADING}", *feature_lines(), sep="\n")
     return 0
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from kd.cli.registry import configs_dir, list_configs
+    from kd.cli.registry import configs_dir, list_configs, torchtune_config_fix
 
     name = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
     builtin = list_configs()
+    torchtune = torchtune_config_fix(name) if name not in builtin else None
+    if torchtune is not None:
+        raise KDUserError(f"cp: {one_line(args.config)} is {torchtune}")
     if name not in builtin:
         import difflib
 
@@ -191,6 +201,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
     recipe = KDRecipe(target.run, world=world, config_name=args.config)
+    setup_logging()  # the pre-load's lines, as kd run shows them (self_teacher's longest input)
+    status("checking the folders, the tokenizer, the data and the memory plan (no weight is read)")
     with _quiet_libraries():
         recipe.preload()
     if recipe.plan is not None:
@@ -201,21 +213,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
-    """No progress bar (Hugging Face datasets preparing a data file) and no torchao notice about
-    its C++ extensions while ``kd validate`` checks: its output is the plan and ``config OK``."""
-    import logging
-
+    """No progress bar (Hugging Face datasets preparing a data file) while ``kd validate``
+    checks: its output is the plan and ``config OK`` (torchao's notice about its C++ extensions
+    is filtered in kd/__init__.py)."""
     import datasets
 
-    torchao = logging.getLogger("torchao")
-    level = torchao.level
     bars_were_off = datasets.is_progress_bar_enabled() is False
-    torchao.setLevel(logging.ERROR)
     datasets.disable_progress_bars()
     try:
         yield
     finally:
-        torchao.setLevel(level)
         if not bars_were_off:
             datasets.enable_progress_bars()
 
@@ -409,12 +416,16 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from kd.cli.features import FEATURES_HEADING, feature_lines
     from kd.cli.registry import recipe_lines
 
+    features_text = "\n".join([FEATURES_HEADING, *feature_lines()])
     parser = _Parser(
         prog="kd",
         description="Knowledge-distillation fine-tuning for LLMs that checks the memory budget "
         "before loading a weight.",
+        epilog=features_text,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="store_true", help="print versions and exit")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -441,7 +452,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="run a recipe (torchrun options before the recipe launch it distributed)",
         usage=_RUN_USAGE,
         description="Run a recipe with a config and overrides.",
-        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines())),
+        epilog=_RUN_EPILOG.format(recipes="\n".join(recipe_lines()), features=features_text),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("recipe", help="a recipe name (below; kd ls lists them with their configs)")

@@ -90,6 +90,17 @@ def setup_logging() -> None:
     logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
 
 
+def status(message: str, *args: Any) -> None:
+    """Say what the coming seconds or minutes go to (``kd: <message>`` on the ``kd`` logger),
+    when stderr is a terminal: piped or written to a file, a command's output stays what its
+    tests and scripts read (``kd generate``'s answer, ``kd init``'s summary)."""
+    if sys.stderr.isatty():
+        import logging
+
+        setup_logging()
+        logging.getLogger("kd").info(message, *args)
+
+
 def run_recipe(fn: Callable[[DictConfig], None], argv: list[str] | None = None) -> int:
     """Parse ``--config X [key=value ...] [~key ...]``, load and validate the config, call ``fn``.
 

@@ -150,6 +150,36 @@ def find_recipe(name: str) -> Recipe:
     raise KDUserError(f"unknown recipe {name!r}; {hint} (kd ls lists recipes and configs)")
 
 
+def torchtune_kd_configs() -> list[str]:
+    """Names of the KD configs torchtune ships (``qwen2/1.5_to_0.5B_KD_lora_single_device``...),
+    read from its installed file list: nothing is imported (torchtune would import torch)."""
+    from importlib.metadata import PackageNotFoundError, files
+
+    prefix = "recipes/configs/"
+    try:
+        listed = files("torchtune") or []
+    except PackageNotFoundError:
+        return []
+    names = (str(f) for f in listed)
+    return sorted(
+        n[len(prefix) : -len(".yaml")]
+        for n in names
+        if n.startswith(prefix) and n.endswith(".yaml") and "_KD_" in n
+    )
+
+
+def torchtune_config_fix(name: str) -> str | None:
+    """How to run torchtune's KD config ``name`` with kd (None: ``name`` is not one)."""
+    name = name.removesuffix(".yaml")
+    if name not in torchtune_kd_configs():
+        return None
+    recipe = "kd_distributed" if name.endswith("_distributed") else "kd_single_device"
+    return (
+        f"a torchtune KD config, not one of kd's; copy it with `tune cp {name} my_kd.yaml`, "
+        f"then `kd run {recipe} --config my_kd.yaml` (set its paths in the file or as key=value)"
+    )
+
+
 def find_config(name_or_path: str) -> Path:
     """Resolve a config argument to a file.
 
@@ -187,6 +217,9 @@ def find_config(name_or_path: str) -> Path:
         raise KDUserError(
             f"config {one_line(name_or_path)}: is {what}, not a YAML file; pass the file"
         )
+    torchtune = torchtune_config_fix(name)
+    if torchtune is not None:
+        raise KDUserError(f"config {one_line(name_or_path)}: {torchtune}")
     close = difflib.get_close_matches(name, list(builtin), n=1)
     fix = f"did you mean the built-in {close[0]}?" if close else "check the path"
     raise KDUserError(

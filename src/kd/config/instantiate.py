@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import logging
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -24,9 +23,7 @@ from kd.errors import KDUserError
 
 
 def _quiet_import(name: str) -> Any:
-    # torchao logs a warning about its C++ extensions when torch is newer than its wheel; kd
-    # does not use them (same reasoning as kd._torchtune).
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torchao's notice about its C++ extensions is filtered in kd/__init__.py.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)

@@ -148,7 +148,7 @@ def _run_demo(root: Path, plan: DemoPlan, seed: int) -> DemoResult:
         tokenizer_node(tokenizer_dir, MAX_SEQ_LEN),
         dataset_node(files["heldout"], root / "cache"),
     )
-    results = evaluate_runs(runs, heldout, chain, root / "eval" / "checkpointer")
+    results = evaluate_runs(runs, heldout, chain, root / "eval" / "checkpointer", say=say)
     say(f"      done in {time.perf_counter() - t0:.0f} s")
     # Per labelled token: the answer letters carry the chain's entropy, the other labelled tokens
     # (the assistant header) are predictable.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,17 +234,28 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def evaluate_runs(
-    runs: dict[str, DemoRun], heldout: HeldOut, chain: LetterChain, scratch: Path
+    runs: dict[str, DemoRun],
+    heldout: HeldOut,
+    chain: LetterChain,
+    scratch: Path,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Final held-out results, held-out curve and training metrics of every run; the students
-    are also compared with the trained teacher, with the KD student's loss settings."""
+    are also compared with the trained teacher, with the KD student's loss settings. ``say``
+    gets one line as each run's evaluation starts (the longest part of the demo)."""
     from kd.config import load_config
     from kd.config.run import run_config
 
     settings = run_config(load_config(str(runs["kd_student"].config), [])).loss
     teacher = load_tiny_model(runs["teacher"].run_dir / "final", runs["teacher"].shape, scratch)
     out = {}
-    for name, run in runs.items():
+    for i, (name, run) in enumerate(runs.items(), start=1):
+        if say is not None:
+            steps = sum(1 for p in run.run_dir.glob("step_*") if p.is_dir())
+            say(
+                f"      {name} ({i}/{len(runs)}): its final model, then its initial weights and "
+                f"{steps} step checkpoints"
+            )
         final = load_tiny_model(run.run_dir / "final", run.shape, scratch)
         against = None if name == "teacher" else teacher
         out[name] = {

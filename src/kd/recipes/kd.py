@@ -291,7 +291,9 @@ class KDRecipe:
         bar = tqdm(
             total=self.total_steps,
             initial=self.global_step,
-            disable=not self.world.is_rank_zero,
+            # None: off when stderr is not a terminal (a log file would get one line of every
+            # redraw); the metric rows still say each step.
+            disable=None if self.world.is_rank_zero else True,
             desc="kd",
             dynamic_ncols=True,
         )

@@ -52,7 +52,7 @@ from kd.errors import KDUserError
 from kd.teachers import ModelTeacher, TeacherInput, store_folder, stored_logits
 from kd.teachers.cross import CrossTokenizerSource, CrossTokenizerTeacher
 from kd.teachers.cross_stored import cross_spec
-from kd.teachers.served import ServedTeacher, TeacherClient, check_server
+from kd.teachers.served import ServedTeacher, TeacherClient, check_server, probe_client
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
 from kd.training.prepare import prepare_teacher
@@ -134,8 +134,9 @@ class TeacherLogitsRecipe:
         ]
         self.client: TeacherClient | None = None
         if served is not None:
+            probe = probe_client(served, vocab=facts.student_vocab)  # short: seconds if down
+            check_server(probe, self.tokenizer, k=self.settings.k)
             self.client = TeacherClient(served, vocab=facts.student_vocab)
-            check_server(self.client, self.tokenizer, k=self.settings.k)
         self.spec = store_folder.store_spec(
             run,
             ctx,
@@ -228,7 +229,11 @@ class TeacherLogitsRecipe:
             tt.padded_collate_sft, padding_idx=data.pad_id_of(self.tokenizer), ignore_idx=-100
         )
         filler = [self.world.rank]
-        for i in tqdm(range(steps), disable=not self.world.is_rank_zero, desc="teacher_logits"):
+        for i in tqdm(
+            range(steps),
+            disable=None if self.world.is_rank_zero else True,  # None: off unless a terminal
+            desc="teacher_logits",
+        ):
             name, rows = batches[i] if i < len(batches) else (None, filler)
             results = self._forward(rows, collate)
             if name is None:

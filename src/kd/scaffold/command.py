@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kd.cli.launch import status
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat, detect_data_format
 from kd.scaffold.inspection import (
@@ -43,6 +44,28 @@ from kd.scaffold.self_teacher import context_template
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 
+def _init_epilog() -> str:
+    """What the written config can turn on, and where each feature is described."""
+    from kd.cli.features import doc_of
+
+    return "\n".join(
+        [
+            "the config it writes (walk-through: docs/your_own_models.md) has commented blocks and",
+            "pointers, each naming its page:",
+            f"  validation: keep_best: early_stopping:   {doc_of('validation')}",
+            f"  teacher_logits: (stored teacher logits)  {doc_of('teacher_logits')}",
+            f"  on_policy: (GKD)                         {doc_of('on_policy')}",
+            f"  hidden_states:                           {doc_of('hidden_states')}",
+            f"  teacher_server: (vLLM, SGLang)           {doc_of('teacher_server')}",
+            f"  teachers: (several teachers)             {doc_of('teachers')}",
+            "other teachers, by flag:",
+            f"  --cross-tokenizer  cross_tokenizer:      {doc_of('cross_tokenizer')}",
+            f"  --self             self_teacher:         {doc_of('self_teacher')}",
+            "every feature: kd --help",
+        ]
+    )
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``init`` subcommand to ``kd``'s argparse subparsers."""
     p = subparsers.add_parser(
@@ -53,6 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "transformers backend otherwise, the data format from the file's first rows, a "
         "tokenizer agreement check, and the memory plan for this device. Needs only config.json "
         "and the tokenizer files (the weights may still be downloading).",
+        epilog=_init_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--teacher", metavar="DIR", help="teacher model folder (not with --self)")
     p.add_argument("--student", required=True, metavar="DIR", help="student model folder")
@@ -70,7 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--cross-tokenizer",
         action="store_true",
         help="accept a teacher whose tokenizer differs from the student's: write cross_tokenizer "
-        "(GOLD's aligned loss; the teacher loads with transformers)",
+        "(GOLD's aligned loss; the teacher loads with transformers; docs/multi_teacher.md)",
     )
     p.add_argument(
         "--backend",
@@ -237,15 +262,22 @@ def run(args: argparse.Namespace) -> int:
     from kd.hf.tokenization import TokenizersDiffer
 
     cross: str | None = None
+    status("comparing the tokenizers (every token id) and rendering the data's first rows")
     try:
         check: Any = check_tokenizers(teacher or student, student, data)
     except TokenizersDiffer as e:  # a teacher with another tokenizer: GOLD's loss
-        if not args.cross_tokenizer or teacher is None:
+        if teacher is None:
             raise
+        if not args.cross_tokenizer:
+            raise KDUserError(
+                f"{e}, or pass --cross-tokenizer to distil across tokenizers (GOLD's aligned "
+                "loss, docs/multi_teacher.md)"
+            ) from e
         cross, check = str(e), None
         teacher = dataclasses.replace(
             teacher, torchtune=None, why_not_torchtune="its tokenizer differs from the student's"
         )
+    status("reading both config.json files with transformers")
     check_transformers_config(student, flag="--student")
     if teacher is not None:
         check_transformers_config(teacher, flag="--teacher")
@@ -267,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         for key, choice in (("checkpointer", student), ("teacher_checkpointer", teacher))
         if choice is not None and choice.torchtune is not None and not choice.weight_files
     ]
+    status("validating %s as kd run will read it", dest)
     write_config(text, dest, weights_pending=pending)
     _print_summary(teacher, student, data, check, output_dir=output_dir, lora=args.lora)
     print(f"wrote {one_line(str(dest))}")

@@ -2,8 +2,8 @@
 
 :func:`render_config` writes every key the run needs (model dimensions, checkpointers, tokenizer,
 dataset, training knobs, memory budget) and, commented out, the optional features a user turns on
-by removing the ``#``: held-out validation with keep_best / early_stopping, stored teacher logits
-and on-policy distillation. :func:`write_config` validates the text as ``kd run`` loads it, then
+by removing the ``#``: held-out validation with keep_best / early_stopping, stored teacher logits,
+on-policy distillation and a served teacher (with pointers to the pages of the other teachers). :func:`write_config` validates the text as ``kd run`` loads it, then
 writes it atomically.
 """
 
@@ -125,7 +125,12 @@ def render_config(
             *_cross_tokenizer_section(cross_tokenizer),
             *_data_section(student, data, max_seq_len=max_seq_len),
             *_training_section(lora=lora, device=device, dtype=dtype, vocab=student.vocab_size),
-            *optional_sections(data, max_seq_len=max_seq_len, config_name=config_name),
+            *optional_sections(
+                data,
+                max_seq_len=max_seq_len,
+                config_name=config_name,
+                other_teachers=teacher is not None,
+            ),
             # Hidden states match one tokenization between two models (not a self teacher, not
             # a teacher with another tokenizer).
             *(
@@ -317,7 +322,11 @@ def _commented(lines: list[str]) -> list[str]:
 
 
 def optional_sections(
-    data: DataFormat, *, max_seq_len: int, config_name: str = "my_kd.yaml"
+    data: DataFormat,
+    *,
+    max_seq_len: int,
+    config_name: str = "my_kd.yaml",
+    other_teachers: bool = True,
 ) -> list[str]:
     """The optional features, commented out: remove the ``# `` of a block to turn it on.
 
@@ -326,8 +335,12 @@ def optional_sections(
     file beside the training data) with ``keep_best`` and ``early_stopping``; ``teacher_logits``
     (stored teacher top-k log-probs, written by ``kd run teacher_logits``); ``on_policy`` (GKD,
     its completions at most half of ``max_seq_len`` so that a prompt fits beside them); ``eval``
-    (lm-evaluation-harness tasks scored on ``final/``, a task folder beside the training data).
+    (lm-evaluation-harness tasks scored on ``final/``, a task folder beside the training data);
+    with ``other_teachers`` (a config with a teacher model), ``teacher_server`` and pointers to
+    the pages of the other kinds of teacher.
     """
+    from kd.cli.features import doc_of
+
     train = Path(str(data.node["data_files"]))
     val_node = {**data.node, "data_files": str(train.with_name(f"val{train.suffix}"))}
     store = train.with_name("teacher_logits")
@@ -339,7 +352,8 @@ def optional_sections(
     ]
     return [
         "# Optional features: remove the leading '# ' of a block to turn it on.",
-        "# Held-out validation (val_loss, val_kd_loss, val_top1_agreement in metrics.jsonl):",
+        "# Held-out validation (val_loss, val_kd_loss, val_top1_agreement in metrics.jsonl;",
+        f"# {doc_of('validation')}):",
         *_commented(validation),
         "# Keep output_dir/best/, the student of the best validation (needs validation):",
         *_commented(
@@ -366,7 +380,7 @@ def optional_sections(
                 _line("  limit", None, "null = every example"),
             ]
         ),
-        "# Stored teacher logits: `kd run teacher_logits --config "
+        f"# Stored teacher logits ({doc_of('teacher_logits')}): `kd run teacher_logits --config "
         f"{one_line(config_name)}` writes them once, then",
         "# `kd run kd` trains from them without loading the teacher:",
         *_commented(
@@ -376,7 +390,8 @@ def optional_sections(
                 _line("  k", 64, "top-k teacher log-probs stored per token"),
             ]
         ),
-        "# On-policy distillation (GKD): some micro-batches train on the student's own samples:",
+        f"# On-policy distillation (GKD; {doc_of('on_policy')}): some micro-batches train on the",
+        "# student's own samples:",
         *_commented(
             [
                 "on_policy:",
@@ -389,7 +404,30 @@ def optional_sections(
                 _line("  temperature", 0.9, "sampling temperature (0 = greedy)"),
             ]
         ),
+        *(_teacher_alternatives() if other_teachers else []),
         "",
+    ]
+
+
+def _teacher_alternatives() -> list[str]:
+    """Where the other kinds of teacher are described: each replaces ``teacher_model`` and
+    ``teacher_checkpointer`` (the served teacher's block is valid YAML once they are removed)."""
+    from kd.cli.features import doc_of
+
+    return [
+        f"# A served teacher (vLLM or SGLang over HTTP; {doc_of('teacher_server')}): in place of",
+        "# teacher_model and teacher_checkpointer (delete those two, then turn this block on):",
+        *_commented(
+            [
+                "teacher_server:",
+                _line("  url", "http://127.0.0.1:8000", "the server (vllm serve / sglang)"),
+                _line("  api", "vllm", "vllm or sglang"),
+                _line("  model", "teacher", "the model name the server serves"),
+            ]
+        ),
+        f"# Several teachers: a teachers: section ({doc_of('teachers')}); a teacher with another",
+        f"# tokenizer: kd init --cross-tokenizer writes cross_tokenizer: ({doc_of('cross_tokenizer')});",
+        f"# self-distillation: kd init --self writes self_teacher: ({doc_of('self_teacher')}).",
     ]
 
 

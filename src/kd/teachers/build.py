@@ -49,7 +49,7 @@ from kd.teachers.parking import ParkedWeights
 from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.quantize import quantize_int8
 from kd.teachers.self_teacher import SelfTeacher
-from kd.teachers.served import ServedTeacher, TeacherClient, check_server
+from kd.teachers.served import ServedTeacher, TeacherClient, check_server, probe_client
 from kd.training.prepare import prepare_teacher
 from kd.training.run_context import ModelFacts, RunContext
 
@@ -291,9 +291,9 @@ class ServedTeacherSource:
                     self.settings.store,
                 )
                 return
-        client = TeacherClient(self.settings, vocab=facts.student_vocab)
-        check_server(client, ctx.tokenizer(), k=self.settings.top_k)
-        self.client = client
+        probe = probe_client(self.settings, vocab=facts.student_vocab)  # short: seconds if down
+        check_server(probe, ctx.tokenizer(), k=self.settings.top_k)
+        self.client = TeacherClient(self.settings, vocab=facts.student_vocab)
 
     def _check_store(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         run, store = self.run, self.settings.store

@@ -67,6 +67,13 @@ log = logging.getLogger("kd")
 # failing for now.
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 _KEY = "teacher_server"
+# The probe before training (kd validate, and kd run before it loads a weight) waits at most this
+# long for each attempt, and backs off at most this much between its retries: a server that is
+# down (connections refused, or 503s) is reported in seconds, not after a training request's
+# backoff waits (doubling from teacher_server.backoff), while a server failing now and then still
+# passes as it would in training (the same number of retries).
+PROBE_TIMEOUT_S = 30.0
+PROBE_BACKOFF_S = 0.1
 
 
 class TeacherUnavailable(TeacherStopped):
@@ -507,6 +514,20 @@ class ServedTeacher(Teacher):
         self.pool.shutdown()
         if self.store is not None:
             self.store.close()
+
+
+def probe_client(settings: TeacherServerSettings, *, vocab: int) -> TeacherClient:
+    """The client of :func:`check_server`: ``settings`` with attempts of at most
+    :data:`PROBE_TIMEOUT_S` seconds and backoff of at most :data:`PROBE_BACKOFF_S` (training
+    keeps ``settings``)."""
+    import dataclasses
+
+    short = dataclasses.replace(
+        settings,
+        timeout=min(settings.timeout, PROBE_TIMEOUT_S),
+        backoff=min(settings.backoff, PROBE_BACKOFF_S),
+    )
+    return TeacherClient(short, vocab=vocab)
 
 
 def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:

@@ -27,6 +27,7 @@ collectives).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -41,6 +42,8 @@ from kd.metrics import PhaseTimer
 from kd.teachers import Teacher
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
+
+log = logging.getLogger("kd")
 
 __all__ = [
     "Completions",
@@ -450,6 +453,7 @@ class OnPolicyBatches:
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = stop_token_ids(tokenizer)
         self.header = assistant_header(tokenizer)
+        self._said: set[str] = set()  # the sources whose first sampling was announced
 
     def inputs(
         self,
@@ -509,6 +513,15 @@ class OnPolicyBatches:
             if source == "student"
             else self._teacher_samplers(teacher, route, len(rows))
         )
+        if source not in self._said:  # once: sampling is most of an on-policy step's time
+            self._said.add(source)
+            log.info(
+                "on_policy: the %s samples up to %d tokens per prompt (%d prompts a micro-batch); "
+                "sampling takes most of a step (metrics.jsonl: time_generate_s)",
+                source,
+                op.max_new_tokens,
+                len(rows),
+            )
         parts: list[tuple[list[int], Completions]] = []
         with timer.phase("generate"):
             for model, sel, used in samplers:

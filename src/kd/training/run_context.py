@@ -8,6 +8,7 @@ and the one way a model is built, loaded and prepared (:meth:`load_model`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,6 +260,8 @@ class RunContext:
                 return self.build(key, fix="fix the builder's arguments")
 
         def load(model: nn.Module) -> None:
+            # Reading a large model's files takes minutes: say so before they start.
+            log.info("loading %s weights from %s", key, _weights_origin(source))
             if run_dir is not None:
                 outputs.make_checkpointer_output_dir(
                     self.node(ckpt_key).get("output_dir"), key=ckpt_key, run_dir=run_dir
@@ -281,3 +284,13 @@ class RunContext:
         if self.run.compile if compile is None else compile:
             models.compile_layers(model)
         return model
+
+
+def _weights_origin(source: models.WeightsSource) -> str:
+    """The folder a model's weights are read from, and their size when the files are listed."""
+    names = source.files if isinstance(source.files, list | tuple) else []
+    size = 0
+    for name in names:
+        with contextlib.suppress(OSError, TypeError):
+            size += (source.folder / str(name)).stat().st_size
+    return f"{source.folder} ({size / 2**30:.2f} GiB)" if size else str(source.folder)

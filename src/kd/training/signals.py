@@ -98,13 +98,11 @@ def resume_hint(command: list[str], checkpoint: Path) -> str:
         checkpoint: the step checkpoint just written.
 
     Returns:
-        Two lines: the checkpoint folder and the command that resumes from it.
+        One line: the command that resumes from the checkpoint (whose save the checkpointer has
+        already reported: ``saved checkpoint ...``).
     """
     kept = [a for a in command if not a.lstrip("~").startswith("resume_from_checkpoint")]
-    return (
-        f"saved checkpoint {checkpoint}\n"
-        f"to resume, run: {shlex.join([*kept, 'resume_from_checkpoint=True'])}"
-    )
+    return f"to resume from {checkpoint}, run: {shlex.join([*kept, 'resume_from_checkpoint=True'])}"
 
 
 def launch_command(argv: list[str], *, world_size: int) -> list[str]:

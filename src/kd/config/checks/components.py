@@ -172,7 +172,23 @@ def check_static_arguments(data: dict[str, Any], problems: list[Problem]) -> Non
                     continue
                 defaults = {p.name: p.default for p in signature.parameters if p.keyword}
                 kwargs = {k: v for k, v in node.items() if k != "_component_"}
+                if not signature.var_keyword:
+                    problems += _static_unknown_arguments(dotted, target, list(defaults), kwargs)
                 problems += argument_type_problems(dotted, target, defaults, kwargs)
+
+
+def _static_unknown_arguments(
+    dotted: str, target: str, names: list[str], kwargs: dict[str, Any]
+) -> list[Problem]:
+    """Keys of a node that are no keyword parameter of its target's source signature (which
+    takes no ``**kwargs``): the component pass's line (``optimizer.lrr``), without importing it."""
+    problems = []
+    for arg in kwargs:
+        if arg not in names:
+            close = difflib.get_close_matches(arg, names, n=1)
+            fix = f"did you mean {dotted}.{close[0]}?" if close else "remove it"
+            problems.append(Problem(f"{dotted}.{arg}", f"not an argument of {target}; {fix}"))
+    return problems
 
 
 def model_family(target: Any) -> str | None:

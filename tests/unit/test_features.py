@@ -1,0 +1,54 @@
+"""Every feature is found from the command line: ``kd --help``, ``kd run --help``, ``kd ls`` and
+``kd init --help`` name each config section and the page that describes it (issue 42)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kd.cli import main
+from kd.cli.features import FEATURES, doc_of
+from kd.config.schema import SECTIONS, TOP_LEVEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _out(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 0, argv
+    return capsys.readouterr().out
+
+
+def test_every_config_section_is_reachable_from_the_cli(capsys):
+    shown = {
+        " ".join(argv): _out(argv, capsys)
+        for argv in (["--help"], ["run", "--help"], ["ls"], ["init", "--help"])
+    }
+    for section in SECTIONS:
+        # Each section is named where a newcomer looks first, beside its page.
+        for where in ("--help", "run --help", "ls"):
+            lines = [line for line in shown[where].splitlines() if f"{section}:" in line]
+            assert lines, f"kd {where} never names the section {section}:"
+            assert any(doc_of(section) in line for line in lines), (section, where)
+    for section in ("teachers", "teacher_server", "self_teacher", "cross_tokenizer"):
+        assert f"{section}:" in shown["init --help"] and doc_of(section) in shown["init --help"]
+
+
+def test_the_features_newcomers_missed_are_on_kd_help(capsys):
+    text = _out(["--help"], capsys)
+    for words in (
+        "several teachers",
+        "served teacher",
+        "on-policy distillation",
+        "hidden-state distillation",
+        "self-distillation",
+        "docs/",
+    ):
+        assert words in text
+
+
+def test_every_feature_page_exists_and_sections_are_declared():
+    for feature in FEATURES:
+        assert (REPO / feature.doc).is_file(), feature.doc
+        for section in feature.sections:
+            assert section in TOP_LEVEL, section  # no pointer to a key kd does not have
