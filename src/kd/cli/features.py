@@ -89,6 +89,18 @@ FEATURES: tuple[Feature, ...] = (
         ("teacher_quantization",),
     ),
     Feature(
+        "offloading (activations, teacher)",
+        "enable_activation_offloading: teacher_offload: park | stream",
+        "docs/offloading.md",
+        ("enable_activation_offloading", "teacher_offload"),
+    ),
+    Feature(
+        "task accuracy (lm-evaluation-harness)",
+        "kd eval MODEL_DIR ... --tasks T; eval:",
+        "docs/eval.md",
+        ("eval",),
+    ),
+    Feature(
         "divergences, the fused loss",
         "kd_loss: (7 divergences)",
         "docs/loss_benchmark.md",
