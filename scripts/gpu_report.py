@@ -77,8 +77,10 @@ def runtime_table(calls: list[dict[str, Any]]) -> list[str]:
     rt = calls[0]["doc"]["sections"].get("runtime", {})
     if rt.get("status") != "ok":
         return []
-    lines = ["| measured in a fresh process | default allocator | expandable_segments:True |",
-             "|---|---:|---:|"]
+    lines = [
+        "| measured in a fresh process | default allocator | expandable_segments:True |",
+        "|---|---:|---:|",
+    ]
     labels = {
         "used_after_context": "device used after `torch.cuda.init` + one tensor (MiB)",
         "cublas_reserved_delta": "first bf16 matmul: allocator reserved (cuBLAS workspace, MiB)",
@@ -178,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/gpu.md")
     args = ap.parse_args(argv)
     data = json.loads((REPO / args.json).read_text())
-    write_section(section(data, args.json), REPO / args.out if not Path(args.out).is_absolute()
-                  else Path(args.out))
+    write_section(
+        section(data, args.json),
+        REPO / args.out if not Path(args.out).is_absolute() else Path(args.out),
+    )
     print(f"wrote {args.out}")
     return 0
 
