@@ -5,10 +5,15 @@ kd's weight conversions); the teacher has a larger padded vocab."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +100,55 @@ def write_assets(root: Path) -> dict[str, Path]:
         "teacher": write_hf_qwen2(root / "teacher", TEACHER, seed=2),
         "data": write_data(root / "train.jsonl", 64, seed=3),
     }
+
+
+# The handlers a test must leave as it found them: a test (or the code it runs) that leaves its own
+# SIGINT handler behind makes Ctrl-C, and every later test that sends a real SIGINT, misbehave.
+_GUARDED_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+
+
+def _signal_state() -> tuple[dict[int, Any], frozenset[int]]:
+    handlers = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
+    blocked: frozenset[int] = frozenset()
+    if hasattr(signal, "pthread_sigmask"):
+        blocked = frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    return handlers, blocked
+
+
+@contextlib.contextmanager
+def signal_state_kept(name: str) -> Iterator[None]:
+    """Fail (``pytest.fail``) when the body leaves a handler of SIGINT/SIGTERM/SIGHUP/SIGQUIT or
+    the blocked-signal mask changed, naming ``name``; the state is put back first."""
+    handlers, blocked = _signal_state()
+    yield
+    after_handlers, after_blocked = _signal_state()
+    changed = [
+        f"{signal.Signals(sig).name} handler {after_handlers[sig]!r}"
+        for sig in _GUARDED_SIGNALS
+        if after_handlers[sig] is not handlers[sig] and after_handlers[sig] != handlers[sig]
+    ]
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if after_blocked != blocked:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        changed.append(f"blocked signals {sorted(after_blocked ^ blocked)}")
+    if changed:
+        pytest.fail(f"{name} left the signal state changed: {', '.join(changed)}")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored(request):
+    """Each test leaves the signal handlers and the blocked-signal mask as it found them (a SIGINT
+    handler left behind made a later Ctrl-C test fail in the full run only)."""
+    if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with signal_state_kept(request.node.nodeid):
+        yield
 
 
 @pytest.fixture(scope="session")

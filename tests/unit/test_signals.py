@@ -70,3 +70,21 @@ def test_resume_hint_replaces_resume_override() -> None:
         "to resume from /o/step_000010, run: kd run kd_single_device --config 'my run.yaml' "
         "resume_from_checkpoint=True",
     ]
+
+
+def test_the_suite_guard_names_a_test_that_leaves_a_handler_and_puts_it_back():
+    """conftest's guard (every test runs inside it): a handler left behind fails the test that
+    left it, and the next test starts with the handler from before."""
+    from conftest import signal_state_kept
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(pytest.fail.Exception, match="leaky left the signal state changed: SIGINT"):
+        with signal_state_kept("leaky"):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(pytest.fail.Exception, match="blocked signals"):
+        with signal_state_kept("blocking"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with signal_state_kept("clean"), GracefulStop():
+        pass
