@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
-from test_distributed import COMPARED, TOL, _assert_same_files, _assert_same_tensors, _launch
+from test_distributed import COMPARED, TOL, _assert_same_tensors, _launch
 from test_hidden_states_recipe import HIDDEN
 
 from kd import cli
@@ -55,7 +55,14 @@ def test_projections_on_two_ranks_equal_one_device(assets, tmp_path):
         for key in (*COMPARED, "hidden_loss"):
             assert y[key] == pytest.approx(x[key], abs=TOL, rel=0), (x["step"], key)
     assert ra[-1]["hidden_loss"] < ra[0]["hidden_loss"]  # the projections do train
-    _assert_same_files(one / "final", two / "final")
+    # Every weight but the key biases: attention's softmax is invariant to a key bias (it adds
+    # q . b_k to every score of a query alike), so their gradient is rounding noise, which AdamW
+    # (lr 1e-2) turns into steps that differ between one device and two ranks (1.1e-5 seen).
+    fa, fb = (load_file(d / "final" / "model.safetensors") for d in (one, two))
+    assert sorted(fa) == sorted(fb)
+    keep = [k for k in fa if not k.endswith("k_proj.bias")]
+    assert len(keep) < len(fa)
+    _assert_same_tensors({k: fa[k] for k in keep}, {k: fb[k] for k in keep})
     for step in (1, 2, 3):
         name = f"step_{step:06d}"
         a, b = load_recipe_state(one / name)["extra"], load_recipe_state(two / name)["extra"]
