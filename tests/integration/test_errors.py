@@ -1091,6 +1091,58 @@ def component_not_a_string(assets, tmp, cfg):
     return _run("optimizer._component_=5"), "not a string"
 
 
+# ------------------------------------------------------------ hardening 4 and this wave's keys
+def _down_server(cfg: dict, **server: Any) -> None:
+    del cfg["teacher_model"], cfg["teacher_checkpointer"]
+    cfg["teacher_server"] = {"url": "http://127.0.0.1:9", "model": "m", **server}
+
+
+def served_timeout_unbounded(assets, tmp, cfg):
+    _down_server(cfg, timeout=1e300)
+    return _validate(), "teacher_server.timeout"
+
+
+def _members(cfg: dict, *weights: Any, combine: str = "weights") -> None:
+    teacher, ckpt = cfg.pop("teacher_model"), cfg.pop("teacher_checkpointer")
+    cfg["teachers"] = {
+        "combine": combine,
+        "members": [
+            {"name": f"t{i}", "weight": w, "teacher_model": teacher, "teacher_checkpointer": ckpt}
+            for i, w in enumerate(weights)
+        ],
+    }
+
+
+def member_weight_nan(assets, tmp, cfg):
+    _members(cfg, float("nan"), 1.0)
+    return _validate(), "teachers.members[0].weight"
+
+
+def member_weight_huge(assets, tmp, cfg):
+    _members(cfg, 1e308, 1.0)
+    return _validate(), "teachers.members[0].weight"
+
+
+def data_file_is_a_folder(assets, tmp, cfg):
+    folder = tmp / "a_folder.jsonl"
+    folder.mkdir()
+    cfg["dataset"]["data_files"] = str(folder)
+    return _validate(), "dataset.data_files"
+
+
+def teacher_offload_with_int8_teacher(assets, tmp, cfg):
+    cfg["teacher_offload"] = "park"
+    cfg["teacher_quantization"] = "int8"
+    return _validate(), "teacher_offload"
+
+
+def eval_task_file_names_python(assets, tmp, cfg):
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    (tasks / "t.yaml").write_text("task: t\nprocess_docs: !function utils.process\n")
+    cfg["eval"] = {"tasks": [str(tasks)]}
+    return _validate(), "t.yaml"
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -1238,6 +1290,12 @@ CASES: list[Case] = [
     config_json_field_not_a_number,
     top_level_key_of_a_section,
     component_not_a_string,
+    served_timeout_unbounded,
+    member_weight_nan,
+    member_weight_huge,
+    data_file_is_a_folder,
+    teacher_offload_with_int8_teacher,
+    eval_task_file_names_python,
 ]
 
 
