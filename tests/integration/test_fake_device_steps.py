@@ -182,11 +182,10 @@ def routed_data(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("routed") / "train.jsonl", rows)
 
 
-@pytest.mark.parametrize("combine", ["weights", "mix", "route"])
-def test_several_teachers(assets, routed_data, tmp_path, combine):
-    out = tmp_path / "out"
+def two_model_members(assets, tmp_path: Path, out: Path) -> list[dict[str, Any]]:
+    """Members ``a`` (the assets' teacher) and ``b`` (another of its shape), weight 1 each."""
     second = write_hf_qwen2(tmp_path / "teacher2", TEACHER, seed=7)
-    members = [
+    return [
         {
             "name": name,
             "weight": 1.0,
@@ -195,6 +194,12 @@ def test_several_teachers(assets, routed_data, tmp_path, combine):
         }
         for name, folder in (("a", assets["teacher"]), ("b", second))
     ]
+
+
+@pytest.mark.parametrize("combine", ["weights", "mix", "route"])
+def test_several_teachers(assets, routed_data, tmp_path, combine):
+    out = tmp_path / "out"
+    members = two_model_members(assets, tmp_path, out)
     teachers: dict[str, Any] = {"combine": combine, "members": members}
     top: dict[str, Any] = {"validation": heldout(assets)}
     if combine == "route":

@@ -245,20 +245,10 @@ def test_parked_teacher_device_step(assets, tmp_path, parked, mode, backend):
 
 def test_several_parked_teachers_device_step(assets, tmp_path, parked):
     """teachers: each member parked and brought in in turn."""
-    from conftest import TEACHER, builder, write_hf_qwen2
-    from test_fake_device_steps import checkpointer_node, gpu_config, no_teacher_nodes
+    from test_fake_device_steps import gpu_config, no_teacher_nodes, two_model_members
 
     out = tmp_path / "out"
-    second = write_hf_qwen2(tmp_path / "teacher2", TEACHER, seed=7)
-    members = [
-        {
-            "name": name,
-            "weight": 1.0,
-            "teacher_model": builder(TEACHER),
-            "teacher_checkpointer": checkpointer_node(folder, out / f"tt_{name}"),
-        }
-        for name, folder in (("a", assets["teacher"]), ("b", second))
-    ]
+    members = two_model_members(assets, tmp_path, out)
     cfg = no_teacher_nodes(
         gpu_config(assets, out, teachers={"combine": "weights", "members": members})
     )
