@@ -1143,6 +1143,7 @@ def eval_task_file_names_python(assets, tmp, cfg):
     cfg["eval"] = {"tasks": [str(tasks)]}
     return _validate(), "t.yaml"
 
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,

@@ -20,18 +20,31 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import STUDENT, make_config
+from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, tiny_model
 from conftest import write_config as write_yaml
-from test_served_teacher import teacher_fn, tokenizer  # noqa: F401, F811 (fixtures)
 
 from kd import cli
 from kd.config.run import TeacherServerSettings
 from kd.teachers.served import TeacherClient, TeacherUnavailable
-from kd.testing_server import TeacherTestServer
+from kd.testing_server import TeacherTestServer, model_logprobs
 
 K = 8
 PASSWORD = "pw-Zq81"  # noqa: S105 - a test credential
 TOKEN = "tok-Vx93"  # noqa: S105 - a test credential
+
+
+@pytest.fixture(scope="module")
+def tokenizer(assets):
+    from kd.config.instantiate import instantiate
+    from kd.testing import tokenizer_node
+
+    return instantiate(tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN), key="tokenizer")
+
+
+@pytest.fixture(scope="module")
+def teacher_fn(assets, tmp_path_factory):
+    scratch = tmp_path_factory.mktemp("teacher_scratch")
+    return model_logprobs(assets["teacher"], tiny_model(TEACHER), scratch, vocab=STUDENT["vocab"])
 
 
 def _server(teacher_fn, tokenizer, **kwargs) -> TeacherTestServer:
