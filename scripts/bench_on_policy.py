@@ -743,7 +743,7 @@ def write_doc(report: dict, doc: Path) -> None:
         "What the runs show about the mechanics, whichever way the numbers go:",
         "",
         "- kd's on-policy prompt is the tokens before a row's last labelled span, plus the "
-        "assistant header when the chat format labels it (`kd.training.on_policy.assistant_header`; "
+        "assistant header when the chat format labels it (`kd.models.assistant_header`; "
         f"torchtune's Qwen2.5 format labels it: {demo['header_tokens']} tokens here), as TRL's "
         "`GKDTrainer` puts the generation prompt in the prompt. On a sampled micro-batch the "
         "header is then never a target, so an lmbda-1 student never learns to write it (the "

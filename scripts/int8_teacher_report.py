@@ -45,9 +45,9 @@ def _report(config: str, overrides: list[str], rows: int) -> object:
     from kd.config.run import run_config
     from kd.errors import KDUserError
     from kd.recipes.kd import KDRecipe
+    from kd.runtime.distributed import WorldInfo
     from kd.teachers.build import ModelTeacherSource
     from kd.teachers.quantize import signal_report
-    from kd.training.distributed import WorldInfo
 
     if rows < 1:
         raise KDUserError("--rows: compare at least 1 row")

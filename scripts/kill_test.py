@@ -182,7 +182,7 @@ def phase_now(out: Path, pid: int, log: Path) -> str:
 
 def holds_lock(out: Path, pid: int) -> bool:
     """Whether ``pid`` holds out's lock (it writes its pid into the lock file once it has it)."""
-    from kd.training import outputs
+    from kd.checkpoint import outputs
 
     try:
         return json.loads((out / outputs.LOCK_FILE).read_text()).get("pid") == pid
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = 8 * args.epochs
 
     from kd import checkpoint
-    from kd.training import outputs
+    from kd.checkpoint import outputs
 
     rng = random.Random(args.seed)
     rows: list[Row] = []

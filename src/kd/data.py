@@ -373,7 +373,7 @@ def pretokenized_dataset(
     Raises:
         KDUserError: a missing file or ``input_ids`` column, labels of another length.
     """
-    from kd.teachers.foreign_logits import pretokenized_rows
+    from kd.row_files import pretokenized_rows
 
     del split
     max_seq_len = getattr(tokenizer, "max_seq_len", None)

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kd.config.schema import Problem
 
 
 class KDUserError(Exception):
@@ -20,9 +16,14 @@ class KDUserError(Exception):
 
 
 class ConfigError(KDUserError):
-    """Every problem found in a config, reported together."""
+    """Every problem found in a config, reported together.
 
-    def __init__(self, problems: list[Problem]):
+    Args:
+        problems: each one line when printed (:class:`kd.config.schema.Problem`: key, problem,
+            fix); the errors layer names no config type, so that :mod:`kd.config` sits above it.
+    """
+
+    def __init__(self, problems: Iterable[object]):
         self.problems = list(problems)
         # One line per problem: a value or path quoted in a problem cannot break it.
         super().__init__("\n".join(one_line(str(p)) for p in self.problems))

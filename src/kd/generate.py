@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kd import folders
-from kd.cli.launch import status
 from kd.errors import KDUserError, brief, one_line
+from kd.runtime.launch import status
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()  # stdout and stderr carry only the answer or one error line
     hf_logging.disable_progress_bar()
-    # (A terminal is told what the minutes go to: kd.cli.launch.status.)
+    # (A terminal is told what the minutes go to: kd.runtime.launch.status.)
     text = generate(
         Path(args.model),
         args.prompt,

@@ -4,7 +4,7 @@ Two backends build the models: torchtune builders (``TransformerDecoder``, loade
 checkpointers, all imported via :mod:`kd._torchtune`) and transformers (any causal LM of a local
 Hugging Face folder, :mod:`kd.hf.model`), each behind one adapter (:mod:`kd.backends`). The
 functions here take either and call the adapter :func:`kd.backends.backend_of` picks,
-so the recipe, :mod:`kd.training.prepare`, :mod:`kd.training.distributed` and the memory tracers never ask which
+so the recipe, :mod:`kd.runtime.prepare`, :mod:`kd.runtime.distributed` and the memory tracers never ask which
 backend built a model. The recipes run the decoders *without* their output projection
 (:func:`set_hidden_output`) and hand the final-norm hidden states plus the projection weight
 (:func:`output_weight`) to the fused loss, so no full-vocab logits tensor is built.
@@ -446,3 +446,32 @@ def max_seq_len_problems(built: dict[str, Any], *, max_seq_len: int | None) -> l
                 f"{longest} or raise {key}.max_seq_len"
             )
     return problems
+
+
+def assistant_header(tokenizer: object) -> list[int]:
+    """The tokens every assistant turn starts with when they are labelled (torchtune's chat
+    formats label ``<|im_start|>assistant\\n``): they belong to the prompt, as a chat template's
+    generation prompt does, so the student does not sample its own turn header.
+
+    Found by tokenizing one conversation with two different answers: the common start of the two
+    labelled spans. Empty when the tokenizer labels the answer alone, or cannot say.
+    """
+    from kd._torchtune import Message
+
+    spans = []
+    for answer in ("a", "b"):
+        messages = [
+            Message(role="user", content="q", masked=True),
+            Message(role="assistant", content=answer),
+        ]
+        try:
+            tokens, mask = tokenizer.tokenize_messages(messages)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - no chat format to ask: no header
+            return []
+        spans.append([int(t) for t, masked in zip(tokens, mask, strict=True) if not masked])
+    header: list[int] = []
+    for x, y in zip(*spans, strict=False):
+        if x != y:
+            break
+        header.append(x)
+    return header

@@ -118,7 +118,7 @@ def fake_device_step(
     """
     from kd.memory.fake_step import fake_friendly, fake_friendly_kv_cache
     from kd.recipes.kd import KDRecipe
-    from kd.training.distributed import WorldInfo
+    from kd.runtime.distributed import WorldInfo
 
     fake_device.register()
     run = _run_of(config, overrides)

@@ -12,8 +12,8 @@ import torch
 from conftest import make_config, read_metrics, write_config
 
 from kd import cli
+from kd.runtime import offload
 from kd.teachers import parking
-from kd.training import offload
 
 pytestmark = [
     pytest.mark.gpu,

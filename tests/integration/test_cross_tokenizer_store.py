@@ -61,7 +61,7 @@ def live(assets, other_tok_teacher, letter_data, tmp_path_factory) -> list[dict]
 
 
 def _from_store(assets, tmp: Path, store: Path, k: int, teacher, data, monkeypatch) -> list[dict]:
-    from kd.training.run_context import RunContext
+    from kd.runtime.run_context import RunContext
 
     loaded: list[str] = []
     original = RunContext.load_model

@@ -211,7 +211,7 @@ def test_any_rank_and_broadcast_on_a_one_rank_group(tmp_path):
     """The helpers the loop uses to keep ranks on the same branch run on a real (gloo) group."""
     import torch.distributed as dist
 
-    from kd.training import distributed
+    from kd.runtime import distributed
 
     world = distributed.WorldInfo(world_size=2, rank=0, local_rank=0)  # take the collective path
     store = dist.FileStore(str(tmp_path / "store"), 1)

@@ -463,7 +463,7 @@ def test_saved_dataset_dict_folder_reads_its_train_split(foreign, tmp_path):
     a folder of several splits names them."""
     import datasets
 
-    from kd.teachers.foreign_logits import pretokenized_rows
+    from kd.row_files import pretokenized_rows
 
     rows = pq.read_table(foreign["axolotl"]).to_pylist()
     datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:5])).save_to_disk(tmp_path / "dd")

@@ -1,6 +1,6 @@
 """Hidden-state distillation on 2 CPU ranks (gloo, FSDP2) against one device with the same global
 batch: the width projections are replicated on every rank and their gradients averaged through
-:mod:`kd.training.distributed` (:func:`kd.training.train.optimizer_step`)."""
+:mod:`kd.runtime.distributed` (:func:`kd.training.train.optimizer_step`)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from kd import cli
 from kd.memory import fake_device
+from kd.runtime import offload
 from kd.teachers import parking
-from kd.training import offload
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
 

@@ -21,9 +21,9 @@ import torch
 from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
-import kd.checkpoint.training
+import kd.runtime.checkpoints
 from kd import checkpoint, cli
-from kd.training import outputs
+from kd.checkpoint import outputs
 
 RUN = ["run", "kd_single_device"]
 

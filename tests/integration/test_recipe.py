@@ -17,7 +17,7 @@ from kd import cli, models
 from kd.config import load_config, validate_config
 from kd.config.run import run_config
 from kd.recipes.kd import KDRecipe
-from kd.training.distributed import WorldInfo
+from kd.runtime.distributed import WorldInfo
 
 REQUIRED_METRICS = {
     "step",

@@ -105,7 +105,7 @@ def loaded(cfg: dict, tmp_path: Path, name: str):
     from kd.config import load_config, validate_config
     from kd.config.run import run_config
     from kd.recipes.kd import KDRecipe
-    from kd.training.distributed import WorldInfo
+    from kd.runtime.distributed import WorldInfo
 
     loaded_cfg = load_config(str(write_config(tmp_path / f"{name}.yaml", cfg)), [])
     validate_config(loaded_cfg)

@@ -192,7 +192,7 @@ def assert_same_steps(a: Path, b: Path, tol: float = 1e-5) -> None:
 def test_kd_against_the_server_equals_kd_from_the_store(
     api, assets, stored_run, teacher_fn, tokenizer, tmp_path, monkeypatch
 ):
-    from kd.training.run_context import RunContext
+    from kd.runtime.run_context import RunContext
 
     loaded = []
     original = RunContext.load_model

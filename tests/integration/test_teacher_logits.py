@@ -263,7 +263,7 @@ def test_training_from_store_without_teacher_nodes_resumes_exactly(
 def test_no_teacher_model_is_loaded_from_a_store(assets, full_store, tmp_path, monkeypatch):
     """With teacher_logits the run's teacher is the store: RunContext.load_model (the one way a
     model is loaded) sees the student only; with a teacher model it sees both."""
-    from kd.training.run_context import RunContext
+    from kd.runtime.run_context import RunContext
 
     loaded = []
     original = RunContext.load_model

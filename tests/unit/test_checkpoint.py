@@ -747,8 +747,8 @@ def test_check_resume_position(tmp_path: Path, step: int, epoch: int, fits: bool
 def test_restore_training_checkpoint_blames_a_damaged_state_on_the_checkpoint(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from kd.checkpoint import training
-    from kd.training.distributed import WorldInfo
+    from kd.runtime import checkpoints as training
+    from kd.runtime.distributed import WorldInfo
 
     ckpt = tmp_path / "step_000004"
     args = dict(

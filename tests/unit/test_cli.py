@@ -15,7 +15,8 @@ from conftest import make_config, write_config
 from test_config import tiny_config, write
 
 import kd
-from kd.cli import main, registry, run_recipe
+from kd.cli import main, run_recipe
+from kd.config import builtin as registry
 from kd.errors import KDUserError
 
 
@@ -125,7 +126,7 @@ def test_help_everywhere(capsys):
 
 def test_cli_modules_do_not_import_torch():
     code = (
-        "import sys, kd.cli, kd.cli.registry, kd.config; kd.cli.main(['ls']); kd.cli.main(['--help']); "
+        "import sys, kd.cli, kd.config.builtin, kd.config; kd.cli.main(['ls']); kd.cli.main(['--help']); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(
@@ -137,7 +138,7 @@ def test_cli_modules_do_not_import_torch():
 def test_optional_commands_delegate(capsys):
     import importlib.util
 
-    for module, command in (("kd.memory.cli", "plan"), ("kd.demo", "demo")):
+    for module, command in (("kd.cli.plan", "plan"), ("kd.demo", "demo")):
         if importlib.util.find_spec(module) is None:
             continue
         assert main([command, "--help"]) == 0

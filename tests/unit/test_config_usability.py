@@ -14,7 +14,8 @@ from conftest import make_config, write_config
 from test_config import tiny_config, write
 from test_fast_errors import kd_main_subprocess
 
-from kd.cli import main, registry
+from kd.cli import main
+from kd.config import builtin as registry
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kd.training.distributed helpers at world size 1 (the N-rank paths run in tests/integration)."""
+"""kd.runtime.distributed helpers at world size 1 (the N-rank paths run in tests/integration)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kd.training import distributed
-from kd.training.distributed import WorldInfo
+from kd.runtime import distributed
+from kd.runtime.distributed import WorldInfo
 
 ONE = WorldInfo(world_size=1, rank=0, local_rank=0)
 

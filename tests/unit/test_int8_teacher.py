@@ -19,7 +19,7 @@ from kd.config.run import run_config
 from kd.memory.plan import GIB, plan_from_config
 from kd.memory.shapes import int8_teacher_bytes_per_param
 from kd.recipes.kd import KDRecipe
-from kd.training.distributed import WorldInfo
+from kd.runtime.distributed import WorldInfo
 
 REPO = Path(__file__).resolve().parents[2]
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"

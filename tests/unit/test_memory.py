@@ -28,7 +28,7 @@ from kd.memory import (
     shape_from_component,
     shape_from_hf_config,
 )
-from kd.memory import cli as plan_cli
+from kd.cli import plan as plan_cli
 from kd.memory.estimate import GIB
 from kd.memory.shapes import BUILDERS
 
@@ -256,7 +256,7 @@ def test_activation_formula_matches_the_research_closed_form():
 # --------------------------------------------------------------------------- check and fit
 def test_check_memory_error_warn_off(capsys):
     from kd.config.run import run_config
-    from kd.training.device import resolve_budget
+    from kd.runtime.device import resolve_budget
 
     def check(over: list[str], **kwargs):
         run = run_config(load_config(FULL_14B_3B, over))

@@ -278,7 +278,7 @@ def test_generation_over_budget_is_refused_before_loading(capsys):
     alone."""
     from kd.config.run import run_config
     from kd.memory import check_memory, plan_from_config
-    from kd.memory import cli as plan_cli
+    from kd.cli import plan as plan_cli
 
     over = _deep_overrides()
     plan = plan_from_config(load_config(FULL_14B_3B, over), budget_gib=BUDGET_GIB)

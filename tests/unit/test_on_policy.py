@@ -14,10 +14,10 @@ from kd import _torchtune as tt
 from kd import models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
+from kd.runtime.prepare import prepare_student
 from kd.testing import TinyModel, write_tiny_model
 from kd.training import on_policy, train
 from kd.training.on_policy import Completions, Prompts
-from kd.training.prepare import prepare_student
 
 IGN = -100
 PAD = 0
@@ -319,10 +319,10 @@ def test_a_labelled_assistant_header_belongs_to_the_prompt(assets, tmp_path):
 
     node = OmegaConf.create(tokenizer_node(assets["tokenizer"], 64))
     tok = instantiate(node, key="tokenizer")
-    header = on_policy.assistant_header(tok)
+    header = models.assistant_header(tok)
     assert tok.decode(header) == "<|im_start|>assistant\n"
     hf_tok = hf_tokenizer(str(testing.write_hf_tokenizer(tmp_path / "hf")), max_seq_len=64)
-    assert on_policy.assistant_header(hf_tok) == []
+    assert models.assistant_header(hf_tok) == []
 
     h = len(header)
     answer = [97, 98]

@@ -1,4 +1,4 @@
-"""kd.training.outputs: the output_dir lock, what counts as another run's outputs, moving them aside; and
+"""kd.checkpoint.outputs: the output_dir lock, what counts as another run's outputs, moving them aside; and
 kd.checkpoint.recover_interrupted_saves (a save killed between its two renames)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kd import checkpoint
+from kd.checkpoint import outputs, resume_point
 from kd.errors import KDUserError
-from kd.training import outputs
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -59,7 +59,7 @@ def test_lock_left_by_a_killed_process_is_free(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, sys
-        from kd.training import outputs
+        from kd.checkpoint import outputs
         outputs.lock_output_dir({str(out)!r})
         print("locked", flush=True)
         sys.stdin.read()
@@ -172,20 +172,20 @@ def _step(out: Path, step: int, config_yaml: str = "seed: 7\nlr: 0.1\n") -> Path
 
 def test_find_resume_fresh_runs(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert outputs.find_resume(out, resume=False, overwrite=False) is None
+    assert resume_point.find_resume(out, resume=False, overwrite=False) is None
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(KDUserError, match="holds the outputs of another run"):
-        outputs.find_resume(out, resume=False, overwrite=False)
+        resume_point.find_resume(out, resume=False, overwrite=False)
     # Moving them aside waits for the lock (claim_output_dir): nothing moves here.
-    assert outputs.find_resume(out, resume=False, overwrite=True) is None
+    assert resume_point.find_resume(out, resume=False, overwrite=True) is None
     assert (out / "metrics.jsonl").exists()
 
 
 def test_find_resume_without_a_complete_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
     with pytest.raises(KDUserError) as e:
-        outputs.find_resume(out, resume=True, overwrite=False)
+        resume_point.find_resume(out, resume=True, overwrite=False)
     assert str(e.value) == (
         f"resume_from_checkpoint: no complete checkpoint under {out}; "
         "set resume_from_checkpoint=false to start fresh"
@@ -193,13 +193,13 @@ def test_find_resume_without_a_complete_checkpoint(tmp_path: Path) -> None:
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(KDUserError) as e:
-        outputs.find_resume(out, resume=True, overwrite=False)
+        resume_point.find_resume(out, resume=True, overwrite=False)
     assert str(e.value).endswith(
         "start fresh with overwrite_output_dir=true (the earlier outputs are moved aside)"
     )
     (out / "step_000002").mkdir()  # no marker: incomplete
     with pytest.raises(KDUserError) as e:
-        outputs.find_resume(out, resume=True, overwrite=False)
+        resume_point.find_resume(out, resume=True, overwrite=False)
     assert str(e.value) == (
         f"resume_from_checkpoint: every step checkpoint under {out} is incomplete or damaged "
         "(the warnings above say why); set output_dir to a new folder to start fresh"
@@ -210,13 +210,13 @@ def test_find_resume_returns_the_newest_checkpoint_and_its_snapshot(tmp_path: Pa
     out = tmp_path / "run"
     _step(out, 2)
     newest = _step(out, 4, config_yaml="seed: 9\n")
-    found = outputs.find_resume(out, resume=True, overwrite=False)
-    assert found == outputs.ResumePoint(newest, "seed: 9\n", 9)
+    found = resume_point.find_resume(out, resume=True, overwrite=False)
+    assert found == resume_point.ResumePoint(newest, "seed: 9\n", 9)
     _step(out, 6, config_yaml="seed: null\n")
-    assert outputs.find_resume(out, resume=True, overwrite=False).seed is None
+    assert resume_point.find_resume(out, resume=True, overwrite=False).seed is None
     not_a_mapping = _step(out, 8, config_yaml="- a list\n")
     with pytest.raises(KDUserError) as e:
-        outputs.find_resume(out, resume=True, overwrite=False)
+        resume_point.find_resume(out, resume=True, overwrite=False)
     assert str(e.value) == (
         f"{not_a_mapping / 'config.yaml'}: not a readable config snapshot (ValueError: a "
         "ListConfig, not a mapping); delete step_000008 to resume from an older checkpoint"

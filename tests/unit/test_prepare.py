@@ -1,4 +1,4 @@
-"""kd.training.prepare: the flags, wrappers and sharding the recipe and the memory traces apply."""
+"""kd.runtime.prepare: the flags, wrappers and sharding the recipe and the memory traces apply."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from kd import _torchtune as tt
 from kd import models
 from kd.config import instantiate
-from kd.training.prepare import ShardSpec, prepare_student, prepare_teacher, shard_spec
+from kd.runtime.prepare import ShardSpec, prepare_student, prepare_teacher, shard_spec
 
 
 def _build(spec: dict, *, lora: bool = False, device: str = "cpu") -> torch.nn.Module:

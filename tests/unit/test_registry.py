@@ -1,4 +1,4 @@
-"""kd.cli.registry against what ships: every recipe imports and has ``recipe_main``, every built-in
+"""kd.config.builtin against what ships: every recipe imports and has ``recipe_main``, every built-in
 config resolves, loads and validates, unknown names point at the closest one, and ``kd ls`` lists
 them all."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kd.cli import main, registry
+from kd.cli import main
+from kd.config import builtin as registry
 from kd.config import load_config, validate_config
 from kd.errors import KDUserError
 

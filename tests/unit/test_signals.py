@@ -1,4 +1,4 @@
-"""kd.training.signals.GracefulStop: SIGTERM / SIGINT set a flag; a second Ctrl-C stops at once."""
+"""kd.runtime.interrupts.GracefulStop: SIGTERM / SIGINT set a flag; a second Ctrl-C stops at once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kd.training.signals import GracefulStop, resume_hint
+from kd.runtime.interrupts import GracefulStop, resume_hint
 
 
 def _deliver(sig: signal.Signals) -> None:

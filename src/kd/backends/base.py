@@ -117,7 +117,7 @@ class Backend(Protocol):
         self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
     ) -> None:
         """Write the student (``full``: its full state dict) as a Hugging Face folder ``dest``
-        that transformers loads (:class:`kd.checkpoint.training.StudentSource` says from what)."""
+        that transformers loads (:class:`kd.runtime.checkpoints.StudentSource` says from what)."""
         ...
 
     def saved_student_weights(

@@ -26,8 +26,11 @@ Modules, by concern:
 - ``recipe_state``: weights_only-safe recipe state (tensor subclasses, RNG);
 - ``resume``: which config keys must match on resume (schema flags) and their hash, and whether
   a checkpoint's step fits the run's epochs;
-- ``store``: atomic step folders, keep_last_n, finding the newest intact one, recovering from a
-  save killed midway.
+- ``store``: atomic step folders, keep_last_n, recovering from a save killed midway;
+- ``outputs``: one run per output_dir (lock, fresh-run refusal, moving another run's outputs
+  aside), the metrics file;
+- ``resume_point``: where a run starts (the one module that finds it): finished, the newest
+  complete and intact step folder and its snapshot, or fresh.
 """
 
 from kd.checkpoint.convert import (
@@ -74,11 +77,8 @@ from kd.checkpoint.resume import (
     check_schedule_change,
     config_hash,
 )
-from kd.checkpoint.store import (
-    find_latest_checkpoint,
-    recover_interrupted_saves,
-    save_checkpoint,
-)
+from kd.checkpoint.resume_point import find_latest_checkpoint
+from kd.checkpoint.store import recover_interrupted_saves, save_checkpoint
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",

@@ -25,8 +25,6 @@ from kd.checkpoint.layout import (
     CONFIG_SNAPSHOT_FILE,
     FINAL_DIRNAME,
     MARKER_FILE,
-    MODEL_FILE,
-    MODEL_INDEX_FILE,
     RECIPE_STATE_FILE,
     step_dirname,
 )
@@ -37,7 +35,7 @@ from kd.fileio import fsync_path, pid_alive, sha256_file
 
 logger = logging.getLogger("kd")
 
-_STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 # A complete folder that a save moved aside to replace it (put back if the save was killed).
 _OLD_RE = re.compile(r"^\.tmp_old_(.+)_\d+$")
@@ -140,7 +138,7 @@ def _is_io_error(e: BaseException) -> bool:
 
 def _kept(output_dir: Path) -> str:
     """What a failed save left in place, for its error message."""
-    steps = [p for _, p in _step_dirs(output_dir) if (p / MARKER_FILE).exists()]
+    steps = [p for _, p in step_dirs(output_dir) if (p / MARKER_FILE).exists()]
     if not steps:
         return "no earlier checkpoint was touched"
     return (
@@ -149,17 +147,17 @@ def _kept(output_dir: Path) -> str:
     )
 
 
-def _step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+def step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
     out = []
     for p in output_dir.iterdir() if output_dir.is_dir() else ():
-        m = _STEP_DIR_RE.match(p.name)
+        m = STEP_DIR_RE.match(p.name)
         if m and p.is_dir():
             out.append((int(m.group(1)), p))
     return sorted(out)
 
 
 def _prune(output_dir: Path, keep_last_n: int, just_written: Path) -> None:
-    complete = [p for _, p in _step_dirs(output_dir) if (p / MARKER_FILE).exists()]
+    complete = [p for _, p in step_dirs(output_dir) if (p / MARKER_FILE).exists()]
     keep = set(complete[-keep_last_n:]) | {just_written}
     if just_written not in complete[-keep_last_n:]:
         logger.warning(
@@ -269,96 +267,3 @@ def save_checkpoint(
             logger.warning("could not remove old checkpoints in %s: %s", output_dir, e)
     logger.info("saved checkpoint %s", final)
     return final
-
-
-def _read_marker(ckpt: Path) -> tuple[int, dict[str, dict[str, Any]]]:
-    """The step and file table of a checkpoint's marker.
-
-    Raises:
-        OSError, ValueError: the marker cannot be read or is not kd's marker.
-    """
-    marker = json.loads((ckpt / MARKER_FILE).read_text(encoding="utf-8"))
-    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
-        raise ValueError("not a kd marker (no table of files)")
-    counters = [marker.get("step"), marker.get("epoch")]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counters):
-        raise ValueError(f"step and epoch are not counts ({counters[0]!r}, {counters[1]!r})")
-    files = marker["files"]
-    for name, entry in files.items():
-        size = entry.get("size") if isinstance(entry, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"the entry of {name!r} has no size")
-        if not isinstance(entry.get("sha256") or "", str):
-            raise ValueError(f"the sha256 of {name!r} is not a string")
-        path = Path(name)
-        if path.is_absolute() or ".." in path.parts or not path.parts:
-            raise ValueError(f"{name!r} lies outside the folder")
-    return counters[0], files
-
-
-def _problem_with(ckpt: Path) -> str | None:
-    """Why a step folder cannot be resumed from, or None if it is complete and intact."""
-    if not (ckpt / MARKER_FILE).exists():
-        return f"no {MARKER_FILE} (the save did not finish)"
-    try:
-        step, files = _read_marker(ckpt)
-    except (OSError, ValueError) as e:
-        return f"{MARKER_FILE} is unreadable ({type(e).__name__}: {e})"
-    m = _STEP_DIR_RE.match(ckpt.name)
-    if m and int(m.group(1)) != step:
-        return f"{MARKER_FILE} says step {step}, the folder is step {int(m.group(1))}"
-    for required in (RECIPE_STATE_FILE, CONFIG_SNAPSHOT_FILE):
-        if required not in files:
-            return f"{MARKER_FILE} lists no {required}"
-    if MODEL_FILE not in files and MODEL_INDEX_FILE not in files:
-        return f"{MARKER_FILE} lists no {MODEL_FILE}"
-    for name, entry in files.items():
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        actual, size = path.stat().st_size, entry["size"]
-        if actual != size:
-            return f"{name} has {actual} bytes, {size} expected (truncated or overwritten)"
-    for name, entry in files.items():
-        expected = entry.get("sha256")
-        if expected is not None and sha256_file(ckpt / name) != expected:
-            return f"{name} does not match its sha256 (corrupt)"
-    return None
-
-
-def final_step(output_dir: Path) -> int | None:
-    """The step of ``output_dir/final/`` when it is complete (its marker readable, every file it
-    lists in place with its size, the config snapshot and the model among them), else None.
-    Sizes only: a finished run's weights are not hashed again to say it is finished."""
-    final = Path(output_dir) / FINAL_DIRNAME
-    try:
-        step, files = _read_marker(final)
-    except (OSError, ValueError):
-        return None
-    if CONFIG_SNAPSHOT_FILE not in files or not {MODEL_FILE, MODEL_INDEX_FILE} & set(files):
-        return None
-    for name, entry in files.items():
-        path = final / name
-        if not path.is_file() or path.stat().st_size != entry["size"]:
-            return None
-    return step
-
-
-def newest_step_folder(output_dir: Path) -> int | None:
-    """The step of the newest ``step_*`` folder (complete or not), or None."""
-    steps = _step_dirs(Path(output_dir))
-    return steps[-1][0] if steps else None
-
-
-def find_latest_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete, intact ``step_*`` folder in output_dir, or None.
-
-    Incomplete or corrupt folders newer than it are skipped with a warning on the ``kd`` logger
-    naming the folder and the reason.
-    """
-    for _, ckpt in reversed(_step_dirs(Path(output_dir))):
-        problem = _problem_with(ckpt)
-        if problem is None:
-            return ckpt
-        logger.warning("skipping checkpoint %s: %s", ckpt, problem)
-    return None

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kd import __version__
-from kd.cli.launch import (
+from kd.errors import KDUserError, one_line
+from kd.runtime.launch import (
     debug_requested,
     is_rank_zero,
     print_error,
@@ -39,20 +40,19 @@ from kd.cli.launch import (
     split_config_args,
     status,
 )
-from kd.errors import KDUserError, one_line
 
 __all__ = ["is_rank_zero", "main", "run_recipe"]
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-    from kd.cli.registry import Recipe
+    from kd.config.builtin import Recipe
 
 # Optional subcommands written elsewhere: (module, name). Each module defines
 # add_parser(subparsers) and run(args) -> int | None.
 _OPTIONAL_COMMANDS: tuple[tuple[str, str], ...] = (
     ("kd.scaffold.command", "init"),
-    ("kd.memory.cli", "plan"),
+    ("kd.cli.plan", "plan"),
     ("kd.demo", "demo"),
     ("kd.harness.command", "eval"),
 )
@@ -105,7 +105,7 @@ def _version_line() -> str:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from kd.cli.registry import list_configs, list_recipes
+    from kd.config.builtin import list_configs, list_recipes
 
     recipes = list_recipes()
     rows: list[tuple[str, str]] = []
@@ -131,7 +131,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from kd.cli.registry import configs_dir, list_configs, torchtune_config_fix
+    from kd.config.builtin import configs_dir, list_configs, torchtune_config_fix
 
     name = args.config[: -len(".yaml")] if args.config.endswith(".yaml") else args.config
     builtin = list_configs()
@@ -196,7 +196,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     target = resolve_target(args)  # a config mistake answers here, before torch is imported
     from kd.recipes.kd import KDRecipe
-    from kd.training.distributed import WorldInfo
+    from kd.runtime.distributed import WorldInfo
 
     # As rank 0 of the planned world: the same checks, nothing initialised, nothing written.
     world = WorldInfo(world_size=target.world_size, rank=0, local_rank=0)
@@ -374,7 +374,7 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
 
 
 def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool) -> int:
-    from kd.cli.registry import find_recipe
+    from kd.config.builtin import find_recipe
 
     if not tokens or tokens[0] in ("-h", "--help"):
         if not tokens:
@@ -417,7 +417,7 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
 
 def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     from kd.cli.features import FEATURES_HEADING, feature_lines
-    from kd.cli.registry import recipe_lines
+    from kd.config.builtin import recipe_lines
 
     features_text = "\n".join([FEATURES_HEADING, *feature_lines()])
     parser = _Parser(

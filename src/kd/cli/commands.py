@@ -3,8 +3,8 @@
 Both commands take ``--config``, overrides, ``--budget-gib`` and ``--world-size`` (alias
 ``--nproc_per_node``, torchrun's spelling, which ``kd run`` takes), and resolve them exactly as
 ``kd run`` resolves its config: load, validate, :func:`kd.config.run.run_config`, then
-:func:`kd.training.device.resolve_world_size`. ``--budget-gib X`` is applied as ``memory.budget_gib=X``, so
-the budget is resolved in one place (:func:`kd.training.device.resolve_budget`).
+:func:`kd.runtime.device.resolve_world_size`. ``--budget-gib X`` is applied as ``memory.budget_gib=X``, so
+the budget is resolved in one place (:func:`kd.runtime.device.resolve_budget`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
     """
     from kd.config import load_config, validate_config
     from kd.config.run import run_config
-    from kd.training.device import resolve_world_size
+    from kd.runtime.device import resolve_world_size
 
     world_size = resolve_world_size(args.world_size)
     overrides = list(args.overrides)

@@ -27,8 +27,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kd.cli.registry import find_config
 from kd.config import schema
+from kd.config.builtin import find_config
 from kd.config.compat import apply_compat
 from kd.errors import KDUserError, one_line
 

@@ -525,7 +525,7 @@ def _seq_len_source(cfg: DictConfig) -> str:
 @settings
 class MemorySettings:
     """The memory plan's inputs that are not model shapes (``memory:`` section; the budget is
-    resolved by :func:`kd.training.device.resolve_budget`)."""
+    resolved by :func:`kd.runtime.device.resolve_budget`)."""
 
     budget_gib: float | None = setting(
         "memory.budget_gib",

@@ -38,8 +38,8 @@ def train(config_path: Path) -> None:
     Raises:
         KDUserError: the run failed.
     """
-    from kd.cli.launch import run_recipe
     from kd.recipes.kd_single_device import recipe_main
+    from kd.runtime.launch import run_recipe
 
     log = logging.getLogger("kd")
     log.addFilter(_quiet_step_checkpoints)

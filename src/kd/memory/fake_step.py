@@ -2,7 +2,7 @@
 
 :mod:`kd.memory.trace` (one device, MemTracker) and :mod:`kd.memory.trace_fsdp` (rank 0 of N
 FSDP2 ranks, FSDPMemTracker) build a run's models on fake CPU tensors, prepare them as the
-recipe does (:mod:`kd.training.prepare`), and run one micro-step plus the optimizer step inside a tracker;
+recipe does (:mod:`kd.runtime.prepare`), and run one micro-step plus the optimizer step inside a tracker;
 this module holds what both do: the fake models, optimizer and batch of a RunConfig
 (:func:`build_fake_step`), the phase recorder (:func:`trace_step_phases`) and its tracker
 helpers, and the context managers that make torchtune, transformers and torchao run on fake
@@ -28,7 +28,7 @@ from kd.errors import KDUserError
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
 
 if TYPE_CHECKING:
-    from kd.training.prepare import ShardSpec
+    from kd.runtime.prepare import ShardSpec
 
 
 @dataclass
@@ -278,7 +278,7 @@ class FakeStep:
     """Everything one traced training step runs on (fake tensors).
 
     Attributes:
-        student: the prepared student (:func:`kd.training.prepare.prepare_student`).
+        student: the prepared student (:func:`kd.runtime.prepare.prepare_student`).
         teacher: the prepared teacher, or None.
         trainable: the student's parameters that require grad.
         optimizer: over ``trainable``, states primed; None when the optimizer is not traced.
@@ -360,7 +360,7 @@ def build_fake_step(
     from kd import models
     from kd.config import instantiate
     from kd.memory.plan import inputs_from_run
-    from kd.training.prepare import prepare_student, prepare_teacher
+    from kd.runtime.prepare import prepare_student, prepare_teacher
 
     planned = inputs_from_run(run)
     knobs = planned.knobs
@@ -577,7 +577,8 @@ def trace_generation(
         ``{model}_generation`` -> tracker category -> bytes at that model's sampling peak.
     """
     from kd import models
-    from kd.training import distributed, on_policy
+    from kd.runtime import distributed
+    from kd.training import on_policy
 
     for p in step.trainable:
         p.grad = None

@@ -1,7 +1,7 @@
 """Host-memory terms of the plan: what activation offloading and a parked teacher keep in host
 memory instead of on the device, and the bytes they move over PCIe each optimizer step.
 
-* ``enable_activation_offloading`` (:mod:`kd.training.offload`): every saved activation of the
+* ``enable_activation_offloading`` (:mod:`kd.runtime.offload`): every saved activation of the
   student (each checkpointed layer's input with activation checkpointing) is copied to pinned
   host memory in forward and brought back in backward. On the device stay torchtune's forward
   stash (the last :data:`OFFLOAD_STASH` offloaded tensors, kept until their copy finished: with

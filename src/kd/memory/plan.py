@@ -1,6 +1,6 @@
 """The memory plan of a config: the config adapter, the plan object, its table, and the recipe check.
 
-Only this module (and ``kd.memory.cli``) reads config objects; the estimator and the fit search take
+Only this module (and ``kd.cli.plan``) reads config objects; the estimator and the fit search take
 :class:`~kd.memory.shapes.ModelShape` and :class:`~kd.memory.estimate.TrainKnobs`.
 Importing it imports neither torch nor torchtune.
 """
@@ -688,7 +688,7 @@ def check_memory(
     Args:
         run: the run configuration.
         world_size: ranks (per-rank plan).
-        budget_gib: the resolved budget per device (:func:`kd.training.device.resolve_budget`); None when
+        budget_gib: the resolved budget per device (:func:`kd.runtime.device.resolve_budget`); None when
             unknown (the plan is then made but cannot be over budget).
         config_name: the config as given (for the table).
 

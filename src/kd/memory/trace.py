@@ -3,7 +3,7 @@
 :func:`trace_run` traces a RunConfig on one device (:func:`trace_step`) or as rank 0 of N FSDP2
 ranks (:mod:`kd.memory.trace_fsdp`). Both build the run's real-size student and teacher with its
 builders on *fake CPU* tensors (no storage is allocated), prepare them as the recipe does
-(:mod:`kd.training.prepare`: LoRA trainable set, activation checkpointing, hidden-state output, frozen
+(:mod:`kd.runtime.prepare`: LoRA trainable set, activation checkpointing, hidden-state output, frozen
 teacher), then run ``kd.training.train.micro_step`` (teacher forward, student forward, loss, backward) and
 the optimizer step (then, with ``on_policy``, each sampling model's ``kd.training.on_policy.rollout``, and
 with validation, one validation batch through ``kd.training.evaluate.batch_sums``), while torch's

@@ -3,7 +3,7 @@
 The world-size-1 trace (:mod:`kd.memory.trace`) runs the real step under FakeTensorMode; this one
 runs it as rank 0 of a *fake* process group of ``world_size`` ranks (collectives are no-ops that
 produce correctly shaped fake outputs), with the student and teacher prepared and sharded exactly
-as the recipe prepares and shards them (:mod:`kd.training.prepare`, :func:`kd.training.distributed.shard_model`).
+as the recipe prepares and shards them (:mod:`kd.runtime.prepare`, :func:`kd.runtime.distributed.shard_model`).
 torch's ``FSDPMemTracker`` attributes every storage to a category: sharded / unsharded parameters
 and gradients, all-gather and reduce-scatter buffers, activations, temporaries, optimizer states.
 
@@ -92,7 +92,7 @@ def trace_fsdp_step(run: RunConfig, *, world_size: int) -> TraceResult:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from kd import models
-    from kd.training.prepare import ShardSpec
+    from kd.runtime.prepare import ShardSpec
 
     if world_size < 2:
         raise KDUserError("--trace: trace_fsdp_step needs world size >= 2; use trace_step for 1")

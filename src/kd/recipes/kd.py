@@ -50,20 +50,23 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kd import checkpoint, data, models
-from kd.checkpoint.run_checkpointer import RunCheckpointer
-from kd.checkpoint.training import Progress, StudentSource, check_loaded_weights_finite
+from kd.checkpoint import outputs, resume_point
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan
+from kd.memory.run_check import check_run_memory
 from kd.metrics import PhaseTimer, peak_memory_gib
+from kd.runtime import distributed
+from kd.runtime.checkpoints import Progress, StudentSource, check_loaded_weights_finite
+from kd.runtime.distributed import WorldInfo
+from kd.runtime.interrupts import GracefulStop, launch_command, resume_hint
+from kd.runtime.prepare import prepare_student
+from kd.runtime.run_checkpointer import RunCheckpointer
+from kd.runtime.run_context import RunContext
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
-from kd.training import distributed, evaluate, on_policy, outputs, train
-from kd.training.distributed import WorldInfo
-from kd.training.prepare import prepare_student
-from kd.training.run_context import RunContext
+from kd.training import evaluate, on_policy, train
 from kd.training.run_log import RunLog
-from kd.training.signals import GracefulStop, launch_command, resume_hint
 
 log = logging.getLogger("kd")
 
@@ -76,7 +79,7 @@ class KDRecipe:
     It holds a teacher (:mod:`kd.teachers`: a model, a file of top-k log-probs...), a student, a
     validator (:class:`kd.training.evaluate.Validator`), an on-policy sampler
     (:class:`kd.training.on_policy.OnPolicyBatches`) and a checkpointer
-    (:class:`kd.checkpoint.run_checkpointer.RunCheckpointer`), and never asks which kind of
+    (:class:`kd.runtime.run_checkpointer.RunCheckpointer`), and never asks which kind of
     teacher it holds.
     """
 
@@ -97,7 +100,7 @@ class KDRecipe:
         self.on_policy: on_policy.OnPolicyBatches | None = None
         self.log: RunLog | None = None  # rank 0's metric sinks
         self.complete = False  # resume found the run already finished (preload)
-        self.found: outputs.ResumePoint | None = None
+        self.found: resume_point.ResumePoint | None = None
         # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
         self.extra: torch.nn.Module | None = None
         self.final_eval: Any = None  # kd.harness.evaluate.FinalEvaluation with eval:
@@ -121,11 +124,12 @@ class KDRecipe:
                 "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
                 "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
             )
-        self.plan = ctx.check_memory(config_name=self.config_name)  # before anything is built
+        # before anything is built
+        self.plan = check_run_memory(run, ctx.world, config_name=self.config_name)
         self.tokenizer = ctx.tokenizer()
         teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
         self.facts = ctx.inspect_models(self.tokenizer, read=("model", *teacher_reads))
-        start = outputs.resume_point(self.output_dir, run)
+        start = resume_point.resume_point(self.output_dir, run)
         if start is None:
             self.complete = True  # already finished (said on the kd logger): nothing to do
             return
@@ -609,6 +613,6 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from kd.cli.launch import run_recipe
+    from kd.runtime.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import sys
 
-from kd.cli.launch import run_recipe
 from kd.recipes.kd import recipe_main
+from kd.runtime.launch import run_recipe
 
 __all__ = ["recipe_main"]
 

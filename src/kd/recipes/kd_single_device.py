@@ -15,6 +15,6 @@ from kd.recipes.kd import KDRecipe, recipe_main
 __all__ = ["KDRecipe", "recipe_main"]
 
 if __name__ == "__main__":
-    from kd.cli.launch import run_recipe
+    from kd.runtime.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

@@ -49,14 +49,14 @@ from kd import _torchtune as tt
 from kd import data
 from kd.config.run import RunConfig, run_config
 from kd.errors import KDUserError
+from kd.runtime import distributed
+from kd.runtime.distributed import WorldInfo
+from kd.runtime.prepare import prepare_teacher
+from kd.runtime.run_context import RunContext
 from kd.teachers import ModelTeacher, TeacherInput, store_folder, stored_logits
 from kd.teachers.cross import CrossTokenizerSource, CrossTokenizerTeacher
 from kd.teachers.cross_stored import cross_spec
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server, probe_client
-from kd.training import distributed
-from kd.training.distributed import WorldInfo
-from kd.training.prepare import prepare_teacher
-from kd.training.run_context import RunContext
 
 log = logging.getLogger("kd")
 
@@ -337,6 +337,6 @@ def recipe_main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from kd.cli.launch import run_recipe
+    from kd.runtime.launch import run_recipe
 
     sys.exit(run_recipe(recipe_main))

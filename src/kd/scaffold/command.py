@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kd.cli.launch import status
 from kd.errors import KDUserError, one_line
+from kd.runtime.launch import status
 from kd.scaffold.data import DataFormat, detect_data_format
 from kd.scaffold.inspection import (
     BACKENDS,
@@ -188,7 +188,7 @@ def _print_plan(config: Path) -> tuple[bool, bool]:
     from kd.cli.commands import resolve_target
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
-    from kd.training.device import resolve_budget
+    from kd.runtime.device import resolve_budget
 
     args = argparse.Namespace(config=str(config), overrides=[], budget_gib=None, world_size=None)
     target = resolve_target(args, for_plan=True)

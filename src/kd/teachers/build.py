@@ -34,9 +34,11 @@ from typing import Any, Protocol
 
 import torch
 
-from kd import data
+from kd import data, models
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
+from kd.runtime.prepare import prepare_teacher
+from kd.runtime.run_context import ModelFacts, RunContext
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.cross import CrossTokenizerSource
@@ -50,8 +52,6 @@ from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.quantize import quantize_int8
 from kd.teachers.self_teacher import SelfTeacher
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server, probe_client
-from kd.training.prepare import prepare_teacher
-from kd.training.run_context import ModelFacts, RunContext
 
 log = logging.getLogger("kd")
 
@@ -375,10 +375,10 @@ class SelfTeacherSource:
         """Render every row with its context: a missing field (row number), a template that does
         not render, a teacher input over ``tokenizer.max_seq_len`` (row number) or a completion
         the context changes are one line; logs the longest teacher input."""
-        from kd.training.on_policy import assistant_header
-
         tokenizer = ctx.tokenizer()
-        rows = PrivilegedRows(dataset, tokenizer, self.settings, header=assistant_header(tokenizer))
+        rows = PrivilegedRows(
+            dataset, tokenizer, self.settings, header=models.assistant_header(tokenizer)
+        )
         on_policy = self.run.on_policy
         longest, row = rows.check(
             max_seq_len=self.run.max_seq_len,

@@ -35,10 +35,10 @@ from kd import models
 from kd.config.run import LossSettings, RunConfig
 from kd.cross_tokenizer import VocabMatch, sequence_loss, vocab_match
 from kd.errors import KDUserError, one_line
+from kd.runtime import distributed
+from kd.runtime.prepare import prepare_teacher
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.cross_chat import ChatRows, chat_rows_of
-from kd.training import distributed
-from kd.training.prepare import prepare_teacher
 
 __all__ = [
     "CrossTokenizerSignal",
@@ -366,7 +366,7 @@ class CrossTokenizerTeacher(Teacher):
         distributed.reshard(self.model)
 
     def check_loaded(self) -> None:
-        from kd.checkpoint.training import check_loaded_weights_finite
+        from kd.runtime.checkpoints import check_loaded_weights_finite
 
         check_loaded_weights_finite({"teacher_model": (self.model, Path())})
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kd.runtime import distributed
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.parking import ParkedWeights
 from kd.teachers.signals import LogitsSignal
-from kd.training import distributed
 
 __all__ = ["ModelTeacher", "as_teacher"]
 
@@ -29,7 +29,7 @@ class ModelTeacher(Teacher):
     while it samples (:meth:`generator_for` holds it in until :meth:`release`).
 
     Args:
-        model: the decoder, as :func:`kd.training.prepare.prepare_teacher` leaves it.
+        model: the decoder, as :func:`kd.runtime.prepare.prepare_teacher` leaves it.
         folder: where its weights were read from (named when they hold NaN or inf).
         parked: its parked weights, or None (on the device throughout).
     """
@@ -62,7 +62,7 @@ class ModelTeacher(Teacher):
         return self.generator
 
     def check_loaded(self) -> None:
-        from kd.checkpoint.training import check_loaded_weights_finite
+        from kd.runtime.checkpoints import check_loaded_weights_finite
 
         check_loaded_weights_finite({"teacher_model": (self.model, self.folder or Path())})
 

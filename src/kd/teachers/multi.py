@@ -46,8 +46,8 @@ from kd.config.run import VALIDATION_DATASET, LossSettings, RunConfig
 from kd.config.teachers import Member, members_of
 from kd.data import build_dataset, filled_fields, raw_row, row_field
 from kd.errors import KDUserError, one_line
+from kd.runtime import distributed
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal
-from kd.training import distributed
 
 __all__ = [
     "Member",
@@ -138,7 +138,7 @@ class MultiTeacherSource:
         """Each member's weight-free checks, as a one-teacher run of it would make them; with
         ``combine: route`` every row's field (the training rows' and the validation rows') names
         a member or none, and some row names one."""
-        from kd.training.run_context import RunContext
+        from kd.runtime.run_context import RunContext
 
         tokenizer = ctx.tokenizer()
         self._checked = []

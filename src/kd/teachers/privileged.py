@@ -132,7 +132,7 @@ class PrivilegedRows:
         tokenizer: the run's tokenizer (rendering without truncation: the teacher's input is
             longer, and a row that does not fit is refused, not cut).
         settings: ``self_teacher:``.
-        header: the assistant header tokens (:func:`kd.training.on_policy.assistant_header`).
+        header: the assistant header tokens (:func:`kd.models.assistant_header`).
         key: the dataset's config key, named in errors.
     """
 

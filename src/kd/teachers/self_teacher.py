@@ -31,10 +31,10 @@ from torch import nn
 from kd import models
 from kd.config.run import IGNORE_INDEX
 from kd.errors import KDUserError
+from kd.runtime import distributed
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.privileged import PrivilegedRows, TeacherRow, labelled_positions
 from kd.teachers.signals import LogitsSignal
-from kd.training import distributed
 
 __all__ = ["MappedBatch", "SelfSignal", "SelfTeacher", "map_batch", "on_policy_rows"]
 
@@ -224,7 +224,7 @@ class SelfTeacher(Teacher):
 
     def check_loaded(self) -> None:
         if self.copy and self.model is not None:
-            from kd.checkpoint.training import check_loaded_weights_finite
+            from kd.runtime.checkpoints import check_loaded_weights_finite
 
             check_loaded_weights_finite({"model": (self.model, self.folder or Path())})
 

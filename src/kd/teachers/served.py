@@ -44,12 +44,12 @@ import torch
 
 from kd.config.run import TeacherServerSettings
 from kd.errors import KDUserError, brief, one_line, redact
+from kd.runtime import distributed
 from kd.teachers.answer_checks import check_answer
 from kd.teachers.base import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.protocols import PROTOCOLS, BadAnswer, RowTopK
 from kd.teachers.signals import TopKSignal
 from kd.teachers.transport import PastDeadline, deadline, deadline_session, request_budget
-from kd.training import distributed
 
 __all__ = [
     "ServedTeacher",

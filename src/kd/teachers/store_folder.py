@@ -26,9 +26,9 @@ from omegaconf import OmegaConf
 from kd import models
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
+from kd.runtime.run_context import ModelFacts, RunContext
 from kd.teachers import stored_logits
 from kd.teachers.served import served_identity
-from kd.training.run_context import ModelFacts, RunContext
 
 __all__ = [
     "WriteThroughStore",
@@ -94,7 +94,9 @@ def store_spec(
     return stored_logits.StoreSpec(
         teacher=served_identity(served)
         if served is not None
-        else ctx.teacher_identity(facts.sources.get("teacher_model") or facts.teacher_source),
+        else stored_logits.run_teacher_identity(
+            ctx, facts.sources.get("teacher_model") or facts.teacher_source
+        ),
         config_sha256=hashlib.sha256(sections.encode()).hexdigest(),
         tokenizer_sha256=stored_logits.files_sha256(models.tokenizer_files(ctx.node("tokenizer"))),
         temperature=float(run.loss.temperature),

@@ -61,7 +61,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path, pid_alive, sha256_file
 from kd.teachers import answer_checks
 from kd.teachers.base import TeacherStopped
+
+if TYPE_CHECKING:
+    from kd.runtime.run_context import RunContext
 
 __all__ = [
     "CROSS_VERSION",
@@ -95,6 +98,7 @@ __all__ = [
     "shard_done",
     "shard_name",
     "spec_differences",
+    "run_teacher_identity",
     "teacher_identity",
     "topk_logprobs",
     "write_manifest",
@@ -237,6 +241,13 @@ def teacher_identity(component: str, folder: Path, files: Any) -> dict[str, Any]
         "files": [[name, (folder / name).stat().st_size] for name in sorted(files)],
         "config_sha256": sha256_file(config) if config is not None else None,
     }
+
+
+def run_teacher_identity(ctx: RunContext, source: models.WeightsSource) -> dict[str, Any]:
+    """The identity (:func:`teacher_identity`) of the run's ``teacher_model``, whose weights are at
+    ``source`` (:attr:`kd.runtime.run_context.ModelFacts.teacher_source`)."""
+    component = str(ctx.node("teacher_model").get("_component_"))
+    return teacher_identity(component, source.folder, source.files)
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -1119,7 +1130,7 @@ def open_run_store(
         temperature=run.loss.temperature,
         k=k,
         student_vocab=student_vocab,
-        teacher=ctx.teacher_identity(source) if source is not None else None,
+        teacher=run_teacher_identity(ctx, source) if source is not None else None,
         cross_tokenizer=cross_tokenizer,
     )
     return store

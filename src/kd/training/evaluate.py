@@ -46,8 +46,8 @@ from torch._subclasses.fake_tensor import is_fake
 from kd import losses, models
 from kd.config.run import LossSettings, ValidationSettings
 from kd.config.schema import VAL_METRICS
+from kd.runtime import distributed
 from kd.teachers import Teacher, TeacherInput, TeacherSignal, as_teacher
-from kd.training import distributed
 from kd.training.train import shift_labels
 
 __all__ = ["BestTracker", "ValStats", "Validator", "batch_sums", "evaluate", "token_sums"]
@@ -295,7 +295,7 @@ def evaluate(
 
     Collective when distributed: every rank calls it with its own share of the set
     (:func:`kd.data.build_eval_loader`), with the same number of batches. Both models must be in
-    hidden-output mode, as :mod:`kd.training.prepare` leaves them.
+    hidden-output mode, as :mod:`kd.runtime.prepare` leaves them.
 
     Args:
         student: the student decoder (put in eval mode for the evaluation, then back).

@@ -39,9 +39,9 @@ from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
+from kd.runtime import distributed
+from kd.runtime.distributed import WorldInfo
 from kd.teachers import Teacher
-from kd.training import distributed
-from kd.training.distributed import WorldInfo
 
 log = logging.getLogger("kd")
 
@@ -49,7 +49,6 @@ __all__ = [
     "Completions",
     "OnPolicyBatches",
     "Prompts",
-    "assistant_header",
     "check_prompts",
     "coin",
     "derive_seed",
@@ -140,35 +139,6 @@ def stop_token_ids(tokenizer: object) -> list[int]:
     return ids
 
 
-def assistant_header(tokenizer: object) -> list[int]:
-    """The tokens every assistant turn starts with when they are labelled (torchtune's chat
-    formats label ``<|im_start|>assistant\\n``): they belong to the prompt, as a chat template's
-    generation prompt does, so the student does not sample its own turn header.
-
-    Found by tokenizing one conversation with two different answers: the common start of the two
-    labelled spans. Empty when the tokenizer labels the answer alone, or cannot say.
-    """
-    from kd._torchtune import Message
-
-    spans = []
-    for answer in ("a", "b"):
-        messages = [
-            Message(role="user", content="q", masked=True),
-            Message(role="assistant", content=answer),
-        ]
-        try:
-            tokens, mask = tokenizer.tokenize_messages(messages)  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - no chat format to ask: no header
-            return []
-        spans.append([int(t) for t, masked in zip(tokens, mask, strict=True) if not masked])
-    header: list[int] = []
-    for x, y in zip(*spans, strict=False):
-        if x != y:
-            break
-        header.append(x)
-    return header
-
-
 def prompt_starts(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Where each row's last labelled span starts: its prompt length. ``[b, s] -> [b]``.
 
@@ -217,7 +187,7 @@ def prompts_of(
     """The prompts of a collated (right-padded) batch, left-padded for generation.
 
     A row's prompt is its tokens before its last labelled span, plus ``header`` when that span
-    starts with it (:func:`assistant_header`).
+    starts with it (:func:`kd.models.assistant_header`).
 
     Args:
         tokens: ``[b, s]`` ids of the batch.
@@ -452,7 +422,7 @@ class OnPolicyBatches:
         self.device = device
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = stop_token_ids(tokenizer)
-        self.header = assistant_header(tokenizer)
+        self.header = models.assistant_header(tokenizer)
         self._said: set[str] = set()  # the sources whose first sampling was announced
 
     def inputs(

@@ -9,10 +9,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from kd.checkpoint import outputs
 from kd.errors import redact
 from kd.metrics import GuardedLogger, build_quietly
-from kd.training import outputs
-from kd.training.run_context import RunContext
+from kd.runtime.run_context import RunContext
 
 __all__ = ["RunLog"]
 

@@ -26,8 +26,8 @@ from kd import losses, models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
+from kd.runtime import distributed
 from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
-from kd.training import distributed
 
 __all__ = [
     "LossSettings",
@@ -396,7 +396,7 @@ def build_optimizer(
     with ``optimizer_in_cpu``) and the LR scheduler (None without ``lr_scheduler``).
 
     Args:
-        ctx: the run (:class:`kd.training.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
+        ctx: the run (:class:`kd.runtime.run_context.RunContext`: builds ``optimizer``, ``lr_scheduler``).
         student: the prepared student.
         num_training_steps: optimizer steps of the whole run (the schedule's length).
         extra: further trainable parameters (:meth:`kd.teachers.Teacher.bind_student`), trained

@@ -3,7 +3,7 @@
 The recipe (one device and N ranks) and the memory traces (``kd plan --trace``, one device and
 FSDP2) prepare their models here, so the step a trace measures is the step the recipe runs. The
 order is fixed: LoRA trainable flags, activation checkpointing, hidden-output mode, train/eval
-mode and gradients, then FSDP2 sharding (:func:`kd.training.distributed.shard_model` wraps the existing
+mode and gradients, then FSDP2 sharding (:func:`kd.runtime.distributed.shard_model` wraps the existing
 parameters and modules, so it comes last).
 
 Building and loading stay with the caller: at world size 1 the recipe prepares the model it
@@ -22,8 +22,8 @@ from torch import nn
 
 from kd import models
 from kd.config.run import FSDPSettings
-from kd.training import distributed, offload
-from kd.training.distributed import WorldInfo
+from kd.runtime import distributed, offload
+from kd.runtime.distributed import WorldInfo
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How to shard a model with FSDP2: the arguments of :func:`kd.training.distributed.shard_model`.
+    """How to shard a model with FSDP2: the arguments of :func:`kd.runtime.distributed.shard_model`.
 
     Attributes:
         device_type: ``"cuda"`` or ``"cpu"``; the sharded parameters move to it unless offloaded.
@@ -95,7 +95,7 @@ def prepare_student(
     ``model(tokens)`` returns final-norm hidden states ``[b, s, d]`` (the fused loss applies the
     output projection); train mode; then FSDP2 sharding when ``shard`` is given; then, with
     ``activation_offloading``, hooks around its forward that keep its saved activations in host
-    memory until backward (:mod:`kd.training.offload`).
+    memory until backward (:mod:`kd.runtime.offload`).
 
     The caller still builds the model, loads its weights (before, at world size 1; into the
     shards after, when distributed, then recomputes the RoPE buffers), compiles it

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from kd.memory.estimate import estimate
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
-    from kd.training.device import resolve_budget
+    from kd.runtime.device import resolve_budget
 
     t0 = time.perf_counter()
     if getattr(args, "compare_stored_logits", None) is not None:

@@ -9,9 +9,9 @@ counts, not the file).
 
 A fresh run into a folder holding another run's outputs is refused unless asked to move them aside
 (``overwrite_output_dir``): they go into ``output_dir/previous_<time>/``, nothing is deleted. A
-resumed run continues from the newest complete step checkpoint (:func:`find_resume`).
+resumed run continues from the newest complete step checkpoint (:func:`kd.checkpoint.resume_point.find_resume`).
 
-A run's steps here, in order: :func:`check_not_in_use` and :func:`find_resume` before any weight
+A run's steps here, in order: :func:`check_not_in_use` and :func:`kd.checkpoint.resume_point.find_resume` before any weight
 loads (they write nothing), :func:`claim_output_dir` (the lock, then moving aside), then
 :func:`open_metrics` once the models are loaded.
 """
@@ -29,20 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
 from kd.checkpoint.layout import (
     BEST_DIRNAME,
     CONFIG_SNAPSHOT_FILE,
     FINAL_DIRNAME,
     MARKER_FILE,
-    load_checkpoint_config,
 )
-from kd.checkpoint.resume import check_resume_compatible, schedule_of
 from kd.checkpoint.store import (
-    final_step,
-    find_latest_checkpoint,
-    newest_step_folder,
     recover_interrupted_saves,
 )
 from kd.errors import KDUserError, brief
@@ -327,118 +320,6 @@ def move_aside(output_dir: Path, paths: list[Path]) -> Path:
     return dest
 
 
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a resumed run continues from.
-
-    Attributes:
-        checkpoint: the newest complete ``step_*`` folder.
-        config_yaml: its config snapshot (``config.yaml``), a YAML mapping.
-        seed: the snapshot's ``seed`` when it is an integer, else None.
-    """
-
-    checkpoint: Path
-    config_yaml: str
-    seed: int | None
-
-
-def find_resume(output_dir: Path, *, resume: bool, overwrite: bool) -> ResumePoint | None:
-    """What a run finds in ``output_dir`` before it loads a weight (reads only, writes nothing).
-
-    A fresh run (not ``resume``) is refused when the folder holds another run's outputs, unless
-    ``overwrite`` (:func:`check_fresh_output_dir`; they are moved aside by
-    :func:`claim_output_dir`, once the run holds the lock). A resumed run gets the newest complete
-    step checkpoint and its readable config snapshot.
-
-    Args:
-        output_dir: the run's output folder.
-        resume: ``resume_from_checkpoint``.
-        overwrite: ``overwrite_output_dir``.
-
-    Returns:
-        None for a fresh run, else the checkpoint to resume from.
-
-    Raises:
-        KDUserError: a fresh run into another run's outputs; a resumed run with every step
-            checkpoint damaged, with none at all, or with a config snapshot that is not a
-            readable YAML mapping.
-    """
-    if not resume:
-        check_fresh_output_dir(output_dir, overwrite=overwrite)
-        return None
-    found = find_latest_checkpoint(output_dir)
-    if found is None and any(Path(output_dir).glob(STEP_GLOB)):
-        raise KDUserError(
-            f"resume_from_checkpoint: every step checkpoint under {output_dir} is "
-            "incomplete or damaged (the warnings above say why); set output_dir to a new "
-            "folder to start fresh"
-        )
-    if found is None:
-        fresh = "set resume_from_checkpoint=false to start fresh"
-        if run_outputs(output_dir):
-            fresh += " with overwrite_output_dir=true (the earlier outputs are moved aside)"
-        raise KDUserError(
-            f"resume_from_checkpoint: no complete checkpoint under {output_dir}; {fresh}"
-        )
-    try:
-        saved = load_checkpoint_config(found)
-        saved_cfg = OmegaConf.create(saved)
-        if not isinstance(saved_cfg, DictConfig):
-            raise ValueError(f"a {type(saved_cfg).__name__}, not a mapping")
-        seed = saved_cfg.get("seed")
-    except Exception as e:  # noqa: BLE001 - OSError, UnicodeDecodeError, YAML errors
-        raise KDUserError(
-            f"{found / CONFIG_SNAPSHOT_FILE}: not a readable config snapshot "
-            f"({brief(e)}); delete {found.name} to resume from an older checkpoint"
-        ) from e
-    return ResumePoint(found, saved, seed if isinstance(seed, int) else None)
-
-
-def with_saved_seed(run: Any, seed: Any) -> Any:
-    """``run`` resuming a run whose snapshot holds ``seed``: with ``seed: null`` (a fresh seed per
-    process) it takes the seed the resumed run drew; a set seed stays (compared on resume)."""
-    return run.with_seed(seed) if run.seed is None and isinstance(seed, int) else run
-
-
-def completed_run(output_dir: Path, *, run: Any) -> Path | None:
-    """``output_dir/final/`` when the run ``run`` resumes has already finished, else None.
-
-    Finished: ``final/`` is complete (:func:`kd.checkpoint.store.final_step`), no step folder is
-    newer than it, and its config snapshot asks for the same schedule (``epochs``,
-    ``max_steps_per_epoch``; a run resumed with more epochs trains on). ``seed: null`` is the
-    finished run's seed (:func:`with_saved_seed`). Said in one line on the ``kd`` logger; nothing
-    is read beyond the markers and snapshots, nothing written.
-
-    Raises:
-        KDUserError: the config differs from the finished run's in a key that must match.
-    """
-    step = final_step(output_dir)
-    if step is None:
-        return None
-    newest = newest_step_folder(output_dir)
-    if newest is not None and newest > step:
-        return None  # final/ of an earlier run; this run's steps went further
-    final = Path(output_dir) / FINAL_DIRNAME
-    try:
-        saved = load_checkpoint_config(final)
-        same_schedule = schedule_of(saved) == schedule_of(run.yaml)
-        seed = OmegaConf.create(saved).get("seed")
-    except Exception:  # noqa: BLE001 - an unreadable snapshot: let the resume path report it
-        return None
-    if not same_schedule:
-        return None
-    check_resume_compatible(saved, with_saved_seed(run, seed).yaml, checkpoint=final)
-    logger.info(
-        "resume_from_checkpoint: the run in %s is already complete (%s, step %d); nothing to "
-        "train. To train further, raise epochs; to start over, set "
-        "resume_from_checkpoint=false with overwrite_output_dir=true",
-        output_dir,
-        final,
-        step,
-    )
-    return final
-
-
 def claim_output_dir(output_dir: Path, *, resume: bool, overwrite: bool) -> OutputDirLock:
     """Lock ``output_dir`` for this run before anything is written, then, under the lock (so no
     other run can interleave), put back what a killed save moved aside, check the folder again and
@@ -550,25 +431,3 @@ def write_metrics_row(metrics: JsonlWriter, row: dict[str, Any], *, output_dir: 
             f"{metrics.path} ({e.strerror or brief(e)}); free disk space under "
             f"{output_dir} or set output_dir to a disk with room {then}"
         ) from e
-
-
-def resume_point(output_dir: Path, run: Any) -> tuple[Any, ResumePoint | None] | None:
-    """Where a run starts: ``(run, checkpoint)`` with the checkpoint to resume from (None: a
-    fresh run), or None when the run to resume has already finished (``final/`` complete:
-    :func:`completed_run` says so). output_dir must not be in use by another run; a resumed
-    run's config must be compatible with the checkpoint's, and with ``seed: null`` it takes the
-    resumed run's seed.
-
-    Args:
-        output_dir: the run's folder.
-        run: the :class:`kd.config.run.RunConfig`.
-    """
-    check_not_in_use(output_dir)
-    ckpt = run.checkpoint
-    if ckpt.resume and completed_run(output_dir, run=run):
-        return None
-    found = find_resume(output_dir, resume=ckpt.resume, overwrite=ckpt.overwrite)
-    if found is not None:
-        run = with_saved_seed(run, found.seed)
-        check_resume_compatible(found.config_yaml, run.yaml, checkpoint=found.checkpoint)
-    return run, found

@@ -20,15 +20,13 @@ from torch import nn
 
 from kd import checkpoint, data, models
 from kd.backends import CHECKPOINTER_OF, backend_of
+from kd.checkpoint import outputs
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
-from kd.memory.plan import MemoryPlan, check_memory
-from kd.teachers import stored_logits
-from kd.training import outputs
-from kd.training.device import check_device, resolve_budget
-from kd.training.distributed import WorldInfo
-from kd.training.prepare import ShardSpec, materialize, shard_spec
+from kd.runtime.device import check_device
+from kd.runtime.distributed import WorldInfo
+from kd.runtime.prepare import ShardSpec, materialize, shard_spec
 
 log = logging.getLogger("kd")
 
@@ -174,31 +172,6 @@ class RunContext:
             model, key=key, node=self.node(key), ckpt_node=self.node(CHECKPOINTER_OF[key])
         )
 
-    def teacher_identity(self, source: models.WeightsSource) -> dict[str, Any]:
-        """The fingerprint of ``teacher_model`` that stored teacher logits record."""
-        return stored_logits.teacher_identity(
-            str(self.node("teacher_model").get("_component_")), source.folder, source.files
-        )
-
-    def check_memory(self, *, config_name: str = "") -> MemoryPlan | None:
-        """The memory plan against the budget (arithmetic on shapes, before anything is built);
-        refuses a run that does not fit with the table and knob settings that do."""
-        budget = resolve_budget(budget_gib=self.run.memory.budget_gib, device=self.run.device)
-        plan = check_memory(
-            self.run,
-            world_size=self.world.world_size,
-            budget_gib=budget.gib,
-            config_name=config_name,
-        )
-        if plan is not None and self.world.is_rank_zero:
-            log.info(
-                "memory plan: peak %.2f GiB (%s) of %s",
-                plan.peak_gib,
-                plan.phase,
-                "an unknown budget" if budget.gib is None else f"{budget.gib:.2f} GiB",
-            )
-        return plan
-
     def dataset(self, node: Any, tokenizer: Any, *, key: str) -> Any:
         """The dataset of config key ``key`` (``dataset``, ``validation.dataset``), checked:
         readable, non-empty, labelled; truncated examples are counted in a warning."""
@@ -240,12 +213,12 @@ class RunContext:
     ) -> nn.Module:
         """The model of ``key`` with its weights (its folder's, or its checkpointer's), prepared
         by ``prepare`` (and sharded when distributed: rank 0 alone reads the files,
-        :func:`kd.training.prepare.materialize`), compiled when ``compile`` is set.
+        :func:`kd.runtime.prepare.materialize`), compiled when ``compile`` is set.
 
         Args:
             key: ``model`` or ``teacher_model``.
             source: its weights (:meth:`inspect_models`).
-            prepare: :func:`kd.training.prepare.prepare_student` or :func:`kd.training.prepare.prepare_teacher`
+            prepare: :func:`kd.runtime.prepare.prepare_student` or :func:`kd.runtime.prepare.prepare_teacher`
                 with the recipe's flags.
             run_dir: the run's output_dir, when a torchtune checkpointer's own ``output_dir``
                 must exist (``kd run kd``); None leaves it alone.

@@ -23,8 +23,8 @@ from kd.checkpoint.recipe_state import capture_rng_state, load_recipe_state, res
 from kd.checkpoint.store import save_checkpoint
 from kd.config.run import LoraSettings
 from kd.errors import KDUserError, brief
-from kd.training import distributed
-from kd.training.distributed import WorldInfo
+from kd.runtime import distributed
+from kd.runtime.distributed import WorldInfo
 
 log = logging.getLogger("kd")
 

@@ -3,7 +3,7 @@
 It binds what every save of a run shares (output_dir, the student's source folder and LoRA
 settings, the config snapshot, ``keep_last_n``, the ranks) so the recipe says only *when* to save
 (:meth:`RunCheckpointer.save`, :meth:`RunCheckpointer.save_best`) and where to resume from
-(:meth:`RunCheckpointer.restore`). The mechanics are :mod:`kd.checkpoint.training`'s.
+(:meth:`RunCheckpointer.restore`). The mechanics are :mod:`kd.runtime.checkpoints`'s.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from kd.checkpoint.store import find_latest_checkpoint
-from kd.checkpoint.training import (
+from kd.checkpoint.resume_point import find_latest_checkpoint
+from kd.errors import KDUserError
+from kd.runtime.checkpoints import (
     Progress,
     StudentSource,
     restore_training_checkpoint,
     save_best_checkpoint,
     save_training_checkpoint,
 )
-from kd.errors import KDUserError
-from kd.training.distributed import WorldInfo
+from kd.runtime.distributed import WorldInfo
 
 __all__ = ["RunCheckpointer"]
 
