@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kd import losses
-from kd.losses import divergences
 from kd.config.run import DIVERGENCES
 from kd.cross_tokenizer import align_spans, merge_groups, sequence_loss, vocab_match
+from kd.losses import divergences
 
 
 class _Vocab:

@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kd import families
+from kd.cli import plan as plan_cli
 from kd.config import load_config
 from kd.errors import KDUserError
 from kd.memory import (
@@ -28,7 +29,6 @@ from kd.memory import (
     shape_from_component,
     shape_from_hf_config,
 )
-from kd.cli import plan as plan_cli
 from kd.memory.estimate import GIB
 from kd.memory.shapes import BUILDERS
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from kd.cli import plan as plan_cli
 from kd.config import load_config
 from kd.config.run import run_config
 from kd.errors import KDUserError
 from kd.memory import check_memory, plan_from_config
-from kd.cli import plan as plan_cli
 from kd.memory.estimate import GIB
 from kd.memory.fit import INT8_BYTES_PER_PARAM, MIN_SAVING_BYTES, UNKNOWN_DATA_EXAMPLES
 from kd.memory.plan import MemoryPlan, attach_fit

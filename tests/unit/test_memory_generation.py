@@ -276,9 +276,9 @@ def test_generation_over_budget_is_refused_before_loading(capsys):
     (kd run, kd validate) refuses it naming the generation phase; `kd plan` says it does not fit;
     every offered knob setting fits when planned again, and so does sampling with the student
     alone."""
+    from kd.cli import plan as plan_cli
     from kd.config.run import run_config
     from kd.memory import check_memory, plan_from_config
-    from kd.cli import plan as plan_cli
 
     over = _deep_overrides()
     plan = plan_from_config(load_config(FULL_14B_3B, over), budget_gib=BUDGET_GIB)
