@@ -340,3 +340,18 @@ class PhaseTimer:
         finally:
             self._sync()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def progress_bar(total: int, initial: int, *, shown: bool) -> Any:
+    """The training loop's tqdm bar of optimizer steps (rank 0 ``shown``). On rank 0 it is off
+    when stderr is not a terminal (a log file would get one line of every redraw); the metric
+    rows still say each step."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=None if shown else True,
+        desc="kd",
+        dynamic_ncols=True,
+    )

@@ -9,30 +9,14 @@ Run it:
 ``kd_single_device`` and ``kd_distributed`` (torchtune's names) run this recipe too. Under torchrun
 both models are sharded with FSDP2 and the loss curve matches one device.
 
-Features (each knob is a config key; defaults live in kd/config/schema.py):
-    - Memory plan before any weight loads (``memory.budget_gib``, ``memory.check``): over budget
-      exits 2 with the table and knob settings that fit (``kd plan --fit``). ``kd validate`` runs
-      exactly :meth:`KDRecipe.preload`, every check made before a weight is read.
-    - Loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` (``kd_ratio``, ``kd_loss.divergence``,
-      ``temperature`` with T^2 scaling), fused over labelled tokens chunk by chunk (``fused_loss``,
-      ``loss_chunk_size``); teacher and student may pad their vocabularies differently.
-    - The teacher (:mod:`kd.teachers`): a model (``teacher_model``) or stored top-k log-probs
-      (``teacher_logits``: kd's store, an axolotl or DistillKit file). The recipe asks it for a
-      signal per micro-batch and never asks which kind it is.
-    - Exact gradient accumulation over all micro-batches and ranks; ``enable_activation_
-      checkpointing``, ``compile``, ``clip_grad_norm``, ``lr_scheduler``, ``optimizer_in_cpu``;
-      LoRA students (only adapters train; saved merged and as an adapter); FSDP2 (``fsdp.*``).
-    - Step checkpoints (``save_every_n_steps``, ``keep_last_n``), exact resume
-      (``resume_from_checkpoint``); SIGTERM/SIGINT finish the step, save and exit 0; one run per
-      ``output_dir`` (``overwrite_output_dir`` moves another run's outputs aside).
-    - Metrics: ``output_dir/metrics.jsonl`` plus ``metric_logger`` (stdout, wandb).
-    - Validation (``validation``, ``keep_best``, ``early_stopping``): token-weighted ``val_*``
-      metrics over the whole held-out set, ``best/`` at the best step, early stopping::
-
-          kd run kd --config my.yaml validation.every_n_steps=50 early_stopping.patience=5
-
-    - On-policy distillation (``on_policy``, GKD): with probability ``lmbda`` a micro-batch trains
-      on the student's own completions, scored by the teacher; ``seq_kd`` on the teacher's.
+Features (each knob is a config key declared in kd/config/run.py; ``kd run --help`` lists them
+with their doc pages): the memory plan before any weight loads (``kd validate`` runs exactly
+:meth:`KDRecipe.preload`); the loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` fused over labelled
+tokens; any teacher (:mod:`kd.teachers`), asked for a signal per micro-batch and never asked which
+kind it is; exact gradient accumulation over micro-batches and ranks, LoRA, FSDP2; step
+checkpoints and exact resume, SIGTERM/SIGINT saving and exiting 0, one run per ``output_dir``;
+metrics (``metrics.jsonl``, ``metric_logger``); validation, ``best/`` and early stopping;
+on-policy distillation (``on_policy``) and the final lm-eval evaluation (``eval``).
 """
 
 from __future__ import annotations
@@ -47,20 +31,18 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from tqdm import tqdm
 
-from kd import checkpoint, data, models
+from kd import checkpoint, data
 from kd.checkpoint import outputs, resume_point
 from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
-from kd.errors import KDUserError, brief
+from kd.errors import brief
 from kd.memory.plan import MemoryPlan
 from kd.memory.run_check import check_run_memory
-from kd.metrics import PhaseTimer, peak_memory_gib
+from kd.metrics import PhaseTimer, progress_bar
 from kd.runtime import distributed
-from kd.runtime.checkpoints import Progress, StudentSource, check_loaded_weights_finite
+from kd.runtime.checkpoints import Progress, check_loaded_weights_finite
 from kd.runtime.distributed import WorldInfo
-from kd.runtime.interrupts import GracefulStop, launch_command, resume_hint
-from kd.runtime.prepare import prepare_student
+from kd.runtime.interrupts import GracefulStop, stopped_message
 from kd.runtime.run_checkpointer import RunCheckpointer
 from kd.runtime.run_context import RunContext
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
@@ -119,11 +101,6 @@ class KDRecipe:
         """
         run, ctx = self.run, self.ctx
         ctx.check_device()
-        if run.optimizer.in_cpu and (self.device.type != "cuda" or self.world.distributed):
-            raise KDUserError(
-                "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
-                "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
-            )
         # before anything is built
         self.plan = check_run_memory(run, ctx.world, config_name=self.config_name)
         self.tokenizer = ctx.tokenizer()
@@ -193,7 +170,7 @@ class KDRecipe:
         )
         if self.teacher_source is not None:
             self.teacher = self.teacher_source.load(self.ctx, self.facts, run_dir=self.output_dir)
-        self.student = self._load_model("model")
+        self.student = self.ctx.load_student(self.facts, run_dir=self.output_dir)
         if self.teacher is not None:
             self.extra = self.teacher.bind_student(self.student)
         self.optimizer, self.lr_scheduler = train.build_optimizer(
@@ -201,26 +178,20 @@ class KDRecipe:
         )
         self.checkpointer = RunCheckpointer(
             self.output_dir,
-            source=self._student_source(),
+            source=self.ctx.student_source(self.facts),
             config_yaml=run.yaml,
             keep_last_n=run.checkpoint.keep_last_n,
             world=self.world,
             extra=self.extra,
         )
         if run.validation is not None:
-            self.validator = evaluate.Validator(
-                run.validation,
-                loss=run.loss,
-                batches=data.build_eval_loader(
-                    self.val_dataset,
-                    batch_size=run.validation.batch_size,
-                    max_batches=run.validation.max_batches,
-                    pad_id=pad_id,
-                    world_size=self.world.world_size,
-                    rank=self.world.rank,
-                    route_field=self._route_field(),
-                ),
+            self.validator = evaluate.Validator.for_run(
+                run,
+                self.val_dataset,
+                pad_id=pad_id,
+                world=self.world,
                 device=self.device,
+                route_field=self._route_field(),
             )
         if self.resume_from is not None:
             self._restore(self.resume_from)
@@ -246,42 +217,13 @@ class KDRecipe:
         """The data field batches carry for the teacher (``TeacherInput.route``), if any."""
         return self.teacher_source.route_field if self.teacher_source is not None else None
 
-    def _load_model(self, key: str) -> torch.nn.Module:
-        """The student with its weights, prepared (LoRA, activation checkpointing, FSDP2)."""
-        ac, lora = self.run.activation_checkpointing, self.facts.lora
-        offload = self.ctx.device.type if self.run.activation_offloading else None
-        return self.ctx.load_model(
-            key,
-            self.facts.sources[key],
-            lambda m, shard: prepare_student(
-                m,
-                lora=lora,
-                activation_checkpointing=ac,
-                shard=shard,
-                activation_offloading=offload,
-            ),
-            run_dir=self.output_dir,
-        )
-
     def _restore(self, ckpt: Path) -> None:
         progress = self.checkpointer.restore(ckpt, self.student, self.optimizer, self.lr_scheduler)
         self.global_step, self.epoch = progress.global_step, progress.epoch
         self.run = self.run.with_seed(progress.seed)
         self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
-        validator = self.validator
-        if validator is not None and not validator.tracker.load_state_dict(progress.validation):
-            if self.world.is_rank_zero:
-                log.info("%s holds no best %s: it starts over", ckpt, validator.tracker.metric)
-
-    def _student_source(self) -> StudentSource:
-        src = self.facts.sources["model"]
-        return StudentSource(
-            model_type=src.model_type,
-            source_dir=src.folder,
-            lora=self.run.lora,
-            backend=src.backend,
-            tokenizer_files=models.tokenizer_files_to_copy(self.ctx.node("tokenizer")),
-        )
+        if self.validator is not None:
+            self.validator.restore(progress.validation, ckpt, say=self.world.is_rank_zero)
 
     # ------------------------------------------------------------ 3. training
     def train(self) -> None:
@@ -292,15 +234,7 @@ class KDRecipe:
         bad_steps, first_step = 0, self.global_step + 1
         saved: tuple[int, Path | None] | None = None  # (step, folder) of the newest step save
         every = self.run.checkpoint.save_every_n_steps
-        bar = tqdm(
-            total=self.total_steps,
-            initial=self.global_step,
-            # None: off when stderr is not a terminal (a log file would get one line of every
-            # redraw); the metric rows still say each step.
-            disable=None if self.world.is_rank_zero else True,
-            desc="kd",
-            dynamic_ncols=True,
-        )
+        bar = progress_bar(self.total_steps, self.global_step, shown=self.world.is_rank_zero)
         # Closing the bar on any exit ends its line, so an error message starts a line of its own.
         with bar, GracefulStop() as stop:
             for epoch in range(start_epoch, self.run.epochs):
@@ -339,7 +273,11 @@ class KDRecipe:
                     self.global_step += 1
                     bar.update(1)
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
-                        self._log(stats)
+                        lr = float(self.optimizer.param_groups[0]["lr"])
+                        plan = self.plan.peak_gib if self.plan is not None else None
+                        self.log.write_step(
+                            stats, step=step, epoch=self.epoch, lr=lr, planned_peak_gib=plan
+                        )
                     # Before the step save: its resume state holds this evaluation.
                     evaluated = self.validator is not None and self.validator.due(step)
                     if evaluated:
@@ -372,58 +310,25 @@ class KDRecipe:
                 )
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> train.StepStats:
-        """One optimizer step over ``batches`` (the micro-batches of this rank).
-
-        The labelled tokens of all micro-batches on all ranks are counted first, so each micro-batch
-        contributes ``mean_loss * local / total`` and accumulation is exact.
-        """
-        t0 = time.perf_counter()
-        timer = PhaseTimer(self.device)
+        """One optimizer step over ``batches`` (the micro-batches of this rank), each as the step
+        trains on it (:meth:`_inputs`): :func:`kd.training.train.train_step`."""
+        t0, timer = time.perf_counter(), PhaseTimer(self.device)
         sampled: dict[str, tuple[int, int]] = {}
         inputs = [self._inputs(b, i, timer, sampled) for i, b in enumerate(batches)]
-        labels = [train.shift_labels(inp.labels) for inp in inputs]
-        total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
-        names = self.teacher.terms if self.teacher is not None else ()
-        sums = torch.zeros(3 + len(names), device=self.device)
-        for inp, lab in zip(inputs, labels, strict=True):
-            r = train.micro_step(
-                self.student,
-                self.teacher,
-                inp.tokens.to(self.device),
-                lab.to(self.device),
-                settings=self.run.loss,
-                num_tokens_total=total,
-                grad_scale=float(self.world.world_size),
-                teacher_input=inp,
-                timer=timer,
-            )
-            extra = [r.terms.get(n, torch.zeros_like(r.kd)) for n in names]
-            sums += torch.stack([r.loss, r.ce, r.kd, *extra]).float()
-            if self.teacher is not None:
-                self.teacher.release()  # before the backward of the next micro-batch peaks
-        sums = distributed.all_reduce_sum(sums)
-        # optimizer_step never applies NaN/inf gradients: the weights stay those of the last good
-        # step whatever the loop decides.
-        norm, stepped = train.optimizer_step(
+        return train.train_step(
             self.student,
-            self.optimizer,
+            self.teacher,
+            inputs,
+            settings=self.run.loss,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
             clip_grad_norm=self.run.optimizer.clip_grad_norm,
             extra=self.extra,
-        )
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        loss, ce, kd, *extra_sums = (float(x) for x in sums)
-        return train.StepStats(
-            loss=loss,
-            ce_loss=ce,
-            kd_loss=kd,
-            grad_norm=float(norm),
-            num_tokens=int(total),
-            stepped=stepped,
-            seconds=time.perf_counter() - t0,
-            phases=dict(timer.seconds),
+            world=self.world,
+            device=self.device,
+            timer=timer,
             sampled=sampled,
-            terms=dict(zip(names, extra_sums, strict=True)),
+            started=t0,
         )
 
     def _inputs(
@@ -452,15 +357,7 @@ class KDRecipe:
                 return TeacherInput(
                     tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
                 )
-        rows = batch.get("rows")
-        # The loader's host tensors: a file, store or served teacher reads their values on the
-        # host (no device round trip); a model teacher moves them to its own device.
-        return TeacherInput(
-            tokens=batch["tokens"],
-            labels=batch["labels"],
-            rows=rows.tolist() if rows is not None else None,
-            route=batch.get("route"),
-        )
+        return train.batch_input(batch)
 
     def _check_loaded_weights(self) -> None:
         """A non-finite first step: blame weights that were loaded as NaN or inf on their files."""
@@ -524,19 +421,6 @@ class KDRecipe:
         assert self.log is not None
         self.log.write({"step": self.global_step, **row})
 
-    def _log(self, stats: train.StepStats) -> None:
-        row: dict[str, Any] = {
-            "step": self.global_step,
-            "epoch": self.epoch,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            **train.step_metrics(stats, on_policy=self.on_policy is not None),
-        }
-        if self.run.log_peak_memory_stats:
-            row.update(peak_memory_gib(self.device))
-            if self.plan is not None:
-                row["planned_peak_gib"] = self.plan.peak_gib
-        self.log.write(row)
-
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
         """Write the student in HF format (and, for step checkpoints, the full resume state).
@@ -561,11 +445,7 @@ class KDRecipe:
         path = just_saved if just_saved is not None else self.save(final=False)
         if self.world.is_rank_zero:
             print(
-                f"kd: received {signal_name}; stopped after step {self.global_step}",
-                file=sys.stderr,
-            )
-            print(
-                resume_hint(launch_command(sys.argv, world_size=self.world.world_size), path),
+                stopped_message(signal_name, self.global_step, path, world=self.world),
                 file=sys.stderr,
             )
 
@@ -581,11 +461,7 @@ class KDRecipe:
         """
         try:
             if self.log is not None:
-                self.log.close()
-        except KDUserError as e:
-            if not failing:
-                raise
-            log.warning("%s", e)
+                self.log.close(failing=failing)
         finally:
             if self.teacher is not None:
                 self.teacher.close()

@@ -13,10 +13,14 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kd.runtime.distributed import WorldInfo
 
 logger = logging.getLogger("kd")
 
@@ -124,3 +128,11 @@ def launch_command(argv: list[str], *, world_size: int) -> list[str]:
         if world_size > local:
             launcher.append(f"--nnodes={world_size // local}")
     return ["kd", "run", *launcher, recipe, *argv[1:]]
+
+
+def stopped_message(signal_name: str | None, step: int, path: Path, *, world: WorldInfo) -> str:
+    """What rank 0 prints after a stop by ``signal_name``: the step it stopped after, then where
+    the checkpoint ``path`` is and the command that resumes it (:func:`resume_hint`)."""
+    return f"kd: received {signal_name}; stopped after step {step}\n" + resume_hint(
+        launch_command(sys.argv, world_size=world.world_size), path
+    )

@@ -24,9 +24,10 @@ from kd.checkpoint import outputs
 from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
+from kd.runtime.checkpoints import StudentSource
 from kd.runtime.device import check_device
 from kd.runtime.distributed import WorldInfo
-from kd.runtime.prepare import ShardSpec, materialize, shard_spec
+from kd.runtime.prepare import ShardSpec, materialize, prepare_student, shard_spec
 
 log = logging.getLogger("kd")
 
@@ -92,7 +93,13 @@ class RunContext:
 
     # ------------------------------------------------------------ checks (no weight read)
     def check_device(self) -> None:
+        """The device exists; ``optimizer_in_cpu`` only on one CUDA device."""
         check_device(self.run.device)
+        if self.run.optimizer.in_cpu and (self.device.type != "cuda" or self.world.distributed):
+            raise KDUserError(
+                "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
+                "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
+            )
 
     def tokenizer(self) -> Any:
         """The run's tokenizer, its files checked and a test text encoded (built once)."""
@@ -200,7 +207,37 @@ class RunContext:
             max_steps=max_steps,
         )
 
+    def student_source(self, facts: ModelFacts) -> StudentSource:
+        """What the student's checkpoints are written from (:class:`StudentSource`)."""
+        src = facts.sources["model"]
+        return StudentSource(
+            model_type=src.model_type,
+            source_dir=src.folder,
+            lora=self.run.lora,
+            backend=src.backend,
+            tokenizer_files=models.tokenizer_files_to_copy(self.node("tokenizer")),
+        )
+
     # ------------------------------------------------------------ loading
+    def load_student(self, facts: ModelFacts, *, run_dir: Any) -> nn.Module:
+        """The student (``model``) with its weights, prepared by
+        :func:`kd.runtime.prepare.prepare_student` with the run's flags (LoRA, activation
+        checkpointing and offloading, FSDP2 when distributed)."""
+        ac, lora = self.run.activation_checkpointing, facts.lora
+        offload = self.device.type if self.run.activation_offloading else None
+        return self.load_model(
+            "model",
+            facts.sources["model"],
+            lambda m, shard: prepare_student(
+                m,
+                lora=lora,
+                activation_checkpointing=ac,
+                shard=shard,
+                activation_offloading=offload,
+            ),
+            run_dir=run_dir,
+        )
+
     def load_model(
         self,
         key: str,

@@ -31,6 +31,7 @@ device holds; recomputing costs one teacher forward per validation batch, withou
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -43,12 +44,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from kd import losses, models
-from kd.config.run import LossSettings, ValidationSettings
+from kd import data, losses, models
+from kd.config.run import LossSettings, RunConfig, ValidationSettings
 from kd.config.schema import VAL_METRICS
 from kd.runtime import distributed
+from kd.runtime.distributed import WorldInfo
 from kd.teachers import Teacher, TeacherInput, TeacherSignal, as_teacher
 from kd.training.train import shift_labels
+
+log = logging.getLogger("kd")
 
 __all__ = ["BestTracker", "ValStats", "Validator", "batch_sums", "evaluate", "token_sums"]
 
@@ -430,6 +434,38 @@ class Validator:
         self.batches = batches
         self.device = device
         self.tracker = BestTracker(settings.metric, settings.mode, patience=settings.patience)
+
+    @classmethod
+    def for_run(
+        cls,
+        run: RunConfig,
+        dataset: Any,
+        *,
+        pad_id: int,
+        world: WorldInfo,
+        device: torch.device,
+        route_field: str | None,
+    ) -> Validator:
+        """The validator of ``run`` (``validation:`` set) over this rank's share of ``dataset``
+        (:func:`kd.data.build_eval_loader`), its batches carrying ``route_field`` when set."""
+        settings = run.validation
+        assert settings is not None
+        batches = data.build_eval_loader(
+            dataset,
+            batch_size=settings.batch_size,
+            max_batches=settings.max_batches,
+            pad_id=pad_id,
+            world_size=world.world_size,
+            rank=world.rank,
+            route_field=route_field,
+        )
+        return cls(settings, loss=run.loss, batches=batches, device=device)
+
+    def restore(self, state: dict[str, Any], ckpt: Path, *, say: bool) -> None:
+        """Follow on from a checkpoint's tracker ``state``; one that holds none starts over
+        (said on the ``kd`` logger when ``say``)."""
+        if not self.tracker.load_state_dict(state) and say:
+            log.info("%s holds no best %s: it starts over", ckpt, self.tracker.metric)
 
     def due(self, step: int) -> bool:
         """Whether ``validation.every_n_steps`` evaluates after optimizer step ``step``."""

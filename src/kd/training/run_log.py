@@ -4,17 +4,21 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from kd.checkpoint import outputs
-from kd.errors import redact
-from kd.metrics import GuardedLogger, build_quietly
+from kd.errors import KDUserError, redact
+from kd.metrics import GuardedLogger, build_quietly, peak_memory_gib
 from kd.runtime.run_context import RunContext
+from kd.training.train import StepStats, step_metrics
 
 __all__ = ["RunLog"]
+
+log = logging.getLogger("kd")
 
 
 class RunLog:
@@ -31,6 +35,7 @@ class RunLog:
     def __init__(
         self, ctx: RunContext, output_dir: Path, *, config_yaml: str, resume_step: int | None
     ):
+        self.ctx = ctx
         self.output_dir = output_dir
         self.logger = GuardedLogger(
             build_quietly(lambda: ctx.build("metric_logger", fix="fix the logger's arguments")),
@@ -53,7 +58,33 @@ class RunLog:
         outputs.write_metrics_row(self.metrics, row, output_dir=self.output_dir)
         self.logger.log_dict({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def close(self) -> None:
-        """Close both sinks (raising the logger's failure as one line)."""
+    def write_step(
+        self, stats: StepStats, *, step: int, epoch: int, lr: float, planned_peak_gib: float | None
+    ) -> None:
+        """The row of optimizer step ``step``: its learning rate and metrics
+        (:func:`kd.training.train.step_metrics`), with ``log_peak_memory_stats`` the device's
+        peaks and the memory plan's (``planned_peak_gib``, None without a plan)."""
+        run = self.ctx.run
+        row: dict[str, Any] = {
+            "step": step,
+            "epoch": epoch,
+            "lr": lr,
+            **step_metrics(stats, on_policy=run.on_policy is not None),
+        }
+        if run.log_peak_memory_stats:
+            row.update(peak_memory_gib(self.ctx.device))
+            if planned_peak_gib is not None:
+                row["planned_peak_gib"] = planned_peak_gib
+        self.write(row)
+
+    def close(self, *, failing: bool = False) -> None:
+        """Close both sinks, raising the logger's failure as one line; while an error is on its
+        way out (``failing``) that failure is only logged, so the first error is the one
+        reported."""
         self.metrics.close()
-        self.logger.close()
+        try:
+            self.logger.close()
+        except KDUserError as e:
+            if not failing:
+                raise
+            log.warning("%s", e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from kd.runtime import distributed
 from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
 
 __all__ = [
+    "batch_input",
+    "train_step",
     "LossSettings",
     "build_lr_scheduler",
     "build_optimizer",
@@ -261,6 +264,96 @@ def micro_step(
         kd=(kd.detach() * scale.to(kd.device)),
         num_tokens=local.detach(),
         terms={k: v.detach() * scale.to(v.device) for k, v in terms.items()},
+    )
+
+
+def batch_input(batch: dict[str, torch.Tensor]) -> TeacherInput:
+    """A loader's micro-batch as the step trains on it: its host tensors (a file, store or served
+    teacher reads their values on the host, with no device round trip; a model teacher moves them
+    to its own device), its dataset rows and its route."""
+    rows = batch.get("rows")
+    return TeacherInput(
+        tokens=batch["tokens"],
+        labels=batch["labels"],
+        rows=rows.tolist() if rows is not None else None,
+        route=batch.get("route"),
+    )
+
+
+def train_step(
+    student: nn.Module,
+    teacher: Teacher | None,
+    inputs: list[TeacherInput],
+    *,
+    settings: LossSettings,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    clip_grad_norm: float | None,
+    extra: nn.Module | None,
+    world: distributed.WorldInfo,
+    device: torch.device,
+    timer: PhaseTimer,
+    sampled: dict[str, tuple[int, int]],
+    started: float,
+) -> StepStats:
+    """One optimizer step over this rank's micro-batches ``inputs``.
+
+    The labelled tokens of all micro-batches on all ranks are counted first, so each micro-batch
+    contributes ``mean_loss * local / total`` and accumulation is exact; the summed terms are
+    all-reduced; :func:`optimizer_step` never applies NaN/inf gradients, so the weights stay
+    those of the last good step whatever the loop decides.
+
+    Args:
+        student: the trained model.
+        teacher: the run's teacher, or None (CE only).
+        inputs: the micro-batches as the step trains on them.
+        settings: the loss settings.
+        optimizer: the student's optimizer.
+        lr_scheduler: stepped after the optimizer, or None.
+        clip_grad_norm: ``clip_grad_norm``.
+        extra: trainable parameters the teacher's loss adds (``Teacher.bind_student``), or None.
+        world: this process's place in the job (FSDP's average becomes the sum).
+        device: where the student trains.
+        timer: the step's phase timer (on-policy sampling already counted in it).
+        sampled: on-policy counts per source, for the step's metrics.
+        started: ``time.perf_counter()`` when the step began.
+    """
+    labels = [shift_labels(inp.labels) for inp in inputs]
+    total = distributed.all_reduce_sum(count_tokens(labels).to(device))
+    names = teacher.terms if teacher is not None else ()
+    sums = torch.zeros(3 + len(names), device=device)
+    for inp, lab in zip(inputs, labels, strict=True):
+        r = micro_step(
+            student,
+            teacher,
+            inp.tokens.to(device),
+            lab.to(device),
+            settings=settings,
+            num_tokens_total=total,
+            grad_scale=float(world.world_size),
+            teacher_input=inp,
+            timer=timer,
+        )
+        terms = [r.terms.get(n, torch.zeros_like(r.kd)) for n in names]
+        sums += torch.stack([r.loss, r.ce, r.kd, *terms]).float()
+        if teacher is not None:
+            teacher.release()  # before the backward of the next micro-batch peaks
+    sums = distributed.all_reduce_sum(sums)
+    norm, stepped = optimizer_step(student, optimizer, clip_grad_norm=clip_grad_norm, extra=extra)
+    if lr_scheduler is not None:
+        lr_scheduler.step()
+    loss, ce, kd, *term_sums = (float(x) for x in sums)
+    return StepStats(
+        loss=loss,
+        ce_loss=ce,
+        kd_loss=kd,
+        grad_norm=float(norm),
+        num_tokens=int(total),
+        stepped=stepped,
+        seconds=time.perf_counter() - started,
+        phases=dict(timer.seconds),
+        sampled=sampled,
+        terms=dict(zip(names, term_sums, strict=True)),
     )
 
 
