@@ -299,7 +299,7 @@ def test_fused_runs_forward_and_backward_under_fake_tensor_mode():
 
 def test_fused_fake_path_masks_like_the_real_path():
     """The fake-tensor code path (all rows kept, weighted by the mask) gives the real answer."""
-    import kd.losses as losses
+    from kd.losses import fused as losses
 
     hs, ws, ht, wt, labels = _fused_inputs()
     want, _, _ = fused_linear_kd_loss(hs, ws, ht, wt, labels, chunk_size=8)
