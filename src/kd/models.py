@@ -30,7 +30,7 @@ from kd.backends.torchtune import load_checkpointer_weights as load_checkpointer
 from kd.backends.torchtune import load_weights as load_weights
 from kd.backends.torchtune import peft_adapter_config as peft_adapter_config
 from kd.errors import KDUserError, brief
-from kd.hf import tokenization
+from kd.hf import tokenizer_compare
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -156,7 +156,7 @@ def check_teacher_tokenizer(
     KD compares the two models' distributions token id by token id, so a teacher trained with
     another tokenizer would be taught ids that mean other text. Checked when the teacher is a
     folder of the transformers backend holding tokenizer files and the tokenizer is another folder's
-    (the same probe texts and special tokens must give the same ids; :func:`kd.hf.tokenization.
+    (the same probe texts and special tokens must give the same ids; :func:`kd.hf.tokenizer_compare.
     compare_tokenizers`). A torchtune teacher is checked by the config's family rule instead.
 
     Raises:
@@ -172,9 +172,9 @@ def check_teacher_tokenizer(
     folder = Path(path).expanduser()
     if folder.resolve() == teacher.folder.resolve():
         return
-    if not any((teacher.folder / n).is_file() for n in tokenization.HF_TOKENIZER_FOLDER_FILES):
+    if not any((teacher.folder / n).is_file() for n in tokenizer_compare.HF_TOKENIZER_FOLDER_FILES):
         return
-    tokenization.compare_tokenizers(
+    tokenizer_compare.compare_tokenizers(
         teacher.folder, folder, teacher_vocab=teacher_vocab, student_vocab=student_vocab
     )
 
@@ -239,7 +239,7 @@ def attention_shape(model: nn.Module) -> tuple[int, int, int] | None:
     return backend_of(model).attention_shape(model)
 
 
-TOKENIZER_PROBE = tokenization.TOKENIZER_PROBE
+TOKENIZER_PROBE = tokenizer_compare.TOKENIZER_PROBE
 
 
 def tokenizer_file_problems(files: Mapping[str, Path], *, parse_json: bool) -> list[str]:

@@ -82,6 +82,8 @@ class _FusedLinearKD(_FusedHead):
     # a chunk's [C, V] buffers are the only vocabulary-sized memory; the planner's loss term is
     # derived from this loop (kd.memory.loss_head).
     @staticmethod
+    # forward is over 80 lines because it is one chunk loop whose temporaries are freed in
+    # place as it goes: split into functions, each chunk's [n, V] tensors would outlive their use.
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         h_s: Tensor,

@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     data = detect_data_format(Path(args.data))
     context = context_template(args.context, data) if teacher is None else None
     seq_len = max_seq_len(args.max_seq_len, teacher or student, student)
-    from kd.hf.tokenization import TokenizersDiffer
+    from kd.hf.tokenizer_compare import TokenizersDiffer
 
     cross: str | None = None
     status("comparing the tokenizers (every token id) and rendering the data's first rows")

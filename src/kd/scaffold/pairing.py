@@ -3,7 +3,7 @@ holds both.
 
 :func:`reconcile_backends` keeps torchtune builders of different token-id families apart;
 :func:`max_seq_len` bounds the length by both models; :func:`check_tokenizers` compares the two
-tokenizers' whole vocabularies (:func:`kd.hf.tokenization.compare_tokenizers`) and has the
+tokenizers' whole vocabularies (:func:`kd.hf.tokenizer_compare.compare_tokenizers`) and has the
 student's chat template render a probe conversation and the data's first chat rows
 (:func:`render_rows`), as ``kd run`` will.
 """
@@ -18,7 +18,7 @@ from kd.scaffold.data import DataFormat
 from kd.scaffold.inspection import Backend, ModelChoice
 
 if TYPE_CHECKING:
-    from kd.hf.tokenization import TokenizerCheck
+    from kd.hf.tokenizer_compare import TokenizerCheck
 
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -80,7 +80,7 @@ def check_tokenizers(
     teacher: ModelChoice, student: ModelChoice, data: DataFormat
 ) -> TokenizerCheck:
     """The two tokenizers are one (their whole vocabularies, special tokens and encodings), and the
-    student's chat template renders (:func:`kd.hf.tokenization.compare_tokenizers`).
+    student's chat template renders (:func:`kd.hf.tokenizer_compare.compare_tokenizers`).
 
     Imports transformers (and torch); everything before it in ``kd init`` stays cheap.
 
@@ -93,7 +93,7 @@ def check_tokenizers(
     Raises:
         KDUserError: the first difference, or a template that cannot render (one line each).
     """
-    from kd.hf.tokenization import compare_tokenizers
+    from kd.hf.tokenizer_compare import compare_tokenizers
 
     check = compare_tokenizers(
         teacher.folder,

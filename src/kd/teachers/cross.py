@@ -160,7 +160,7 @@ def check_pair(teacher_tokenizer: Any, match: VocabMatch, folder: Path) -> None:
         KDUserError: the teacher's tokenizer encodes a plain line to no tokens, or the two
             vocabularies share no token string.
     """
-    from kd.hf.tokenization import TOKENIZER_PROBE
+    from kd.hf.tokenizer_compare import TOKENIZER_PROBE
 
     where = f"cross_tokenizer: the teacher's tokenizer in {one_line(str(folder))}"
     fix = (
