@@ -151,6 +151,17 @@ def _signal_handlers_restored(request):
         yield
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): the same float reductions in every run, and tiny models run many times
+    faster than with threads spinning on shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, Path]:
     """Paths of the tiny assets: ``tokenizer`` (folder), ``student`` and ``teacher`` (HF model
@@ -215,6 +226,18 @@ def tiny_hidden_decoder(vocab: int = 64, dim: int = 32, seed: int = 0) -> torch.
 def write_config(path: Path, cfg: dict) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def run_kd(config: dict[str, Any] | Path, *args: Any, recipe: str = "kd") -> int:
+    """``kd run RECIPE --config CONFIG ARGS...`` in-process, through the CLI as a user runs it
+    (``kd.cli.main``); its exit status. ``config`` is a config file, or a config dict written to
+    the path that comes first in ``args`` (:func:`write_config`)."""
+    from kd import cli
+
+    if isinstance(config, dict):
+        path, *args = args  # type: ignore[assignment]
+        config = write_config(Path(path), config)
+    return cli.main(["run", recipe, "--config", str(config), *map(str, args)])
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

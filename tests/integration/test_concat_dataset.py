@@ -7,7 +7,6 @@ torchtune's recipes do; the data checks and the steps per epoch see the concaten
 from __future__ import annotations
 
 import pytest
-import torch
 import yaml
 from conftest import make_config, read_metrics, write_config
 from omegaconf import ListConfig
@@ -19,15 +18,10 @@ from kd.config.instantiate import build_component
 from kd.config.run import run_config
 from kd.testing import write_jsonl
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RUN = ["run", "kd_single_device"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def two_datasets(assets, tmp_path, **top):

@@ -10,7 +10,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import STUDENT, TEACHER, make_config, read_metrics, write_config, write_hf_qwen2
+from conftest import (
+    STUDENT,
+    TEACHER,
+    make_config,
+    read_metrics,
+    run_kd,
+    write_config,
+    write_hf_qwen2,
+)
 
 from kd import cli
 from kd.testing import write_hf_tokenizer, write_jsonl
@@ -76,10 +84,6 @@ def _cfg(assets, out: Path, teacher: Path, **top) -> dict:
     return cfg
 
 
-def _run(cfg: dict, path: Path) -> int:
-    return cli.main(["run", "kd", "--config", str(write_config(path, cfg))])
-
-
 def _steps(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "loss" in r and "step" in r]
 
@@ -89,9 +93,9 @@ def test_same_tokenizer_trains_as_the_one_tokenizer_run(assets, unpadded, tmp_pa
     student = {"model": {"_component_": "kd.hf.causal_lm", "path": str(unpadded["student"])}}
     cfg = _cfg(assets, one, unpadded["teacher"], **student)
     del cfg["checkpointer"]
-    assert _run(cfg, tmp_path / "one.yaml") == 0
+    assert run_kd(cfg, tmp_path / "one.yaml") == 0
     cfg = dict(cfg, output_dir=str(cross), cross_tokenizer={"matched_weight": None})
-    assert _run(cfg, tmp_path / "cross.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cross.yaml") == 0
     a, b = _steps(one), _steps(cross)
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b, strict=True):
@@ -109,7 +113,7 @@ def test_other_tokenizer_aligns_and_logs_both_parts(
     out = tmp_path / "run"
     dataset = dict(make_config(assets, out)["dataset"], data_files=str(letter_data))
     cfg = _cfg(assets, out, other_tok_teacher, cross_tokenizer={}, dataset=dataset)
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 0
     rows = _steps(out)
     assert len(rows) == 3
     for r in rows:
@@ -206,7 +210,7 @@ def test_a_teacher_tokenizer_sharing_no_token_is_one_line(assets, tmp_path, caps
     (teacher / "tokenizer_config.json").write_text(json.dumps(config))
     out = tmp_path / "run"
     cfg = _cfg(assets, out, teacher, cross_tokenizer={})
-    assert _run(cfg, tmp_path / "cfg.yaml") == 2
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("kd: error:")]

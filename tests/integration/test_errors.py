@@ -32,16 +32,10 @@ import kd.checkpoint
 import kd.training.train
 from kd import checkpoint, cli
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RUN = ["run", "kd_single_device"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run far faster on one intra-op thread than on threads sharing busy cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class MaskedDataset(torch.utils.data.Dataset):

@@ -30,17 +30,12 @@ from kd import cli
 from kd.errors import KDUserError
 from kd.teachers import stored_logits
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 K = 8
 STORED = 12  # entries per position in the foreign files (k <= stored)
 T_GEN = 2.0  # the axolotl file's generation temperature, re-tempered to T = 1
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _rows(assets) -> list[dict]:

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, TEACHER, make_config, read_metrics, tiny_model, write_config
+from conftest import (
+    MAX_SEQ_LEN,
+    TEACHER,
+    make_config,
+    read_metrics,
+    run_kd,
+    tiny_model,
+    write_config,
+)
 from safetensors.torch import load_file
 
 from kd import cli
@@ -59,10 +67,6 @@ def hf_config(
         cfg["teacher_model"] = hf_node(assets["teacher"])
         del cfg["teacher_checkpointer"]
     return cfg
-
-
-def run(cfg: dict, path: Path, *overrides: str) -> int:
-    return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *overrides])
 
 
 def assert_same_metrics(a: Path, b: Path, tol: float = TOL) -> None:
@@ -129,7 +133,7 @@ def test_losses_equal_the_torchtune_backend(
     transformers (or mixed) run equal the all-torchtune run's."""
     data = assets if family == "qwen2" else llama_assets
     ref = tmp_path / "tt"
-    assert run(_torchtune_config(data, ref), tmp_path / "tt.yaml") == 0
+    assert run_kd(_torchtune_config(data, ref), tmp_path / "tt.yaml") == 0
     cfg = _torchtune_config(data, tmp_path / "mixed")
     if student == "hf":
         cfg["model"] = hf_node(data["student"])
@@ -137,15 +141,15 @@ def test_losses_equal_the_torchtune_backend(
     if teacher == "hf":
         cfg["teacher_model"] = hf_node(data["teacher"])
         del cfg["teacher_checkpointer"]
-    assert run(cfg, tmp_path / "mixed.yaml") == 0
+    assert run_kd(cfg, tmp_path / "mixed.yaml") == 0
     assert_same_metrics(ref, tmp_path / "mixed")
     assert sum("val_loss" in r for r in read_metrics(ref)) == 3  # validation rows were compared
 
 
 def test_activation_checkpointing_changes_no_number(assets, tmp_path):
-    assert run(hf_config(assets, tmp_path / "a"), tmp_path / "a.yaml") == 0
+    assert run_kd(hf_config(assets, tmp_path / "a"), tmp_path / "a.yaml") == 0
     cfg = hf_config(assets, tmp_path / "b", enable_activation_checkpointing=True)
-    assert run(cfg, tmp_path / "b.yaml") == 0
+    assert run_kd(cfg, tmp_path / "b.yaml") == 0
     assert_same_metrics(tmp_path / "a", tmp_path / "b")
 
 
@@ -161,7 +165,7 @@ def test_lora_final_loads_merged_and_as_peft_adapter(assets, tmp_path):
     import transformers
 
     out = tmp_path / "run"
-    assert run(hf_config(assets, out, lora=True), tmp_path / "c.yaml") == 0
+    assert run_kd(hf_config(assets, out, lora=True), tmp_path / "c.yaml") == 0
     final = out / "final"
     merged = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
     base = transformers.AutoModelForCausalLM.from_pretrained(assets["student"], dtype=torch.float32)
@@ -224,14 +228,14 @@ def test_sigterm_then_resume_is_bit_identical(assets, tmp_path, monkeypatch, lor
         metric_logger={"_component_": "kd.metrics.StdoutLogger"},
     )
     ref = tmp_path / "ref"
-    assert run(hf_config(assets, ref, lora=lora, **top), tmp_path / "ref.yaml") == 0
+    assert run_kd(hf_config(assets, ref, lora=lora, **top), tmp_path / "ref.yaml") == 0
     out = tmp_path / "run"
     config = hf_config(assets, out, lora=lora, **top)
     with monkeypatch.context() as m:
         _sigterm_at_step(m, 4)  # in epoch 1: the resumed run restores the data order too
-        assert run(config, tmp_path / "run.yaml") == 0
+        assert run_kd(config, tmp_path / "run.yaml") == 0
     assert not (out / "final").exists()
-    assert run(config, tmp_path / "run.yaml", "resume_from_checkpoint=true") == 0
+    assert run_kd(config, tmp_path / "run.yaml", "resume_from_checkpoint=true") == 0
     a, b = (
         load_file(ref / "final" / "model.safetensors"),
         load_file(out / "final" / "model.safetensors"),
@@ -320,7 +324,7 @@ def test_teacher_with_padded_vocab_and_tied_student(assets, tmp_path, tied):
     folder = write_tiny_model(tmp_path / "student", shape, seed=5, writer="transformers")
     cfg = hf_config({**assets, "student": folder}, tmp_path / "run")
     assert TEACHER["vocab"] > shape.vocab_size
-    assert run(cfg, tmp_path / "c.yaml") == 0
+    assert run_kd(cfg, tmp_path / "c.yaml") == 0
     final = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert final.config.tie_word_embeddings == tied
     assert (final.lm_head.weight is final.model.embed_tokens.weight) == tied
@@ -334,7 +338,7 @@ def _pair_hf(assets: dict, root: Path, name: str, *, lora: bool, **top) -> tuple
 
     one, two = root / f"{name}_1", root / f"{name}_2"
     common = dict(gradient_accumulation_steps=2, lora=lora, save_every_n_steps=2, **top)
-    assert run(hf_config(assets, one, batch_size=8, **common), root / f"{name}_1.yaml") == 0
+    assert run_kd(hf_config(assets, one, batch_size=8, **common), root / f"{name}_1.yaml") == 0
     _launch(write_config(root / f"{name}_2.yaml", hf_config(assets, two, batch_size=4, **common)))
     return one, two
 

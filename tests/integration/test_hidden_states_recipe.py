@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_config, read_metrics, sigterm_at_step, write_config
+from conftest import make_config, read_metrics, run_kd, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
@@ -45,15 +45,11 @@ def _config(assets, out: Path, **top) -> dict:
     return make_config(assets, out, **base)
 
 
-def _run(config: Path, *overrides: str) -> int:
-    return cli.main(["run", "kd", "--config", str(config), *overrides])
-
-
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hidden_ref")
     out = root / "run"
-    assert _run(write_config(root / "cfg.yaml", _config(assets, out))) == 0
+    assert run_kd(write_config(root / "cfg.yaml", _config(assets, out))) == 0
     return out
 
 
@@ -87,9 +83,9 @@ def test_sigterm_then_resume_restores_projections_bit_identical(
     config = write_config(tmp_path / "cfg.yaml", _config(assets, out))
     with monkeypatch.context() as m:
         sigterm_at_step(m, 2)
-        assert _run(config) == 0
+        assert run_kd(config) == 0
     assert checkpoint.read_checkpoint_marker(checkpoint.find_latest_checkpoint(out))["step"] == 2
-    assert _run(config, "resume_from_checkpoint=true") == 0
+    assert run_kd(config, "resume_from_checkpoint=true") == 0
     a = load_file(reference / "final" / "model.safetensors")
     b = load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -195,9 +191,9 @@ def test_both_backends_agree_and_lora_students_train(assets, tmp_path):
         hidden_states=dict(HIDDEN),
         max_steps_per_epoch=2,
     )
-    assert _run(write_config(tmp_path / "tt.yaml", cfg)) == 0
+    assert run_kd(write_config(tmp_path / "tt.yaml", cfg)) == 0
     cfg = hf_config(assets, hf_out, hidden_states=dict(HIDDEN), max_steps_per_epoch=2)
-    assert _run(write_config(tmp_path / "hf.yaml", cfg)) == 0
+    assert run_kd(write_config(tmp_path / "hf.yaml", cfg)) == 0
     for a, b in zip(read_metrics(tt_out), read_metrics(hf_out), strict=True):
         for key in ("loss", "ce_loss", "kd_loss", "hidden_loss"):
             assert b[key] == pytest.approx(a[key], abs=1e-4), (a["step"], key)
@@ -214,7 +210,7 @@ def test_both_backends_agree_and_lora_students_train(assets, tmp_path):
             ),
         ),
     ):
-        assert _run(write_config(tmp_path / f"{name}.yaml", cfg)) == 0, name
+        assert run_kd(write_config(tmp_path / f"{name}.yaml", cfg)) == 0, name
         rows = read_metrics(tmp_path / name)
         assert all(0 < r["hidden_loss"] < 2 for r in rows if "loss" in r), name
         assert (tmp_path / name / "final" / "adapter").is_dir(), name

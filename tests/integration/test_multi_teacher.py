@@ -8,7 +8,15 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
+from conftest import (
+    TEACHER,
+    builder,
+    make_config,
+    read_metrics,
+    run_kd,
+    write_config,
+    write_hf_qwen2,
+)
 
 from kd import cli
 from kd.testing import checkpointer_node, write_jsonl
@@ -48,20 +56,16 @@ def _multi(assets: dict, out: Path, teachers: dict, **top) -> dict:
     return cfg
 
 
-def _run(cfg: dict, path: Path, *args: str) -> int:
-    return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *args])
-
-
 def _steps(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "loss" in r and "step" in r]
 
 
 def test_one_member_is_exactly_the_one_teacher_run(assets, tmp_path):
     one = tmp_path / "one"
-    assert _run(make_config(assets, one), tmp_path / "one.yaml") == 0
+    assert run_kd(make_config(assets, one), tmp_path / "one.yaml") == 0
     multi = tmp_path / "multi"
     cfg = _multi(assets, multi, {"members": [_member("t", assets["teacher"], multi, weight=3.0)]})
-    assert _run(cfg, tmp_path / "multi.yaml") == 0
+    assert run_kd(cfg, tmp_path / "multi.yaml") == 0
     a, b = _steps(one), _steps(multi)
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b, strict=True):
@@ -89,7 +93,7 @@ def test_two_teachers_log_and_validate_each_teacher(combine, assets, second_teac
         validation=val,
         max_steps_per_epoch=2,
     )
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 0
     rows = _steps(out)
     for r in rows:
         assert r["kd_loss/a"] > 0 and r["kd_loss/b"] > 0
@@ -118,7 +122,7 @@ def test_route_by_a_data_field(assets, second_teacher, routed_data, tmp_path):
         dataset=dataset,
         validation=val,
     )
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 0
     for r in _steps(out):
         # in training rows the per-teacher terms are shares of kd_loss
         assert r["kd_loss"] == pytest.approx(r["kd_loss/a"] + r["kd_loss/b"], rel=1e-5)
@@ -253,7 +257,7 @@ def test_a_validation_row_naming_no_teacher_is_one_line(assets, tmp_path, capsys
     val = {"dataset": dict(dataset, data_files=str(held_out)), "max_batches": 1}
     cfg = _multi(assets, out, teachers, dataset=dataset, validation=val)
     capsys.readouterr()
-    assert _run(cfg, tmp_path / "c.yaml") == 2
+    assert run_kd(cfg, tmp_path / "c.yaml") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("kd: error:")]
@@ -310,14 +314,14 @@ def test_top_level_teacher_keys_set_to_null_beside_teachers(assets, tmp_path, ca
     out = tmp_path / "run"
     cfg = _multi(assets, out, {"members": [_member("a", assets["teacher"], out)]})
     cfg.update(teacher_model=None, teacher_checkpointer=None, teacher_logits=None)
-    assert _run(cfg, tmp_path / "c.yaml", "max_steps_per_epoch=1") == 0
+    assert run_kd(cfg, tmp_path / "c.yaml", "max_steps_per_epoch=1") == 0
     assert _steps(out)[0]["kd_loss/a"] > 0
     # Resumed without those null lines: the same run, already complete (a null top-level key
     # is the key left out).
     resumed = {k: v for k, v in cfg.items() if not k.startswith("teacher_")}
     capsys.readouterr()
     assert (
-        _run(resumed, tmp_path / "r.yaml", "max_steps_per_epoch=1", "resume_from_checkpoint=true")
+        run_kd(resumed, tmp_path / "r.yaml", "max_steps_per_epoch=1", "resume_from_checkpoint=true")
         == 0
     )
     assert "already complete" in capsys.readouterr().err
@@ -380,7 +384,7 @@ def test_a_stored_member_beside_a_model_member(assets, second_teacher, tmp_path)
         "teacher_logits": {"path": str(store), "k": 8},
     }
     cfg = _multi(assets, out, {"members": [stored, _member("m", second_teacher, out)]})
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 0
     rows = _steps(out)
     assert len(rows) == 3
     for r in rows:
@@ -433,7 +437,7 @@ def test_route_on_two_ranks_where_each_rank_sees_one_teacher(
         dataset=dataset,
         batch_size=8,
     )
-    assert _run(single, tmp_path / "one.yaml") == 0
+    assert run_kd(single, tmp_path / "one.yaml") == 0
     steps, reference = _steps(out), _steps(one)
     assert [r["step"] for r in steps] == [r["step"] for r in reference] == [1, 2, 3]
     for r, ref in zip(steps, reference, strict=True):

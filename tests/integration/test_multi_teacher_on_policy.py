@@ -12,23 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
 
 import kd.training.on_policy
 from kd import cli
 from kd.testing import checkpointer_node, write_jsonl
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROUTES = ["a", "b", None, "a", "b", None, "b", "a"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the same float reductions in every run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

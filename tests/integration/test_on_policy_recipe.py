@@ -17,6 +17,9 @@ from safetensors.torch import load_file
 import kd.training.on_policy
 from kd import checkpoint, cli, models
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = ["run", "kd"]
 ON_POLICY_ONLY = {
     "time_generate_s",
@@ -26,15 +29,6 @@ ON_POLICY_ONLY = {
     "sampled_batches_teacher",
     "sampled_tokens_teacher",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: the same float reductions in every run, and tiny models run faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def on_policy(**kw) -> dict:

@@ -23,6 +23,9 @@ from safetensors.torch import load_file
 
 from kd import checkpoint, cli
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = ["run", "kd_single_device"]
 # Fields that depend on wall time or memory, not on the trajectory.
 
@@ -80,16 +83,6 @@ def snapshot(folder: Path) -> dict[str, bytes]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread here and in the subprocesses: the same float reductions everywhere,
-    and tiny models run many times faster than with threads spinning on shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def subprocess_env() -> dict[str, str]:

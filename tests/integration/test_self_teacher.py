@@ -13,22 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, make_config, read_metrics, sigterm_at_step, write_config
+from conftest import MAX_SEQ_LEN, make_config, read_metrics, run_kd, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import cli, models
 from kd.testing import hf_tokenizer_node, write_jsonl
 
+# One intra-op thread (tests/conftest.py): the same float reductions in every run.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SEQ_LEN = 2 * MAX_SEQ_LEN  # room for the context
 CONTEXT = "Reference answer: {reference}. Reply with it."
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +70,6 @@ def self_config(
     return cfg
 
 
-def run(cfg: dict, path: Path, *overrides: str) -> int:
-    return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *overrides])
-
-
 BACKENDS = [("hf", True), ("hf", False), ("tt", True), ("tt", False)]
 IDS = ["hf-lora", "hf-full", "tt-lora", "tt-full"]
 
@@ -94,7 +85,7 @@ def test_empty_context_is_zero_divergence_at_step_1(assets, rows_file, tmp_path,
         self_teacher={"context": ""},
         max_steps_per_epoch=2,
     )
-    assert run(cfg, tmp_path / "c.yaml") == 0
+    assert run_kd(cfg, tmp_path / "c.yaml") == 0
     rows = read_metrics(tmp_path / "o")
     assert rows[0]["kd_loss"] == 0.0
     assert rows[1]["kd_loss"] > 0  # the student moved; the teacher did not
@@ -173,7 +164,7 @@ def test_lora_teacher_is_the_base_model(assets, rows_file, tmp_path, backend):
 def test_context_changes_the_teacher_and_the_plan_knows(assets, rows_file, tmp_path, backend):
     out = tmp_path / "o"
     cfg = self_config(assets, out, rows_file, backend=backend, max_steps_per_epoch=2)
-    assert run(cfg, tmp_path / "c.yaml") == 0
+    assert run_kd(cfg, tmp_path / "c.yaml") == 0
     rows = read_metrics(out)
     assert rows[0]["kd_loss"] > 0  # the context changes the teacher's distribution
     assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
@@ -271,7 +262,7 @@ def test_on_policy_empty_context_is_zero_then_context_teaches(assets, rows_file,
             self_teacher={"context": context},
             max_steps_per_epoch=2,
         )
-        assert run(cfg, tmp_path / f"{name}.yaml") == 0
+        assert run_kd(cfg, tmp_path / f"{name}.yaml") == 0
         rows = read_metrics(tmp_path / name)
         assert rows[0]["sampled_batches_student"] == 2
         assert (rows[0]["kd_loss"] == 0.0) == (context == "")
@@ -293,7 +284,7 @@ def test_sigterm_then_resume_is_bit_identical(
     )
     ref = tmp_path / "ref"
     assert (
-        run(
+        run_kd(
             self_config(assets, ref, rows_file, backend=backend, lora=lora, **top),
             tmp_path / "r.yaml",
         )
@@ -303,9 +294,9 @@ def test_sigterm_then_resume_is_bit_identical(
     cfg = self_config(assets, out, rows_file, backend=backend, lora=lora, **top)
     with monkeypatch.context() as m:
         sigterm_at_step(m, 4)
-        assert run(cfg, tmp_path / "c.yaml") == 0
+        assert run_kd(cfg, tmp_path / "c.yaml") == 0
     assert not (out / "final").exists()
-    assert run(cfg, tmp_path / "c.yaml", "resume_from_checkpoint=true") == 0
+    assert run_kd(cfg, tmp_path / "c.yaml", "resume_from_checkpoint=true") == 0
     a, b = (
         load_file(ref / "final" / "model.safetensors"),
         load_file(out / "final" / "model.safetensors"),
@@ -483,5 +474,5 @@ def test_torchtune_tokenizer_renders_the_same_completion(assets, rows_file, tmp_
             assets, tmp_path / name, rows_file, backend="tt", self_teacher={"context": context}
         )
         cfg["tokenizer"] = tokenizer_node(assets["tokenizer"], SEQ_LEN)
-        assert run(cfg, tmp_path / f"{name}.yaml", "max_steps_per_epoch=1") == 0
+        assert run_kd(cfg, tmp_path / f"{name}.yaml", "max_steps_per_epoch=1") == 0
         assert (read_metrics(tmp_path / name)[0]["kd_loss"] == 0.0) == (context == "")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, read_metrics, tiny_model
+from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, read_metrics, run_kd, tiny_model
 from conftest import write_config as write_yaml
 
 from kd import cli
@@ -61,10 +61,6 @@ def served_config(assets, tmp: Path, name: str, url: str, **server) -> Path:
 
 def errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("kd: error:")]
-
-
-def run(config: Path, *overrides: str) -> int:
-    return cli.main(["run", "kd", "--config", str(config), *overrides])
 
 
 # ------------------------------------------------------------------------- protocols
@@ -175,7 +171,7 @@ def stored_run(assets, tmp_path_factory) -> Path:
     pre = write_yaml(tmp / "pre.yaml", make_config(assets, tmp / "pre", teacher_logits=store))
     assert cli.main(["run", "teacher_logits", "--config", str(pre)]) == 0
     train = write_yaml(tmp / "kd.yaml", make_config(assets, tmp / "kd", teacher_logits=store))
-    assert run(train) == 0
+    assert run_kd(train) == 0
     return tmp / "kd"
 
 
@@ -202,7 +198,7 @@ def test_kd_against_the_server_equals_kd_from_the_store(
         lambda self, key, *a, **kw: (loaded.append(key), original(self, key, *a, **kw))[1],
     )
     with _server(teacher_fn, tokenizer, api=api) as s:
-        assert run(served_config(assets, tmp_path, "served", s.url, api=api)) == 0
+        assert run_kd(served_config(assets, tmp_path, "served", s.url, api=api)) == 0
         asked = s.requests
     assert loaded == ["model"]  # no teacher weights
     # The probe, one request per row of the 6 micro-batches, and at most prefetch (4) more
@@ -220,7 +216,7 @@ def test_faults_during_training_lose_nothing(assets, stored_run, server, tmp_pat
     # loaded machine, shorter than the hang).
     server.faults.extend(["500", "500", "hang", "500"])
     config = served_config(assets, tmp_path, "faults", server.url, timeout=2, retries=6)
-    assert run(config) == 0
+    assert run_kd(config) == 0
     assert not server.faults
     assert_same_steps(stored_run, tmp_path / "faults")
 
@@ -239,21 +235,21 @@ def test_a_server_failing_mid_run_saves_stops_and_resumes(
         s.faults.extend([""] * (1 + 8 + 3) + [fault])  # the probe, step 1, 3 rows of step 2
         config = served_config(assets, tmp_path, "failed", s.url, retries=2, prefetch=0)
         capsys.readouterr()
-        assert run(config) == 2
+        assert run_kd(config) == 2
     err = errors(capsys.readouterr().err)
     assert len(err) == 1 and line in err[0], err
     assert "stopped after step 1; saved" in err[0] and "step_000001" in err[0]
     assert (tmp_path / "failed" / "step_000001").is_dir()
     assert not (tmp_path / "failed" / "final").exists()
     with _server(teacher_fn, tokenizer, port=port):
-        assert run(config, "resume_from_checkpoint=true") == 0
+        assert run_kd(config, "resume_from_checkpoint=true") == 0
     assert_same_steps(stored_run, tmp_path / "failed")
 
 
 def test_on_policy_completions_are_scored_by_the_server(assets, server, tmp_path):
     config = served_config(assets, tmp_path, "gkd", server.url)
     overrides = ["on_policy.lmbda=1", "on_policy.max_new_tokens=4", "max_steps_per_epoch=2"]
-    assert run(config, *overrides) == 0
+    assert run_kd(config, *overrides) == 0
     rows = read_metrics(tmp_path / "gkd")
     assert all(r["sampled_batches_student"] == 2 and r["kd_loss"] > 0 for r in rows)
     data_rows = {tuple(p) for p in server.prompts[:1]}  # the probe
@@ -329,7 +325,7 @@ def test_teacher_logits_fills_a_store_from_the_server(
         lp_b = torch.tensor([x for r in b.column("logprobs").to_pylist() for x in r])
         torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=2e-3)
     asked = server.requests
-    assert run(config, *fill) == 0
+    assert run_kd(config, *fill) == 0
     assert server.requests == asked  # the store teaches
     assert_same_steps(stored_run, tmp_path / "fill")
 
@@ -379,7 +375,7 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
     through = {"store": str(store), "store_rows_per_shard": 8}
     with _server(teacher_fn, tokenizer) as s:
         first = served_config(assets, tmp_path, "first", s.url, **through)
-        assert run(first) == 0
+        assert run_kd(first) == 0
         asked_first = s.requests
         assert asked_first == 1 + 24  # the probe, then the rows of 3 steps (none asked ahead)
         # 3 steps of 8 rows in order (shuffle false): rows 0..23, shards 0..2 are whole.
@@ -388,7 +384,7 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
         written = sorted(p.name for p in store.glob("*.parquet"))
         assert written == [stored_logits.shard_name(0, i) for i in range(3)]
         again = served_config(assets, tmp_path, "again", s.url, **through)
-        assert run(again) == 0
+        assert run_kd(again) == 0
         assert s.requests == asked_first + 1  # the probe only: the store answered every row
         fill = [
             f"teacher_logits.path={store}",
@@ -399,6 +395,6 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
         assert s.requests == asked_first + 1 + 1 + (64 - 24)  # its probe, the 40 rows missing
     assert stored_logits.read_manifest(store)["complete"]
     dead = served_config(assets, tmp_path, "serverless", "http://127.0.0.1:9", **through)
-    assert run(dead) == 0  # the complete store teaches; the server is neither asked nor needed
+    assert run_kd(dead) == 0  # the complete store teaches; the server is neither asked nor needed
     for name in ("first", "again", "serverless"):
         assert_same_steps(stored_run, tmp_path / name)

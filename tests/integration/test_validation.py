@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config, write_data
+from conftest import make_config, read_metrics, run_kd, write_config, write_data
 from safetensors.torch import load_file
 
 from kd import cli
@@ -37,12 +37,6 @@ def _validation(data: Path, **kw) -> dict:
     return {"dataset": node, "every_n_steps": 1, **kw}
 
 
-def _run(cfg: dict, path: Path, *overrides: str) -> int:
-    return cli.main(
-        ["run", "kd_single_device", "--config", str(write_config(path, cfg)), *overrides]
-    )
-
-
 def _val_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "val_loss" in r]
 
@@ -61,7 +55,7 @@ def test_keep_best_writes_best_at_the_best_step_loadable_by_transformers(assets,
         keep_last_n=10,
         **BUMPY,
     )
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml", recipe="kd_single_device") == 0
     rows = _val_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no second evaluation at the end
     assert all(VAL_KEYS <= set(r) and "loss" not in r for r in rows)
@@ -92,7 +86,7 @@ def test_validation_only_at_the_end_and_batch_size_does_not_change_it(assets, he
         out = tmp_path / f"b{batch}"
         val = _validation(heldout, every_n_steps=None, batch_size=batch)
         cfg = make_config(assets, out, validation=val, max_steps_per_epoch=2)
-        assert _run(cfg, tmp_path / f"b{batch}.yaml") == 0
+        assert run_kd(cfg, tmp_path / f"b{batch}.yaml", recipe="kd_single_device") == 0
         rows[batch] = _val_rows(out)
         assert [r["step"] for r in rows[batch]] == [2]
         assert not (out / "best").exists()
@@ -113,7 +107,7 @@ def test_early_stopping_after_patience_evaluations_without_improvement(
         optimizer={"_component_": "torch.optim.SGD", "lr": 0.0},
         max_steps_per_epoch=6,
     )
-    assert _run(cfg, tmp_path / "cfg.yaml") == 0
+    assert run_kd(cfg, tmp_path / "cfg.yaml", recipe="kd_single_device") == 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "early stopping" in line]
     assert lines == [
@@ -145,18 +139,28 @@ def test_resume_restores_the_best_value_and_the_patience_count(assets, heldout, 
         )
 
     whole = tmp_path / "whole"
-    assert _run(config(whole, 6), tmp_path / "whole.yaml") == 0
+    assert run_kd(config(whole, 6), tmp_path / "whole.yaml", recipe="kd_single_device") == 0
     stopped_whole = [line for line in capsys.readouterr().err.splitlines() if "early" in line]
     assert len(stopped_whole) == 1 and "after step 4 of 6" in stopped_whole[0]
     assert read_checkpoint_marker(whole / "best")["step"] == 1
 
     parts = tmp_path / "parts"
-    assert _run(config(parts, 2), tmp_path / "parts.yaml") == 0  # ends at step 2 (a step save)
+    assert (
+        run_kd(config(parts, 2), tmp_path / "parts.yaml", recipe="kd_single_device") == 0
+    )  # ends at step 2 (a step save)
     capsys.readouterr()
     state = torch.load(parts / "step_000002" / "recipe_state.pt", weights_only=True)
     assert state["validation"]["best_step"] == 1 and state["validation"]["bad_evals"] == 1
     resumed = config(parts, 6)
-    assert _run(resumed, tmp_path / "resumed.yaml", "resume_from_checkpoint=true") == 0
+    assert (
+        run_kd(
+            resumed,
+            tmp_path / "resumed.yaml",
+            "resume_from_checkpoint=true",
+            recipe="kd_single_device",
+        )
+        == 0
+    )
     stopped = [line for line in capsys.readouterr().err.splitlines() if "early" in line]
     assert stopped == [stopped_whole[0].replace(str(whole), str(parts))]
     assert read_checkpoint_marker(parts / "best")["step"] == 1
@@ -201,7 +205,7 @@ def test_empty_validation_file_says_so(assets, tmp_path, capsys, content):
     empty.write_text(content)
     out = tmp_path / "run"
     cfg = make_config(assets, out, validation=_validation(empty), max_steps_per_epoch=1)
-    assert _run(cfg, tmp_path / "c.yaml") == 2
+    assert run_kd(cfg, tmp_path / "c.yaml", recipe="kd_single_device") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "StopIteration" not in err
     (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
