@@ -260,17 +260,17 @@ UNTIMED = {
 
 
 def sigterm_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """Send this process a real SIGTERM right after ``step`` is logged (the recipe saves and
-    stops)."""
+    """Send this process a real SIGTERM right after ``step``'s row is logged (the recipe saves
+    and stops)."""
     import signal
 
-    from kd.recipes.kd import KDRecipe
+    from kd.training.run_log import RunLog
 
-    original = KDRecipe._log
+    original = RunLog.write_step
 
     def log_then_signal(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if self.global_step == step:
+        if kwargs["step"] == step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)
+    monkeypatch.setattr(RunLog, "write_step", log_then_signal)

@@ -8,8 +8,6 @@ resume, FSDP2 parity) is checked here against it, or against the HF path's own u
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -20,13 +18,13 @@ from conftest import (
     make_config,
     read_metrics,
     run_kd,
+    sigterm_at_step,
     tiny_model,
     write_config,
 )
 from safetensors.torch import load_file
 
 from kd import cli
-from kd.recipes.kd import KDRecipe
 from kd.testing import TinyModel, hf_tokenizer_node, write_tiny_model
 
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
@@ -203,17 +201,6 @@ def test_lora_final_loads_merged_and_as_peft_adapter(assets, tmp_path):
             assert torch.equal(saved[name], value), name
 
 
-def _sigterm_at_step(monkeypatch, step: int) -> None:
-    original = KDRecipe._log
-
-    def log_then_signal(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.global_step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(KDRecipe, "_log", log_then_signal)
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_sigterm_then_resume_is_bit_identical(assets, tmp_path, monkeypatch, lora):
     top = dict(
@@ -232,7 +219,7 @@ def test_sigterm_then_resume_is_bit_identical(assets, tmp_path, monkeypatch, lor
     out = tmp_path / "run"
     config = hf_config(assets, out, lora=lora, **top)
     with monkeypatch.context() as m:
-        _sigterm_at_step(m, 4)  # in epoch 1: the resumed run restores the data order too
+        sigterm_at_step(m, 4)  # in epoch 1: the resumed run restores the data order too
         assert run_kd(config, tmp_path / "run.yaml") == 0
     assert not (out / "final").exists()
     assert run_kd(config, tmp_path / "run.yaml", "resume_from_checkpoint=true") == 0

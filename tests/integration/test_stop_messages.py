@@ -13,16 +13,16 @@ from kd import checkpoint, cli
 
 
 def test_ctrl_c_reports_the_checkpoint_once(assets, tmp_path, monkeypatch, capfd):
-    from kd.recipes.kd import KDRecipe
+    from kd.training.run_log import RunLog
 
-    original = KDRecipe._log
+    original = RunLog.write_step
 
     def log_then_ctrl_c(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if self.global_step == 1:
+        if kwargs["step"] == 1:
             os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, handled by GracefulStop
 
-    monkeypatch.setattr(KDRecipe, "_log", log_then_ctrl_c)
+    monkeypatch.setattr(RunLog, "write_step", log_then_ctrl_c)
     out = tmp_path / "run"
     config = write_config(tmp_path / "cfg.yaml", make_config(assets, out))
     argv = ["run", "kd_single_device", "--config", str(config)]

@@ -202,15 +202,15 @@ def _train(assets, tmp: Path, name: str, *overrides: str, **top) -> Path:
 def test_training_from_full_store_matches_the_online_teacher(
     assets, full_store, tmp_path, monkeypatch
 ):
-    import kd.recipes.kd as recipe_module
+    from kd.runtime.run_context import RunContext
 
     online = _train(assets, tmp_path, "online")
     built = []
-    original = recipe_module.KDRecipe._load_model
+    original = RunContext.load_model
     monkeypatch.setattr(
-        recipe_module.KDRecipe,
-        "_load_model",
-        lambda self, key: (built.append(key), original(self, key))[1],
+        RunContext,
+        "load_model",
+        lambda self, key, *a, **kw: (built.append(key), original(self, key, *a, **kw))[1],
     )
     # The teacher's nodes stay in the config, ignored but for the store's identity check.
     offline = _train(
