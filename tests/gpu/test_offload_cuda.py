@@ -102,3 +102,26 @@ def test_offloading_on_a_side_stream_is_exact():
         assert manager.offloaded_bytes > 0 and not manager.tracker
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_teacher_on_second_gpu_is_exact(assets, tmp_path):
+    """teacher_device: cuda:1 beside device: cuda:0 gives the one-device run's numbers, and the
+    teacher's layers did live on cuda:1."""
+    from kd.teachers import placement
+
+    made: list[placement.HeadOnStudentDevice] = []
+    init = placement.HeadOnStudentDevice.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    base = _run(assets, tmp_path / "resident", device="cuda:0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement.HeadOnStudentDevice, "__init__", spy)
+        two = _run(assets, tmp_path / "two", device="cuda:0", teacher_device="cuda:1")
+    _same(base, two)
+    (head,) = made
+    assert head.on_student.device == torch.device("cuda", 0)
+    assert all(m._parameters[n] is head.on_student for m, n in head.places)

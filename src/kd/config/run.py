@@ -900,6 +900,15 @@ class RunConfig:
         choices=("none", "park", "stream"),
         resume=MAY_CHANGE,
     )
+    teacher_device: str | None = setting(
+        "teacher_device",
+        None,
+        "the device a local teacher model runs on when it is not the student's (cuda:1 beside "
+        "device: cuda:0; one process, not under torchrun): its hidden states and a copy of its "
+        "output projection are on the student's device for the loss; kd plan plans each device "
+        "against the budget; null: the student's device",
+        resume=MAY_CHANGE,
+    )
     trust_remote_components: bool = setting(
         "trust_remote_components",
         False,

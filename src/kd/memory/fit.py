@@ -196,6 +196,7 @@ def _host_offloads(knobs: TrainKnobs, device: str, has_teacher: bool) -> list[tu
         and knobs.teacher_bytes_per_param is None
         and not knobs.self_teacher_copy
         and not knobs.cross_tokenizer
+        and not knobs.teacher_own_device  # teacher_device: it has a device of its own
     )
     if parkable:
         teachers += ["park", "stream"]
@@ -322,7 +323,7 @@ def _smaller_eval_batch(
         e //= 2
         k = replace(knobs, eval_batch=e)
         smaller = estimate(student, teacher, k)
-        if smaller.peak_bytes <= budget_bytes:
+        if smaller.fits(budget_bytes):
             return (
                 k,
                 smaller,
@@ -361,7 +362,7 @@ def _fitting(
             k, est, over, words = _smaller_eval_batch(
                 student, teacher, k, est, over, words, budget_bytes=budget_bytes
             )
-        if est.peak_bytes <= budget_bytes:
+        if est.fits(budget_bytes):
             found.append(FitOption(over, est.peak_bytes, t, ", ".join(words)))
     found.sort(key=lambda o: (round(o.relative_time, 4), o.peak_bytes))
     return found
