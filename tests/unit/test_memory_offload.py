@@ -118,6 +118,34 @@ def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
     assert not json.loads(capsys.readouterr().out)["fits"]
 
 
+LORA_8B_8B = "llama3_1/8B_to_8B_lora_single_device"
+
+
+def test_fit_puts_the_8b_to_8b_template_on_one_24_gib_gpu(capsys):
+    """The 8B -> 8B template (LoRA student, bf16 8B teacher: 61 GiB) on one 24 GiB GPU:
+    ``--fit`` answers with the activations in host memory and the teacher streamed (21.88 GiB),
+    then activation checkpointing with the teacher streamed (23.94 GiB), each stating the bytes it
+    moves per step and their seconds; both planned again fit (docs/offloading.md)."""
+    base = ["plan", "--config", LORA_8B_8B, "--budget-gib", "24"]
+    assert cli.main([*base, "--fit"]) == 1
+    text = capsys.readouterr().out
+    assert "peak 61.08 GiB in forward; budget 24.00 GiB: DOES NOT FIT" in text
+    lines = text.split("settings that fit (fastest first; append to the command line):\n")[1]
+    options = [x for x in lines.splitlines() if x.startswith("  ") and "#" in x]
+    got = [line.split("#")[0].split() for line in options]
+    assert got[:2] == [
+        ["enable_activation_offloading=true", "teacher_offload=stream"],
+        ["enable_activation_checkpointing=true", "teacher_offload=stream"],
+    ]
+    assert "21.88 GiB" in options[0] and "771.5 GiB moved per step, ~33.1 s" in options[0]
+    assert "223.7 GiB moved per step, ~9.6 s at an assumed 25 GB/s" in options[0]
+    assert "23.94 GiB" in options[1] and "771.5" not in options[1]
+    for overrides in got[:2]:
+        assert cli.main([*base, *overrides, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["fits"] and out["peak_gib"] <= 24 and out["host"]["transfer_s_per_step"] > 0
+
+
 def test_trace_compares_with_the_resident_step(assets, tmp_path, capsys):
     """``kd plan --trace`` traces the resident step; with offloading set, its rows still compare
     with that step's estimate (the same ratio as without), and the table says so."""

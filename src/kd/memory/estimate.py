@@ -42,8 +42,8 @@ from kd.memory.offload import (
 )
 from kd.memory.resident import resident_bytes
 from kd.memory.runtime import RuntimeTerms, runtime_terms
-from kd.memory.teacher_device import teacher_device_components
 from kd.memory.shapes import ModelShape
+from kd.memory.teacher_device import teacher_device_components
 from kd.memory.training_step import (
     Components,
     backward_phase,

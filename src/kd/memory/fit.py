@@ -363,9 +363,23 @@ def _fitting(
                 student, teacher, k, est, over, words, budget_bytes=budget_bytes
             )
         if est.fits(budget_bytes):
-            found.append(FitOption(over, est.peak_bytes, t, ", ".join(words)))
+            found.append(FitOption(over, est.peak_bytes, t, ", ".join(_moved_words(words, est))))
     found.sort(key=lambda o: (round(o.relative_time, 4), o.peak_bytes))
     return found
+
+
+def _moved_words(words: list[str], est: Estimate) -> list[str]:
+    """``words`` with the activations' host transfers stated (bytes and seconds per step, as
+    the teacher's are), from the option's own estimate."""
+    acts = est.host.moved.get("offloaded_activations", 0)
+    if not acts:
+        return words
+    seconds = acts / (PCIE_GB_PER_S * 1e9)
+    said = (
+        f"activations in host memory: {acts / GIB:.1f} GiB moved per step, ~{seconds:.1f} s at an "
+        f"assumed {PCIE_GB_PER_S:g} GB/s (a side stream: overlapped with compute)"
+    )
+    return [said if w == "activations in host memory" else w for w in words]
 
 
 def fit_options(

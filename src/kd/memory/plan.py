@@ -202,6 +202,29 @@ class MemoryPlan:
             )
         return lines
 
+    def _teacher_device_lines(self) -> list[str]:
+        """The table's line of the teacher's own device (``teacher_device``), or none."""
+        e, budget = self.estimate, self.budget_gib
+        if not e.teacher_device:
+            return []
+        own = e.teacher_device_peak
+        share = f", {100 * own / (budget * GIB):.1f}% of the budget" if budget else ""
+        parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in e.teacher_device.items() if b)
+        return [
+            f"  teacher device ({self.inputs.teacher_device}): peak {own / GIB:.2f} GiB{share} "
+            f"({parts}); the table above is the student's device"
+        ]
+
+    def _teacher_device_verdict(self) -> str:
+        """The verdict's words on the teacher's own device, or nothing."""
+        e, budget = self.estimate, self.budget_gib
+        if not e.teacher_device or budget is None:
+            return ""
+        over = e.teacher_device_peak / GIB - budget
+        return f"; teacher device {e.teacher_device_peak / GIB:.2f} GiB: " + (
+            "fits" if over <= 0 else f"DOES NOT FIT (over by {over:.2f} GiB)"
+        )
+
     def table(self) -> str:
         """A readable table: components by phase, share of the budget, the peak and the verdict."""
         # NOTE: ~80 lines of line formatting, kept in one place so the table reads as printed.
@@ -275,15 +298,7 @@ class MemoryPlan:
             f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
             "(+ cuda_runtime); the budget is checked against the device peak"
         )
-        lines += self._host_lines()
-        if e.teacher_device:
-            own = e.teacher_device_peak
-            share = f", {100 * own / (budget * GIB):.1f}% of the budget" if budget else ""
-            parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in e.teacher_device.items() if b)
-            lines.append(
-                f"  teacher device ({inp.teacher_device}): peak {own / GIB:.2f} GiB{share} "
-                f"({parts}); the table above is the student's device"
-            )
+        lines += self._host_lines() + self._teacher_device_lines()
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
             verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
@@ -291,12 +306,7 @@ class MemoryPlan:
             verdict += f"; budget {budget:.2f} GiB: fits ({budget - self.peak_gib:.2f} GiB free)"
         else:
             verdict += f"; budget {budget:.2f} GiB: DOES NOT FIT (over by {self.peak_gib - budget:.2f} GiB)"
-        if e.teacher_device and budget is not None:
-            over = e.teacher_device_peak / GIB - budget
-            verdict += f"; teacher device {e.teacher_device_peak / GIB:.2f} GiB: " + (
-                "fits" if over <= 0 else f"DOES NOT FIT (over by {over:.2f} GiB)"
-            )
-        lines.append(verdict)
+        lines.append(verdict + self._teacher_device_verdict())
         if self.traced:
             lines.append(
                 f"traced peak {self.traced_peak_gib:.2f} GiB (allocated "
