@@ -125,3 +125,36 @@ def test_teacher_on_second_gpu_is_exact(assets, tmp_path):
     (head,) = made
     assert head.on_student.device == torch.device("cuda", 0)
     assert all(m._parameters[n] is head.on_student for m, n in head.places)
+
+
+def test_streamed_teacher_prefetch_is_stream_safe():
+    """teacher_offload: stream on CUDA copies layer i + 1 on a side stream while layer i runs:
+    the output is the resident model's, bit for bit, over many forwards (a missing wait would
+    read a half-copied layer; a missing record_stream would let the next copy overwrite a layer
+    still being read), and at most the layer computing and the one prefetched are on the device
+    beside the kept projection."""
+    from conftest import tiny_hidden_decoder
+
+    from kd import models
+
+    torch.manual_seed(0)
+    resident = tiny_hidden_decoder(vocab=512, dim=256).cuda().eval()
+    streamed = tiny_hidden_decoder(vocab=512, dim=256).eval()
+    streamed.load_state_dict(resident.state_dict())
+    models.freeze(resident), models.freeze(streamed)
+    p = parking.ParkedWeights(streamed, torch.device("cuda"), mode="stream")
+    tokens = torch.randint(0, 512, (4, 64), device="cuda")
+    with torch.no_grad():
+        want = resident(tokens)
+        layer = sum(
+            t.numel() * t.element_size() for t in models.decoder_layers(resident)[0].parameters()
+        )
+        for _ in range(50):
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            got = streamed(tokens)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+            assert torch.cuda.max_memory_allocated() - before < 3 * layer + 64 * got.nbytes
+    assert p.prefetched == 50 * len(models.decoder_layers(streamed))
+    assert all(now is host and host.is_pinned() for now, host in p.host_copies())

@@ -59,7 +59,8 @@ def test_parked_teacher_terms(mode):
     assert parked_teacher_bytes(TEACHER, K) == 0
     layer = 2 * TEACHER.largest_layer_params()
     embedding = 2 * TEACHER.embedding_params()  # untied: a unit of its own when streamed
-    want_in = body if mode == "park" else max(layer, embedding)
+    # stream: the unit computing and the next one prefetched (embedding + layer 0, two layers)
+    want_in = body if mode == "park" else layer + max(layer, embedding)
     assert teacher_forward_in_bytes(TEACHER, k) == want_in
     resident, parked = estimate(LLAMA, TEACHER, K), estimate(LLAMA, TEACHER, k)
     for phase in ("backward", "optimizer_step"):

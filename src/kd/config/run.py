@@ -895,8 +895,9 @@ class RunConfig:
         "none",
         "where a local teacher model's weights wait between its forwards: none (on the device), "
         "park (in pinned host memory, all copied to the device for each forward), or stream "
-        "(copied one decoder layer at a time); its output projection stays on the device; one "
-        "device only; kd plan states the host memory and the bytes moved per step",
+        "(copied one decoder layer at a time, the next prefetched); its output projection stays "
+        "on the device; one device only; kd plan states the host memory and the bytes moved per "
+        "step",
         choices=("none", "park", "stream"),
         resume=MAY_CHANGE,
     )

@@ -241,7 +241,11 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         ws = k.num_ranks
         notes.append(f"FSDP2 over {ws} ranks: per-rank numbers; weights, grads and states / {ws}")
     if k.teacher_offload != "none" and teacher is not None:
-        which = "all of them" if k.teacher_offload == "park" else "one decoder layer at a time"
+        which = (
+            "all of them"
+            if k.teacher_offload == "park"
+            else "one decoder layer, the next prefetched"
+        )
         notes.append(
             f"teacher_offload={k.teacher_offload}: the teacher's weights but its output projection "
             f"wait in host memory; on the device during its forwards: {which} (its sampling: all)"

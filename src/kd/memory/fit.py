@@ -238,7 +238,9 @@ def _settings(
             if parked != knobs.teacher_offload:
                 moved = parked_teacher_bytes(teacher, kk) * kk.grad_accum
                 seconds = moved / (PCIE_GB_PER_S * 1e9)
-                how = "all of it" if parked == "park" else "one layer at a time"
+                how = (
+                    "all of it" if parked == "park" else "one layer at a time, the next prefetched"
+                )
                 o = [*o, f"teacher_offload={parked}"]
                 w = [
                     *w,
