@@ -87,9 +87,18 @@ class ParkedWeights:
         device: the training device.
         mode: ``park`` (the model is one unit) or ``stream`` (each decoder layer and the
             embedding are units).
+        host: where the host copies live: the CPU (None); ``kd plan --trace`` keeps them on the
+            meta device, so that its tracker counts them apart from the device's memory.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, *, mode: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        mode: str,
+        host: torch.device | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"teacher_offload: {mode!r} is not one of {MODES}")
         self.device = device
@@ -111,7 +120,8 @@ class ParkedWeights:
             units: list[nn.Module] = [model]
         else:
             units = [models.input_embeddings(model), *models.decoder_layers(model)]
-        pin = device.type == "cuda"
+        host = torch.device("cpu") if host is None else host
+        pin = device.type == "cuda" and host.type == "cpu"
         seen: set[int] = set(kept_ids)
         self._units: list[_Unit] = []
         for unit in units:
@@ -122,9 +132,9 @@ class ParkedWeights:
                         continue
                     if id(p) not in slots:
                         seen.add(id(p))
-                        host = p.detach().to("cpu", copy=True)
-                        host = host.pin_memory() if pin else host
-                        slots[id(p)] = _Slot(nn.Parameter(host, requires_grad=False), [])
+                        copy = p.detach().to(host, copy=True)
+                        copy = copy.pin_memory() if pin else copy
+                        slots[id(p)] = _Slot(nn.Parameter(copy, requires_grad=False), [])
                     slots[id(p)].places.append((module, name))
             self._units.append(_Unit(list(slots.values())))
         for u in self._units:
