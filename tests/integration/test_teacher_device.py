@@ -68,6 +68,19 @@ def test_teacher_device_is_exact(assets, tmp_path, monkeypatch, placed, tied):
     _assert_same(base, moved)
 
 
+def test_transformers_teacher_device_is_exact(assets, tmp_path, monkeypatch, placed):
+    """The same with a transformers (kd.hf) teacher: its lm_head's copy on the student's side."""
+    from test_fake_device_steps import hf_node
+
+    top = {"teacher_model": hf_node(assets["teacher"]), "teacher_checkpointer": None}
+    base = _kd_run(assets, tmp_path / "resident", **top)
+    monkeypatch.setattr(build, "same_device", lambda a, b: False)
+    moved = _kd_run(assets, tmp_path / "placed", teacher_device="cpu", **top)
+    (head,) = placed
+    assert head.on_teacher is None and head.places
+    _assert_same(base, moved)
+
+
 def test_teacher_device_same_as_student_places_nothing(assets, tmp_path, placed):
     """teacher_device naming the student's device is the resident run (nothing copied)."""
     base = _kd_run(assets, tmp_path / "resident")
