@@ -117,10 +117,10 @@ def test_teacher_on_second_gpu_is_exact(assets, tmp_path):
         init(self, *args, **kwargs)
         made.append(self)
 
-    base = _run(assets, tmp_path / "resident", device="cuda:0")
+    base = _run(assets, tmp_path / "resident")  # device: cuda (cuda:0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(placement.HeadOnStudentDevice, "__init__", spy)
-        two = _run(assets, tmp_path / "two", device="cuda:0", teacher_device="cuda:1")
+        two = _run(assets, tmp_path / "two", teacher_device="cuda:1")
     _same(base, two)
     (head,) = made
     assert head.on_student.device == torch.device("cuda", 0)
