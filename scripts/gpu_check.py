@@ -17,7 +17,10 @@ after every section, so a run cut short keeps what it measured. Sections:
    torchtune's builders, Llama-3.2-3B -> 1B on the transformers backend; random bf16 weights
    written as safetensors, no downloads), full and LoRA, activation checkpointing on and off,
    1024-4096 tokens, the on-policy generation phase, a validation pass, two teachers, the int8
-   teacher, a LoRA self teacher and a served teacher (a vLLM-protocol test server). Each row is
+   teacher, a LoRA self teacher and a served teacher (a vLLM-protocol test server), and the
+   offloading rows (the same config resident, with activation offloading with and without
+   checkpointing, with the teacher parked and streamed: measured peak and step time, rows 13-17
+   of ``--row-ids``). Each row is
    ``kd run kd`` (2 optimizer steps) in its own process; kd's own ``metrics.jsonl`` gives
    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and the device's used memory
    (``cudaMemGetInfo``) after each step; the plan is ``kd plan``'s for the same config.
@@ -102,6 +105,24 @@ class Row:
     feature: str = ""
 
 
+OFFLOAD_MODES = {
+    # name: (activation checkpointing, the keys set)
+    "resident": (True, {}),
+    "activations offloaded": (True, {"enable_activation_offloading": True}),
+    "activations offloaded, no AC": (False, {"enable_activation_offloading": True}),
+    "teacher parked": (True, {"teacher_offload": "park"}),
+    "teacher streamed": (True, {"teacher_offload": "stream"}),
+}
+
+
+def offload_rows() -> list[Row]:
+    """Qwen2.5 3B -> 0.5B full at 2048 tokens, resident and in each offloading mode."""
+    return [
+        Row(f"Qwen2.5 3B->0.5B full, {name}", "qwen", "full", 2048, 1, ac, dict(sets))
+        for name, (ac, sets) in OFFLOAD_MODES.items()
+    ]
+
+
 def rows_for(smoke: bool) -> list[Row]:
     """The memory grid, most important first (a run cut short by the budget keeps those)."""
     on_policy = {"lmbda": 1.0, "max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
@@ -129,6 +150,9 @@ def rows_for(smoke: bool) -> list[Row]:
         ),
         Row("Qwen2.5 0.5B LoRA self teacher", "qwen", "self", 2048, 1, True),
         Row("Qwen2.5 0.5B served teacher (vLLM)", "qwen", "full", 2048, 1, True, feature="served"),
+        # the offloading rows (docs/offloading.md): each mode's measured peak and step time
+        # beside the same config resident (13); --row-ids 13,14,15,16,17 runs them alone
+        *offload_rows(),
     ]
     if smoke:
         for r in rows:
@@ -640,6 +664,18 @@ def _metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
+def _step_seconds(metrics: list[dict[str, Any]]) -> float | None:
+    """A step's seconds (sampling + teacher + student): the median of the steps after the
+    first (which compiles and warms up), or the only one."""
+    times = [
+        m.get("time_generate_s", 0.0) + m["time_teacher_s"] + m["time_student_s"]
+        for m in metrics
+        if "time_teacher_s" in m and "time_student_s" in m
+    ]
+    later = times[1:] or times
+    return statistics.median(later) if later else None
+
+
 def memory_rows(
     work: Path,
     rows: list[Row],
@@ -730,6 +766,7 @@ def memory_rows(
                 rec["reserved_gib"] = max(m.get("peak_memory_reserved_gib", 0.0) for m in metrics)
                 rec["device_used_gib"] = max(m.get("device_used_gib", 0.0) for m in metrics)
                 rec["tokens_per_second"] = metrics[-1].get("tokens_per_second")
+                rec["step_s"] = _step_seconds(metrics)
         except Exception as exc:  # noqa: BLE001 - one row's failure is a result
             rec.update(_error(exc))
         rec["seconds"] = time.monotonic() - t0
@@ -964,6 +1001,29 @@ def _f(x: Any, fmt: str = ".2f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
+def offload_table(mem: list[dict[str, Any]]) -> list[str]:
+    """The offloading rows: each mode's measured peak and step time, its planned host memory
+    and transfer seconds (at the planner's assumed bandwidth), beside the resident row."""
+    rows = [r for r in mem if any(r["name"].endswith(f", {m}") for m in OFFLOAD_MODES)]
+    if not rows:
+        return []
+    lines = [
+        "| offloading mode | AC | planned peak GiB | max allocated | max reserved | step s | "
+        "planned host GiB | planned transfer s/step | status |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        host = r.get("plan", {}).get("host", {})
+        lines.append(
+            f"| {r['name']} | {'on' if r['ac'] else 'off'} | "
+            f"{_f(r.get('plan', {}).get('peak_gib'))} | {_f(r.get('allocated_gib'))} | "
+            f"{_f(r.get('reserved_gib'))} | {_f(r.get('step_s'), '.3f')} | "
+            f"{_f(sum(host.get('host_gib', {}).values()))} | "
+            f"{_f(host.get('transfer_s_per_step'), '.3f')} | {str(r.get('status', ''))[:40]} |"
+        )
+    return [*lines, ""]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     s = doc["sections"]
     env = s.get("environment", {})
@@ -1014,6 +1074,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{str(r.get('status', ''))[:60]} |"
             )
         lines.append("")
+        lines += offload_table(mem)
     sp = s.get("speed", {})
     if sp.get("table"):
         lines += [

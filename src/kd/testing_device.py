@@ -89,8 +89,18 @@ def _run_of(config: Path | str, overrides: Sequence[str]) -> Any:
         raise ValueError(f"fake_device_step runs a cuda config; {config} has device={cfg.device}")
     # In the config itself: what is derived from its text (several teachers' member runs, the
     # checkpoint's snapshot) sees the fake device too.
-    cfg.device = fake_device.FAKE_DEVICE
+    cfg.device = _on_fake(str(cfg.device))
+    if cfg.get("teacher_device") is not None:  # cuda:1 beside cuda:0: fakecuda:1
+        cfg.teacher_device = _on_fake(str(cfg.teacher_device))
     return run_config(cfg)
+
+
+def _on_fake(device: str) -> str:
+    """A CUDA device name as the fake accelerator's (``cuda:1`` -> ``fakecuda:1``); the CPU
+    stays."""
+    if not device.startswith("cuda"):
+        return device
+    return fake_device.FAKE_DEVICE + device[len("cuda") :]
 
 
 def _device_types(tensors: Any) -> set[str]:

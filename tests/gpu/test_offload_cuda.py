@@ -102,3 +102,59 @@ def test_offloading_on_a_side_stream_is_exact():
         assert manager.offloaded_bytes > 0 and not manager.tracker
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_teacher_on_second_gpu_is_exact(assets, tmp_path):
+    """teacher_device: cuda:1 beside device: cuda:0 gives the one-device run's numbers, and the
+    teacher's layers did live on cuda:1."""
+    from kd.teachers import placement
+
+    made: list[placement.HeadOnStudentDevice] = []
+    init = placement.HeadOnStudentDevice.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    base = _run(assets, tmp_path / "resident")  # device: cuda (cuda:0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(placement.HeadOnStudentDevice, "__init__", spy)
+        two = _run(assets, tmp_path / "two", teacher_device="cuda:1")
+    _same(base, two)
+    (head,) = made
+    assert head.on_student.device == torch.device("cuda", 0)
+    assert all(m._parameters[n] is head.on_student for m, n in head.places)
+
+
+def test_streamed_teacher_prefetch_is_stream_safe():
+    """teacher_offload: stream on CUDA copies layer i + 1 on a side stream while layer i runs:
+    the output is the resident model's, bit for bit, over many forwards (a missing wait would
+    read a half-copied layer; a missing record_stream would let the next copy overwrite a layer
+    still being read), and at most the layer computing and the one prefetched are on the device
+    beside the kept projection."""
+    from conftest import tiny_hidden_decoder
+
+    from kd import models
+
+    torch.manual_seed(0)
+    resident = tiny_hidden_decoder(vocab=512, dim=256).cuda().eval()
+    streamed = tiny_hidden_decoder(vocab=512, dim=256).eval()
+    streamed.load_state_dict(resident.state_dict())
+    models.freeze(resident), models.freeze(streamed)
+    p = parking.ParkedWeights(streamed, torch.device("cuda"), mode="stream")
+    tokens = torch.randint(0, 512, (4, 64), device="cuda")
+    with torch.no_grad():
+        want = resident(tokens)
+        layer = sum(
+            t.numel() * t.element_size() for t in models.decoder_layers(resident)[0].parameters()
+        )
+        for _ in range(50):
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            got = streamed(tokens)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+            assert torch.cuda.max_memory_allocated() - before < 3 * layer + 64 * got.nbytes
+    assert p.prefetched == 50 * len(models.decoder_layers(streamed))
+    assert all(now is host and host.is_pinned() for now, host in p.host_copies())

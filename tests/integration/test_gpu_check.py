@@ -80,3 +80,45 @@ def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert off["kd_tokens_per_s"] > 0 and off["trl_tokens_per_s"] > 0
     assert s["tests"]["status"] == "ok"
     assert (out / "gpu_check.md").read_text().startswith("Device: cpu")
+
+
+@pytest.mark.slow
+def test_gpu_check_offloading_rows_on_the_cpu(tmp_path):
+    """The offloading rows (13-17: resident, activations offloaded with and without AC, the
+    teacher parked, streamed) run through --smoke as on the GPU: each row's measured peak, step
+    time and planned host memory are written, and the markdown has their table."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "gpu_check.py"),
+        "--smoke",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+        "--sections",
+        "memory",
+        "--row-ids",
+        "13,14,15,16,17",
+        "--jobs",
+        "2",
+        "--budget-s",
+        "900",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "gpu_check.json").read_text())["sections"]["memory"]["rows"]
+    assert [r["name"].split("full, ", 1)[1] for r in rows] == [
+        "resident",
+        "activations offloaded",
+        "activations offloaded, no AC",
+        "teacher parked",
+        "teacher streamed",
+    ]
+    assert [r["status"] for r in rows] == ["ok"] * 5, rows
+    for r in rows:
+        assert r["allocated_gib"] > 0 and r["step_s"] > 0
+    assert not rows[0]["plan"]["host"]["host_gib"]
+    assert all(r["plan"]["host"]["moved_gib_per_step"] for r in rows[1:])  # tiny: 4 decimals
+    assert "| offloading mode |" in (out / "gpu_check.md").read_text()

@@ -324,3 +324,37 @@ def test_parked_teacher_refused_under_fsdp2(assets, tmp_path):
     cfg = gpu_config(assets, tmp_path / "out", teacher_offload="park")
     with pytest.raises(KDUserError, match=r"teacher_offload: park runs on one device.*fsdp\.cpu"):
         fake_device_step(write_config(tmp_path / "c.yaml", cfg), world_size=2)
+
+
+def test_streamed_teacher_prefetches_the_next_layer(monkeypatch):
+    """stream: when a unit's forward starts, the next unit's copy is started (off CUDA at once,
+    on one stream): at most the unit computing and the next are on the device; after the
+    forward none is, and none is left pending."""
+    from conftest import tiny_hidden_decoder
+
+    from kd import models
+
+    model = tiny_hidden_decoder()
+    models.freeze(model)
+    p = parking.ParkedWeights(model, torch.device("cpu"), mode="stream")
+    layers = list(models.decoder_layers(model))
+    seen: list[int] = []
+    # From the start (not only after a first forward) the modules hold the host copies.
+    assert all(now is host for now, host in p.host_copies())
+
+    def count(*_args):
+        on = [
+            u
+            for u in p._units
+            if u.slots and all(m._parameters[n] is not s.host for s in u.slots for m, n in s.places)
+        ]
+        seen.append(len(on) + len(p._pending))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(count)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)))
+    assert p.prefetched == len(layers)  # layer 0 with the embedding, each layer the next
+    assert seen == [2] * (len(layers) - 1) + [1]
+    assert not p._pending
+    assert all(now is host for now, host in p.host_copies())

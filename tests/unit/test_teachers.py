@@ -177,6 +177,7 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
             hidden_states=None,
             teacher_quantization="none",
             teacher_offload="none",
+            teacher_device=None,
             components={"teacher_model": teacher_model},
         )
 

@@ -89,10 +89,10 @@ FEATURES: tuple[Feature, ...] = (
         ("teacher_quantization",),
     ),
     Feature(
-        "offloading (activations, teacher)",
-        "enable_activation_offloading: teacher_offload: park | stream",
+        "offloading (activations, teacher; teacher on its own GPU)",
+        "enable_activation_offloading: teacher_offload: park | stream teacher_device: cuda:1",
         "docs/offloading.md",
-        ("enable_activation_offloading", "teacher_offload"),
+        ("enable_activation_offloading", "teacher_offload", "teacher_device"),
     ),
     Feature(
         "task accuracy (lm-evaluation-harness)",

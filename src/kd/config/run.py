@@ -895,9 +895,19 @@ class RunConfig:
         "none",
         "where a local teacher model's weights wait between its forwards: none (on the device), "
         "park (in pinned host memory, all copied to the device for each forward), or stream "
-        "(copied one decoder layer at a time); its output projection stays on the device; one "
-        "device only; kd plan states the host memory and the bytes moved per step",
+        "(copied one decoder layer at a time, the next prefetched); its output projection stays "
+        "on the device; one device only; kd plan states the host memory and the bytes moved per "
+        "step",
         choices=("none", "park", "stream"),
+        resume=MAY_CHANGE,
+    )
+    teacher_device: str | None = setting(
+        "teacher_device",
+        None,
+        "the device a local teacher model runs on when it is not the student's (cuda:1 beside "
+        "device: cuda:0; one process, not under torchrun): its hidden states and a copy of its "
+        "output projection are on the student's device for the loss; kd plan plans each device "
+        "against the budget; null: the student's device",
         resume=MAY_CHANGE,
     )
     trust_remote_components: bool = setting(

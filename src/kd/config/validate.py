@@ -32,6 +32,7 @@ from kd.config.checks.features import (
     check_hidden_states,
     check_on_policy,
     check_output_dir,
+    check_teacher_device,
     check_teacher_logits,
     check_teacher_offload,
     check_teacher_server,
@@ -159,6 +160,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     check_output_dir(data, problems)
     check_device(data, problems)
     check_teacher_offload(data, problems)
+    check_teacher_device(data, problems)
     check_component_targets(data, problems)
     check_static_arguments(data, problems)
     check_families(data, problems)

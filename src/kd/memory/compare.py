@@ -116,7 +116,7 @@ def verdict(
         dataset_size: examples in the dataset, or None when not known at plan time.
     """
     inp = plan.inputs
-    fits = plan.peak_bytes <= budget_gib * GIB
+    fits = plan.estimate.fits(budget_gib * GIB)
     option = None
     if not fits:
         options = fit_options(

@@ -43,6 +43,7 @@ from kd.memory.offload import (
 from kd.memory.resident import resident_bytes
 from kd.memory.runtime import RuntimeTerms, runtime_terms
 from kd.memory.shapes import ModelShape
+from kd.memory.teacher_device import teacher_device_components
 from kd.memory.training_step import (
     Components,
     backward_phase,
@@ -99,6 +100,8 @@ class Estimate:
         subphases: allocated bytes (no reserve) at the peaks of the forward's sub-phases
             (``student_forward``, ``teacher_forward``, ``loss_forward``) and of the other
             phases, as a trace reports them.
+        teacher_device: component -> bytes on the teacher's own device at its peak
+            (``teacher_device``, :mod:`kd.memory.teacher_device`); empty: one device.
     """
 
     phases: dict[str, dict[str, int]]
@@ -110,6 +113,12 @@ class Estimate:
     subphases: dict[str, int] = field(default_factory=dict)
     runtime: RuntimeTerms = field(default_factory=RuntimeTerms)
     host: HostTerms = field(default_factory=HostTerms)
+    teacher_device: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def teacher_device_peak(self) -> int:
+        """The teacher's own device's peak (0 on one device); the budget is per device."""
+        return sum(self.teacher_device.values())
 
     @property
     def phase_names(self) -> tuple[str, ...]:
@@ -137,6 +146,11 @@ class Estimate:
 
     def allocated(self, phase: str) -> int:
         return self.total(phase) - sum(self.phases[phase].get(c, 0) for c in RUNTIME_COMPONENTS)
+
+    def fits(self, budget_bytes: float) -> bool:
+        """Whether every device's peak (the student's; the teacher's own, with
+        ``teacher_device``) is within the per-device ``budget_bytes``."""
+        return max(self.peak_bytes, self.teacher_device_peak) <= budget_bytes
 
 
 def runtime_reserve(allocated: int, k: TrainKnobs) -> int:
@@ -227,7 +241,11 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         ws = k.num_ranks
         notes.append(f"FSDP2 over {ws} ranks: per-rank numbers; weights, grads and states / {ws}")
     if k.teacher_offload != "none" and teacher is not None:
-        which = "all of them" if k.teacher_offload == "park" else "one decoder layer at a time"
+        which = (
+            "all of them"
+            if k.teacher_offload == "park"
+            else "one decoder layer, the next prefetched"
+        )
         notes.append(
             f"teacher_offload={k.teacher_offload}: the teacher's weights but its output projection "
             f"wait in host memory; on the device during its forwards: {which} (its sampling: all)"
@@ -246,6 +264,12 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
             "(measure your link)"
         )
     phases, peak_phase, terms = _with_reserve(phases, subphases, k)
+    own = teacher_device_components(teacher, k) if k.teacher_own_device and teacher else {}
+    if own:
+        notes.append(
+            "teacher_device: the teacher's weights and forward on its own device, planned beside; "
+            "here its output projection's copy and the hidden states it sends each micro-batch"
+        )
     return Estimate(
         phases=phases,
         peak_phase=peak_phase,
@@ -256,4 +280,5 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         subphases=subphases,
         runtime=terms,
         host=host,
+        teacher_device=own,
     )

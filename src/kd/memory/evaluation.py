@@ -67,10 +67,12 @@ def evaluation_bytes(
         },
     ]
     if teacher is not None:
+        # On its own device (teacher_device) only its hidden states arrive here.
+        t_fwd = 0 if k.teacher_own_device else nograd_forward_bytes(teacher, b, s, a)
         steps.append(
             {
                 "activations": hid_s,
-                "teacher_forward": max(nograd_forward_bytes(teacher, b, s, a), copy * hid_t),
+                "teacher_forward": max(t_fwd, copy * hid_t),
             }
         )
     best = max(steps, key=lambda d: sum(d.values()))

@@ -64,6 +64,10 @@ from torch.utils import _pytree as pytree
 FAKE_DEVICE = "fakecuda"
 """The fake accelerator's device type (torch's PrivateUse1 backend, renamed)."""
 
+DEVICE_COUNT = 2
+"""Devices the fake accelerator has (``fakecuda:0`` and ``fakecuda:1``: a teacher on its own
+device, ``teacher_device``); a tensor on one meeting a tensor on the other is a mismatch."""
+
 _aten = torch.ops.aten
 
 
@@ -113,7 +117,7 @@ class _FakeDeviceModule:
 
     @staticmethod
     def device_count() -> int:
-        return 1
+        return DEVICE_COUNT
 
     @staticmethod
     def current_device() -> int:
@@ -185,6 +189,15 @@ def _on_fake_device(value: object) -> bool:
     if isinstance(value, str):
         return value.split(":", 1)[0] == FAKE_DEVICE
     return False
+
+
+def _index_of(leaves: Sequence[object]) -> int:
+    """The index of the first fake device ``leaves`` name (``fakecuda:1`` -> 1; none: 0)."""
+    for value in leaves:
+        if _on_fake_device(value):
+            index = torch.device(value).index  # type: ignore[arg-type]
+            return 0 if index is None else index
+    return 0
 
 
 def _zero(dtype: torch.dtype) -> bool | int | float:
@@ -321,9 +334,9 @@ class FakeAccelerator(FakeTensorMode):
         fake on the fake device. The inputs are not converted (a conversion keeps a reference
         to them, and a module's ``to_empty`` then cannot swap its parameters)."""
         meta = torch.device("meta")
+        device = torch.device(FAKE_DEVICE, _index_of(pytree.tree_leaves((args, kwargs))))
         args, kwargs = pytree.tree_map(lambda x: meta if _on_fake_device(x) else x, (args, kwargs))
         out = func(*args, **kwargs)
-        device = torch.device(FAKE_DEVICE, 0)
         return pytree.tree_map_only(
             torch.Tensor, lambda t: FakeTensor(self, t.to(meta), device), out
         )

@@ -95,7 +95,8 @@ def snapshot(mt: MemTracker, kind: str) -> dict[str, int]:
         kind: ``"current"`` or ``"peak"``.
     """
     snap = mt.get_tracker_snapshot(kind)
-    dev = next(iter(snap.values()), {})
+    # The device's: not the host copies the trace keeps apart (HOST).
+    dev = next((v for d, v in snap.items() if torch.device(d) != HOST), {})
     return {str(getattr(k, "value", k)): int(v) for k, v in dev.items()}
 
 
@@ -328,6 +329,27 @@ def fake_friendly(run: RunConfig) -> Iterator[None]:
         yield
 
 
+HOST = torch.device("meta")
+"""Where the trace keeps what the run keeps in host memory (offloaded activations, a parked
+teacher's weights): a device of its own, so the tracker counts it apart from the device's."""
+
+
+def _offload_as_run(
+    run: RunConfig, student: nn.Module, teacher: nn.Module | None, shard: ShardSpec | None
+) -> None:
+    """The run's host offloading on the trace's models, with the host copies on :data:`HOST`:
+    ``enable_activation_offloading`` (the student's saved activations), ``teacher_offload``
+    (the teacher's weights but its output projection; one device only, as the recipe)."""
+    if run.activation_offloading:
+        from kd.runtime.offload import enable_activation_offloading
+
+        enable_activation_offloading(student, "cpu", host=HOST)
+    if teacher is not None and run.teacher_offload != "none" and shard is None:
+        from kd.teachers.parking import ParkedWeights
+
+        ParkedWeights(teacher, torch.device("cpu"), mode=run.teacher_offload, host=HOST)
+
+
 def build_fake_step(
     run: RunConfig,
     *,
@@ -384,6 +406,7 @@ def build_fake_step(
             from kd.teachers.quantize import quantize_int8
 
             quantize_int8(teacher)
+    _offload_as_run(run, student, teacher, shard)
     trainable = [p for p in student.parameters() if p.requires_grad]
     signal_teacher = None
     if teacher is not None and run.hidden_states is not None:

@@ -196,6 +196,7 @@ def _host_offloads(knobs: TrainKnobs, device: str, has_teacher: bool) -> list[tu
         and knobs.teacher_bytes_per_param is None
         and not knobs.self_teacher_copy
         and not knobs.cross_tokenizer
+        and not knobs.teacher_own_device  # teacher_device: it has a device of its own
     )
     if parkable:
         teachers += ["park", "stream"]
@@ -237,7 +238,9 @@ def _settings(
             if parked != knobs.teacher_offload:
                 moved = parked_teacher_bytes(teacher, kk) * kk.grad_accum
                 seconds = moved / (PCIE_GB_PER_S * 1e9)
-                how = "all of it" if parked == "park" else "one layer at a time"
+                how = (
+                    "all of it" if parked == "park" else "one layer at a time, the next prefetched"
+                )
                 o = [*o, f"teacher_offload={parked}"]
                 w = [
                     *w,
@@ -322,7 +325,7 @@ def _smaller_eval_batch(
         e //= 2
         k = replace(knobs, eval_batch=e)
         smaller = estimate(student, teacher, k)
-        if smaller.peak_bytes <= budget_bytes:
+        if smaller.fits(budget_bytes):
             return (
                 k,
                 smaller,
@@ -361,10 +364,24 @@ def _fitting(
             k, est, over, words = _smaller_eval_batch(
                 student, teacher, k, est, over, words, budget_bytes=budget_bytes
             )
-        if est.peak_bytes <= budget_bytes:
-            found.append(FitOption(over, est.peak_bytes, t, ", ".join(words)))
+        if est.fits(budget_bytes):
+            found.append(FitOption(over, est.peak_bytes, t, ", ".join(_moved_words(words, est))))
     found.sort(key=lambda o: (round(o.relative_time, 4), o.peak_bytes))
     return found
+
+
+def _moved_words(words: list[str], est: Estimate) -> list[str]:
+    """``words`` with the activations' host transfers stated (bytes and seconds per step, as
+    the teacher's are), from the option's own estimate."""
+    acts = est.host.moved.get("offloaded_activations", 0)
+    if not acts:
+        return words
+    seconds = acts / (PCIE_GB_PER_S * 1e9)
+    said = (
+        f"activations in host memory: {acts / GIB:.1f} GiB moved per step, ~{seconds:.1f} s at an "
+        f"assumed {PCIE_GB_PER_S:g} GB/s (a side stream: overlapped with compute)"
+    )
+    return [said if w == "activations in host memory" else w for w in words]
 
 
 def fit_options(

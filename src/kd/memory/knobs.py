@@ -95,6 +95,9 @@ class TrainKnobs:
             (``enable_activation_offloading``; :mod:`kd.memory.offload`).
         teacher_offload: ``none`` or ``park``: the teacher's weights but its output projection
             wait in host memory between its forwards (:mod:`kd.memory.offload`).
+        teacher_own_device: the teacher runs on a device of its own (``teacher_device``): this
+            device holds its output projection's copy and the hidden states it sends, not its
+            weights or forward (:mod:`kd.memory.teacher_device` plans its device).
         other_teacher_head_params: the output projections of :attr:`other_teacher_params` (what
             stays on the device of a parked member).
         cross_vocab: the distribution size of the teacher with another tokenizer when it is not
@@ -133,6 +136,7 @@ class TrainKnobs:
     activation_offloading: bool = False
     teacher_offload: str = "none"
     other_teacher_head_params: int = 0
+    teacher_own_device: bool = False
 
     @property
     def tokens(self) -> int:

@@ -13,7 +13,8 @@ memory instead of on the device, and the bytes they move over PCIe each optimize
   to the device for each of its forwards, then dropped (a frozen teacher needs no copy back). On
   the device they count only while the teacher runs (its forward, its sampling); moved: those
   weights once per micro-batch. ``stream``: the same bytes moved, but one decoder layer at a time
-  on the device during the forward (sampling still holds them all in).
+  on the device during the forward, and the next one being copied beside it (sampling still
+  holds them all in).
 
 Times are the moved bytes at :data:`PCIE_GB_PER_S`, an assumption (a PCIe 4.0 x16 link moves
 about 25 GB/s from pinned memory; PCIe 5.0 about twice that): measure your own link. Pure
@@ -101,13 +102,14 @@ def parked_teacher_bytes(teacher: ModelShape | None, k: TrainKnobs) -> int:
 
 def teacher_forward_in_bytes(teacher: ModelShape | None, k: TrainKnobs) -> int:
     """Bytes of parked weights on the device during the teacher's forward: all of them
-    (``park``), or the largest unit of ``stream`` (a decoder layer, or an untied embedding)."""
+    (``park``), or with ``stream`` the unit computing and the next one, prefetched beside it (the
+    embedding, untied, and the first layer; then two decoder layers)."""
     parked = parked_teacher_bytes(teacher, k)
     if k.teacher_offload != "stream" or teacher is None:
         return parked
     embedding = 0 if teacher.tie_word_embeddings else teacher.embedding_params()
-    unit = max(teacher.largest_layer_params(), embedding)
-    return min(parked, int(k.teacher_dtype_bytes * unit))
+    layer = teacher.largest_layer_params()
+    return min(parked, int(k.teacher_dtype_bytes * (layer + max(layer, embedding))))
 
 
 def host_terms(

@@ -65,6 +65,7 @@ class PlanInputs:
     optimizer_keys: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
     teacher_line: str | None = None
+    teacher_device: str | None = None
 
 
 @dataclass
@@ -76,7 +77,8 @@ class MemoryPlan:
         phase: the phase of the peak (forward, backward, optimizer_step, generation with
             ``on_policy``, or evaluation when validation is configured).
         budget_gib: the budget per device (None when unknown).
-        fits: ``peak_bytes <= budget``.
+        fits: ``peak_bytes <= budget`` (and the teacher's own device's peak, with
+            ``teacher_device``).
         components: component -> bytes at the peak phase (sums to ``peak_bytes``).
         estimate: the per-phase estimate.
         inputs: shapes and knobs the plan was made from.
@@ -138,6 +140,15 @@ class MemoryPlan:
             "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
             "runtime_terms": e.runtime.to_json(),
             "host": e.host.to_json(),
+            "teacher_device": (
+                {
+                    "device": self.inputs.teacher_device,
+                    "peak_gib": round(e.teacher_device_peak / GIB, 4),
+                    "components": {c: round(b / GIB, 4) for c, b in e.teacher_device.items()},
+                }
+                if e.teacher_device
+                else None
+            ),
             "student": {
                 "builder": self.inputs.student.name,
                 "params": e.student_params,
@@ -191,12 +202,37 @@ class MemoryPlan:
             )
         return lines
 
+    def _teacher_device_lines(self) -> list[str]:
+        """The table's line of the teacher's own device (``teacher_device``), or none."""
+        e, budget = self.estimate, self.budget_gib
+        if not e.teacher_device:
+            return []
+        own = e.teacher_device_peak
+        share = f", {100 * own / (budget * GIB):.1f}% of the budget" if budget else ""
+        parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in e.teacher_device.items() if b)
+        return [
+            f"  teacher device ({self.inputs.teacher_device}): peak {own / GIB:.2f} GiB{share} "
+            f"({parts}); the table above is the student's device"
+        ]
+
+    def _teacher_device_verdict(self) -> str:
+        """The verdict's words on the teacher's own device, or nothing."""
+        e, budget = self.estimate, self.budget_gib
+        if not e.teacher_device or budget is None:
+            return ""
+        over = e.teacher_device_peak / GIB - budget
+        return f"; teacher device {e.teacher_device_peak / GIB:.2f} GiB: " + (
+            "fits" if over <= 0 else f"DOES NOT FIT (over by {over:.2f} GiB)"
+        )
+
     def table(self) -> str:
         """A readable table: components by phase, share of the budget, the peak and the verdict."""
         # NOTE: ~80 lines of line formatting, kept in one place so the table reads as printed.
         e, inp, k = self.estimate, self.inputs, self.inputs.knobs
         lines = []
         where = f"world size {k.world_size}, per device" if k.world_size > 1 else "one device"
+        if e.teacher_device:
+            where = "two devices: the student's, then the teacher's (teacher_device)"
         lines.append(f"memory plan ({where}){': ' + inp.config_name if inp.config_name else ''}")
         lines.append(
             f"  student {inp.student.name}: {e.student_params:,} params, {e.trainable_params:,} trainable"
@@ -262,15 +298,15 @@ class MemoryPlan:
             f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
             "(+ cuda_runtime); the budget is checked against the device peak"
         )
-        lines += self._host_lines()
+        lines += self._host_lines() + self._teacher_device_lines()
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
             verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
-        elif self.fits:
+        elif self.peak_gib <= budget:
             verdict += f"; budget {budget:.2f} GiB: fits ({budget - self.peak_gib:.2f} GiB free)"
         else:
             verdict += f"; budget {budget:.2f} GiB: DOES NOT FIT (over by {self.peak_gib - budget:.2f} GiB)"
-        lines.append(verdict)
+        lines.append(verdict + self._teacher_device_verdict())
         if self.traced:
             lines.append(
                 f"traced peak {self.traced_peak_gib:.2f} GiB (allocated "
@@ -456,6 +492,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         activation_offloading=run.activation_offloading,
         teacher_offload=run.teacher_offload if teacher is not None else "none",
         other_teacher_head_params=other_heads,
+        teacher_own_device=teacher is not None and _own_device(run),
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -476,7 +513,21 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes=notes,
         teacher_line=_served_teacher_line(run, seq_len=int(seq))
         or _self_teacher_line(run, student, seq_len=int(seq)),
+        teacher_device=run.teacher_device if knobs.teacher_own_device else None,
     )
+
+
+def _own_device(run: RunConfig) -> bool:
+    """Whether ``teacher_device`` names a device other than the student's (``cuda`` is
+    ``cuda:0``)."""
+    if run.teacher_device is None:
+        return False
+
+    def split(name: str) -> tuple[str, int]:
+        kind, _, index = name.partition(":")
+        return kind, int(index or 0)
+
+    return split(run.teacher_device) != split(run.device)
 
 
 def _self_teacher_copy(run: RunConfig, student: ModelShape) -> bool | None:
@@ -608,7 +659,7 @@ def make_plan(inputs: PlanInputs, budget_gib: float | None) -> MemoryPlan:
     """Estimate ``inputs`` and compare the peak with ``budget_gib``."""
     est = estimate(inputs.student, inputs.teacher, inputs.knobs)
     comps = dict(est.phases[est.peak_phase])
-    fits = True if budget_gib is None else est.peak_bytes <= budget_gib * GIB
+    fits = True if budget_gib is None else est.fits(budget_gib * GIB)
     return MemoryPlan(
         peak_bytes=est.peak_bytes,
         phase=est.peak_phase,

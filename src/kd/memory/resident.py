@@ -109,7 +109,7 @@ def _device_teacher_params(teacher: ModelShape | None, k: TrainKnobs) -> int:
     teacher's output projections (:mod:`kd.memory.offload`)."""
     if teacher is None:
         return k.other_teacher_params
-    if k.teacher_offload != "none":
+    if k.teacher_offload != "none" or k.teacher_own_device:
         return teacher.vocab_size * teacher.embed_dim + k.other_teacher_head_params
     return teacher.total_params() + k.other_teacher_params
 
@@ -145,7 +145,8 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
         student_weights=k.per_rank(student_w),
         lora_adapters=k.per_rank(a * student.lora_params()),
         teacher_weights=k.per_rank(int(k.teacher_dtype_bytes * _device_teacher_params(teacher, k))),
-        model_buffers=student.buffer_bytes(a) + (teacher.buffer_bytes(a) if teacher else 0),
+        model_buffers=student.buffer_bytes(a)
+        + (teacher.buffer_bytes(a) if teacher and not k.teacher_own_device else 0),
         gradients=grads,
         optimizer_states=k.per_rank(states),
         optimizer_temp=k.per_rank(opt_temp),

@@ -85,6 +85,8 @@ def forward_phase(
     else:
         s_fwd = student_forward_bytes(student, k, acts)
     t_fwd = nograd_forward_bytes(teacher, k.batch_size, k.seq_len, a) if teacher else 0
+    if k.teacher_own_device:  # its forward runs on its own device; its hidden states arrive
+        t_fwd = hid_t
     h = hidden or HiddenTerms()
     parts = {
         "student_forward": {"activations": s_fwd},

@@ -51,10 +51,20 @@ class HostActivations(OffloadActivations):
         device_type: the training device's type (``"cuda"`` uses a side stream and pinned
             memory; anything else one stream and pageable memory).
         min_offload_size: saved tensors of fewer bytes stay on the device.
+        host: off CUDA, where the offloaded copies wait: the CPU (None); ``kd plan --trace``
+            keeps them on the meta device, so that its tracker counts them apart from the
+            device's memory.
     """
 
-    def __init__(self, device_type: str, *, min_offload_size: int = MIN_OFFLOAD_BYTES) -> None:
+    def __init__(
+        self,
+        device_type: str,
+        *,
+        min_offload_size: int = MIN_OFFLOAD_BYTES,
+        host: torch.device | None = None,
+    ) -> None:
         self.on_cuda = device_type == "cuda"
+        self.host = None if host is None or host.type == "cpu" or self.on_cuda else host
         with contextlib.ExitStack() as stack:
             if not self.on_cuda:
                 # torchtune's constructor asks for the default CUDA stream (into :attr:`s0`,
@@ -86,6 +96,9 @@ class HostActivations(OffloadActivations):
             if offloaded and not isinstance(activation, nn.Parameter):
                 self.offloaded_bytes += _nbytes(activation)
                 self._devices[tensor_id] = activation.device
+                if self.host is not None and tensor_id in self.tracker:
+                    copy, modified = self.tracker[tensor_id]
+                    self.tracker[tensor_id] = (copy.to(self.host), modified)
             return tensor_id
 
         def unpack(tensor_id: int) -> torch.Tensor:
@@ -127,7 +140,9 @@ def _is_parameter_view(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def enable_activation_offloading(model: nn.Module, device_type: str) -> HostActivations:
+def enable_activation_offloading(
+    model: nn.Module, device_type: str, *, host: torch.device | None = None
+) -> HostActivations:
     """Offload the saved activations of every forward of ``model`` (hooks around its forward).
 
     With activation checkpointing each checkpointed layer saves only its input, which is what
@@ -136,11 +151,12 @@ def enable_activation_offloading(model: nn.Module, device_type: str) -> HostActi
     Args:
         model: the student, prepared (LoRA flags and checkpoint wrappers in place).
         device_type: the training device's type.
+        host: where the offloaded copies wait off CUDA (:class:`HostActivations`).
 
     Returns:
         The manager (its ``offloaded_bytes`` counts what went to host memory).
     """
-    manager = HostActivations(device_type)
+    manager = HostActivations(device_type, host=host)
 
     def enter(*_args: Any) -> None:
         if torch.is_grad_enabled():

@@ -48,6 +48,7 @@ from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.parking import ParkedWeights
+from kd.teachers.placement import HeadOnStudentDevice, check_teacher_device, same_device
 from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.quantize import quantize_int8
 from kd.teachers.self_teacher import SelfTeacher
@@ -147,6 +148,7 @@ class ModelTeacherSource:
         self.hidden_states = run.hidden_states if run is not None else None
         self.quantization: str = run.teacher_quantization if run is not None else "none"
         self.offload: str = run.teacher_offload if run is not None else "none"
+        self.device_name: str | None = run.teacher_device if run is not None else None
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
         # Its shapes, files and tokenizer were checked with the student's
@@ -165,6 +167,8 @@ class ModelTeacherSource:
                 "keeps only its shard); set teacher_offload=none (fsdp.cpu_offload keeps the "
                 "shards in host memory), or run on one device"
             )
+        if self.device_name is not None:  # before any weight is read
+            check_teacher_device(self.device_name, distributed=ctx.world.distributed)
 
     def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> Teacher:
         def prepare(model: Any, shard: Any) -> Any:
@@ -172,18 +176,25 @@ class ModelTeacherSource:
             return quantize_int8(model) if self.quantization == "int8" else model
 
         parked = self.offload != "none"
+        where = None
+        if self.device_name is not None:  # teacher_device
+            where = check_teacher_device(self.device_name, distributed=ctx.world.distributed)
         # A parked teacher is read into host memory; only its output projection goes to the device.
         model = ctx.load_model(
             "teacher_model",
             facts.sources["teacher_model"],
             prepare,
             run_dir=run_dir,
-            device=torch.device("cpu") if parked else None,
+            device=torch.device("cpu") if parked else where,
         )
+        own_device = where is not None and not same_device(where, ctx.device)
+        if own_device:
+            HeadOnStudentDevice(model, ctx.device)
         teacher = ModelTeacher(
             model,
             folder=facts.sources["teacher_model"].folder,
             parked=ParkedWeights(model, ctx.device, mode=self.offload) if parked else None,
+            signal_device=ctx.device if own_device else None,
         )
         if self.hidden_states is not None:
             return HiddenStateTeacher(teacher, self.hidden_states)

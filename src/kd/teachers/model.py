@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kd import models
 from kd.runtime import distributed
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.parking import ParkedWeights
@@ -28,18 +29,28 @@ class ModelTeacher(Teacher):
     by the parking's hooks, before the loss, whose output projection stays on the device) and
     while it samples (:meth:`generator_for` holds it in until :meth:`release`).
 
+    With ``signal_device`` (``teacher_device``, :mod:`kd.teachers.placement`) it runs on a
+    device of its own and its hidden states are copied to ``signal_device`` (the student's).
+
     Args:
         model: the decoder, as :func:`kd.runtime.prepare.prepare_teacher` leaves it.
         folder: where its weights were read from (named when they hold NaN or inf).
         parked: its parked weights, or None (on the device throughout).
+        signal_device: where its signal goes when that is not where it runs; None: the same.
     """
 
     def __init__(
-        self, model: nn.Module, *, folder: Path | None = None, parked: ParkedWeights | None = None
+        self,
+        model: nn.Module,
+        *,
+        folder: Path | None = None,
+        parked: ParkedWeights | None = None,
+        signal_device: torch.device | None = None,
     ):
         self.model = model
         self.folder = folder
         self.parked = parked
+        self.signal_device = signal_device
         self.generator: nn.Module | None = model
 
     @property
@@ -47,12 +58,18 @@ class ModelTeacher(Teacher):
         """Where the teacher computes (a parked teacher's weights wait elsewhere)."""
         if self.parked is not None:
             return self.parked.device
+        if self.signal_device is not None:
+            # Its first parameter may be a tied projection, on the student's device between
+            # forwards (kd.teachers.placement): a decoder layer's is where it runs.
+            return next(models.decoder_layers(self.model).parameters()).device
         return next(self.model.parameters()).device
 
     def signal(self, batch: TeacherInput) -> LogitsSignal:
         # The batch's tokens arrive as the loader made them (on the CPU): the model's device.
         with torch.no_grad():
             hidden = self.model(batch.tokens.to(self.device))  # [b, s, d_t]
+        if self.signal_device is not None:
+            hidden = hidden.to(self.signal_device)  # once per micro-batch (teacher_device)
         return LogitsSignal(hidden=hidden, model=self.model)
 
     def generator_for(self, route: str | None) -> nn.Module | None:

@@ -6,12 +6,17 @@ a tied model it is the embedding) is one unit, brought to the device when the te
 starts and dropped when it ends, so the student's backward, the optimizer step and every other
 teacher of ``teachers:`` never share the device with it. ``stream``: each decoder layer (and the
 embedding) is its own unit, brought in for its own forward only, so at most one teacher layer is
-on the device at a time.
+on the device at a time, and the next one on its way: when a unit's forward starts, the next
+unit's copy starts on a side CUDA stream (:attr:`ParkedWeights.prefetch`), so the copy of layer
+``i + 1`` overlaps the compute of layer ``i``.
 
 The teacher is frozen, so its weights never go back: each parameter keeps one host copy (pinned on
-CUDA, so the copies are asynchronous DMA on the compute stream), its module holds a device copy
-while its unit runs and the host copy after; dropping the device copy is freeing it (the caching
-allocator orders the reuse after the kernels that read it). The modules' parameter entries are
+CUDA, so the copies are asynchronous DMA), its module holds a device copy while its unit runs and
+the host copy after; dropping the device copy is freeing it. Stream safety of the prefetch: the
+compute stream waits on an event recorded after the side stream's copies before the unit runs,
+and each prefetched copy is marked used by the compute stream (``record_stream``), so the caching
+allocator does not hand its memory to a later copy before the kernels that read it are done. Off
+CUDA (the CPU, the fake accelerator) there is one stream: the same code copies at once. The modules' parameter entries are
 swapped (not ``param.data``), so a parameter always is one tensor on one device. Moved bytes are
 counted (:attr:`ParkedWeights.moved_bytes`). Sampling (``on_policy.seq_kd``) calls the
 teacher once per token: :meth:`ParkedWeights.hold` keeps every unit in until
@@ -49,15 +54,21 @@ class _Unit:
     def nbytes(self) -> int:
         return sum(s.host.numel() * s.host.element_size() for s in self.slots)
 
-    def bring_in(self, device: torch.device) -> int:
-        """Put a device copy of every parameter in place; the bytes copied."""
-        for slot in self.slots:
-            copy = nn.Parameter(
+    def copies(self, device: torch.device) -> list[nn.Parameter]:
+        """A device copy of every parameter (asynchronous from pinned memory, on the current
+        stream)."""
+        return [
+            nn.Parameter(
                 slot.host.detach().to(device, non_blocking=True, copy=True), requires_grad=False
             )
+            for slot in self.slots
+        ]
+
+    def put(self, copies: list[nn.Parameter]) -> None:
+        """Put the device copies in place."""
+        for slot, copy in zip(self.slots, copies, strict=True):
             for module, name in slot.places:
                 module._parameters[name] = copy
-        return self.nbytes
 
     def drop(self) -> None:
         """Put the host copies back (the device copies are freed)."""
@@ -76,9 +87,18 @@ class ParkedWeights:
         device: the training device.
         mode: ``park`` (the model is one unit) or ``stream`` (each decoder layer and the
             embedding are units).
+        host: where the host copies live: the CPU (None); ``kd plan --trace`` keeps them on the
+            meta device, so that its tracker counts them apart from the device's memory.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, *, mode: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        mode: str,
+        host: torch.device | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"teacher_offload: {mode!r} is not one of {MODES}")
         self.device = device
@@ -88,12 +108,20 @@ class ParkedWeights:
         self.forwards = 0
         """Units brought in so far (a park brings its one unit per forward)."""
         self._held = False
+        self.prefetch = mode == "stream"
+        """Whether a unit's forward starts the next unit's copy (``stream``)."""
+        self.prefetched = 0
+        """Units whose copy was started ahead of their forward."""
+        # The side stream of the prefetch on CUDA; elsewhere one stream copies at once.
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending: dict[int, tuple[list[nn.Parameter], Any]] = {}
         kept_ids = {id(models.output_weight(model))}
         if mode == "park":
             units: list[nn.Module] = [model]
         else:
             units = [models.input_embeddings(model), *models.decoder_layers(model)]
-        pin = device.type == "cuda"
+        host = torch.device("cpu") if host is None else host
+        pin = device.type == "cuda" and host.type == "cpu"
         seen: set[int] = set(kept_ids)
         self._units: list[_Unit] = []
         for unit in units:
@@ -104,14 +132,15 @@ class ParkedWeights:
                         continue
                     if id(p) not in slots:
                         seen.add(id(p))
-                        host = p.detach().to("cpu", copy=True)
-                        host = host.pin_memory() if pin else host
-                        slots[id(p)] = _Slot(nn.Parameter(host, requires_grad=False), [])
+                        copy = p.detach().to(host, copy=True)
+                        copy = copy.pin_memory() if pin else copy
+                        slots[id(p)] = _Slot(nn.Parameter(copy, requires_grad=False), [])
                     slots[id(p)].places.append((module, name))
             self._units.append(_Unit(list(slots.values())))
         for u in self._units:
             u.drop()  # the device copies (if the model was loaded there) are freed here
-        self._to_device(model, parked=seen - kept_ids)
+        # The modules now hold the host copies: those stay where they are.
+        self._to_device(model, parked={id(s.host) for u in self._units for s in u.slots})
         for unit, u in zip(units, self._units, strict=True):
             unit.register_forward_pre_hook(self._pre_hook(u))
             unit.register_forward_hook(self._post_hook(u), always_call=True)
@@ -148,6 +177,8 @@ class ParkedWeights:
         def hook(*_args: Any) -> None:
             if not self._held:
                 self._bring_in(unit)
+                if self.prefetch:
+                    self._start_next(unit)
 
         return hook
 
@@ -155,12 +186,47 @@ class ParkedWeights:
         def hook(*_args: Any) -> None:
             if not self._held:
                 unit.drop()
+                if unit is self._units[-1]:  # a forward that stopped early leaves none behind
+                    self._pending.clear()
 
         return hook
 
+    def _start_next(self, unit: _Unit) -> None:
+        """Start the copy of the unit after ``unit`` (none after the last), on the side stream
+        on CUDA: the copy overlaps ``unit``'s compute."""
+        at = next(i for i, u in enumerate(self._units) if u is unit) + 1
+        if at >= len(self._units) or id(self._units[at]) in self._pending:
+            return
+        after = self._units[at]
+        if self._side is None:
+            self._pending[id(after)] = (after.copies(self.device), None)
+        else:
+            with torch.cuda.stream(self._side):
+                copies = after.copies(self.device)
+                done = torch.cuda.Event()
+                done.record(self._side)
+            self._pending[id(after)] = (copies, done)
+        self.moved_bytes += after.nbytes
+        self.prefetched += 1
+
     def _bring_in(self, unit: _Unit) -> None:
+        """Put ``unit``'s device copies in place: the prefetched ones once their copy is done
+        (for the compute stream), else fresh ones copied on the compute stream."""
         self.forwards += 1
-        self.moved_bytes += unit.bring_in(self.device)
+        pending = self._pending.pop(id(unit), None)
+        if pending is None:
+            unit.put(unit.copies(self.device))
+            self.moved_bytes += unit.nbytes
+            return
+        copies, done = pending
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for copy in copies:
+                # Made on the side stream, read on the compute stream: its memory is reused only
+                # after the compute stream's kernels that read it are done.
+                copy.record_stream(compute)
+        unit.put(copies)
 
     def hold(self) -> None:
         """Bring every unit in and keep it until :meth:`let_go` (the teacher samples)."""
@@ -175,3 +241,4 @@ class ParkedWeights:
             self._held = False
             for unit in self._units:
                 unit.drop()
+            self._pending.clear()

@@ -322,3 +322,36 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
     if reasons:
         problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
+
+
+def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teacher_device`` names a device and puts one local teacher model (``teacher_model``,
+    neither parked, nor the student itself, nor one of several) there: what it runs that is not a
+    plain forward (sampling, hidden-state hooks, another tokenizer) stays on one device."""
+    where = data.get("teacher_device")
+    if where is None:
+        return
+    fix = "remove teacher_device"
+    if not isinstance(where, str) or not _DEVICE_RE.match(where):
+        problems.append(
+            Problem(
+                "teacher_device",
+                f"{where!r} is not a device kd runs on; set it to cuda:N or cpu, or {fix}",
+            )
+        )
+        return
+    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    on_policy = data.get("on_policy")
+    reasons = []
+    if not local or data.get("self_teacher") is not None or data.get("teachers") is not None:
+        reasons.append("needs one local teacher model (teacher_model; not self_teacher, teachers:)")
+    if data.get("teacher_offload", "none") not in (None, "none"):
+        reasons.append("and teacher_offload both say where the teacher's weights wait; pick one")
+    if isinstance(on_policy, dict) and on_policy.get("seq_kd"):
+        reasons.append("does not sample from the teacher (on_policy.seq_kd)")
+    if data.get("hidden_states") is not None:
+        reasons.append("does not match hidden states across devices (hidden_states)")
+    if data.get("cross_tokenizer") is not None:
+        reasons.append("does not run a teacher with another tokenizer (cross_tokenizer)")
+    if reasons:
+        problems.append(Problem("teacher_device", f"{where} {reasons[0]}; {fix}"))
