@@ -66,6 +66,9 @@ DIVERGENCES: tuple[str, ...] = (
     "skew_reverse_kl",
 )
 
+# What may sample the student's on-policy completions (on_policy.sampler; kd.rollouts).
+SAMPLERS: tuple[str, ...] = ("local", "served")
+
 # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
 IGNORE_INDEX = -100
 
@@ -748,6 +751,40 @@ class OnPolicySettings:
         "the other micro-batches (probability 1 - lmbda) train on the teacher's completions "
         "instead of the dataset's (sequence-level KD)",
         resume=MUST_MATCH,
+    )
+    # What samples the student (kd.rollouts: the Sampler interface). The served sampler's own
+    # settings are the group ``on_policy.server`` (reserved for it).
+    sampler: str = setting(
+        "on_policy.sampler",
+        "local",
+        "what samples the student's completions: local (the student in this process) or served "
+        "(a vLLM / SGLang server given the student's weights, on_policy.server)",
+        choices=SAMPLERS,
+        resume=MAY_CHANGE,
+    )
+    batch_rollouts: bool = setting(
+        "on_policy.batch_rollouts",
+        False,
+        "local sampler: one generation per optimizer step over the prompts of all its on-policy "
+        "micro-batches, grouped by length, finished rows leaving the batch (each row keeps its "
+        "own seeded generator; float rounding of the wider batch may differ from false)",
+        resume=MAY_CHANGE,
+    )
+    rollout_batch_size: int | None = setting(
+        "on_policy.rollout_batch_size",
+        None,
+        "batch_rollouts: prompts per generation (length-sorted groups); null = all of a step's",
+        min=1,
+        resume=MAY_CHANGE,
+    )
+    async_steps: int = setting(
+        "on_policy.async_steps",
+        0,
+        "1: the next step's completions are sampled while this step trains (at most one "
+        "optimizer step stale); 0: sampled at the start of their own step",
+        min=0,
+        max=1,
+        resume=MAY_CHANGE,
     )
 
 

@@ -56,6 +56,8 @@ from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan
 from kd.metrics import PhaseTimer, peak_memory_gib
+from kd.rollouts.base import RolloutStopped
+from kd.rollouts.build import sampler_for
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
 from kd.training import distributed, evaluate, on_policy, outputs, train
@@ -101,6 +103,7 @@ class KDRecipe:
         # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
         self.extra: torch.nn.Module | None = None
         self.final_eval: Any = None  # kd.harness.evaluate.FinalEvaluation with eval:
+        self.rollout_state: dict[str, Any] = {}  # the on-policy state of the resumed checkpoint
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -136,6 +139,8 @@ class KDRecipe:
             on_policy.check_prompts(self.dataset, key="dataset")
         if self.teacher_source is not None:
             self.teacher_source.check(ctx, self.facts, self.dataset)
+        if run.on_policy is not None:  # a server probed, settings the sampler cannot honour
+            self._sampler(run).check()
         if run.validation is not None:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
@@ -221,22 +226,39 @@ class KDRecipe:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         if run.on_policy is not None:
-            facts = self.facts
             self.on_policy = on_policy.OnPolicyBatches(
                 run.on_policy,
+                sampler=self._sampler(self.run),
                 tokenizer=self.tokenizer,
                 seed=int(self.run.seed or 0),
                 max_seq_len=run.max_seq_len,
-                # On-policy sampling draws only ids every model and the tokenizer know.
-                vocab_limit=min(facts.tokenizer_max + 1, facts.shared_vocab),
+                vocab_limit=self._vocab_limit(),
                 world=self.world,
                 device=self.device,
             )
+            self.on_policy.load_state_dict(self.rollout_state)
+            self.on_policy.start(self.student, self.global_step)
         if self.world.is_rank_zero:
             resume_step = self.global_step if self.resume_from is not None else None
             self.log = RunLog(
                 self.ctx, self.output_dir, config_yaml=self.run.yaml, resume_step=resume_step
             )
+
+    def _vocab_limit(self) -> int:
+        """On-policy sampling draws only ids every model and the tokenizer know."""
+        return min(self.facts.tokenizer_max + 1, self.facts.shared_vocab)
+
+    def _sampler(self, run: RunConfig) -> Any:
+        """The run's sampler of the student's completions (``on_policy.sampler``)."""
+        return sampler_for(
+            run,
+            tokenizer=self.tokenizer,
+            seed=int(run.seed or 0),
+            vocab_limit=self._vocab_limit(),
+            world=self.world,
+            device=self.device,
+            output_dir=self.output_dir,
+        )
 
     def _route_field(self) -> str | None:
         """The data field batches carry for the teacher (``TeacherInput.route``), if any."""
@@ -262,6 +284,7 @@ class KDRecipe:
     def _restore(self, ckpt: Path) -> None:
         progress = self.checkpointer.restore(ckpt, self.student, self.optimizer, self.lr_scheduler)
         self.global_step, self.epoch = progress.global_step, progress.epoch
+        self.rollout_state = progress.rollouts
         self.run = self.run.with_seed(progress.seed)
         self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
         validator = self.validator
@@ -309,13 +332,15 @@ class KDRecipe:
                 batches = itertools.islice(self.loader, (self.steps_per_epoch - skip) * grad_accum)
                 if self.teacher is not None:  # a slow teacher starts on the next batches early
                     batches = self.teacher.look_ahead(batches)
+                if self.on_policy is not None:  # async_steps: the next step's prompts early
+                    batches = self.on_policy.look_ahead(batches, per_step=grad_accum)
                 for _ in range(skip, self.steps_per_epoch):
                     step = self.global_step + 1
                     try:
                         stats = self.train_step(
                             data.next_micro_batches(batches, count=grad_accum, step=step)
                         )
-                    except TeacherStopped as e:  # the teacher cannot answer: save, then stop
+                    except (TeacherStopped, RolloutStopped) as e:  # save, then stop
                         bar.close()
                         just_saved = saved[1] if saved and saved[0] == self.global_step else None
                         raise self.checkpointer.save_on_stop(
@@ -376,7 +401,20 @@ class KDRecipe:
         t0 = time.perf_counter()
         timer = PhaseTimer(self.device)
         sampled: dict[str, tuple[int, int]] = {}
-        inputs = [self._inputs(b, i, timer, sampled) for i, b in enumerate(batches)]
+        made = (
+            self.on_policy.step_inputs(
+                batches,
+                step=self.global_step + 1,
+                epoch=self.epoch,
+                student=self.student,
+                teacher=self.teacher,
+                timer=timer,
+                sampled=sampled,
+            )
+            if self.on_policy is not None
+            else [None] * len(batches)
+        )
+        inputs = [self._inputs(b, m) for b, m in zip(batches, made, strict=True)]
         labels = [train.shift_labels(inp.labels) for inp in inputs]
         total = distributed.all_reduce_sum(train.count_tokens(labels).to(self.device))
         names = self.teacher.terms if self.teacher is not None else ()
@@ -408,6 +446,10 @@ class KDRecipe:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        rollout: dict[str, float] = {}
+        if self.on_policy is not None:  # the sampler takes the new weights
+            self.on_policy.after_step(self.student, self.global_step + 1)
+            rollout = self.on_policy.step_metrics(self.global_step + 1)
         loss, ce, kd, *extra_sums = (float(x) for x in sums)
         return train.StepStats(
             loss=loss,
@@ -420,34 +462,20 @@ class KDRecipe:
             phases=dict(timer.seconds),
             sampled=sampled,
             terms=dict(zip(names, extra_sums, strict=True)),
+            rollout=rollout,
         )
 
     def _inputs(
-        self,
-        batch: dict[str, torch.Tensor],
-        index: int,
-        timer: PhaseTimer,
-        sampled: dict[str, tuple[int, int]],
+        self, batch: dict[str, torch.Tensor], made: tuple[torch.Tensor, torch.Tensor] | None
     ) -> TeacherInput:
-        """Micro-batch ``index`` as the step trains on it: the dataset's rows, or (on-policy)
-        completions sampled by :class:`kd.training.on_policy.OnPolicyBatches`."""
-        if self.on_policy is not None:
-            made = self.on_policy.inputs(
-                batch,
-                step=self.global_step + 1,
-                epoch=self.epoch,
-                index=index,
-                student=self.student,
-                teacher=self.teacher,
-                timer=timer,
-                sampled=sampled,
+        """A micro-batch as the step trains on it: the dataset's rows, or (on-policy) the
+        completions ``made`` by :meth:`kd.training.on_policy.OnPolicyBatches.step_inputs`."""
+        if made is not None:
+            source = batch["rows"].tolist()  # the rows whose prompts were completed
+            # A completion keeps its row's route: the teacher the row names scores it.
+            return TeacherInput(
+                tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
             )
-            if made is not None:
-                source = batch["rows"].tolist()  # the rows whose prompts were completed
-                # A completion keeps its row's route: the teacher the row names scores it.
-                return TeacherInput(
-                    tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
-                )
         rows = batch.get("rows")
         # The loader's host tensors: a file, store or served teacher reads their values on the
         # host (no device round trip); a model teacher moves them to its own device.
@@ -550,6 +578,7 @@ class KDRecipe:
             self.epoch,
             int(self.run.seed or 0),
             validation=tracker.state_dict() if tracker is not None else {},
+            rollouts=self.on_policy.state_dict() if self.on_policy is not None else {},
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
@@ -583,6 +612,8 @@ class KDRecipe:
                 raise
             log.warning("%s", e)
         finally:
+            if self.on_policy is not None:
+                self.on_policy.close()
             if self.teacher is not None:
                 self.teacher.close()
             if self.lock is not None:

@@ -1,0 +1,121 @@
+"""The local sampler (``on_policy.sampler: local``): the student samples in this process.
+
+Each call runs :func:`kd.training.on_policy.rollout` (either backend's KV cache, one generator per
+dataset row seeded by ``(seed, epoch, row)``), exactly today's sampler when nothing new is
+switched on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kd.config.run import OnPolicySettings
+from kd.errors import KDUserError
+from kd.rollouts.base import Completions, Prompts
+from kd.training import distributed, on_policy
+from kd.training.distributed import WorldInfo
+
+__all__ = ["LocalSampler"]
+
+
+class LocalSampler:
+    """The student in this process samples its own completions.
+
+    Args:
+        settings: ``on_policy:``.
+        tokenizer: the run's tokenizer (pad and stop ids).
+        seed: the run's seed (per-row generators).
+        vocab_limit: ids from here on are never sampled.
+        world: this process's place in the job (every rank samples its rows together).
+        device: the training device.
+        output_dir: the run's folder (unused: nothing is written).
+        compile: ``compile: true`` (the decoding step is compiled with ``batch_rollouts``).
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        settings: OnPolicySettings,
+        *,
+        tokenizer: object,
+        seed: int,
+        vocab_limit: int,
+        world: WorldInfo,
+        device: torch.device,
+        output_dir: Path | None = None,
+        compile: bool = False,
+    ):
+        from kd.data import pad_id_of
+
+        self.settings = settings
+        self.seed = seed
+        self.vocab_limit = vocab_limit
+        self.world = world
+        self.device = device
+        self.compile = compile
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = on_policy.stop_token_ids(tokenizer)
+        self.version = 0
+
+    def check(self) -> None:
+        """The settings this sampler cannot honour on this job."""
+        if self.settings.async_steps > 0 and self.world.distributed:
+            raise KDUserError(
+                "on_policy.async_steps: 1 samples from a background thread on one device; under "
+                "torchrun set on_policy.async_steps=0"
+            )
+
+    def sample(
+        self,
+        prompts: Prompts,
+        *,
+        rows: Sequence[int],
+        epoch: int,
+        step: int,
+        student: nn.Module,
+    ) -> Completions:
+        """Completions of ``prompts`` by ``student`` (see :meth:`kd.rollouts.base.Sampler.sample`)."""
+        op = self.settings
+        generators = (
+            on_policy.row_generators(self.seed, epoch, rows, device=self.device)
+            if op.temperature > 0
+            else None
+        )
+        done = on_policy.rollout(
+            student,
+            prompts,
+            max_new_tokens=op.max_new_tokens,
+            temperature=op.temperature,
+            top_p=op.top_p,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            vocab_limit=self.vocab_limit,
+            generators=generators,
+            all_done=(
+                (lambda here: not distributed.any_rank(not here, device=self.device))
+                if self.world.distributed
+                else None
+            ),
+        )
+        return replace(done, version=self.version)
+
+    def after_step(self, student: nn.Module, step: int) -> None:
+        """The student samples itself: its weights are step ``step``'s now."""
+        self.version = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "version" in state:
+            self.version = int(state["version"])
+
+    def close(self) -> None:
+        """Nothing held."""
