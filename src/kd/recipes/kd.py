@@ -258,6 +258,8 @@ class KDRecipe:
             world=self.world,
             device=self.device,
             output_dir=self.output_dir,
+            student=self._student_source(),
+            student_vocab=self.facts.student_vocab,
         )
 
     def _route_field(self) -> str | None:

@@ -23,9 +23,16 @@ def _local(run: RunConfig, **kw: Any) -> Sampler:
     return LocalSampler(run.on_policy, compile=run.compile, **kw)
 
 
+def _served(run: RunConfig, *, student: Any, student_vocab: int | None, **kw: Any) -> Sampler:
+    from kd.rollouts.served import served_sampler
+
+    return served_sampler(run, student=student, student_vocab=student_vocab, **kw)
+
+
 # on_policy.sampler -> its builder, called as builder(run, tokenizer=..., seed=..., vocab_limit=...,
-# world=..., device=..., output_dir=...). Every value of kd.config.run.SAMPLERS has one.
-SAMPLER_BUILDERS: dict[str, Callable[..., Sampler]] = {"local": _local}
+# world=..., device=..., output_dir=...; served: student=, student_vocab=). Every value of
+# kd.config.run.SAMPLERS has one.
+SAMPLER_BUILDERS: dict[str, Callable[..., Sampler]] = {"local": _local, "served": _served}
 
 
 def sampler_for(
@@ -37,6 +44,8 @@ def sampler_for(
     world: WorldInfo,
     device: torch.device,
     output_dir: Path,
+    student: Any = None,
+    student_vocab: int | None = None,
 ) -> Sampler:
     """The run's sampler (``on_policy.sampler``); builds nothing heavy (no weight, no thread, no
     connection): :meth:`Sampler.check` and :meth:`Sampler.sample` do the work.
@@ -49,6 +58,10 @@ def sampler_for(
         world: this process's place in the job.
         device: the training device (completions come back there).
         output_dir: the run's folder (a served sampler writes the weights it pushes there).
+        student: where the student came from (:class:`kd.checkpoint.training.StudentSource`: a
+            served sampler exports it as checkpoints do); None where no weight is pushed.
+        student_vocab: the student's output rows (a served sampler keeps the rows no tokenizer
+            has out of its samples).
 
     Raises:
         KDUserError: a sampler this build of kd does not have.
@@ -61,8 +74,10 @@ def sampler_for(
             f"on_policy.sampler: {kind} is not available in this installation of kd; "
             f"use one of {', '.join(sorted(SAMPLER_BUILDERS))}"
         )
+    served = {"student": student, "student_vocab": student_vocab} if kind == "served" else {}
     return builder(
         run,
+        **served,
         tokenizer=tokenizer,
         seed=seed,
         vocab_limit=vocab_limit,

@@ -62,7 +62,15 @@ from kd.teachers.transport import PastDeadline, deadline, deadline_session, requ
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
 
-__all__ = ["SYNC_DIRNAME", "ServedSampler", "ServerUnavailable", "SyncSettings", "version_dir"]
+__all__ = [
+    "SYNC_DIRNAME",
+    "ServedSampler",
+    "ServerUnavailable",
+    "SyncSettings",
+    "exporter_of",
+    "served_sampler",
+    "version_dir",
+]
 
 log = logging.getLogger("kd")
 
@@ -159,7 +167,9 @@ class _Client:
     @property
     def deadline_s(self) -> float:
         s = self.settings
-        return request_budget(timeout=self.timeout, retries=s.server_retries, backoff=s.server_backoff)
+        return request_budget(
+            timeout=self.timeout, retries=s.server_retries, backoff=s.server_backoff
+        )
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -199,7 +209,11 @@ class _Client:
                     timeout=(self.timeout, self.timeout),
                 )
         except PastDeadline as e:
-            waited = "" if e.retry_after is None else f" (it asked for Retry-After {e.retry_after:.0f} s)"
+            waited = (
+                ""
+                if e.retry_after is None
+                else f" (it asked for Retry-After {e.retry_after:.0f} s)"
+            )
             raise ServerUnavailable(
                 f"{_KEY}.server_url: {shown} did not answer within "
                 f"{time.monotonic() - start:.0f} s{waited} ({limits}); fix the server (or raise "
@@ -292,7 +306,9 @@ class ServedSampler:
                 f"{s.server_api} server's base URL (without /v1), or set {_KEY}.server_api"
             )
         names = [c.get("id") for c in cards if isinstance(c, dict)]
-        card = next((c for c in cards if isinstance(c, dict) and c.get("id") == s.server_model), None)
+        card = next(
+            (c for c in cards if isinstance(c, dict) and c.get("id") == s.server_model), None
+        )
         if card is None:
             raise KDUserError(
                 f"{_KEY}.server_model: the server at {probe.url} serves "
@@ -363,8 +379,11 @@ class ServedSampler:
     # ------------------------------------------------------------ weights
     def after_step(self, student: nn.Module, step: int) -> None:
         """Push the weights of optimizer step ``step`` when it is a multiple of
-        ``on_policy.sync_every_n_steps``. Collective when distributed."""
-        if step % self.settings.sync_every_n_steps == 0:
+        ``on_policy.sync_every_n_steps``; the first call (before the first step) pushes what the
+        run starts from (:meth:`prepare`). Collective when distributed."""
+        if self.version < 0:
+            self.prepare(student, step)
+        elif step % self.settings.sync_every_n_steps == 0:
             self._push(student, step)
 
     def prepare(self, student: nn.Module, step: int) -> None:
@@ -476,7 +495,7 @@ class ServedSampler:
         return f"{self._adapter_prefix}{version}"
 
     def _refused(self, what: str, status: int, text: str, folder: Path) -> RolloutStopped:
-        s, shown = self.settings, self.client.shown(text[:200])
+        shown = self.client.shown(text[:200])
         if "LoRA is not enabled" in text:
             fix = "start the server with --enable-lora (and --max-lora-rank >= the student's rank)"
         elif "rank" in text and ("max_lora_rank" in text or "max-lora-rank" in text):
@@ -521,11 +540,15 @@ class ServedSampler:
             for p in self.sync_dir.iterdir()
             if (m := _VERSION_RE.match(p.name)) and (p / _MARKER).is_file()
         )
-        steps = [
-            int(m.group(1))
-            for p in self.sync.output_dir.iterdir()
-            if (m := _STEP_RE.match(p.name))
-        ] if self.sync.output_dir.is_dir() else []
+        steps = (
+            [
+                int(m.group(1))
+                for p in self.sync.output_dir.iterdir()
+                if (m := _STEP_RE.match(p.name))
+            ]
+            if self.sync.output_dir.is_dir()
+            else []
+        )
         keep = {current}
         for s in steps:
             older = [v for v in versions if v <= s]
@@ -600,7 +623,9 @@ class ServedSampler:
         try:
             if data is None:
                 raise BadAnswer(f"the answer is not JSON ({_short(text, 80)!r})")
-            sample = self.protocol.parse(data, adapter=self.adapter, model=self.settings.server_model)
+            sample = self.protocol.parse(
+                data, adapter=self.adapter, model=self.settings.server_model
+            )
             self._check(sample)
         except BadAnswer as e:
             raise RolloutStopped(
@@ -642,7 +667,9 @@ class ServedSampler:
                 raise failure
             return
         if distributed.any_rank(failure is not None, device=self.device):
-            lines = distributed.all_gather_text(str(failure) if failure else None, device=self.device)
+            lines = distributed.all_gather_text(
+                str(failure) if failure else None, device=self.device
+            )
             rank, line = next((r, x) for r, x in enumerate(lines) if x is not None)
             raise RolloutStopped(
                 line if failure is not None else f"rank {rank}: {line}", collective=True
@@ -670,3 +697,50 @@ class ServedSampler:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
+
+
+def exporter_of(source: Any, *, world: WorldInfo) -> Any:
+    """``(folder, student) -> None``: the student written into ``folder`` as a step checkpoint
+    holds it (an HF folder; a LoRA student's PEFT adapter in ``adapter/``). Collective when
+    distributed (the full state dict is gathered; rank 0 writes)."""
+    from kd.backends import backend_named
+
+    def export(folder: Path | None, student: nn.Module) -> None:
+        full = distributed.full_state_dict(student, world=world)
+        if world.is_rank_zero:
+            assert folder is not None
+            backend_named(source.backend).export_student(folder, student, full, source)
+
+    return export
+
+
+def served_sampler(
+    run: Any,
+    *,
+    student: Any,
+    student_vocab: int | None,
+    tokenizer: object,
+    seed: int,
+    vocab_limit: int,
+    world: WorldInfo,
+    device: torch.device,
+    output_dir: Path,
+) -> ServedSampler:
+    """The served sampler of a run (:func:`kd.rollouts.build.sampler_for`'s ``served``)."""
+    from kd.data import pad_id_of
+    from kd.training.on_policy import stop_token_ids
+
+    assert run.on_policy is not None
+    sync = SyncSettings(
+        output_dir=output_dir,
+        exporter=exporter_of(student, world=world) if student is not None else None,
+        lora=run.lora is not None,
+        seed=seed,
+        pad_id=pad_id_of(tokenizer),
+        stop_ids=stop_token_ids(tokenizer),
+        vocab_limit=vocab_limit,
+        vocab=student_vocab if student_vocab is not None else vocab_limit,
+        max_seq_len=run.max_seq_len,
+        world=world,
+    )
+    return ServedSampler(run.on_policy, sync, device=device)

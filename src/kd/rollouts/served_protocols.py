@@ -202,7 +202,10 @@ class VLLMGeneration:
 
     def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
         return [
-            ("/collective_rpc", {"method": "update_config", "args": [{"model_config": {"model": folder}}]}),
+            (
+                "/collective_rpc",
+                {"method": "update_config", "args": [{"model_config": {"model": folder}}]},
+            ),
             ("/collective_rpc", {"method": "reload_weights"}),
         ]
 
@@ -284,7 +287,9 @@ class SGLangGeneration:
             ids.append(matched)
         version = answer["meta_info"].get("weight_version")
         return Sample(
-            ids=ids, stopped=kind == "stop", weight_version=None if version is None else str(version)
+            ids=ids,
+            stopped=kind == "stop",
+            weight_version=None if version is None else str(version),
         )
 
     def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
