@@ -244,6 +244,8 @@ class RolloutTestServer:
             :data:`kd.testing_server.FAULTS`).
         kill_on: a path whose next request kills the server before it answers (a crash during a
             weight push); None: none.
+        on_post: ``(path, body) -> None`` called with every POST before it is answered (a test's
+            hook: kill the client mid-push); None: none.
         log: ``(path, body)`` of every POST, in order of arrival.
     """
 
@@ -287,6 +289,7 @@ class RolloutTestServer:
         self.routes = routes
         self.faults: collections.deque[str] = collections.deque()
         self.kill_on: str | None = None
+        self.on_post: Any = None
         self.log: list[tuple[str, Any]] = []
         self.refused: set[tuple[int, ...]] = set()
         self.requests = 0
@@ -743,6 +746,8 @@ class _RolloutHandler(_Handler):
         with owner._lock:
             owner.requests += 1
             owner.log.append((self.path, body))
+        if owner.on_post is not None:
+            owner.on_post(self.path, body)
         fault = owner.next_fault()
         if owner.kill_on is not None and self.path == owner.kill_on:
             fault = "kill"

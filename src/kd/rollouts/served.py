@@ -521,6 +521,10 @@ class ServedSampler:
             self.client.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
         path, body = self.protocol.load_lora(name, adapter)
         status, text, data = self.client.call("POST", path, body)
+        if status == 400 and "already" in text and "loaded" in text:
+            # This version's name, loaded before a kill (the run pushes it again on resume).
+            self.client.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
+            status, text, data = self.client.call("POST", path, body)
         if status != 200 or (isinstance(data, dict) and data.get("success") is False):
             raise self._refused("the student's LoRA adapter", status, text, folder)
         if self.adapter is not None and self.adapter != name:
