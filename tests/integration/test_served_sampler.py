@@ -224,10 +224,10 @@ def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
 def test_a_server_that_dies_stops_the_run_cleanly_and_resume_finishes_it(
     assets, tmp_path, capsys, api, lora
 ):
-    """The server dies during step 3's rollouts (pushed every 2 steps: step 3 samples version
-    2... no: version 2 is pushed after step 2, so the run stops at step 3 with step_2 saved, and
-    the resumed run pushes version 2 again to a new server). Same final weights as a run that
-    never stopped."""
+    """Weights pushed every 2 steps; the server dies at step 2's first rollout: the run saves
+    step_1 and stops (exit 2, one line). The resumed run, with a new server, pushes version 0
+    again (the one step 1's checkpoint was sampling with, kept on disk) and ends with the
+    weights of a run that never stopped."""
     fast = {"server_retries": 0, "server_timeout": 20, "sync_every_n_steps": 2}
     with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
         cfg = config(assets, tmp_path / "ref", lora=lora, on_policy=served(server, api, **fast))
@@ -237,16 +237,15 @@ def test_a_server_that_dies_stops_the_run_cleanly_and_resume_finishes_it(
     out = tmp_path / "run"
     server = RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME).start()
     generate = "/v1/completions" if api == "vllm" else "/generate"
-    # Steps 1-2: 8 rollouts (4 rows x 2 micro-batches each); the server dies at step 3's first.
     state = {"rollouts": 0}
 
-    def die_at_step_3(path, body):
-        if path == generate:
+    def die_at_step_2(path, body):
+        if path == generate:  # step 1 asks 8 rollouts (2 micro-batches of 4 rows)
             state["rollouts"] += 1
-            if state["rollouts"] == 17:
+            if state["rollouts"] == 9:  # the first of step 2: killed before it is answered
                 server.kill_on = generate
 
-    server.on_post = die_at_step_3
+    server.on_post = die_at_step_2
     capsys.readouterr()
     cfg = config(assets, out, lora=lora, on_policy=served(server, api, **fast))
     rc = kd_run(cfg, tmp_path / "run.yaml", "max_steps_per_epoch=4")
@@ -256,16 +255,17 @@ def test_a_server_that_dies_stops_the_run_cleanly_and_resume_finishes_it(
     assert rc == 2, err
     assert len(lines) == 1 and "on_policy.server_url:" in lines[0], err
     assert "did not answer" in lines[0]
-    assert (out / "step_000002").is_dir() and not (out / "final").exists()
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "step_000001").is_dir() and not (out / "final").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
     with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as fresh:
         cfg = config(assets, out, lora=lora, on_policy=served(fresh, api, **fast))
-        rc = kd_run(
-            cfg, tmp_path / "resume.yaml", "max_steps_per_epoch=4", "resume_from_checkpoint=true"
-        )
-        assert rc == 0
+        resume = ("max_steps_per_epoch=4", "resume_from_checkpoint=true")
+        assert kd_run(cfg, tmp_path / "resume.yaml", *resume) == 0
+        pushed = [_push_version(api, lora, p, b) for p, b in fresh.log]
+    assert [v for v in pushed if v is not None] == [0, 2, 4]
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert [r["rollout_version_lag"] for r in read_metrics(out)] == [0, 1, 0, 1]
     assert_same_weights(final_weights(out, lora), reference)
 
 
