@@ -298,16 +298,8 @@ def test_kill_9_during_a_weight_push_then_resume_loses_nothing(assets, tmp_path,
     with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
         cfg = config(assets, out, lora=lora, on_policy=served(server, api))
         path = write_config(tmp_path / "run.yaml", cfg)
-        argv = [
-            sys.executable,
-            "-m",
-            "kd",
-            "run",
-            "kd",
-            "--config",
-            str(path),
-            "save_every_n_steps=1",
-        ]
+        run_kd = ["run", "kd", "--config", str(path), "save_every_n_steps=1"]
+        argv = [sys.executable, "-m", "kd.cli", *run_kd]
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         killed = {}
 
