@@ -14,6 +14,7 @@ weight-update endpoints over the student's own folder on the CPU, answering as t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -329,3 +330,29 @@ def test_kill_9_during_a_weight_push_then_resume_loses_nothing(assets, tmp_path,
     # Nothing half-written is left; only the versions a kept checkpoint or the run needs.
     left = sorted(p.name for p in (out / "served_weights").iterdir())
     assert not [n for n in left if n.startswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_counts_no_kv_cache_for_a_served_sampler(assets, tmp_path, capsys):
+    """kd plan: the local sampler's generation phase (a KV cache on the training device) is
+    gone with a served sampler; nothing else changes."""
+    plans = {}
+    for name, node in (
+        ("local", {}),
+        ("served", {"sampler": "served", "server_url": "http://127.0.0.1:9", "server_model": "x"}),
+    ):
+        cfg = config(assets, tmp_path / name, lora=False, on_policy=node)
+        capsys.readouterr()
+        path = write_config(tmp_path / f"{name}.yaml", cfg)
+        assert cli.main(["plan", "--config", str(path), "--json"]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    phases = {
+        k: [p["name"] if isinstance(p, dict) else p for p in v["phases"]] for k, v in plans.items()
+    }
+    assert phases["local"] == ["generation", "forward", "backward", "optimizer_step"]
+    assert phases["served"] == ["forward", "backward", "optimizer_step"]
+    assert plans["served"]["peak_gib"] <= plans["local"]["peak_gib"]
