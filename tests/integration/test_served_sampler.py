@@ -356,3 +356,49 @@ def test_the_plan_counts_no_kv_cache_for_a_served_sampler(assets, tmp_path, caps
     assert phases["local"] == ["generation", "forward", "backward", "optimizer_step"]
     assert phases["served"] == ["forward", "backward", "optimizer_step"]
     assert plans["served"]["peak_gib"] <= plans["local"]["peak_gib"]
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: rank 0 pushes, every rank samples its own rows
+# ---------------------------------------------------------------------------------------------
+
+
+def test_two_ranks_push_once_and_sample_their_own_rows(assets, tmp_path):
+    """2 CPU ranks (gloo, FSDP2) against one device with the same global batch: every version is
+    pushed once (rank 0), every row is asked once (by the rank that holds it), and the two runs
+    train alike."""
+    from kd.testing import run_launch
+
+    logs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
+            cfg = config(
+                assets,
+                out,
+                lora=True,
+                on_policy=served(server, "vllm"),
+                batch_size=4 // ranks,
+            )
+            path = write_config(tmp_path / f"r{ranks}.yaml", cfg)
+            if ranks == 1:
+                assert kd_run(cfg, path) == 0
+            else:
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+                cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2"]
+                proc = run_launch(
+                    [*cmd, "kd_distributed", "--config", str(path)], env=env, timeout=600
+                )
+                assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+            logs[ranks] = list(server.log)
+    for ranks, log in logs.items():
+        loads = [b["lora_name"].rsplit("-v", 1)[1] for p, b in log if p == "/v1/load_lora_adapter"]
+        assert loads == ["0", "1", "2", "3"], (ranks, loads)
+    prompts = {
+        r: sorted(tuple(b["prompt"]) for p, b in log if p == "/v1/completions")
+        for r, log in logs.items()
+    }
+    assert len(prompts[1]) == 24 and prompts[1] == prompts[2]
+    one, two = read_metrics(tmp_path / "r1"), read_metrics(tmp_path / "r2")
+    assert [r["num_tokens"] for r in one] == [r["num_tokens"] for r in two]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-5)
