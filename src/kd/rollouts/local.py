@@ -135,7 +135,7 @@ class LocalSampler:
         if self.settings.async_steps > 0:
             with torch.no_grad():
                 if self._policy is None:
-                    self._policy = copy.deepcopy(student).requires_grad_(False)
+                    self._policy = frozen_copy(student)
                 else:
                     for mine, theirs in zip(
                         self._policy.parameters(), student.parameters(), strict=True
@@ -153,3 +153,9 @@ class LocalSampler:
     def close(self) -> None:
         """Drop the frozen copy."""
         self._policy = None
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that trains nothing (the async sampler's weights); modules compiled
+    in place (``compile: true``) stay compiled, on the copy's own weights (tested)."""
+    return copy.deepcopy(model).requires_grad_(False)
