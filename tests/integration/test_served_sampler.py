@@ -402,3 +402,17 @@ def test_two_ranks_push_once_and_sample_their_own_rows(assets, tmp_path):
     one, two = read_metrics(tmp_path / "r1"), read_metrics(tmp_path / "r2")
     assert [r["num_tokens"] for r in one] == [r["num_tokens"] for r in two]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-5)
+
+
+def test_async_steps_sample_the_next_step_from_the_server_while_this_one_trains(
+    assets, tmp_path, monkeypatch
+):
+    """async_steps 1: step s + 1's rollouts are asked while step s trains, with the version the
+    server holds then (one step stale); the metrics say so."""
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    with RolloutTestServer(assets["student"], api="sglang", model_name=SERVED_NAME) as server:
+        node = served(server, "sglang", async_steps=1)
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=node)
+        assert kd_run(cfg, tmp_path / "c.yaml") == 0
+    assert [r["rollout_version_lag"] for r in read_metrics(tmp_path / "out")] == [0, 1, 1]
+    assert sorted({(s, v) for s, _, _, v in remote}) == [(1, 0), (2, 0), (3, 1)]

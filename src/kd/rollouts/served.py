@@ -293,6 +293,11 @@ class ServedSampler:
             KDUserError: the first problem, one line naming the key and the fix.
         """
         s = self.settings
+        if s.async_steps > 0 and self.sync.world.distributed:
+            raise KDUserError(
+                "on_policy.async_steps: 1 asks the server from a background thread, whose "
+                "failures the ranks cannot agree on; under torchrun set on_policy.async_steps=0"
+            )
         probe = _Client(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
         try:
             status, text, data = probe.call("GET", "/v1/models")
@@ -381,6 +386,8 @@ class ServedSampler:
         """Push the weights of optimizer step ``step`` when it is a multiple of
         ``on_policy.sync_every_n_steps``; the first call (before the first step) pushes what the
         run starts from (:meth:`prepare`). Collective when distributed."""
+        if self.settings.lmbda == 0:  # the student never samples: nothing to push
+            return
         if self.version < 0:
             self.prepare(student, step)
         elif step % self.settings.sync_every_n_steps == 0:
