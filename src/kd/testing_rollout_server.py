@@ -110,6 +110,11 @@ class _Model:
         self.adapters: dict[str, torch.nn.Module] = {}
         self.eos = self._eos_ids(self.folder)
         self.vocab = int(self.base.config.vocab_size)
+        self.sees: Path | None = None  # the server's view of the disk (None: all of it)
+
+    def _visible(self, path: str) -> bool:
+        where = Path(path).resolve()
+        return self.sees is None or where == self.sees or self.sees in where.parents
 
     @staticmethod
     def _eos_ids(folder: Path) -> set[int]:
@@ -133,7 +138,8 @@ class _Model:
 
         folder = Path(path)
         config = folder / "adapter_config.json"
-        if not config.is_file() or not (folder / "adapter_model.safetensors").is_file():
+        present = config.is_file() and (folder / "adapter_model.safetensors").is_file()
+        if not present or not self._visible(path):
             raise FileNotFoundError(f"No adapter found for {path}")
         rank = int(json.loads(config.read_text()).get("r", 0))
         if rank > max_rank:
@@ -150,7 +156,8 @@ class _Model:
         """
         from safetensors.torch import load_file
 
-        files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+        seen = Path(folder).is_dir() and self._visible(folder)
+        files = sorted(Path(folder).glob("*.safetensors")) if seen else []
         if not files:
             raise ValueError(f"Cannot find any model weights with `{folder}`")
         loaded: dict[str, torch.Tensor] = {}
@@ -234,14 +241,17 @@ class RolloutTestServer:
         dev_mode: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc`` exists).
         max_lora_rank: ``--max-lora-rank``.
         max_model_len: ``--max-model-len`` (SGLang ``--context-length``).
+        sees: the only folder whose files the server can read (a server on another machine sees
+            none of kd's disk but a shared one); None: all.
         port: the port (0: any free one).
         hang_s: how long a ``"hang"`` fault sleeps.
         max_requests: requests served before it stops by itself.
         lifetime_s: seconds it serves before it stops by itself.
 
     Attributes:
-        faults: per POST request, in order: ``"500"``, ``"hang"``, ``"kill"`` or ``""`` (see
-            :data:`kd.testing_server.FAULTS`).
+        faults: per POST request, in order: ``"500"``, ``"hang"``, ``"kill"`` (see
+            :data:`kd.testing_server.FAULTS`), ``"bad_id"`` (a completion's first id replaced by
+            the model's last row, which no tokenizer token has) or ``""``.
         kill_on: a path whose next request kills the server before it answers (a crash during a
             weight push); None: none.
         on_post: ``(path, body) -> None`` called with every POST before it is answered (a test's
@@ -261,6 +271,7 @@ class RolloutTestServer:
         dev_mode: bool = True,
         max_lora_rank: int = 16,
         max_model_len: int = 4096,
+        sees: Path | None = None,
         port: int = 0,
         hang_s: float = 2.0,
         max_requests: int = 1_000_000,
@@ -274,6 +285,7 @@ class RolloutTestServer:
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
         self.max_model_len = max_model_len
+        self.model.sees = None if sees is None else Path(sees).resolve()
         self.hang_s = hang_s
         self.retry_after = "1"
         self.trickle_s = 0.05
@@ -713,6 +725,17 @@ class RolloutTestServer:
         return handlers[path](body)
 
 
+def _poison(payload: Any, token: int) -> None:
+    """A generation answer with its first completion's first id replaced by ``token``."""
+    if isinstance(payload, dict) and isinstance(payload.get("choices"), list):
+        ids = payload["choices"][0].get("token_ids")
+    else:
+        first = payload[0] if isinstance(payload, list) else payload
+        ids = first.get("output_ids") if isinstance(first, dict) else None
+    if ids:
+        ids[0] = token
+
+
 class _RolloutHandler(_Handler):
     def _route(self, method: str) -> bool:
         owner = self.server.owner
@@ -774,6 +797,8 @@ class _RolloutHandler(_Handler):
                 self._send(500, None, raw=b"Internal Server Error", content_type="text/plain")
                 return
             status, payload, text = 500, owner.vllm_error(500, str(e), "InternalServerError"), None
+        if fault == "bad_id" and status == 200:
+            _poison(payload, owner.model.vocab - 1)
         if text is not None:  # vLLM's Response(content=str): a body without a media type
             self.send_response(status)
             self.send_header("Content-Length", str(len(text)))

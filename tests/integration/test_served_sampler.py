@@ -416,3 +416,94 @@ def test_async_steps_sample_the_next_step_from_the_server_while_this_one_trains(
         assert kd_run(cfg, tmp_path / "c.yaml") == 0
     assert [r["rollout_version_lag"] for r in read_metrics(tmp_path / "out")] == [0, 1, 1]
     assert sorted({(s, v) for s, _, _, v in remote}) == [(1, 0), (2, 0), (3, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the server refuses or gets wrong: one line, exit 2
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("api", "lora"), [("vllm", True), ("sglang", False)], ids=IDS[1:3])
+def test_a_server_that_cannot_read_the_pushed_folder_stops_before_training(
+    assets, tmp_path, capsys, api, lora
+):
+    """The server runs elsewhere and sees only its own disk: the first push (version 0) is
+    refused and the run stops before its first step, saying where the weights must go."""
+    elsewhere = tmp_path / "server_disk"
+    elsewhere.mkdir()
+    with RolloutTestServer(
+        assets["student"], api=api, model_name=SERVED_NAME, sees=elsewhere
+    ) as server:
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=served(server, api))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "refused the student's" in lines[0] and "weight version v000000" in lines[0]
+    assert "point on_policy.server_sync_dir at a folder it sees" in lines[0]
+    assert (
+        not read_metrics(tmp_path / "out")
+        if (tmp_path / "out" / "metrics.jsonl").exists()
+        else True
+    )
+
+
+def test_a_malformed_rollout_stops_the_run_with_a_checkpoint(assets, tmp_path, capsys):
+    """A completion holding an id no tokenizer token has (step 2's first rollout): refused, never
+    trained on; step 1 is saved and the run exits 2 with the row's problem."""
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
+        # The probe, version 0's push (2 requests), step 1's 8 rollouts and version 1's push.
+        server.faults.extend([""] * 13 + ["bad_id"])
+        cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, "vllm"))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert (
+        "gave a malformed rollout: token 0 is id 287, outside the ids the tokenizer has"
+        in (lines[0])
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]
+    assert (tmp_path / "out" / "step_000001").is_dir()
+
+
+def test_the_test_server_answers_lora_mistakes_as_the_servers_do(assets, tmp_path):
+    """The refusals kd reads, as vLLM's and SGLang's source writes them."""
+    import requests
+
+    adapter = tmp_path / "missing"
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as v:
+        r = requests.post(
+            f"{v.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)}
+        )
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "NotFoundError" and "No adapter found" in r.text
+        r = requests.post(f"{v.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The lora adapter 'a' cannot be found."
+        r = requests.post(f"{v.url}/v1/completions", json={"model": "a", "prompt": [1, 2]})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The model `a` does not exist."
+    with RolloutTestServer(assets["student"], api="vllm", runtime_lora=False) as v:
+        r = requests.post(
+            f"{v.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"}
+        )
+        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
+    with RolloutTestServer(assets["student"], api="sglang", enable_lora=False) as s:
+        r = requests.post(f"{s.url}/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"})
+        assert r.status_code == 400
+        assert r.json()["error_message"] == (
+            "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        )
+    with RolloutTestServer(assets["student"], api="sglang") as s:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "lora_path": "a"}
+        r = requests.post(f"{s.url}/generate", json=body)
+        assert r.status_code == 400
+        assert (
+            "The following requested LoRA adapters are not loaded: a"
+            in r.json()["error"]["message"]
+        )
