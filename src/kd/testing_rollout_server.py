@@ -103,7 +103,9 @@ class _Model:
             str(self.folder), dtype=torch.float32, local_files_only=True, trust_remote_code=False
         ).eval()
         self.tokenizer = (
-            AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+            AutoTokenizer.from_pretrained(
+                str(tokenizer_dir), local_files_only=True, trust_remote_code=False
+            )
             if tokenizer_dir is not None
             else None
         )
@@ -144,7 +146,9 @@ class _Model:
         rank = int(json.loads(config.read_text()).get("r", 0))
         if rank > max_rank:
             raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
-        return PeftModel.from_pretrained(copy.deepcopy(self.base), str(folder)).eval()
+        return PeftModel.from_pretrained(
+            copy.deepcopy(self.base), str(folder), trust_remote_code=False
+        ).eval()
 
     def reload(self, folder: str) -> None:
         """The base model's weights from a folder's safetensors files (every file, names as the
