@@ -507,3 +507,77 @@ def test_the_test_server_answers_lora_mistakes_as_the_servers_do(assets, tmp_pat
             "The following requested LoRA adapters are not loaded: a"
             in r.json()["error"]["message"]
         )
+
+
+@pytest.mark.parametrize(
+    ("api", "lora"), [("vllm", True), ("sglang", False)], ids=["vllm-lora", "sglang-full"]
+)
+def test_a_server_that_dies_during_a_push_stops_with_that_step_saved(
+    assets, tmp_path, capsys, api, lora
+):
+    """The server dies while it takes version 2 (after step 2 is applied): the run stops before
+    step 3 trains, with step_2 saved as step 2 (never step 2's weights under step 1's name), and
+    the resumed run pushes version 2 again and ends as a run that never stopped."""
+    fast = {"server_retries": 0, "server_timeout": 20}
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "ref", lora=lora, on_policy=served(server, api, **fast))
+        assert kd_run(cfg, tmp_path / "ref.yaml") == 0
+    reference = final_weights(tmp_path / "ref", lora)
+
+    out = tmp_path / "run"
+    server = RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME).start()
+
+    def die_taking_version_2(path, body):
+        if _push_version(api, lora, path, body) == 2:
+            server.kill_on = path
+
+    server.on_post = die_taking_version_2
+    capsys.readouterr()
+    cfg = config(assets, out, lora=lora, on_policy=served(server, api, **fast))
+    rc = kd_run(cfg, tmp_path / "run.yaml")
+    server.kill()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "stopped after step 2" in lines[0], err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "step_000002").is_dir() and not (out / "final").exists()
+
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as fresh:
+        cfg = config(assets, out, lora=lora, on_policy=served(fresh, api, **fast))
+        assert kd_run(cfg, tmp_path / "resume.yaml", "resume_from_checkpoint=true") == 0
+        pushed = [_push_version(api, lora, p, b) for p, b in fresh.log]
+    assert [v for v in pushed if v is not None] == [2, 3]
+    assert_same_weights(final_weights(out, lora), reference)
+
+
+def test_a_server_that_dies_during_async_sampling_stops_before_the_next_step_trains(
+    assets, tmp_path, capsys
+):
+    """async_steps 1: step 3's rollouts are asked while step 2 trains and the server dies then;
+    the run stops before step 3 trains, with step_2 saved, and resume finishes it."""
+    fast = {"server_retries": 0, "server_timeout": 20, "async_steps": 1}
+    server = RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME).start()
+    state = {"rollouts": 0}
+
+    def die_at_step_3(path, body):
+        if path == "/v1/completions":  # steps 1 and 2 ask 8 rollouts each
+            state["rollouts"] += 1
+            if state["rollouts"] == 17:
+                server.kill_on = path
+
+    server.on_post = die_at_step_3
+    out = tmp_path / "run"
+    cfg = config(assets, out, lora=True, on_policy=served(server, "vllm", **fast))
+    capsys.readouterr()
+    rc = kd_run(cfg, tmp_path / "run.yaml")
+    server.kill()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "stopped after step 2" in lines[0], err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as fresh:
+        cfg = config(assets, out, lora=True, on_policy=served(fresh, "vllm", **fast))
+        assert kd_run(cfg, tmp_path / "resume.yaml", "resume_from_checkpoint=true") == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

@@ -273,6 +273,8 @@ class ServedSampler:
         self.version = -1
         self.adapter: str | None = None  # the loaded adapter's name (LoRA)
         self._resume_version: int | None = None
+        self._failure: RolloutStopped | None = None  # a push that failed after a step
+        self._due = -1  # the version that push was for
         self._pushed_once = False
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -375,7 +377,10 @@ class ServedSampler:
 
     # ------------------------------------------------------------ resume state
     def state_dict(self) -> dict[str, Any]:
-        return {"version": int(self.version)}
+        """The version sampled from here on: the one pushed last, or the one whose push failed
+        (a resumed run pushes it again)."""
+        version = self._due if self._failure is not None else self.version
+        return {"version": int(version)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version = state.get("version") if state else None
@@ -390,8 +395,14 @@ class ServedSampler:
             return
         if self.version < 0:
             self.prepare(student, step)
-        elif step % self.settings.sync_every_n_steps == 0:
-            self._push(student, step)
+        elif step % self.settings.sync_every_n_steps == 0 and self._failure is None:
+            # Step `step` is applied but not yet counted by the loop: a failure raised here
+            # would save its weights under the step before. It is raised by the next rollout
+            # (step + 1's, before it trains), so the run stops with step `step` saved.
+            try:
+                self._push(student, step)
+            except RolloutStopped as e:
+                self._failure, self._due = e, step
 
     def prepare(self, student: nn.Module, step: int) -> None:
         """Before the first rollout of this process (the weights after ``step`` optimizer
@@ -582,6 +593,8 @@ class ServedSampler:
         """Completions of ``prompts`` from the server (one request per prompt), version set."""
         from kd.training.on_policy import derive_seed
 
+        if self._failure is not None:  # the last push failed: stop before this step trains
+            raise self._failure
         if self.version < 0:
             self.prepare(student, step - 1)
         s = self.settings

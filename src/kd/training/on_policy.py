@@ -43,7 +43,7 @@ from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
-from kd.rollouts.base import Completions, Prompts, Sampler
+from kd.rollouts.base import Completions, Prompts, RolloutStopped, Sampler
 from kd.teachers import Teacher
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
@@ -543,6 +543,11 @@ class OnPolicyBatches:
             t0 = time.perf_counter()
             try:
                 ahead.done = ahead.future.result()
+            except RolloutStopped:
+                # Not raised here: step `step` is applied but not yet counted, so the stop would
+                # save its weights under the step before. The next step asks again, before it
+                # trains, and stops there.
+                ahead.done = None
             finally:
                 ahead.future = None
                 self._wait += time.perf_counter() - t0
