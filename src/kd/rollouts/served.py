@@ -717,6 +717,8 @@ class ServedSampler:
         )
 
     def close(self) -> None:
+        if self._failure is not None and self.sync.world.is_rank_zero:
+            log.warning("on_policy: the last weight push failed (%s)", self._failure)
         with self._lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
