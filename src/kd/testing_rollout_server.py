@@ -46,7 +46,6 @@ for trying a served sampler without a GPU::
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import threading
 import time
@@ -56,6 +55,8 @@ from typing import Any
 
 import torch
 
+from kd.testing_rollout_engine import RolloutEngine, poison
+from kd.testing_rollout_sglang import SGLangAnswers
 from kd.testing_server import _Handler, _HTTPServer
 
 __all__ = ["RolloutTestServer", "main"]
@@ -76,7 +77,6 @@ _BASE_ROUTES = {
 }
 _VLLM_RUNTIME_LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _VLLM_DEV = ("/collective_rpc",)
-_SAMPLING_EPS = 1e-5  # vLLM and SGLang: a temperature below this is greedy
 
 
 class _RequestError(Exception):
@@ -89,149 +89,7 @@ class _RequestError(Exception):
         self.raw = raw
 
 
-class _Model:
-    """The served model: a base Hugging Face model, its adapters, and sampling."""
-
-    def __init__(self, folder: Path, tokenizer_dir: Path | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from kd import folders
-
-        self.folder = Path(folder)
-        folders.check_folder(self.folder, key="--model")  # no auto_map, no link out of it
-        self.base = AutoModelForCausalLM.from_pretrained(
-            str(self.folder), dtype=torch.float32, local_files_only=True, trust_remote_code=False
-        ).eval()
-        self.tokenizer = (
-            AutoTokenizer.from_pretrained(
-                str(tokenizer_dir), local_files_only=True, trust_remote_code=False
-            )
-            if tokenizer_dir is not None
-            else None
-        )
-        self.adapters: dict[str, torch.nn.Module] = {}
-        self.eos = self._eos_ids(self.folder)
-        self.vocab = int(self.base.config.vocab_size)
-        self.sees: Path | None = None  # the server's view of the disk (None: all of it)
-
-    def _visible(self, path: str) -> bool:
-        where = Path(path).resolve()
-        return self.sees is None or where == self.sees or self.sees in where.parents
-
-    @staticmethod
-    def _eos_ids(folder: Path) -> set[int]:
-        """The model's EOS ids, as vLLM reads them (generation_config.json, else config.json)."""
-        for name in ("generation_config.json", "config.json"):
-            path = folder / name
-            if path.is_file():
-                eos = json.loads(path.read_text()).get("eos_token_id")
-                if eos is not None:
-                    return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
-        return set()
-
-    def load_adapter(self, path: str, *, max_rank: int) -> torch.nn.Module:
-        """A PEFT adapter folder read by peft over a copy of the base model.
-
-        Raises:
-            FileNotFoundError: no adapter in the folder (``adapter_config.json`` and weights).
-            ValueError: its rank is above ``max_rank``.
-        """
-        from peft import PeftModel
-
-        folder = Path(path)
-        config = folder / "adapter_config.json"
-        present = config.is_file() and (folder / "adapter_model.safetensors").is_file()
-        if not present or not self._visible(path):
-            raise FileNotFoundError(f"No adapter found for {path}")
-        rank = int(json.loads(config.read_text()).get("r", 0))
-        if rank > max_rank:
-            raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
-        return PeftModel.from_pretrained(
-            copy.deepcopy(self.base), str(folder), trust_remote_code=False
-        ).eval()
-
-    def reload(self, folder: str) -> None:
-        """The base model's weights from a folder's safetensors files (every file, names as the
-        model's state dict; a tied output weight may be absent).
-
-        Raises:
-            ValueError: no safetensors file, an unknown name, a shape that differs, or a weight of
-                the model left unset.
-        """
-        from safetensors.torch import load_file
-
-        seen = Path(folder).is_dir() and self._visible(folder)
-        files = sorted(Path(folder).glob("*.safetensors")) if seen else []
-        if not files:
-            raise ValueError(f"Cannot find any model weights with `{folder}`")
-        loaded: dict[str, torch.Tensor] = {}
-        for f in files:
-            loaded.update(load_file(str(f)))
-        state = self.base.state_dict()
-        unknown = sorted(set(loaded) - set(state))
-        if unknown:
-            raise ValueError(f"There is no module or parameter named '{unknown[0]}'")
-        tied = bool(getattr(self.base.config, "tie_word_embeddings", False))
-        missing = [k for k in state if k not in loaded and not (tied and k == "lm_head.weight")]
-        if missing:
-            raise ValueError(f"Following weights were not initialized from checkpoint: {missing}")
-        for name, value in loaded.items():
-            if tuple(value.shape) != tuple(state[name].shape):
-                raise ValueError(
-                    f"Attempted to load weight ({tuple(value.shape)}) into parameter "
-                    f"({tuple(state[name].shape)}) for {name}"
-                )
-        with torch.no_grad():
-            self.base.load_state_dict(
-                {k: v.to(state[k].dtype) for k, v in loaded.items()}, strict=False
-            )
-            if tied:
-                self.base.tie_weights()
-
-    @torch.no_grad()
-    def sample(
-        self,
-        model: torch.nn.Module,
-        prompt: list[int],
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        stops: set[int],
-        logit_bias: dict[int, float],
-        generator: torch.Generator,
-    ) -> tuple[list[int], int | None]:
-        """One completion: its ids (the stop id included) and the id that stopped it (None when
-        ``max_tokens`` did)."""
-        ids = list(prompt)
-        out: list[int] = []
-        for _ in range(max_tokens):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()  # [V]
-            for token, bias in logit_bias.items():
-                logits[token] += bias
-            if temperature < _SAMPLING_EPS:
-                token = int(logits.argmax())
-            else:
-                logits = logits / temperature
-                if 0 < top_k < logits.numel():
-                    kth = torch.topk(logits, top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                if top_p < 1.0:
-                    ordered, order = logits.sort(descending=True)
-                    probs = ordered.softmax(-1)
-                    drop = probs.cumsum(-1) - probs >= top_p
-                    drop[0] = False
-                    logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-                token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-            ids.append(token)
-            out.append(token)
-            if token in stops:
-                return out, token
-        return out, None
-
-
-class RolloutTestServer:
+class RolloutTestServer(SGLangAnswers):
     """A vLLM- or SGLang-protocol generation server of a Hugging Face folder on 127.0.0.1.
 
     Args:
@@ -283,7 +141,7 @@ class RolloutTestServer:
     ):
         assert api in ("vllm", "sglang"), api
         self.api = api
-        self.model = _Model(Path(model_dir), tokenizer_dir)
+        self.model = RolloutEngine(Path(model_dir), tokenizer_dir)
         self.model_path = str(model_dir)
         self.model_name = model_name or self.model_path
         self.enable_lora = enable_lora
@@ -587,131 +445,6 @@ class RolloutTestServer:
             return 500, self.vllm_error(500, message, "InternalServerError"), None
         return 200, {"results": [None]}, None
 
-    # ------------------------------------------------------------ SGLang
-    def sglang_generate(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        prompts = body.get("input_ids")
-        single = not (prompts and isinstance(prompts[0], list))
-        prompts = [prompts] if single else prompts
-        params = body.get("sampling_params") or {}
-        per_row = params if isinstance(params, list) else [params] * len(prompts)
-        loras = body.get("lora_path")
-        loras = loras if isinstance(loras, list) else [loras] * len(prompts)
-        if any(lora is not None for lora in loras) and not self.enable_lora:
-            raise self._refuse("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        missing = sorted({x for x in loras if x is not None and x not in self.model.adapters})
-        if missing:
-            raise self._refuse(
-                f"The following requested LoRA adapters are not loaded: {missing[0]}\n"
-                f"Loaded adapters: {sorted(self.model.adapters)}."
-            )
-        out = []
-        for index, (prompt, p, lora) in enumerate(zip(prompts, per_row, loras, strict=True)):
-            temperature = p.get("temperature")
-            temperature = 1.0 if temperature is None else float(temperature)
-            top_k = p.get("top_k")
-            top_k = -1 if top_k is None else int(top_k)
-            if temperature < _SAMPLING_EPS:  # SGLang: greedy is top_k 1
-                temperature, top_k = 1.0, 1
-            settings = {
-                "max_tokens": p.get("max_new_tokens", 128),
-                "temperature": temperature,
-                "top_p": p.get("top_p") if p.get("top_p") is not None else 1.0,
-                "top_k": 0 if top_k == -1 else top_k,
-                "seed": p.get("sampling_seed"),
-                "stop_token_ids": p.get("stop_token_ids"),
-                "ignore_eos": p.get("ignore_eos", False),
-                "logit_bias": p.get("logit_bias"),
-                "n": p.get("n") or 1,
-            }
-            for j, sample in enumerate(self._generate(prompt, settings, lora)):
-                stop = sample["stopped_by"]
-                reason = (
-                    {"type": "stop", "matched": stop}
-                    if stop is not None
-                    else {"type": "length", "length": len(sample["ids"])}
-                )
-                meta = {
-                    "id": f"req-{self.requests}-{index}-{j}",
-                    "finish_reason": reason,
-                    "prompt_tokens": len(prompt),
-                    "weight_version": self.weight_version,
-                    "completion_tokens": len(sample["ids"]),
-                    "cached_tokens": 0,
-                    "e2e_latency": 0.0,
-                }
-                out.append(
-                    {
-                        "text": self._text(sample["ids"]),
-                        "output_ids": sample["ids"],
-                        "meta_info": meta,
-                    }
-                )
-        return 200, (out[0] if single and len(out) == 1 else out), None
-
-    def sglang_update_weights(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        path = body.get("model_path")
-        try:
-            with self._model_lock:
-                self.model.reload(str(path))
-        except Exception as e:  # noqa: BLE001 - SGLang answers success false
-            message = f"Failed to get weights iterator: {e}."
-            return 400, {"success": False, "message": message, "num_paused_requests": 0}, None
-        message = "Succeeded to update model weights."
-        version = body.get("weight_version")
-        if version is not None:
-            self.weight_version = str(version)
-            message += f" Weight version updated to {version}."
-        return 200, {"success": True, "message": message, "num_paused_requests": 0}, None
-
-    def sglang_load_lora(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        name, path = body.get("lora_name"), body.get("lora_path")
-
-        def failed(message: str) -> tuple[int, Any, bytes | None]:
-            return 400, {"success": False, "error_message": message, "loaded_adapters": None}, None
-
-        if not self.enable_lora:
-            return failed("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        if name in self.lora_paths:
-            return failed(f"Failed to load LoRA adapter {name} because it is already loaded")
-        try:
-            adapter = self.model.load_adapter(str(path), max_rank=self.max_lora_rank)
-        except ValueError:
-            return failed(
-                f"LoRA adapter {name} with rank above {self.max_lora_rank} is incompatible with "
-                "the current LoRA memory pool configuration. Please ensure that the LoRA "
-                "adapter's rank is within the configured `--max_lora_rank` and that the target "
-                "modules are included in `--enable_lora_modules`."
-            )
-        except Exception as e:  # noqa: BLE001 - SGLang answers the loader's error
-            return failed(str(e))
-        with self._model_lock:
-            self.model.adapters[name] = adapter
-            self.lora_paths[name] = str(path)
-        return (
-            200,
-            {"success": True, "error_message": None, "loaded_adapters": self.lora_paths},
-            None,
-        )
-
-    def sglang_unload_lora(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        name = body.get("lora_name")
-        if not self.enable_lora:
-            message = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-            return 400, {"success": False, "error_message": message, "loaded_adapters": None}, None
-        if name not in self.lora_paths:
-            message = (
-                f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.lora_paths)}"
-            )
-            return 400, {"success": False, "error_message": message, "loaded_adapters": None}, None
-        with self._model_lock:
-            del self.lora_paths[name]
-            self.model.adapters.pop(name, None)
-        return (
-            200,
-            {"success": True, "error_message": None, "loaded_adapters": self.lora_paths},
-            None,
-        )
-
     def answer(self, path: str, body: Any) -> tuple[int, Any, bytes | None]:
         """The status, JSON payload (or raw body) of a POST to ``path``."""
         handlers = {
@@ -727,17 +460,6 @@ class RolloutTestServer:
         if not isinstance(body, dict):
             raise self._refuse("the request body must be a JSON object")
         return handlers[path](body)
-
-
-def _poison(payload: Any, token: int) -> None:
-    """A generation answer with its first completion's first id replaced by ``token``."""
-    if isinstance(payload, dict) and isinstance(payload.get("choices"), list):
-        ids = payload["choices"][0].get("token_ids")
-    else:
-        first = payload[0] if isinstance(payload, list) else payload
-        ids = first.get("output_ids") if isinstance(first, dict) else None
-    if ids:
-        ids[0] = token
 
 
 class _RolloutHandler(_Handler):
@@ -802,7 +524,7 @@ class _RolloutHandler(_Handler):
                 return
             status, payload, text = 500, owner.vllm_error(500, str(e), "InternalServerError"), None
         if fault == "bad_id" and status == 200:
-            _poison(payload, owner.model.vocab - 1)
+            poison(payload, owner.model.vocab - 1)
         if text is not None:  # vLLM's Response(content=str): a body without a media type
             self.send_response(status)
             self.send_header("Content-Length", str(len(text)))

@@ -44,21 +44,21 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import requests
 import torch
 from torch import nn
 
 from kd.config.run import OnPolicySettings
-from kd.errors import KDUserError, brief, one_line, redact
+from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped
+from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample
-from kd.teachers.transport import PastDeadline, deadline, deadline_session, request_budget
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
 
@@ -79,14 +79,7 @@ _MARKER = "kd_weights.json"  # written last: a version folder without it is inco
 _TMP = ".tmp_"
 _VERSION_RE = re.compile(r"^v(\d+)$")
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_RETRY_STATUS = (429, 500, 502, 503, 504)
 _KEY = "on_policy"
-# The probe before training waits at most this long per attempt, as the served teacher's.
-PROBE_TIMEOUT_S = 30.0
-
-
-class ServerUnavailable(RolloutStopped):
-    """The sampling server stayed down (every retry failed, or the deadline passed)."""
 
 
 def version_dir(sync_dir: Path, version: int) -> Path:
@@ -94,14 +87,15 @@ def version_dir(sync_dir: Path, version: int) -> Path:
     return Path(sync_dir) / f"v{version:06d}"
 
 
+@dataclass(frozen=True)
 class SyncSettings:
     """What the sampler needs besides ``on_policy:``.
 
-    Args:
+    Attributes:
         output_dir: the run's folder (step checkpoints, and the default sync folder).
         exporter: ``(folder, student) -> None`` writes the student's HF folder (a LoRA student's
-            adapter in ``adapter/``) into an existing folder; collective when distributed (it
-            gathers a sharded student; rank 0 writes).
+            adapter in ``adapter/``) into an existing folder (None on ranks other than 0);
+            collective when distributed (it gathers a sharded student; rank 0 writes).
         lora: whether the student is a LoRA student (adapters are pushed, not whole weights).
         seed: the run's seed (row ``r`` of epoch ``e`` asks with seed ``(seed, e, r)``).
         pad_id: the id written after a completion's end.
@@ -112,130 +106,16 @@ class SyncSettings:
         world: this process's place in the job.
     """
 
-    def __init__(
-        self,
-        *,
-        output_dir: Path,
-        exporter: Any,
-        lora: bool,
-        seed: int,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        vocab_limit: int,
-        vocab: int,
-        max_seq_len: int | None,
-        world: WorldInfo,
-    ):
-        self.output_dir = Path(output_dir)
-        self.exporter = exporter
-        self.lora = lora
-        self.seed = seed
-        self.pad_id = pad_id
-        self.stop_ids = list(stop_ids)
-        self.vocab_limit = vocab_limit
-        self.vocab = vocab
-        self.max_seq_len = max_seq_len
-        self.world = world
-
-
-class _Client:
-    """HTTP to the sampling server: every request ends by its deadline
-    (:mod:`kd.teachers.transport`), retried on timeouts, connection errors, 429 and 5xx."""
-
-    def __init__(self, settings: OnPolicySettings, *, timeout: float | None = None):
-        self.settings = settings
-        self.timeout = timeout if timeout is not None else settings.server_timeout
-        self.url = redact(settings.server_url or "")
-        self._headers = {"Content-Type": "application/json"}
-        self._secrets: tuple[str, ...] = ()
-        env = settings.server_token_env
-        if env is not None:
-            token = os.environ.get(env, "")
-            if not token:
-                raise KDUserError(
-                    f"{_KEY}.server_token_env: the environment variable {env} is not set or "
-                    "empty; export it with the server's API token, or set "
-                    f"{_KEY}.server_token_env to null for a server without one"
-                )
-            self._headers["Authorization"] = f"Bearer {token}"
-            self._secrets = (token,)
-        self._local = threading.local()
-
-    def shown(self, text: str) -> str:
-        return one_line(redact(text, self._secrets))
-
-    @property
-    def deadline_s(self) -> float:
-        s = self.settings
-        return request_budget(
-            timeout=self.timeout, retries=s.server_retries, backoff=s.server_backoff
-        )
-
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            s = self.settings
-            session = deadline_session(
-                retries=s.server_retries,
-                backoff=s.server_backoff,
-                statuses=_RETRY_STATUS,
-                methods=("GET", "POST"),
-            )
-            self._local.session = session
-        return session
-
-    def call(
-        self, method: str, path: str, body: dict[str, Any] | None = None
-    ) -> tuple[int, str, Any]:
-        """``(status, text, JSON or None)`` of one request, retried by its deadline.
-
-        Raises:
-            ServerUnavailable: the server stayed down, too slow, or kept answering 429 / 5xx.
-        """
-        s = self.settings
-        shown = f"{self.url}{path}"
-        limits = (
-            f"{_KEY}.server_timeout {self.timeout:g} s per attempt, {_KEY}.server_retries "
-            f"{s.server_retries}: at most {self.deadline_s:.0f} s a request"
-        )
-        start = time.monotonic()
-        try:
-            with deadline(attempt_s=self.timeout, total_s=self.deadline_s):
-                response = self._session().request(
-                    method,
-                    f"{s.server_url}{path}",
-                    json=body,
-                    headers=self._headers,
-                    timeout=(self.timeout, self.timeout),
-                )
-        except PastDeadline as e:
-            waited = (
-                ""
-                if e.retry_after is None
-                else f" (it asked for Retry-After {e.retry_after:.0f} s)"
-            )
-            raise ServerUnavailable(
-                f"{_KEY}.server_url: {shown} did not answer within "
-                f"{time.monotonic() - start:.0f} s{waited} ({limits}); fix the server (or raise "
-                f"{_KEY}.server_timeout) and resume"
-            ) from None
-        except requests.RequestException as e:
-            raise ServerUnavailable(
-                f"{_KEY}.server_url: {shown} did not answer after {s.server_retries} retries "
-                f"over {time.monotonic() - start:.0f} s ({self.shown(brief(e, 160))}; {limits}); "
-                "start the server (or raise on_policy.server_retries) and resume"
-            ) from None
-        if response.status_code in _RETRY_STATUS:
-            raise ServerUnavailable(
-                f"{_KEY}.server_url: {shown} answered HTTP {response.status_code} after "
-                f"{s.server_retries} retries ({self.shown(response.text[:160])}); fix the "
-                "server and resume"
-            )
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
-        return response.status_code, response.text, data
+    output_dir: Path
+    exporter: Callable[[Path | None, nn.Module], None] | None
+    lora: bool
+    seed: int
+    pad_id: int
+    stop_ids: tuple[int, ...]
+    vocab_limit: int
+    vocab: int
+    max_seq_len: int | None
+    world: WorldInfo
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -269,7 +149,7 @@ class ServedSampler:
         self.sync = sync
         self.device = device
         self.protocol = GEN_PROTOCOLS[settings.server_api]
-        self.client = _Client(settings)
+        self.client = ServerClient(settings)
         self.version = -1
         self.adapter: str | None = None  # the loaded adapter's name (LoRA)
         self._resume_version: int | None = None
@@ -300,7 +180,7 @@ class ServedSampler:
                 "on_policy.async_steps: 1 asks the server from a background thread, whose "
                 "failures the ranks cannot agree on; under torchrun set on_policy.async_steps=0"
             )
-        probe = _Client(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
+        probe = ServerClient(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
         try:
             status, text, data = probe.call("GET", "/v1/models")
         except ServerUnavailable as e:
@@ -346,7 +226,7 @@ class ServedSampler:
             self.sync_dir,
         )
 
-    def _probe_lora(self, probe: _Client) -> None:
+    def _probe_lora(self, probe: ServerClient) -> None:
         name = f"{self._adapter_prefix}probe"
         status, text, _ = probe.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
         if self.protocol.lora_disabled(status, text):
@@ -362,7 +242,7 @@ class ServedSampler:
                 f"adapter is pushed to it every {_KEY}.sync_every_n_steps; {fix}"
             )
 
-    def _probe_reload(self, probe: _Client) -> None:
+    def _probe_reload(self, probe: ServerClient) -> None:
         path = getattr(self.protocol, "reload_probe_path", None)
         if path is None:
             return
@@ -725,7 +605,7 @@ class ServedSampler:
                 self._pool = None
 
 
-def exporter_of(source: Any, *, world: WorldInfo) -> Any:
+def exporter_of(source: Any, *, world: WorldInfo) -> Callable[[Path | None, nn.Module], None]:
     """``(folder, student) -> None``: the student written into ``folder`` as a step checkpoint
     holds it (an HF folder; a LoRA student's PEFT adapter in ``adapter/``). Collective when
     distributed (the full state dict is gathered; rank 0 writes)."""
@@ -758,12 +638,12 @@ def served_sampler(
 
     assert run.on_policy is not None
     sync = SyncSettings(
-        output_dir=output_dir,
+        output_dir=Path(output_dir),
         exporter=exporter_of(student, world=world) if student is not None else None,
         lora=run.lora is not None,
         seed=seed,
         pad_id=pad_id_of(tokenizer),
-        stop_ids=stop_token_ids(tokenizer),
+        stop_ids=tuple(stop_token_ids(tokenizer)),
         vocab_limit=vocab_limit,
         vocab=student_vocab if student_vocab is not None else vocab_limit,
         max_seq_len=run.max_seq_len,
