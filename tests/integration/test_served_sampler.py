@@ -211,7 +211,9 @@ def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
     rc = cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "on_policy.server_url: on_policy.sampler is served" in err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:") or x.startswith("  ")]
+    assert any("on_policy.server_url: on_policy.sampler is served" in x for x in lines), err
+    assert any("on_policy.server_model: on_policy.sampler is served" in x for x in lines), err
 
 
 # ---------------------------------------------------------------------------------------------
