@@ -80,6 +80,16 @@ _TMP = ".tmp_"
 _VERSION_RE = re.compile(r"^v(\d+)$")
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _KEY = "on_policy"
+# What the servers say of a folder they cannot read (vLLM's LoRA loader, its weight loader,
+# SGLang's weight iterator and LoRA config reader).
+_UNREADABLE = (
+    "No adapter found",
+    "Cannot find any model weights",
+    "Failed to get weights iterator",
+    "No such file",
+    "does not exist",
+    "not found",
+)
 
 
 def version_dir(sync_dir: Path, version: int) -> Path:
@@ -402,11 +412,15 @@ class ServedSampler:
             fix = "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
         elif status == 404 and '"detail"' in text:
             fix = "start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment"
-        else:
+        elif "not supported in the v2 runner" in text:
+            fix = "run vLLM's default model runner (reload_weights), or train a LoRA student"
+        elif any(w in text for w in _UNREADABLE):
             fix = (
                 f"the server must read {folder} at that path: point {_KEY}.server_sync_dir at a "
                 "folder it sees (a shared disk on another machine), then resume"
             )
+        else:
+            fix = "see the server's log, fix it and resume"
         return RolloutStopped(
             f"{_KEY}.server_url: {self.client.url} refused {what} (weight version "
             f"{folder.name}) with HTTP {status} ({shown}); {fix}"
