@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import kd.rollouts.local
 from kd import checkpoint, cli
+from kd.rollouts.base import RolloutStopped
 
 RECIPE = ["run", "kd"]
 TIMED = UNTIMED | {"time_wait_rollout_s"}
@@ -142,3 +143,33 @@ def test_interrupted_run_resumes_exactly(assets, tmp_path, monkeypatch, extra):
     assert cli.main([*RECIPE, "--config", str(config), "resume_from_checkpoint=true"]) == 0
     assert losses(out) == losses(reference)
     assert_same_weights(reference, out)
+
+
+def test_sampler_that_stops_saves_and_resume_finishes(assets, tmp_path, monkeypatch, capsys):
+    """A sampler that cannot sample step 3's completions (on the background thread, while step 2
+    trains): step 2 ends and is saved, the run stops with one line (exit 2), and a resumed run
+    finishes from that save."""
+    original = kd.rollouts.local.LocalSampler.sample
+
+    def failing(self, prompts, *, step, **kw):
+        if step == 3:
+            raise RolloutStopped("on_policy: the sampler stopped (test)")
+        return original(self, prompts, step=step, **kw)
+
+    top = dict(max_steps_per_epoch=4, on_policy=on_policy(async_steps=1))
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "run.yaml", make_config(assets, out, **top))
+    with monkeypatch.context() as m:
+        m.setattr(kd.rollouts.local.LocalSampler, "sample", failing)
+        assert cli.main([*RECIPE, "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    saved = checkpoint.find_latest_checkpoint(out)
+    assert err[-1] == (
+        f"kd: error: on_policy: the sampler stopped (test); stopped after step 2; saved {saved} "
+        "(resume_from_checkpoint=true continues from it)"
+    )
+    assert checkpoint.read_checkpoint_marker(saved)["step"] == 2
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert cli.main([*RECIPE, "--config", str(config), "resume_from_checkpoint=true"]) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert (out / "final" / "model.safetensors").exists()

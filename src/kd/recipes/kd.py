@@ -332,10 +332,7 @@ class KDRecipe:
                 # Exactly the micro-batches this epoch trains on (a teacher that asks ahead
                 # never asks for one that max_steps_per_epoch cuts off).
                 batches = itertools.islice(self.loader, (self.steps_per_epoch - skip) * grad_accum)
-                if self.teacher is not None:  # a slow teacher starts on the next batches early
-                    batches = self.teacher.look_ahead(batches)
-                if self.on_policy is not None:  # async_steps: the next step's prompts early
-                    batches = self.on_policy.look_ahead(batches, per_step=grad_accum)
+                batches = self._read_ahead(batches)
                 for _ in range(skip, self.steps_per_epoch):
                     step = self.global_step + 1
                     try:
@@ -361,6 +358,7 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
+                    self._rollouts_after_step(bar)  # the sampler takes the step's weights
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         self._log(stats)
                     # Before the step save: its resume state holds this evaluation.
@@ -448,10 +446,6 @@ class KDRecipe:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        rollout: dict[str, float] = {}
-        if self.on_policy is not None:  # the sampler takes the new weights
-            self.on_policy.after_step(self.student, self.global_step + 1)
-            rollout = self.on_policy.step_metrics(self.global_step + 1)
         loss, ce, kd, *extra_sums = (float(x) for x in sums)
         return train.StepStats(
             loss=loss,
@@ -464,7 +458,6 @@ class KDRecipe:
             phases=dict(timer.seconds),
             sampled=sampled,
             terms=dict(zip(names, extra_sums, strict=True)),
-            rollout=rollout,
         )
 
     def _inputs(
@@ -487,6 +480,29 @@ class KDRecipe:
             rows=rows.tolist() if rows is not None else None,
             route=batch.get("route"),
         )
+
+    def _read_ahead(self, batches: Any) -> Any:
+        """The epoch's micro-batches, read ahead by those that ask: a slow teacher starts on the
+        next batches early, and with ``on_policy.async_steps`` the next step's prompts are
+        sampled while this step trains."""
+        if self.teacher is not None:
+            batches = self.teacher.look_ahead(batches)
+        if self.on_policy is not None:
+            batches = self.on_policy.look_ahead(batches, per_step=self.run.optimizer.grad_accum)
+        return batches
+
+    def _rollouts_after_step(self, bar: tqdm) -> None:
+        """The on-policy sampler takes the weights of the step just counted (a served sampler
+        pushes them); one that cannot stops the run with this step saved."""
+        if self.on_policy is None:
+            return
+        try:
+            self.on_policy.after_step(self.student, self.global_step)
+        except RolloutStopped as e:
+            bar.close()
+            raise self.checkpointer.save_on_stop(
+                e, step=self.global_step, just_saved=None, save=self.save
+            ) from e.__cause__
 
     def _check_loaded_weights(self) -> None:
         """A non-finite first step: blame weights that were loaded as NaN or inf on their files."""
@@ -557,6 +573,8 @@ class KDRecipe:
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             **train.step_metrics(stats, on_policy=self.on_policy is not None),
         }
+        if self.on_policy is not None:  # its wait and weight version lag, when it reports them
+            row.update(self.on_policy.step_metrics(self.global_step))
         if self.run.log_peak_memory_stats:
             row.update(peak_memory_gib(self.device))
             if self.plan is not None:

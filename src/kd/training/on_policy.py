@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
-from kd.rollouts.base import Completions, Prompts, RolloutStopped, Sampler
+from kd.rollouts.base import Completions, Prompts, Sampler
 from kd.teachers import Teacher
 from kd.training import distributed
 from kd.training.distributed import WorldInfo
@@ -536,21 +536,17 @@ class OnPolicyBatches:
         return made
 
     def after_step(self, student: nn.Module, step: int) -> None:
-        """Optimizer step ``step`` is applied: the next step's sampling (if any) ends first, then
-        the sampler takes the new weights (:meth:`kd.rollouts.base.Sampler.after_step`)."""
+        """Optimizer step ``step`` is applied and counted: the next step's sampling (if any)
+        ends first, then the sampler takes the new weights
+        (:meth:`kd.rollouts.base.Sampler.after_step`). A failure of that sampling is raised at
+        the next step's start (:meth:`step_inputs`), before anything changes the weights."""
         ahead = self._ahead
         if ahead is not None and ahead.future is not None:
             t0 = time.perf_counter()
-            try:
-                ahead.done = ahead.future.result()
-            except RolloutStopped:
-                # Not raised here: step `step` is applied but not yet counted, so the stop would
-                # save its weights under the step before. The next step asks again, before it
-                # trains, and stops there.
-                ahead.done = None
-            finally:
-                ahead.future = None
-                self._wait += time.perf_counter() - t0
+            wait([ahead.future])
+            self._wait += time.perf_counter() - t0
+            if ahead.future.exception() is None:
+                ahead.done, ahead.future = ahead.future.result(), None
         self.sampler.after_step(student, step)
 
     def step_metrics(self, step: int) -> dict[str, float]:

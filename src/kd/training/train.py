@@ -80,7 +80,6 @@ class StepStats:
     phases: dict[str, float] = field(default_factory=dict)
     sampled: dict[str, tuple[int, int]] = field(default_factory=dict)
     terms: dict[str, float] = field(default_factory=dict)
-    rollout: dict[str, float] = field(default_factory=dict)
 
 
 def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
@@ -110,7 +109,6 @@ def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
         if generate_s > 0:
             total = sum(tokens for _, tokens in stats.sampled.values())
             row["generate_tokens_per_second"] = total / generate_s
-        row.update(stats.rollout)  # the sampler's wait and version lag, when it reports them
     return row
 
 
