@@ -286,9 +286,9 @@ class ServedSampler:
         if self.version < 0:
             self.prepare(student, step)
         elif step % self.settings.sync_every_n_steps == 0 and self._failure is None:
-            # Step `step` is applied but not yet counted by the loop: a failure raised here
-            # would save its weights under the step before. It is raised by the next rollout
-            # (step + 1's, before it trains), so the run stops with step `step` saved.
+            # Raised by the next rollout (step + 1's, before it trains), not here: the step's
+            # metrics row is logged first, and the stop saves step `step` with this version
+            # due (a resumed run pushes it again).
             try:
                 self._push(student, step)
             except RolloutStopped as e:
