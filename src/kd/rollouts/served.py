@@ -165,6 +165,7 @@ class ServedSampler:
         self._resume_version: int | None = None
         self._failure: RolloutStopped | None = None  # a push that failed after a step
         self._due = -1  # the version that push was for
+        self._raised = False  # whether a rollout raised it (the run's error line said it)
         self._pushed_once = False
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -488,6 +489,7 @@ class ServedSampler:
         from kd.training.on_policy import derive_seed
 
         if self._failure is not None:  # the last push failed: stop before this step trains
+            self._raised = True
             raise self._failure
         if self.version < 0:
             self.prepare(student, step - 1)
@@ -611,7 +613,8 @@ class ServedSampler:
         )
 
     def close(self) -> None:
-        if self._failure is not None and self.sync.world.is_rank_zero:
+        if self._failure is not None and not self._raised and self.sync.world.is_rank_zero:
+            # The run ended (its last step) before a rollout could stop it: said once here.
             log.warning("on_policy: the last weight push failed (%s)", self._failure)
         with self._lock:
             if self._pool is not None:
