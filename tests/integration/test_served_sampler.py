@@ -285,6 +285,7 @@ def _push_version(api: str, lora: bool, path: str, body) -> int | None:
     return None
 
 
+@pytest.mark.slow  # kd in subprocesses
 @pytest.mark.parametrize(
     ("api", "lora"), [("vllm", False), ("sglang", True)], ids=["vllm-full", "sglang-lora"]
 )
@@ -365,6 +366,7 @@ def test_the_plan_counts_no_kv_cache_for_a_served_sampler(assets, tmp_path, caps
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # kd in subprocesses
 def test_two_ranks_push_once_and_sample_their_own_rows(assets, tmp_path):
     """2 CPU ranks (gloo, FSDP2) against one device with the same global batch: every version is
     pushed once (rank 0), every row is asked once (by the rank that holds it), and the two runs
