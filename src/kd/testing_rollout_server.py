@@ -215,31 +215,34 @@ class RolloutTestServer(SGLangAnswers):
             return self.faults.popleft() if self.faults else None
 
     def model_list(self) -> dict[str, Any]:
-        """``GET /v1/models``: the served name (vLLM: and every loaded adapter, its parent the
-        served name)."""
-        card: dict[str, Any] = {
-            "id": self.model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "vllm" if self.api == "vllm" else "sglang",
-            "root": self.model_path if self.api == "vllm" else self.model_name,
-            "max_model_len": self.max_model_len,
-        }
-        cards = [card]
-        if self.api == "vllm":
-            card["parent"] = None
+        """``GET /v1/models``: the served name, then every loaded adapter, its parent the served
+        name (vLLM's adapter cards carry no ``max_model_len``; SGLang lists adapters only with
+        ``--enable-lora``)."""
+        vllm = self.api == "vllm"
+
+        def card(name: str, root: str, parent: str | None, length: int | None) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": self.api,
+                "root": root,
+                "parent": parent,
+                "max_model_len": length,
+            }
+
+        cards = [
+            card(
+                self.model_name,
+                self.model_path if vllm else self.model_name,
+                None,
+                self.max_model_len,
+            )
+        ]
+        if vllm or self.enable_lora:
             for name, path in self.lora_paths.items():
-                cards.append(
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "vllm",
-                        "root": path,
-                        "parent": self.model_name,
-                        "max_model_len": None,
-                    }
-                )
+                length = None if vllm else self.max_model_len
+                cards.append(card(name, path, self.model_name, length))
         return {"object": "list", "data": cards}
 
     def model_info(self) -> dict[str, Any]:
