@@ -24,6 +24,7 @@ over ``--repeats``; the methods alternate within each repeat. Float32, ``--threa
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import subprocess
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = student_folder(args.work)
+    args.load = [os.getloadavg()[0]]
     table = []
     for backend in args.backends.split(","):
         setup = hf_setup if backend == "transformers" else tt_setup
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, rate in medians.items():
             table.append((backend, name, rate, rate / base))
             print(f"{backend:12s} {name:18s} {rate:8.1f} tok/s  {rate / base:5.2f}x", flush=True)
+    args.load.append(os.getloadavg()[0])
     if args.doc:
         write_doc(table, args)
     return 0
@@ -280,7 +283,10 @@ def write_doc(table, args) -> None:
         "Written by `python scripts/bench_rollout.py --doc` "
         f"(batch {args.batch}, up to {args.new_tokens} new tokens, temperature "
         f"{args.temperature}, top-p {args.top_p}, {args.repeats} repeats, {args.threads} "
-        f"threads, float32, {platform.processor() or platform.machine()}).",
+        f"threads, float32, {platform.processor() or platform.machine()}, {os.cpu_count()} "
+        f"CPUs, load average {args.load[0]:.1f} at the start and {args.load[1]:.1f} at the "
+        "end: a load above the threads used means other jobs shared the CPU, and the figures "
+        "are then rough; rerun on an idle machine to quote them).",
         "",
         "The student of the real SmolLM2 pair (SmolLM2-135M-Instruct, 20 of 30 layers), chat "
         "prompts of different lengths, SmolLM2's stop ids; tokens counted up to and including "

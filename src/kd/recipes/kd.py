@@ -56,7 +56,7 @@ from kd.config.run import VALIDATION_DATASET, RunConfig, run_config
 from kd.errors import KDUserError, brief
 from kd.memory.plan import MemoryPlan
 from kd.metrics import PhaseTimer, peak_memory_gib
-from kd.rollouts.base import RolloutStopped
+from kd.rollouts.base import RolloutStopped, Sampler
 from kd.rollouts.build import sampler_for
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
@@ -248,7 +248,7 @@ class KDRecipe:
         """On-policy sampling draws only ids every model and the tokenizer know."""
         return min(self.facts.tokenizer_max + 1, self.facts.shared_vocab)
 
-    def _sampler(self, run: RunConfig) -> Any:
+    def _sampler(self, run: RunConfig) -> Sampler:
         """The run's sampler of the student's completions (``on_policy.sampler``)."""
         return sampler_for(
             run,
