@@ -177,8 +177,8 @@ def kd_config(
             "temperature": 1.0,
             "top_p": 1.0,
         }
-    for key, value in (overrides or {}).items():
-        cfg[key] = value
+    for key, value in (overrides or {}).items():  # dotted keys too: on_policy.batch_rollouts
+        OmegaConf.update(cfg, key, value, merge=False)
     path = out.parent / f"{out.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, path)
@@ -491,7 +491,7 @@ def bench(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
                     for tool in order:
                         before = _load()
                         if tool == "kd":
-                            r = run_kd(assets, pair, mode, loss, str(rep), env)
+                            r = run_kd(assets, pair, mode, loss, str(rep), env, args.kd_set)
                         else:
                             r = run_trl(assets, pair, mode, loss, str(rep), env, rows, prompts)
                         r.update(pair=pair, mode=mode, loss=loss, repeat=rep, load1=before)
@@ -530,6 +530,13 @@ def summarize(results: list[dict]) -> list[dict]:
     return table
 
 
+def _key_value(text: str) -> tuple[str, Any]:
+    import yaml
+
+    key, _, value = text.partition("=")
+    return key, yaml.safe_load(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "_trl":
         return trl_child(sys.argv[2])
@@ -541,8 +548,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per tool for JSD")
     p.add_argument("--repeats-fkl", type=int, default=1, help="runs per tool for forward KL")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--kd-set",
+        type=_key_value,
+        action="append",
+        default=[],
+        help="KEY=VALUE set in kd's configs (repeatable), e.g. on_policy.batch_rollouts=true",
+    )
     p.add_argument("--json", default=str(REPO / "scripts/bench_data/bench_vs_trl.json"))
     args = p.parse_args(argv)
+    args.kd_set = dict(args.kd_set)
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env.update(HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRL_EXPERIMENTAL_SILENCE="1")

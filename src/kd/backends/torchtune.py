@@ -238,6 +238,19 @@ class _TorchtuneSteps:
     def __exit__(self, *exc: object) -> None:
         self.cache.__exit__(*exc)
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` of the batch (finished rows leave): the cache's, masks' and
+        positions' rows (torchtune's caches take exactly their batch size)."""
+        from torchtune.modules.kv_cache import KVCache
+
+        for module in self.model.modules():
+            if isinstance(module, KVCache):
+                module.k_cache = module.k_cache.index_select(0, index)
+                module.v_cache = module.v_cache.index_select(0, index)
+                module.batch_size = int(index.numel())
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         n = x.shape[1]
         if start == 0:

@@ -109,22 +109,43 @@ class TransformersBackend:
         return hf.to_model_names(student, load_hf_weights(ckpt))
 
     def kv_cache_steps(
-        self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int
+        self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int, static: bool = False
     ) -> _TransformersSteps:
-        return _TransformersSteps(model, mask, width=width, total=total)
+        return _TransformersSteps(model, mask, width=width, total=total, static=static)
 
 
 class _TransformersSteps:
-    """transformers' cache (``DynamicCache``, filled by the decoder) with the 2-D padding mask
-    and position ids of left-padded prompts."""
+    """transformers' cache (``DynamicCache``, filled by the decoder; ``static``: a
+    ``StaticCache`` preallocated over ``total`` positions) with the 2-D padding mask and position
+    ids of left-padded prompts."""
 
-    def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
-        from transformers import DynamicCache
+    def __init__(
+        self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int, static: bool = False
+    ):
+        from transformers import DynamicCache, StaticCache
 
         self.model, self.mask = model, mask.long()
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         config = getattr(model, "config", None)
-        self.cache = DynamicCache(config=config)
+        self.static = static
+        self.cache = (
+            StaticCache(config=config, max_cache_len=total)
+            if static
+            else DynamicCache(config=config)
+        )
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows ``index`` of the batch (finished rows leave)."""
+        if self.static:  # transformers' static layers cannot select rows: their tensors shrink
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.keys = layer.keys.index_select(0, index)
+                    layer.values = layer.values.index_select(0, index)
+                    layer.batch_size = int(index.numel())
+        else:
+            self.cache.batch_select_indices(index)
+        self.mask = self.mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
 
     def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
         return self.forward
@@ -134,10 +155,14 @@ class _TransformersSteps:
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         end = start + x.shape[1]
+        extra = {}
+        if self.static:  # the cache's write positions
+            extra["cache_position"] = torch.arange(start, end, device=x.device)
         return self.model(
             x,
             attention_mask=self.mask[:, :end],
             position_ids=self.positions[:, start:end],
             past_key_values=self.cache,
             use_cache=True,
+            **extra,
         )

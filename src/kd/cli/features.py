@@ -71,6 +71,11 @@ FEATURES: tuple[Feature, ...] = (
         ("on_policy",),
     ),
     Feature(
+        "on-policy rollouts from a vLLM / SGLang server",
+        "on_policy: {sampler: served}",
+        "docs/served_sampler.md",
+    ),
+    Feature(
         "hidden-state distillation",
         "hidden_states:",
         "docs/hidden_states.md",

@@ -119,7 +119,8 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
     """
     g = k.generation
     assert g is not None
-    b, a, new = k.batch_size, k.dtype_bytes, g.new_tokens
+    # The rows sampled together: a micro-batch, or a step's with on_policy.batch_rollouts.
+    b, a, new = g.rows or k.batch_size, k.dtype_bytes, g.new_tokens
     prompt = max(1, k.seq_len - new)
     total = prompt + new
     h, vocab = shape.embed_dim, shape.vocab_size

@@ -43,12 +43,18 @@ class GenerationKnobs:
             (``seq_kd``); the plan takes the larger.
         temperature: sampling temperature (0 = greedy: no sampler buffers beyond the logits).
         top_p: nucleus mass (< 1 sorts the logits).
+        rows: prompts the student samples together (:func:`kd.rollouts.plan.rollout_rows`);
+            None: ``TrainKnobs.batch_size``.
+        student_copy: the sampler keeps a frozen copy of the student's weights on the device
+            (``on_policy.async_steps: 1``; :func:`kd.rollouts.plan.student_copy`).
     """
 
     new_tokens: int
     models: tuple[str, ...] = ("student",)
     temperature: float = 0.9
     top_p: float = 1.0
+    rows: int | None = None
+    student_copy: bool = False
 
 
 @dataclass(frozen=True)

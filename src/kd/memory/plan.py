@@ -30,6 +30,7 @@ from kd.memory.shapes import (
     int8_teacher_bytes_per_param,
     shape_from_component,
 )
+from kd.rollouts import plan as rollout_plan
 
 PHASE_LABELS = {
     "generation": "generation",
@@ -407,29 +408,37 @@ def optimizer_spec(run: RunConfig) -> OptimizerSpec:
     )
 
 
-def generation_knobs(settings: OnPolicySettings | None, *, teacher: bool) -> GenerationKnobs | None:
-    """What samples at the start of a step (``on_policy:``): the student when ``lmbda`` > 0, the
+def generation_knobs(
+    settings: OnPolicySettings | None, *, teacher: bool, batch_size: int = 1, grad_accum: int = 1
+) -> GenerationKnobs | None:
+    """What samples on the training device at the start of a step (``on_policy:``): the student
+    when ``lmbda`` > 0 and its sampler runs here (:mod:`kd.rollouts.plan`: not a served one), the
     teacher when ``seq_kd`` (and ``lmbda`` < 1: the coin then sometimes comes out false); None
-    when nothing samples.
+    when nothing samples here.
 
     Args:
         settings: the run's ``on_policy`` settings (None: no on-policy distillation).
         teacher: the run has a teacher model.
+        batch_size: rows per micro-batch.
+        grad_accum: micro-batches per optimizer step (``batch_rollouts`` samples them together).
     """
     if settings is None:
         return None
     models = []
-    if settings.lmbda > 0:
+    if settings.lmbda > 0 and rollout_plan.samples_on_device(settings):
         models.append("student")
     if settings.seq_kd and settings.lmbda < 1 and teacher:
         models.append("teacher")
     if not models:
         return None
+    rows = rollout_plan.rollout_rows(settings, batch_size=batch_size, grad_accum=grad_accum)
     return GenerationKnobs(
         new_tokens=settings.max_new_tokens,
         models=tuple(models),
         temperature=settings.temperature,
         top_p=settings.top_p,
+        rows=rows if rows != batch_size else None,
+        student_copy=rollout_plan.student_copy(settings),
     )
 
 
@@ -479,7 +488,10 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         if run.teacher_logits is not None
         else (run.teacher_server.top_k if run.teacher_server is not None else None),
         generation=generation_knobs(
-            run.on_policy, teacher=teacher is not None and run.self_teacher is None
+            run.on_policy,
+            teacher=teacher is not None and run.self_teacher is None,
+            batch_size=run.batch_size,
+            grad_accum=run.optimizer.grad_accum,
         ),
         teacher_bytes_per_param=_teacher_bytes_per_param(run, student, teacher),
         self_teacher_copy=bool(_self_teacher_copy(run, student)),

@@ -124,6 +124,9 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
     full = student.lora is None
     qbase = student.quantizable_params()
     student_w = int((student.base_params() - qbase) * a + qbase * NF4_BYTES_PER_PARAM)
+    if k.generation is not None and k.generation.student_copy:
+        # The local sampler's frozen copy (on_policy.async_steps: 1): base and adapters.
+        student_w += int(student.total_params() * a)
     teacher_params = (teacher.total_params() if teacher is not None else 0) + (
         k.other_teacher_params
     )

@@ -45,6 +45,8 @@ from kd.runtime.distributed import WorldInfo
 from kd.runtime.interrupts import GracefulStop, stopped_message
 from kd.runtime.run_checkpointer import RunCheckpointer
 from kd.runtime.run_context import RunContext
+from kd.rollouts.base import RolloutStopped, Sampler
+from kd.rollouts.build import sampler_for
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
 from kd.training import evaluate, on_policy, train
@@ -86,6 +88,7 @@ class KDRecipe:
         # Trainable parameters the teacher's loss adds (Teacher.bind_student), or None.
         self.extra: torch.nn.Module | None = None
         self.final_eval: Any = None  # kd.harness.evaluate.FinalEvaluation with eval:
+        self.rollout_state: dict[str, Any] = {}  # the on-policy state of the resumed checkpoint
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
@@ -117,6 +120,8 @@ class KDRecipe:
             on_policy.check_prompts(self.dataset, key="dataset")
         if self.teacher_source is not None:
             self.teacher_source.check(ctx, self.facts, self.dataset)
+        if run.on_policy is not None:  # a server probed, settings the sampler cannot honour
+            self._sampler(run).check()
         if run.validation is not None:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
@@ -196,22 +201,41 @@ class KDRecipe:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         if run.on_policy is not None:
-            facts = self.facts
             self.on_policy = on_policy.OnPolicyBatches(
                 run.on_policy,
+                sampler=self._sampler(self.run),
                 tokenizer=self.tokenizer,
                 seed=int(self.run.seed or 0),
                 max_seq_len=run.max_seq_len,
-                # On-policy sampling draws only ids every model and the tokenizer know.
-                vocab_limit=min(facts.tokenizer_max + 1, facts.shared_vocab),
+                vocab_limit=self._vocab_limit(),
                 world=self.world,
                 device=self.device,
             )
+            self.on_policy.load_state_dict(self.rollout_state)
+            self.on_policy.start(self.student, self.global_step)
         if self.world.is_rank_zero:
             resume_step = self.global_step if self.resume_from is not None else None
             self.log = RunLog(
                 self.ctx, self.output_dir, config_yaml=self.run.yaml, resume_step=resume_step
             )
+
+    def _vocab_limit(self) -> int:
+        """On-policy sampling draws only ids every model and the tokenizer know."""
+        return min(self.facts.tokenizer_max + 1, self.facts.shared_vocab)
+
+    def _sampler(self, run: RunConfig) -> Sampler:
+        """The run's sampler of the student's completions (``on_policy.sampler``)."""
+        return sampler_for(
+            run,
+            tokenizer=self.tokenizer,
+            seed=int(run.seed or 0),
+            vocab_limit=self._vocab_limit(),
+            world=self.world,
+            device=self.device,
+            output_dir=self.output_dir,
+            student=self._student_source(),
+            student_vocab=self.facts.student_vocab,
+        )
 
     def _route_field(self) -> str | None:
         """The data field batches carry for the teacher (``TeacherInput.route``), if any."""
@@ -220,6 +244,7 @@ class KDRecipe:
     def _restore(self, ckpt: Path) -> None:
         progress = self.checkpointer.restore(ckpt, self.student, self.optimizer, self.lr_scheduler)
         self.global_step, self.epoch = progress.global_step, progress.epoch
+        self.rollout_state = progress.rollouts
         self.run = self.run.with_seed(progress.seed)
         self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
         if self.validator is not None:
@@ -245,15 +270,14 @@ class KDRecipe:
                 # Exactly the micro-batches this epoch trains on (a teacher that asks ahead
                 # never asks for one that max_steps_per_epoch cuts off).
                 batches = itertools.islice(self.loader, (self.steps_per_epoch - skip) * grad_accum)
-                if self.teacher is not None:  # a slow teacher starts on the next batches early
-                    batches = self.teacher.look_ahead(batches)
+                batches = self._read_ahead(batches)
                 for _ in range(skip, self.steps_per_epoch):
                     step = self.global_step + 1
                     try:
                         stats = self.train_step(
                             data.next_micro_batches(batches, count=grad_accum, step=step)
                         )
-                    except TeacherStopped as e:  # the teacher cannot answer: save, then stop
+                    except (TeacherStopped, RolloutStopped) as e:  # save, then stop
                         bar.close()
                         just_saved = saved[1] if saved and saved[0] == self.global_step else None
                         raise self.checkpointer.save_on_stop(
@@ -272,11 +296,18 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
+                    self._rollouts_after_step(bar)  # the sampler takes the step's weights
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         lr = float(self.optimizer.param_groups[0]["lr"])
                         plan = self.plan.peak_gib if self.plan is not None else None
+                        rollouts = self.on_policy.step_metrics(step) if self.on_policy else {}
                         self.log.write_step(
-                            stats, step=step, epoch=self.epoch, lr=lr, planned_peak_gib=plan
+                            stats,
+                            step=step,
+                            epoch=self.epoch,
+                            lr=lr,
+                            planned_peak_gib=plan,
+                            extra=rollouts,
                         )
                     # Before the step save: its resume state holds this evaluation.
                     evaluated = self.validator is not None and self.validator.due(step)
@@ -314,7 +345,20 @@ class KDRecipe:
         trains on it (:meth:`_inputs`): :func:`kd.training.train.train_step`."""
         t0, timer = time.perf_counter(), PhaseTimer(self.device)
         sampled: dict[str, tuple[int, int]] = {}
-        inputs = [self._inputs(b, i, timer, sampled) for i, b in enumerate(batches)]
+        made = (
+            self.on_policy.step_inputs(
+                batches,
+                step=self.global_step + 1,
+                epoch=self.epoch,
+                student=self.student,
+                teacher=self.teacher,
+                timer=timer,
+                sampled=sampled,
+            )
+            if self.on_policy is not None
+            else [None] * len(batches)
+        )
+        inputs = [self._inputs(b, m) for b, m in zip(batches, made, strict=True)]
         return train.train_step(
             self.student,
             self.teacher,
@@ -332,32 +376,40 @@ class KDRecipe:
         )
 
     def _inputs(
-        self,
-        batch: dict[str, torch.Tensor],
-        index: int,
-        timer: PhaseTimer,
-        sampled: dict[str, tuple[int, int]],
+        self, batch: dict[str, torch.Tensor], made: tuple[torch.Tensor, torch.Tensor] | None
     ) -> TeacherInput:
-        """Micro-batch ``index`` as the step trains on it: the dataset's rows, or (on-policy)
-        completions sampled by :class:`kd.training.on_policy.OnPolicyBatches`."""
-        if self.on_policy is not None:
-            made = self.on_policy.inputs(
-                batch,
-                step=self.global_step + 1,
-                epoch=self.epoch,
-                index=index,
-                student=self.student,
-                teacher=self.teacher,
-                timer=timer,
-                sampled=sampled,
+        """A micro-batch as the step trains on it: the dataset's rows, or (on-policy) the
+        completions ``made`` by :meth:`kd.training.on_policy.OnPolicyBatches.step_inputs`."""
+        if made is not None:
+            source = batch["rows"].tolist()  # the rows whose prompts were completed
+            # A completion keeps its row's route: the teacher the row names scores it.
+            return TeacherInput(
+                tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
             )
-            if made is not None:
-                source = batch["rows"].tolist()  # the rows whose prompts were completed
-                # A completion keeps its row's route: the teacher the row names scores it.
-                return TeacherInput(
-                    tokens=made[0], labels=made[1], source_rows=source, route=batch.get("route")
-                )
         return train.batch_input(batch)
+
+    def _read_ahead(self, batches: Any) -> Any:
+        """The epoch's micro-batches, read ahead by those that ask: a slow teacher starts on the
+        next batches early, and with ``on_policy.async_steps`` the next step's prompts are
+        sampled while this step trains."""
+        if self.teacher is not None:
+            batches = self.teacher.look_ahead(batches)
+        if self.on_policy is not None:
+            batches = self.on_policy.look_ahead(batches, per_step=self.run.optimizer.grad_accum)
+        return batches
+
+    def _rollouts_after_step(self, bar: Any) -> None:
+        """The on-policy sampler takes the weights of the step just counted (a served sampler
+        pushes them); one that cannot stops the run with this step saved."""
+        if self.on_policy is None:
+            return
+        try:
+            self.on_policy.after_step(self.student, self.global_step)
+        except RolloutStopped as e:
+            bar.close()
+            raise self.checkpointer.save_on_stop(
+                e, step=self.global_step, just_saved=None, save=self.save
+            ) from e.__cause__
 
     def _check_loaded_weights(self) -> None:
         """A non-finite first step: blame weights that were loaded as NaN or inf on their files."""
@@ -438,6 +490,7 @@ class KDRecipe:
             self.epoch,
             int(self.run.seed or 0),
             validation=tracker.state_dict() if tracker is not None else {},
+            rollouts=self.on_policy.state_dict() if self.on_policy is not None else {},
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:
@@ -463,6 +516,8 @@ class KDRecipe:
             if self.log is not None:
                 self.log.close(failing=failing)
         finally:
+            if self.on_policy is not None:
+                self.on_policy.close()
             if self.teacher is not None:
                 self.teacher.close()
             if self.lock is not None:

@@ -62,12 +62,16 @@ class Progress:
         validation: the best validation value so far and the evaluations since it improved
             (:meth:`kd.training.evaluate.BestTracker.state_dict`); empty without validation and when
             restored from a checkpoint written before kd had it.
+        rollouts: the on-policy component's state
+            (:meth:`kd.training.on_policy.OnPolicyBatches.state_dict`: the sampler's, the next
+            step's completions sampled ahead); empty without on_policy.
     """
 
     global_step: int
     epoch: int
     seed: int
     validation: dict[str, Any] = field(default_factory=dict)
+    rollouts: dict[str, Any] = field(default_factory=dict)
 
 
 def save_training_checkpoint(
@@ -106,6 +110,7 @@ def save_training_checkpoint(
             "epoch": progress.epoch,
             "seed": progress.seed,
             "validation": dict(progress.validation),
+            "rollouts": dict(progress.rollouts),
             "world_size": world.world_size,
             "rng": capture_rng_state(),
         }
@@ -296,11 +301,13 @@ def _restore(
             world.world_size,
         )
     validation = state.get("validation")
+    rollouts = state.get("rollouts")
     progress = Progress(
         int(state["global_step"]),
         int(state["epoch"]),
         int(state["seed"]),
         validation=dict(validation) if isinstance(validation, dict) else {},
+        rollouts=dict(rollouts) if isinstance(rollouts, dict) else {},
     )
     if rank0:
         log.info("resumed from %s at step %d", ckpt, progress.global_step)

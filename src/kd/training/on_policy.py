@@ -27,9 +27,13 @@ collectives).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +43,7 @@ from kd.backends import backend_of
 from kd.config.run import OnPolicySettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
+from kd.rollouts.base import Completions, Prompts, Sampler
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 from kd.teachers import Teacher
@@ -62,43 +67,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class Prompts:
-    """A batch of prompts, left-padded.
-
-    Attributes:
-        tokens: ``[b, P]`` ids, padding on the left.
-        mask: ``[b, P]`` True on real tokens.
-        lengths: ``[b]`` real tokens per prompt.
-        truncated: prompts that lost their first tokens to fit ``max_len``.
-    """
-
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    lengths: torch.Tensor
-    truncated: int = 0
-
-    def to(self, device: torch.device) -> Prompts:
-        """The prompts with ``tokens`` and ``mask`` (what the models read) on ``device``;
-        ``lengths`` stay where they are (the host, where the training batch is assembled)."""
-        return replace(self, tokens=self.tokens.to(device), mask=self.mask.to(device))
-
-
-@dataclass(frozen=True)
-class Completions:
-    """Sampled continuations of :class:`Prompts`.
-
-    Attributes:
-        tokens: ``[b, N]`` sampled ids; positions after a row's end hold the pad id.
-        lengths: ``[b]`` tokens of each completion, its stop token included.
-        steps: decoding steps run (the longest completion over all ranks).
-    """
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    steps: int
 
 
 def derive_seed(*parts: int) -> int:
@@ -386,12 +354,42 @@ def training_batch(
     return tokens, labels
 
 
+@dataclass(frozen=True)
+class _Micro:
+    """What micro-batch ``index`` of a step trains on: ``source`` (``student``, ``teacher``, or
+    None: the dataset's tokens), its prompts and dataset rows."""
+
+    index: int
+    source: str | None
+    prompts: Prompts | None = None
+    rows: tuple[int, ...] = ()
+
+
+@dataclass
+class _Ahead:
+    """The student's completions of a step sampled ahead (``async_steps: 1``): a background
+    future while they are sampled, then per micro-batch index."""
+
+    step: int
+    rows: dict[int, tuple[int, ...]]
+    future: Future[dict[int, Completions]] | None = None
+    done: dict[int, Completions] | None = None
+
+
 class OnPolicyBatches:
-    """The on-policy component of a run: per micro-batch, the dataset's ``(tokens, labels)`` or a
-    model's completions of its prompts (the recipe calls :meth:`inputs` once per micro-batch).
+    """The on-policy component of a run: per optimizer step, for each micro-batch the dataset's
+    ``(tokens, labels)`` or a model's completions of its prompts. The student's completions come
+    from the run's :class:`~kd.rollouts.base.Sampler` (``on_policy.sampler``), the teacher's
+    (``seq_kd``) from :func:`rollout` on its model.
+
+    The recipe calls :meth:`start` once before the first step, :meth:`step_inputs` at the start
+    of each step, :meth:`after_step` once its optimizer step is applied, and
+    :meth:`look_ahead` on the loader's micro-batches (``async_steps: 1`` samples the next step's
+    prompts while this one trains).
 
     Args:
         settings: ``on_policy:``.
+        sampler: what samples the student (:func:`kd.rollouts.build.sampler_for`).
         tokenizer: the run's tokenizer (pad, stop ids, the assistant header of its chat template).
         seed: the run's seed (the coin and the per-row generators derive from it).
         max_seq_len: ``tokenizer.max_seq_len`` (prompts are cut to leave room to sample).
@@ -405,6 +403,7 @@ class OnPolicyBatches:
         self,
         settings: OnPolicySettings,
         *,
+        sampler: Sampler,
         tokenizer: object,
         seed: int,
         max_seq_len: int | None,
@@ -415,6 +414,7 @@ class OnPolicyBatches:
         from kd.data import pad_id_of
 
         self.settings = settings
+        self.sampler = sampler
         self.seed = seed
         self.max_seq_len = max_seq_len
         self.vocab_limit = vocab_limit
@@ -424,43 +424,169 @@ class OnPolicyBatches:
         self.stop_ids = stop_token_ids(tokenizer)
         self.header = models.assistant_header(tokenizer)
         self._said: set[str] = set()  # the sources whose first sampling was announced
+        self._ahead: _Ahead | None = None  # the next step's completions (async_steps: 1)
+        self._upcoming: list[dict[str, torch.Tensor]] | None = None  # the next step's batches
+        self._pool: ThreadPoolExecutor | None = None
+        self._wait = 0.0  # this step's seconds spent waiting for the student's completions
+        self._versions: list[int] = []  # the weight versions this step's completions came from
+        # The step's own row: the sampler's lag and wait (asynchronous or served sampling).
+        self.reports_lag = settings.async_steps > 0 or sampler.kind != "local"
 
-    def inputs(
+    # ---------------------------------------------------------------- the recipe's calls
+    def start(self, student: nn.Module, step: int) -> None:
+        """Before the first step (``step``: the steps already done): the sampler's first sync."""
+        self.sampler.after_step(student, step)
+
+    def look_ahead(
+        self, batches: Iterator[dict[str, torch.Tensor]], *, per_step: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """``batches`` unchanged; with ``async_steps: 1`` the next step's micro-batches are read
+        one step early, so :meth:`step_inputs` can start sampling their prompts."""
+        if self.settings.async_steps == 0:
+            yield from batches
+            return
+        group = list(itertools.islice(batches, per_step))
+        while group:
+            following = list(itertools.islice(batches, per_step))
+            self._upcoming = following if len(following) == per_step else None
+            yield from group
+            group = following
+        self._upcoming = None
+
+    def step_inputs(
         self,
-        batch: dict[str, torch.Tensor],
+        batches: Sequence[dict[str, torch.Tensor]],
         *,
         step: int,
         epoch: int,
-        index: int,
         student: nn.Module,
         teacher: Teacher | None,
         timer: PhaseTimer,
         sampled: dict[str, tuple[int, int]],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Micro-batch ``index`` of optimizer step ``step``: ``(tokens, labels)`` (labels not
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """The micro-batches of optimizer step ``step``, each as ``(tokens, labels)`` (labels not
         shifted) of the student's (probability ``lmbda``) or, with ``seq_kd``, the teacher's
-        completions of its prompts; None when it trains on the dataset's own tokens.
+        completions of its prompts; None for one that trains on the dataset's own tokens.
 
         When the batch carries each row's teacher (``"route"``, ``teachers.route_field``), a
         ``seq_kd`` row is completed by the teacher it names, and rows naming none keep the
         dataset's tokens and labels (they learn from CE alone, as off-policy).
 
         Adds the sampled micro-batches and the completion tokens trained on (all ranks) to
-        ``sampled[source]``
-        and the sampling time to the ``generate`` phase of ``timer``. Collective when
-        distributed (the coin is the same on every rank).
+        ``sampled[source]`` and the sampling time to the ``generate`` phase of ``timer``.
+        Collective when distributed (the coin is the same on every rank).
         """
+        self._wait, self._versions = 0.0, []
+        micros = [self._decide(b, step=step, index=i) for i, b in enumerate(batches)]
+        ready = self._take_ahead(step, micros, timer)
+        if self.settings.batch_rollouts:  # the step's student prompts in one generation
+            todo = [m for m in micros if m.source == "student" and m.index not in ready]
+            if todo:
+                with timer.phase("generate"):
+                    t0 = time.perf_counter()
+                    ready.update(
+                        self._sample_students(todo, epoch=epoch, step=step, student=student)
+                    )
+                    self._wait += time.perf_counter() - t0
+        made = [
+            self._made(
+                m,
+                b,
+                ready,
+                epoch=epoch,
+                step=step,
+                student=student,
+                teacher=teacher,
+                timer=timer,
+                sampled=sampled,
+            )
+            for m, b in zip(micros, batches, strict=True)
+        ]
+        self._sample_ahead(step + 1, epoch=epoch, student=student)
+        return made
+
+    def after_step(self, student: nn.Module, step: int) -> None:
+        """Optimizer step ``step`` is applied and counted: the next step's sampling (if any)
+        ends first, then the sampler takes the new weights
+        (:meth:`kd.rollouts.base.Sampler.after_step`). A failure of that sampling is raised at
+        the next step's start (:meth:`step_inputs`), before anything changes the weights."""
+        ahead = self._ahead
+        if ahead is not None and ahead.future is not None:
+            t0 = time.perf_counter()
+            wait([ahead.future])
+            self._wait += time.perf_counter() - t0
+            if ahead.future.exception() is None:
+                ahead.done, ahead.future = ahead.future.result(), None
+        self.sampler.after_step(student, step)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """This step's rollout metrics: seconds it waited for the student's completions and how
+        many optimizer steps behind the trained weights they were sampled (the most over its
+        micro-batches); empty unless sampling is asynchronous or not local."""
+        if not self.reports_lag:
+            return {}
+        lag = max((step - 1 - v for v in self._versions), default=0)
+        return {"time_wait_rollout_s": self._wait, "rollout_version_lag": lag}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state and the next step's completions sampled ahead (complete: saved
+        after :meth:`after_step`), so a resumed run trains on the same ones."""
+        state: dict[str, Any] = {"sampler": self.sampler.state_dict()}
+        ahead = self._ahead
+        if ahead is not None and ahead.done is not None:
+            state["ahead"] = {
+                "step": ahead.step,
+                "micro": {
+                    int(i): {
+                        "rows": list(ahead.rows[i]),
+                        "tokens": c.tokens.cpu(),
+                        "lengths": c.lengths.cpu(),
+                        "steps": c.steps,
+                        "version": c.version,
+                    }
+                    for i, c in ahead.done.items()
+                },
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (empty: a checkpoint saved without one)."""
+        self.sampler.load_state_dict(dict(state.get("sampler") or {}))
+        ahead = state.get("ahead")
+        if ahead:
+            micro = ahead["micro"]
+            self._ahead = _Ahead(
+                step=int(ahead["step"]),
+                rows={int(i): tuple(int(r) for r in m["rows"]) for i, m in micro.items()},
+                done={
+                    int(i): Completions(
+                        tokens=m["tokens"].to(self.device),
+                        lengths=m["lengths"].to(self.device),
+                        steps=int(m["steps"]),
+                        version=int(m["version"]),
+                    )
+                    for i, m in micro.items()
+                },
+            )
+
+    def close(self) -> None:
+        """Stop the background sampling (its result is dropped) and close the sampler."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self.sampler.close()
+
+    # ---------------------------------------------------------------- mechanics
+    def _decide(self, batch: dict[str, torch.Tensor], *, step: int, index: int) -> _Micro:
+        """Micro-batch ``index`` of step ``step``: who completes it (the coin), its prompts."""
         op = self.settings
         if coin(self.seed, step, index, op.lmbda):
             source = "student"
         elif op.seq_kd:
             source = "teacher"
         else:
-            return None
-        rows = batch["rows"].tolist()
-        # Each row's teacher (teachers.route_field), when the batch carries one: a completion
-        # is scored by the teacher its row names; rows naming none keep their own tokens (CE).
-        route: list[str | None] | None = batch.get("route")  # type: ignore[assignment]
+            return _Micro(index, None)
+        rows = tuple(int(r) for r in batch["rows"].tolist())
         limit = self.max_seq_len
         # The prompts are cut from the batch where the loader made it (the host: no device
         # round trip per row), then sent to the device.
@@ -472,17 +598,103 @@ class OnPolicyBatches:
             rows=rows,
             header=self.header,
         ).to(self.device)
-        generators = (
-            row_generators(self.seed, epoch, rows, device=self.device)
-            if op.temperature > 0
-            else None
+        return _Micro(index, source, prompts, rows)
+
+    def _sample_students(
+        self, micros: Sequence[_Micro], *, epoch: int, step: int, student: nn.Module
+    ) -> dict[int, Completions]:
+        """The student's completions of ``micros``' prompts: one sampler call per micro-batch,
+        or one for all of them with ``batch_rollouts`` (split back afterwards)."""
+        if not self.settings.batch_rollouts or len(micros) == 1:
+            return {
+                m.index: self.sampler.sample(
+                    m.prompts, rows=m.rows, epoch=epoch, step=step, student=student
+                )
+                for m in micros
+                if m.prompts is not None
+            }
+        parts = [m.prompts for m in micros if m.prompts is not None]
+        done = self.sampler.sample(
+            _concat(parts, pad_id=self.pad_id),
+            rows=[r for m in micros for r in m.rows],
+            epoch=epoch,
+            step=step,
+            student=student,
         )
-        everyone = list(range(len(rows)))
-        samplers = (
-            [(student, everyone, True)]
-            if source == "student"
-            else self._teacher_samplers(teacher, route, len(rows))
+        out: dict[int, Completions] = {}
+        start = 0
+        for m in micros:
+            n = len(m.rows)
+            out[m.index] = Completions(
+                tokens=done.tokens[start : start + n],
+                lengths=done.lengths[start : start + n],
+                steps=done.steps,
+                version=done.version,
+            )
+            start += n
+        return out
+
+    def _take_ahead(
+        self, step: int, micros: Sequence[_Micro], timer: PhaseTimer
+    ) -> dict[int, Completions]:
+        """The completions of this step sampled ahead, when they are this step's (the same
+        micro-batches and rows); anything else sampled ahead is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.step != step:
+            return {}
+        if ahead.future is not None:
+            with timer.phase("generate"):
+                t0 = time.perf_counter()
+                ahead.done = ahead.future.result()
+                self._wait += time.perf_counter() - t0
+        wanted = {m.index: m.rows for m in micros if m.source == "student"}
+        if wanted != ahead.rows or ahead.done is None:
+            log.warning(
+                "on_policy: the completions sampled ahead for step %d are not that step's "
+                "prompts; sampling them again",
+                step,
+            )
+            return {}
+        return dict(ahead.done)
+
+    def _sample_ahead(self, step: int, *, epoch: int, student: nn.Module) -> None:
+        """``async_steps: 1``: start sampling step ``step``'s student prompts in the background
+        (the next step's micro-batches, read ahead by :meth:`look_ahead`)."""
+        upcoming, self._upcoming = self._upcoming, None
+        if self.settings.async_steps == 0 or upcoming is None:
+            return
+        micros = [self._decide(b, step=step, index=i) for i, b in enumerate(upcoming)]
+        todo = [m for m in micros if m.source == "student"]
+        if not todo:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kd-rollout")
+        future = self._pool.submit(
+            self._sample_students, todo, epoch=epoch, step=step, student=student
         )
+        self._ahead = _Ahead(step=step, rows={m.index: m.rows for m in todo}, future=future)
+
+    def _made(
+        self,
+        m: _Micro,
+        batch: dict[str, torch.Tensor],
+        ready: dict[int, Completions],
+        *,
+        epoch: int,
+        step: int,
+        student: nn.Module,
+        teacher: Teacher | None,
+        timer: PhaseTimer,
+        sampled: dict[str, tuple[int, int]],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Micro-batch ``m`` as the step trains on it (see :meth:`step_inputs`)."""
+        op, source, prompts = self.settings, m.source, m.prompts
+        if source is None or prompts is None:
+            return None
+        rows = list(m.rows)
+        # Each row's teacher (teachers.route_field), when the batch carries one: a completion
+        # is scored by the teacher its row names; rows naming none keep their own tokens (CE).
+        route: list[str | None] | None = batch.get("route")  # type: ignore[assignment]
         if source not in self._said:  # once: sampling is most of an on-policy step's time
             self._said.add(source)
             log.info(
@@ -492,29 +704,47 @@ class OnPolicyBatches:
                 op.max_new_tokens,
                 len(rows),
             )
+        everyone = list(range(len(rows)))
         parts: list[tuple[list[int], Completions]] = []
-        with timer.phase("generate"):
-            for model, sel, used in samplers:
-                done = rollout(
-                    model,
-                    prompts if sel == everyone else _select(prompts, sel),
-                    max_new_tokens=op.max_new_tokens,
-                    temperature=op.temperature,
-                    top_p=op.top_p,
-                    stop_ids=self.stop_ids,
-                    pad_id=self.pad_id,
-                    vocab_limit=self.vocab_limit,
-                    generators=None if generators is None else [generators[i] for i in sel],
-                    all_done=(
-                        (lambda here: not distributed.any_rank(not here, device=self.device))
-                        if self.world.distributed
-                        else None
-                    ),
-                )
-                if used:
-                    parts.append((sel, done))
-        if source == "teacher" and teacher is not None:
-            teacher.release()
+        if source == "student":
+            done = ready.get(m.index)
+            if done is None:
+                with timer.phase("generate"):
+                    t0 = time.perf_counter()
+                    done = self.sampler.sample(
+                        prompts, rows=rows, epoch=epoch, step=step, student=student
+                    )
+                    self._wait += time.perf_counter() - t0
+            self._versions.append(done.version)
+            parts.append((everyone, done))
+        else:
+            generators = (
+                row_generators(self.seed, epoch, rows, device=self.device)
+                if op.temperature > 0
+                else None
+            )
+            with timer.phase("generate"):
+                for model, sel, used in self._teacher_samplers(teacher, route, len(rows)):
+                    done = rollout(
+                        model,
+                        prompts if sel == everyone else _select(prompts, sel),
+                        max_new_tokens=op.max_new_tokens,
+                        temperature=op.temperature,
+                        top_p=op.top_p,
+                        stop_ids=self.stop_ids,
+                        pad_id=self.pad_id,
+                        vocab_limit=self.vocab_limit,
+                        generators=None if generators is None else [generators[i] for i in sel],
+                        all_done=(
+                            (lambda here: not distributed.any_rank(not here, device=self.device))
+                            if self.world.distributed
+                            else None
+                        ),
+                    )
+                    if used:
+                        parts.append((sel, done))
+            if teacher is not None:
+                teacher.release()
         keep = [] if route is None else [i for i, r in enumerate(route) if r is None]
         done = _merge(parts, len(rows), width=op.max_new_tokens, pad_id=self.pad_id, drop=keep)
         # The completion tokens trained on, of all ranks: the same count on any world size.
@@ -571,6 +801,22 @@ def _select(prompts: Prompts, sel: Sequence[int]) -> Prompts:
         mask=prompts.mask.index_select(0, index)[:, -width:],
         lengths=lengths,
         truncated=prompts.truncated,
+    )
+
+
+def _concat(parts: Sequence[Prompts], *, pad_id: int) -> Prompts:
+    """Several batches of prompts as one, left-padded to the widest."""
+    width = max(p.tokens.shape[1] for p in parts)
+
+    def left(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
+        pad = x.new_full((x.shape[0], width - x.shape[1]), fill)
+        return torch.cat([pad, x], dim=1)
+
+    return Prompts(
+        tokens=torch.cat([left(p.tokens, pad_id) for p in parts]),
+        mask=torch.cat([left(p.mask, False) for p in parts]),
+        lengths=torch.cat([p.lengths for p in parts]),
+        truncated=sum(p.truncated for p in parts),
     )
 
 

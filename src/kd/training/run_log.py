@@ -59,10 +59,18 @@ class RunLog:
         self.logger.log_dict({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def write_step(
-        self, stats: StepStats, *, step: int, epoch: int, lr: float, planned_peak_gib: float | None
+        self,
+        stats: StepStats,
+        *,
+        step: int,
+        epoch: int,
+        lr: float,
+        planned_peak_gib: float | None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """The row of optimizer step ``step``: its learning rate and metrics
-        (:func:`kd.training.train.step_metrics`), with ``log_peak_memory_stats`` the device's
+        (:func:`kd.training.train.step_metrics`), ``extra`` (the on-policy sampler's wait and
+        weight version lag, when it reports them), with ``log_peak_memory_stats`` the device's
         peaks and the memory plan's (``planned_peak_gib``, None without a plan)."""
         run = self.ctx.run
         row: dict[str, Any] = {
@@ -70,6 +78,7 @@ class RunLog:
             "epoch": epoch,
             "lr": lr,
             **step_metrics(stats, on_policy=run.on_policy is not None),
+            **(extra or {}),
         }
         if run.log_peak_memory_stats:
             row.update(peak_memory_gib(self.ctx.device))

@@ -162,6 +162,19 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                 "raise tokenizer.max_seq_len",
             )
         )
+    if node.get("sampler") == "served":  # kd.rollouts.served
+        for key, what in (
+            ("server_url", "the server's base URL (http://host:port)"),
+            ("server_model", "the name it serves the student under (--served-model-name)"),
+        ):
+            if node.get(key) is None:
+                problems.append(
+                    Problem(
+                        f"on_policy.{key}",
+                        f"on_policy.sampler is served, which needs {what}; set "
+                        f"on_policy.{key}, or on_policy.sampler=local",
+                    )
+                )
 
 
 def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:

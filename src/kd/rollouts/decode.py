@@ -1,0 +1,156 @@
+"""The local sampler's fast decoding loop (``on_policy.batch_rollouts: true``).
+
+:func:`fast_rollout` samples like :func:`kd.training.on_policy.rollout` (the same
+:func:`~kd.training.on_policy.sample_next`, one generator per row, each row drawing once per
+token it samples) with three differences that save work:
+
+- the prompts run in groups of similar length (:func:`length_groups`: sorted by length, at most
+  ``group_size`` rows a group), so short prompts are not padded to the longest of the step;
+- the KV cache is preallocated for the whole rollout: torchtune's ``local_kv_cache`` (it always
+  was) and transformers' ``StaticCache`` (in place of the growing ``DynamicCache``);
+- finished rows leave the batch: once a quarter of the rows still decoding have stopped, the
+  cache, mask and positions keep only the live rows (one ``index_select``), so later steps run
+  on fewer rows.
+
+A row's tokens are those :func:`~kd.training.on_policy.rollout` would sample from the same
+logits: its generator is asked once per token it samples, in the same order. Only float
+rounding may differ (another batch width, other padding), so greedy completions are equal and
+sampled ones come from the same distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kd import models
+from kd.backends import backend_of
+from kd.rollouts.base import Completions, Prompts
+from kd.training.on_policy import sample_next
+
+__all__ = ["fast_rollout", "length_groups"]
+
+# Compact the batch once this share of its rows has finished.
+SHRINK_AT = 0.25
+
+
+def length_groups(lengths: Sequence[int], group_size: int | None) -> list[list[int]]:
+    """Row indices in groups of similar prompt length: sorted by length (stable), cut into
+    groups of at most ``group_size`` rows (None: one group)."""
+    order = sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
+    size = group_size or max(len(order), 1)
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def fast_rollout(
+    model: nn.Module,
+    prompts: Prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    vocab_limit: int | None,
+    generators: Sequence[torch.Generator] | None,
+    group_size: int | None = None,
+) -> Completions:
+    """Sample up to ``max_new_tokens`` tokens after each prompt, group by group (one device).
+
+    Args: as :func:`kd.training.on_policy.rollout`, plus ``group_size``: rows per generation
+        (``on_policy.rollout_batch_size``; None: all of them at once).
+    """
+    b = prompts.tokens.shape[0]
+    device = prompts.tokens.device
+    out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    steps = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for group in length_groups(prompts.lengths.tolist(), group_size):
+                width = int(prompts.lengths[group].max())
+                index = torch.tensor(group, dtype=torch.long, device=device)
+                part = Prompts(
+                    tokens=prompts.tokens.index_select(0, index)[:, -width:],
+                    mask=prompts.mask.index_select(0, index)[:, -width:],
+                    lengths=prompts.lengths[group],
+                )
+                tokens, done_lengths, n = _decode_group(
+                    model,
+                    part,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop_ids=stop_ids,
+                    pad_id=pad_id,
+                    vocab_limit=vocab_limit,
+                    generators=None if generators is None else [generators[i] for i in group],
+                )
+                out.index_copy_(0, index, tokens)
+                lengths.index_copy_(0, index, done_lengths)
+                steps = max(steps, n)
+    finally:
+        model.train(was_training)
+    return Completions(tokens=out, lengths=lengths, steps=steps)
+
+
+def _decode_group(
+    model: nn.Module,
+    prompts: Prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    vocab_limit: int | None,
+    generators: Sequence[torch.Generator] | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One group's rollout with a preallocated cache; finished rows leave the batch."""
+    b, width = prompts.tokens.shape
+    device = prompts.tokens.device
+    total = width + max_new_tokens
+    mask = torch.cat(
+        [prompts.mask, torch.ones(b, max_new_tokens, dtype=torch.bool, device=device)], dim=1
+    )
+    out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
+    live = torch.arange(b, device=device)  # the group's rows still in the batch
+    gens = list(generators) if generators is not None else None
+    backend = backend_of(model)
+    kwargs = {"static": True} if backend.name == "transformers" else {}
+    steps = 0
+    with backend.kv_cache_steps(model, mask, width=width, total=total, **kwargs) as forward:
+        cache = forward.__self__  # the steps object: select() drops rows
+        hidden = forward(prompts.tokens, 0)
+        done = torch.zeros(b, dtype=torch.bool, device=device)  # of the rows in the batch
+        for t in range(max_new_tokens):
+            logits = models.logits_from_hidden(model, hidden[:, -1])
+            token = sample_next(
+                logits,
+                temperature=temperature,
+                top_p=top_p,
+                vocab_limit=vocab_limit,
+                generators=gens,
+            )
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            out[live, t] = token
+            lengths[live] += (~done).long()
+            if stops.numel():
+                done |= torch.isin(token, stops)
+            steps = t + 1
+            if t + 1 == max_new_tokens or bool(done.all()):
+                break
+            if int(done.sum()) >= SHRINK_AT * done.numel():  # finished rows leave
+                keep = (~done).nonzero().squeeze(1)
+                cache.select(keep)
+                live, token, done = live[keep], token[keep], done[keep]
+                if gens is not None:
+                    gens = [gens[i] for i in keep.tolist()]
+            hidden = forward(token[:, None], width + t)
+    return out, lengths, steps

@@ -1,0 +1,161 @@
+"""The local sampler (``on_policy.sampler: local``): the student samples in this process.
+
+Each call runs :func:`kd.training.on_policy.rollout` (either backend's KV cache, one generator per
+dataset row seeded by ``(seed, epoch, row)``): today's sampler, bit for bit, when nothing new is
+switched on. With ``on_policy.batch_rollouts`` (on one device) it runs
+:func:`kd.rollouts.decode.fast_rollout` instead: groups of similar length, a preallocated cache,
+finished rows leaving the batch. With ``on_policy.async_steps: 1`` it samples with a frozen copy
+of the student (made at the first :meth:`LocalSampler.after_step`, brought up to date at each),
+so the next step's completions can be sampled on a background thread while the student trains.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kd.config.run import OnPolicySettings
+from kd.errors import KDUserError
+from kd.rollouts.base import Completions, Prompts
+from kd.rollouts.decode import fast_rollout
+from kd.training import distributed, on_policy
+from kd.runtime.distributed import WorldInfo
+
+__all__ = ["LocalSampler"]
+
+
+class LocalSampler:
+    """The student in this process samples its own completions.
+
+    Args:
+        settings: ``on_policy:``.
+        tokenizer: the run's tokenizer (pad and stop ids).
+        seed: the run's seed (per-row generators).
+        vocab_limit: ids from here on are never sampled.
+        world: this process's place in the job (every rank samples its rows together).
+        device: the training device.
+        output_dir: the run's folder (unused: nothing is written).
+        compile: ``compile: true`` (the decoding step is compiled with ``batch_rollouts``).
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        settings: OnPolicySettings,
+        *,
+        tokenizer: object,
+        seed: int,
+        vocab_limit: int,
+        world: WorldInfo,
+        device: torch.device,
+        output_dir: Path | None = None,
+        compile: bool = False,
+    ):
+        from kd.data import pad_id_of
+
+        self.settings = settings
+        self.seed = seed
+        self.vocab_limit = vocab_limit
+        self.world = world
+        self.device = device
+        self.compile = compile
+        self.pad_id = pad_id_of(tokenizer)
+        self.stop_ids = on_policy.stop_token_ids(tokenizer)
+        self.version = 0
+        self._policy: nn.Module | None = None  # the frozen copy (async_steps: 1)
+
+    def check(self) -> None:
+        """The settings this sampler cannot honour on this job."""
+        if self.settings.async_steps > 0 and self.world.distributed:
+            raise KDUserError(
+                "on_policy.async_steps: 1 samples from a background thread on one device; under "
+                "torchrun set on_policy.async_steps=0"
+            )
+
+    def sample(
+        self,
+        prompts: Prompts,
+        *,
+        rows: Sequence[int],
+        epoch: int,
+        step: int,
+        student: nn.Module,
+    ) -> Completions:
+        """Completions of ``prompts`` by ``student`` (see :meth:`kd.rollouts.base.Sampler.sample`)."""
+        op = self.settings
+        model = self._policy if self._policy is not None else student
+        generators = (
+            on_policy.row_generators(self.seed, epoch, rows, device=self.device)
+            if op.temperature > 0
+            else None
+        )
+        if op.batch_rollouts and not self.world.distributed:
+            done = fast_rollout(
+                model,
+                prompts,
+                max_new_tokens=op.max_new_tokens,
+                temperature=op.temperature,
+                top_p=op.top_p,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                vocab_limit=self.vocab_limit,
+                generators=generators,
+                group_size=op.rollout_batch_size,
+            )
+            return replace(done, version=self.version)
+        done = on_policy.rollout(
+            model,
+            prompts,
+            max_new_tokens=op.max_new_tokens,
+            temperature=op.temperature,
+            top_p=op.top_p,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            vocab_limit=self.vocab_limit,
+            generators=generators,
+            all_done=(
+                (lambda here: not distributed.any_rank(not here, device=self.device))
+                if self.world.distributed
+                else None
+            ),
+        )
+        return replace(done, version=self.version)
+
+    def after_step(self, student: nn.Module, step: int) -> None:
+        """The weights are step ``step``'s now: the student samples itself, or (``async_steps``)
+        its frozen copy is made or takes the student's new weights (no sampling is in flight:
+        the on-policy component waited for it)."""
+        if self.settings.async_steps > 0:
+            with torch.no_grad():
+                if self._policy is None:
+                    self._policy = frozen_copy(student)
+                else:
+                    for mine, theirs in zip(
+                        self._policy.parameters(), student.parameters(), strict=True
+                    ):
+                        mine.copy_(theirs)
+        self.version = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "version" in state:
+            self.version = int(state["version"])
+
+    def close(self) -> None:
+        """Drop the frozen copy."""
+        self._policy = None
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` that trains nothing (the async sampler's weights); modules compiled
+    in place (``compile: true``) stay compiled, on the copy's own weights (tested)."""
+    return copy.deepcopy(model).requires_grad_(False)

@@ -1,0 +1,309 @@
+"""The two HTTP protocols a served sampler speaks: vLLM's and SGLang's token-id generation and
+their weight updates (no torch: the requests and the answers as plain values).
+
+Each protocol builds the JSON body of one generation request (one prompt of token ids, never
+text: ``n`` 1, ``max_tokens``, temperature, top-p, the stop ids, a seed, a logit bias that keeps
+the ids no tokenizer has out) and reads the answer back into the completion's ids and whether a
+stop id ended it; and it names the requests that hot-load a LoRA adapter and reload a full
+folder. Anything else in an answer is refused (:class:`BadAnswer`), never patched.
+
+Read from their source (the files and what they answer):
+
+* vLLM, built against 0.11-0.12 (the v1 engine): ``vllm/entrypoints/openai/completion/protocol.py``
+  (``CompletionRequest``: ``prompt: list[int] | list[list[int]] | str | ...``, ``seed``,
+  ``stop_token_ids``, ``logit_bias``, ``return_token_ids`` -> ``CompletionResponseChoice.token_ids``,
+  ``finish_reason`` / ``stop_reason``); ``vllm/entrypoints/serve/lora/api_router.py`` (the LoRA
+  routes are attached only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set: FastAPI's 404
+  otherwise; success is ``Response(status_code=200, content=str)``) and
+  ``vllm/entrypoints/openai/models/serving.py`` (``load_lora_adapter``: 400 ``InvalidUserInput``
+  for a name already loaded, 404 ``NotFoundError`` for "No adapter found", 400 otherwise;
+  ``unload_lora_adapter``: 404 "cannot be found"); the full-weight reload is
+  ``POST /collective_rpc`` (``vllm/entrypoints/serve/dev/rpc/api_router.py``, attached only with
+  ``VLLM_SERVER_DEV_MODE=1``) calling the worker's ``update_config({"model_config": {"model":
+  DIR}})`` and then ``reload_weights()`` (``gpu_model_runner``: ``get_model_loader(load_config)
+  .load_weights(model, model_config)`` reads ``model_config.model``'s safetensors in place). The
+  newer ``/init_weight_transfer_engine`` + ``/update_weights`` routes (``dev/rlhf``) move tensors
+  over NCCL / IPC from a trainer in the server's process group: not a folder, so kd does not use
+  them.
+* SGLang: ``python/sglang/srt/entrypoints/http_server.py`` (``/generate``, ``/update_weights_from_disk``
+  -> ``{"success", "message", "num_paused_requests"}`` 200 / 400, ``/load_lora_adapter`` and
+  ``/unload_lora_adapter`` -> ``LoadLoRAAdapterReqOutput`` 200 / 400);
+  ``python/sglang/srt/sampling/sampling_params.py`` (``max_new_tokens``, ``stop_token_ids``,
+  ``temperature`` 0 is ``top_k`` 1, ``top_k`` -1 is the whole vocabulary, ``sampling_seed``,
+  ``logit_bias``); ``tokenizer_manager.py`` (the answer ``{"text", "output_ids", "meta_info":
+  {"finish_reason": {"type": "stop", "matched": id} | {"type": "length", ...}, "weight_version",
+  ...}}``; "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."), commits of 2025-26.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["GEN_PROTOCOLS", "BadAnswer", "Sample", "SGLangGeneration", "VLLMGeneration"]
+
+# The logit bias that keeps an id out of every sample (both servers clamp biases to +-100).
+_NEVER = -100.0
+
+
+class BadAnswer(ValueError):
+    """A server answer that is not what the protocol promises (the message says where)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion.
+
+    Attributes:
+        ids: the sampled ids, the stop id that ended it included.
+        stopped: a stop id (or the model's EOS) ended it; False: ``max_tokens`` did.
+        weight_version: the server's weight version when it says one (SGLang's
+            ``meta_info.weight_version``); None otherwise.
+    """
+
+    ids: list[int]
+    stopped: bool
+    weight_version: str | None = None
+
+
+def _ints(value: Any, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise BadAnswer(f"{where} is not a list of token ids ({type(value).__name__})")
+    return list(value)
+
+
+def _bias(vocab_limit: int, vocab: int) -> dict[str, float] | None:
+    """``logit_bias`` keeping ids ``vocab_limit .. vocab - 1`` (a model's padded rows, no
+    tokenizer's tokens) out of every sample; None when there are none."""
+    if vocab <= vocab_limit:
+        return None
+    return {str(i): _NEVER for i in range(vocab_limit, vocab)}
+
+
+class GenerationProtocol(Protocol):
+    """How one kind of server samples and takes new weights."""
+
+    name: str
+    generate_path: str
+    load_lora_path: str
+    unload_lora_path: str
+
+    def body(
+        self,
+        *,
+        model: str,
+        adapter: str | None,
+        prompt: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_ids: Sequence[int],
+        seed: int | None,
+        vocab_limit: int,
+        vocab: int,
+    ) -> dict[str, Any]:
+        """The JSON body asking ``max_tokens`` tokens after ``prompt``."""
+        ...
+
+    def parse(self, answer: Any, *, adapter: str | None, model: str) -> Sample:
+        """The answer read back; :class:`BadAnswer` otherwise."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
+        """The path and body that hot-load the PEFT adapter folder ``path`` as ``name``."""
+        ...
+
+    def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
+        """The requests, in order, that reload the full weights from ``folder``."""
+        ...
+
+    def lora_disabled(self, status: int, text: str) -> bool:
+        """Whether an answer to the LoRA probe says runtime LoRA loading is off."""
+        ...
+
+
+class VLLMGeneration:
+    """vLLM: ``POST /v1/completions`` with ``return_token_ids``; LoRA at ``/v1/*_lora_adapter``;
+    full weights through ``/collective_rpc``."""
+
+    name = "vllm"
+    generate_path = "/v1/completions"
+    load_lora_path = "/v1/load_lora_adapter"
+    unload_lora_path = "/v1/unload_lora_adapter"
+    reload_probe_path = "/collective_rpc"
+
+    def body(
+        self,
+        *,
+        model: str,
+        adapter: str | None,
+        prompt: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_ids: Sequence[int],
+        seed: int | None,
+        vocab_limit: int,
+        vocab: int,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": adapter or model,  # a LoRA adapter is asked by its name
+            "prompt": [int(t) for t in prompt],
+            "n": 1,
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "top_k": -1,  # all tokens (a generation_config.json default would otherwise apply)
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "stop_token_ids": [int(t) for t in stop_ids],
+            "ignore_eos": False,
+            "return_token_ids": True,
+            "stream": False,
+        }
+        if seed is not None:
+            body["seed"] = int(seed)
+        bias = _bias(vocab_limit, vocab)
+        if bias is not None:
+            body["logit_bias"] = bias
+        return body
+
+    def parse(self, answer: Any, *, adapter: str | None, model: str) -> Sample:
+        if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+            raise BadAnswer("the answer has no choices")
+        if len(answer["choices"]) != 1:
+            raise BadAnswer(f"{len(answer['choices'])} choices for one prompt and n 1")
+        asked = adapter or model
+        if answer.get("model") not in (None, asked):
+            raise BadAnswer(f"the answer is of model {answer.get('model')!r}, not {asked!r}")
+        choice = answer["choices"][0]
+        if not isinstance(choice, dict):
+            raise BadAnswer("choice 0 is not an object")
+        if choice.get("token_ids") is None:
+            raise BadAnswer(
+                "choice 0 has no token_ids (return_token_ids needs vLLM 0.10.2 or later)"
+            )
+        ids = _ints(choice.get("token_ids"), "choices[0].token_ids")
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length", "abort"):
+            raise BadAnswer(f"choices[0].finish_reason is {reason!r}")
+        if reason == "abort":
+            raise BadAnswer("the server aborted the request (finish_reason abort)")
+        stop = choice.get("stop_reason")
+        if reason == "stop" and isinstance(stop, int) and (not ids or ids[-1] != stop):
+            ids.append(stop)
+        return Sample(ids=ids, stopped=reason == "stop")
+
+    def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
+        return self.load_lora_path, {"lora_name": name, "lora_path": path}
+
+    def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
+        return [
+            (
+                "/collective_rpc",
+                {"method": "update_config", "args": [{"model_config": {"model": folder}}]},
+            ),
+            ("/collective_rpc", {"method": "reload_weights"}),
+        ]
+
+    def lora_disabled(self, status: int, text: str) -> bool:
+        # The routes are not attached without VLLM_ALLOW_RUNTIME_LORA_UPDATING: FastAPI's 404.
+        return status == 404 and '"detail"' in text
+
+
+class SGLangGeneration:
+    """SGLang: ``POST /generate`` with ``input_ids``; LoRA at ``/*_lora_adapter``; full weights
+    through ``/update_weights_from_disk``."""
+
+    name = "sglang"
+    generate_path = "/generate"
+    load_lora_path = "/load_lora_adapter"
+    unload_lora_path = "/unload_lora_adapter"
+    reload_probe_path = None
+
+    def body(
+        self,
+        *,
+        model: str,
+        adapter: str | None,
+        prompt: Sequence[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_ids: Sequence[int],
+        seed: int | None,
+        vocab_limit: int,
+        vocab: int,
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": int(max_tokens),
+            "temperature": float(temperature),  # 0: greedy (top_k 1)
+            "top_p": float(top_p),
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "stop_token_ids": [int(t) for t in stop_ids],
+            "ignore_eos": False,
+            "n": 1,
+        }
+        if seed is not None:
+            params["sampling_seed"] = int(seed)
+        bias = _bias(vocab_limit, vocab)
+        if bias is not None:
+            params["logit_bias"] = bias
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in prompt],
+            "sampling_params": params,
+            "stream": False,
+        }
+        if adapter is not None:
+            body["lora_path"] = adapter  # the name of a loaded adapter
+        return body
+
+    def parse(self, answer: Any, *, adapter: str | None, model: str) -> Sample:
+        if isinstance(answer, list) and len(answer) == 1:
+            answer = answer[0]
+        if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+            raise BadAnswer("the answer has no meta_info")
+        if "output_ids" not in answer:
+            raise BadAnswer("the answer has no output_ids")
+        ids = _ints(answer["output_ids"], "output_ids")
+        reason = answer["meta_info"].get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        if kind not in ("stop", "length", "abort"):
+            raise BadAnswer(f"meta_info.finish_reason is {reason!r}")
+        if kind == "abort":
+            raise BadAnswer(f"the server aborted the request ({reason.get('message')})")
+        matched = reason.get("matched")
+        if (
+            kind == "stop"
+            and isinstance(matched, int)
+            and not isinstance(matched, bool)
+            and (not ids or ids[-1] != matched)
+        ):
+            ids.append(matched)
+        version = answer["meta_info"].get("weight_version")
+        return Sample(
+            ids=ids,
+            stopped=kind == "stop",
+            weight_version=None if version is None else str(version),
+        )
+
+    def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
+        return self.load_lora_path, {"lora_name": name, "lora_path": path}
+
+    def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
+        body = {"model_path": folder, "weight_version": str(version), "abort_all_requests": False}
+        return [("/update_weights_from_disk", body)]
+
+    def lora_disabled(self, status: int, text: str) -> bool:
+        return status == 400 and "LoRA is not enabled" in text
+
+
+GEN_PROTOCOLS: dict[str, GenerationProtocol] = {
+    "vllm": VLLMGeneration(),
+    "sglang": SGLangGeneration(),
+}

@@ -1,0 +1,588 @@
+"""The served sampler (``on_policy.sampler: served``) through ``kd run``, against
+:class:`kd.testing_rollout_server.RolloutTestServer` (vLLM's and SGLang's generation and
+weight-update endpoints over the student's own folder on the CPU, answering as they do):
+
+* greedy rollouts from the server equal the local sampler's at every step after a sync (LoRA and
+  full students, both protocols), each carrying the version it was sampled with; a server never
+  synced samples other completions (so the comparison can fail);
+* ``kd validate`` probes the server: its model, runtime LoRA loading, a full reload route, its
+  length; each refusal one line, exit 2;
+* a server that dies mid-run stops the run with a step checkpoint and exit 2 in one line, and the
+  resumed run (a new server) ends with the weights of a run never stopped;
+* ``kill -9`` during a weight push, then resume, loses nothing (same final weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, tiny_model, write_config
+from safetensors.torch import load_file
+
+import kd.rollouts.local
+import kd.rollouts.served
+from kd import cli
+from kd.testing import hf_tokenizer_node, write_tiny_model
+from kd.testing_rollout_server import RolloutTestServer
+
+SERVED_NAME = "tiny-student"
+CASES = [("vllm", False), ("vllm", True), ("sglang", False), ("sglang", True)]
+IDS = ["vllm-full", "vllm-lora", "sglang-full", "sglang-lora"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(assets, tmp_path_factory) -> dict:
+    """The tiny assets with a student whose greedy completions depend on the prompt (perturbed
+    weights: the plain random init answers every prompt with one token repeated)."""
+    folder = tmp_path_factory.mktemp("served") / "student"
+    write_tiny_model(folder, tiny_model(STUDENT), seed=5, writer="transformers", perturb=0.3)
+    return {**assets, "student": folder}
+
+
+def student_node(folder: Path, lora: bool) -> dict:
+    if not lora:
+        return {"_component_": "kd.hf.causal_lm", "path": str(folder)}
+    return {
+        "_component_": "kd.hf.lora_causal_lm",
+        "path": str(folder),
+        "lora_attn_modules": ["q_proj", "v_proj"],
+        "apply_lora_to_mlp": True,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+    }
+
+
+def config(assets: dict, out: Path, *, lora: bool, on_policy: dict, **top) -> dict:
+    """A greedy on-policy run of the HF student (every micro-batch samples), learning fast
+    enough that its greedy completions change from step to step."""
+    cfg = make_config(assets, out, **top)
+    cfg["tokenizer"] = hf_tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN)
+    cfg["model"] = student_node(assets["student"], lora)
+    del cfg["checkpointer"]
+    cfg["optimizer"] = {"_component_": "torch.optim.AdamW", "lr": 0.05 if lora else 0.02}
+    node = {"lmbda": 1.0, "max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0}
+    node.update(on_policy)
+    cfg["on_policy"] = node
+    return cfg
+
+
+def served(server: RolloutTestServer, api: str, **kw) -> dict:
+    return {
+        "sampler": "served",
+        "server_url": server.url,
+        "server_api": api,
+        "server_model": SERVED_NAME,
+        **kw,
+    }
+
+
+def record(monkeypatch, cls) -> list[tuple[int, tuple[int, ...], list[list[int]], int]]:
+    """Every ``cls.sample`` call: (step, rows, each row's completion, version)."""
+    seen: list = []
+    original = cls.sample
+
+    def spy(self, prompts, *, rows, epoch, step, student):
+        done = original(self, prompts, rows=rows, epoch=epoch, step=step, student=student)
+        ids = [done.tokens[i, : int(n)].tolist() for i, n in enumerate(done.lengths)]
+        seen.append((step, tuple(int(r) for r in rows), ids, done.version))
+        return done
+
+    monkeypatch.setattr(cls, "sample", spy)
+    return seen
+
+
+def kd_run(cfg: dict, path: Path, *extra: str) -> int:
+    return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *extra])
+
+
+def final_weights(out: Path, lora: bool) -> dict[str, torch.Tensor]:
+    name = "adapter/adapter_model.safetensors" if lora else "model.safetensors"
+    return load_file(out / "final" / name)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts: the served sampler samples what the local one does, with the weights it was pushed
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("api", "lora"), CASES, ids=IDS)
+def test_greedy_rollouts_equal_the_local_samplers_after_every_sync(
+    assets, tmp_path, monkeypatch, api, lora
+):
+    local = record(monkeypatch, kd.rollouts.local.LocalSampler)
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    cfg = config(assets, tmp_path / "local", lora=lora, on_policy={})
+    assert kd_run(cfg, tmp_path / "local.yaml") == 0
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "served", lora=lora, on_policy=served(server, api))
+        assert kd_run(cfg, tmp_path / "served.yaml") == 0
+        pushes = [p for p, _ in server.log if p not in ("/v1/completions", "/generate")]
+    # 3 steps x 2 micro-batches, the same rows and the same greedy tokens at every step.
+    assert [(s, r, ids) for s, r, ids, _ in remote] == [(s, r, ids) for s, r, ids, _ in local]
+    assert len(remote) == 6
+    # Each rollout of step s was sampled with the weights after step s - 1 (synced every step).
+    assert [v for *_, v in remote] == [s - 1 for s, *_ in remote]
+    rows = read_metrics(tmp_path / "served")
+    assert [r["rollout_version_lag"] for r in rows] == [0, 0, 0]
+    # The weights changed what the student samples: not the same completions at every step.
+    assert len({tuple(map(tuple, ids)) for _, _, ids, _ in remote}) > 1
+    # One push before step 1 and one after each step, in the protocol's requests.
+    if lora:
+        loads = [p for p in pushes if p.endswith("/load_lora_adapter")]
+        assert len(loads) == 4
+    else:
+        reloads = [p for p in pushes if p in ("/collective_rpc", "/update_weights_from_disk")]
+        assert len(reloads) == (1 + 4 * 2 if api == "vllm" else 4)  # + the validate probe
+    # Identical rollouts, identical training.
+    losses = [r["loss"] for r in read_metrics(tmp_path / "local")]
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-6, abs=1e-7)
+
+
+def test_a_server_never_synced_samples_other_completions(assets, tmp_path, monkeypatch):
+    """sync_every_n_steps beyond the run: the server keeps version 0, the rollouts of later
+    steps are not the local sampler's, and the metrics say how stale they are."""
+    local = record(monkeypatch, kd.rollouts.local.LocalSampler)
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    cfg = config(assets, tmp_path / "local", lora=False, on_policy={})
+    assert kd_run(cfg, tmp_path / "local.yaml") == 0
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
+        node = served(server, "vllm", sync_every_n_steps=100)
+        cfg = config(assets, tmp_path / "stale", lora=False, on_policy=node)
+        assert kd_run(cfg, tmp_path / "stale.yaml") == 0
+    assert [v for *_, v in remote] == [0] * 6
+    assert [r["rollout_version_lag"] for r in read_metrics(tmp_path / "stale")] == [0, 1, 2]
+    assert remote[:2] == local[:2]  # step 1: both sample version 0
+    assert [ids for _, _, ids, _ in remote[2:]] != [ids for _, _, ids, _ in local[2:]]
+
+
+# ---------------------------------------------------------------------------------------------
+# kd validate probes the server
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("api", "lora", "server_kw", "node_kw", "says"),
+    [
+        ("vllm", False, {}, {"server_model": "other"}, "on_policy.server_model: the server at"),
+        ("vllm", True, {"runtime_lora": False}, {}, "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"),
+        ("sglang", True, {"enable_lora": False}, {}, "start SGLang with --enable-lora"),
+        ("vllm", False, {"dev_mode": False}, {}, "VLLM_SERVER_DEV_MODE=1"),
+        ("sglang", False, {"max_model_len": 32}, {}, "--max-model-len 64 or more"),
+    ],
+    ids=["model", "vllm-runtime-lora", "sglang-lora", "vllm-dev-mode", "length"],
+)
+def test_validate_probes_the_server(assets, tmp_path, capsys, api, lora, server_kw, node_kw, says):
+    with RolloutTestServer(
+        assets["student"], api=api, model_name=SERVED_NAME, **server_kw
+    ) as server:
+        node = served(server, api, **node_kw)
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=node)
+        rc = cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and says in lines[0], err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
+    cfg = config(assets, tmp_path / "out", lora=False, on_policy={"sampler": "served"})
+    rc = cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:") or x.startswith("  ")]
+    assert any("on_policy.server_url: on_policy.sampler is served" in x for x in lines), err
+    assert any("on_policy.server_model: on_policy.sampler is served" in x for x in lines), err
+
+
+# ---------------------------------------------------------------------------------------------
+# A server that dies, a kd killed mid-push: nothing is lost
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("api", "lora"), [("vllm", True), ("sglang", False)], ids=["vllm-lora", "sglang-full"]
+)
+def test_a_server_that_dies_stops_the_run_cleanly_and_resume_finishes_it(
+    assets, tmp_path, capsys, api, lora
+):
+    """Weights pushed every 2 steps; the server dies at step 2's first rollout: the run saves
+    step_1 and stops (exit 2, one line). The resumed run, with a new server, pushes version 0
+    again (the one step 1's checkpoint was sampling with, kept on disk) and ends with the
+    weights of a run that never stopped."""
+    fast = {"server_retries": 0, "server_timeout": 20, "sync_every_n_steps": 2}
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "ref", lora=lora, on_policy=served(server, api, **fast))
+        assert kd_run(cfg, tmp_path / "ref.yaml", "max_steps_per_epoch=4") == 0
+    reference = final_weights(tmp_path / "ref", lora)
+
+    out = tmp_path / "run"
+    server = RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME).start()
+    generate = "/v1/completions" if api == "vllm" else "/generate"
+    state = {"rollouts": 0}
+
+    def die_at_step_2(path, body):
+        if path == generate:  # step 1 asks 8 rollouts (2 micro-batches of 4 rows)
+            state["rollouts"] += 1
+            if state["rollouts"] == 9:  # the first of step 2: killed before it is answered
+                server.kill_on = generate
+
+    server.on_post = die_at_step_2
+    capsys.readouterr()
+    cfg = config(assets, out, lora=lora, on_policy=served(server, api, **fast))
+    rc = kd_run(cfg, tmp_path / "run.yaml", "max_steps_per_epoch=4")
+    server.kill()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "on_policy.server_url:" in lines[0], err
+    assert "did not answer" in lines[0]
+    assert (out / "step_000001").is_dir() and not (out / "final").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as fresh:
+        cfg = config(assets, out, lora=lora, on_policy=served(fresh, api, **fast))
+        resume = ("max_steps_per_epoch=4", "resume_from_checkpoint=true")
+        assert kd_run(cfg, tmp_path / "resume.yaml", *resume) == 0
+        pushed = [_push_version(api, lora, p, b) for p, b in fresh.log]
+    assert [v for v in pushed if v is not None] == [0, 2, 4]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert [r["rollout_version_lag"] for r in read_metrics(out)] == [0, 1, 0, 1]
+    assert_same_weights(final_weights(out, lora), reference)
+
+
+def _push_version(api: str, lora: bool, path: str, body) -> int | None:
+    """The weight version a POST pushes (None: not a push)."""
+    if not isinstance(body, dict):
+        return None
+    if lora and path.endswith("/load_lora_adapter"):
+        return int(str(body["lora_name"]).rsplit("-v", 1)[1])
+    if api == "vllm" and body.get("method") == "update_config":
+        return int(Path(body["args"][0]["model_config"]["model"]).name[1:])
+    if api == "sglang" and path == "/update_weights_from_disk":
+        return int(body["weight_version"])
+    return None
+
+
+@pytest.mark.slow  # kd in subprocesses
+@pytest.mark.parametrize(
+    ("api", "lora"), [("vllm", False), ("sglang", True)], ids=["vllm-full", "sglang-lora"]
+)
+def test_kill_9_during_a_weight_push_then_resume_loses_nothing(assets, tmp_path, api, lora):
+    """kd is killed (SIGKILL) while the server takes version 2; the resumed run (same server,
+    which did load it) pushes again and ends with the weights of a run never killed."""
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "ref", lora=lora, on_policy=served(server, api))
+        assert kd_run(cfg, tmp_path / "ref.yaml", "save_every_n_steps=1") == 0
+    reference = final_weights(tmp_path / "ref", lora)
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, out, lora=lora, on_policy=served(server, api))
+        path = write_config(tmp_path / "run.yaml", cfg)
+        run_kd = ["run", "kd", "--config", str(path), "save_every_n_steps=1"]
+        argv = [sys.executable, "-m", "kd.cli", *run_kd]
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        killed = {}
+
+        def kill_during_push(path, body):
+            if _push_version(api, lora, path, body) == 2 and not killed:
+                killed["at"] = path
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+
+        server.on_post = kill_during_push
+        try:
+            _, err = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+        assert killed
+        assert not (out / "final").exists()
+        assert (out / "served_weights" / "v000002").is_dir()  # sealed before the server took it
+        server.on_post = None
+        rc = kd_run(
+            cfg, tmp_path / "resume.yaml", "save_every_n_steps=1", "resume_from_checkpoint=true"
+        )
+        assert rc == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert_same_weights(final_weights(out, lora), reference)
+    # Nothing half-written is left; only the versions a kept checkpoint or the run needs.
+    left = sorted(p.name for p in (out / "served_weights").iterdir())
+    assert not [n for n in left if n.startswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_counts_no_kv_cache_for_a_served_sampler(assets, tmp_path, capsys):
+    """kd plan: the local sampler's generation phase (a KV cache on the training device) is
+    gone with a served sampler; nothing else changes."""
+    plans = {}
+    for name, node in (
+        ("local", {}),
+        ("served", {"sampler": "served", "server_url": "http://127.0.0.1:9", "server_model": "x"}),
+    ):
+        cfg = config(assets, tmp_path / name, lora=False, on_policy=node)
+        capsys.readouterr()
+        path = write_config(tmp_path / f"{name}.yaml", cfg)
+        assert cli.main(["plan", "--config", str(path), "--json"]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    phases = {
+        k: [p["name"] if isinstance(p, dict) else p for p in v["phases"]] for k, v in plans.items()
+    }
+    assert phases["local"] == ["generation", "forward", "backward", "optimizer_step"]
+    assert phases["served"] == ["forward", "backward", "optimizer_step"]
+    assert plans["served"]["peak_gib"] <= plans["local"]["peak_gib"]
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: rank 0 pushes, every rank samples its own rows
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # kd in subprocesses
+def test_two_ranks_push_once_and_sample_their_own_rows(assets, tmp_path):
+    """2 CPU ranks (gloo, FSDP2) against one device with the same global batch: every version is
+    pushed once (rank 0), every row is asked once (by the rank that holds it), and the two runs
+    train alike."""
+    from kd.testing import run_launch
+
+    logs = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"r{ranks}"
+        with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
+            cfg = config(
+                assets,
+                out,
+                lora=True,
+                on_policy=served(server, "vllm"),
+                batch_size=4 // ranks,
+            )
+            path = write_config(tmp_path / f"r{ranks}.yaml", cfg)
+            if ranks == 1:
+                assert kd_run(cfg, path) == 0
+            else:
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+                cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2"]
+                proc = run_launch(
+                    [*cmd, "kd_distributed", "--config", str(path)], env=env, timeout=600
+                )
+                assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+            logs[ranks] = list(server.log)
+    for ranks, log in logs.items():
+        loads = [b["lora_name"].rsplit("-v", 1)[1] for p, b in log if p == "/v1/load_lora_adapter"]
+        assert loads == ["0", "1", "2", "3"], (ranks, loads)
+    prompts = {
+        r: sorted(tuple(b["prompt"]) for p, b in log if p == "/v1/completions")
+        for r, log in logs.items()
+    }
+    assert len(prompts[1]) == 24 and prompts[1] == prompts[2]
+    one, two = read_metrics(tmp_path / "r1"), read_metrics(tmp_path / "r2")
+    assert [r["num_tokens"] for r in one] == [r["num_tokens"] for r in two]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4, abs=1e-5)
+
+
+def test_async_steps_sample_the_next_step_from_the_server_while_this_one_trains(
+    assets, tmp_path, monkeypatch
+):
+    """async_steps 1: step s + 1's rollouts are asked while step s trains, with the version the
+    server holds then (one step stale); the metrics say so."""
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    with RolloutTestServer(assets["student"], api="sglang", model_name=SERVED_NAME) as server:
+        node = served(server, "sglang", async_steps=1)
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=node)
+        assert kd_run(cfg, tmp_path / "c.yaml") == 0
+    assert [r["rollout_version_lag"] for r in read_metrics(tmp_path / "out")] == [0, 1, 1]
+    assert sorted({(s, v) for s, _, _, v in remote}) == [(1, 0), (2, 0), (3, 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# What the server refuses or gets wrong: one line, exit 2
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("api", "lora"), [("vllm", True), ("sglang", False)], ids=IDS[1:3])
+def test_a_server_that_cannot_read_the_pushed_folder_stops_before_training(
+    assets, tmp_path, capsys, api, lora
+):
+    """The server runs elsewhere and sees only its own disk: the first push (version 0) is
+    refused and the run stops before its first step, saying where the weights must go."""
+    elsewhere = tmp_path / "server_disk"
+    elsewhere.mkdir()
+    with RolloutTestServer(
+        assets["student"], api=api, model_name=SERVED_NAME, sees=elsewhere
+    ) as server:
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=served(server, api))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "refused the student's" in lines[0] and "weight version v000000" in lines[0]
+    assert "point on_policy.server_sync_dir at a folder it sees" in lines[0]
+    assert (
+        not read_metrics(tmp_path / "out")
+        if (tmp_path / "out" / "metrics.jsonl").exists()
+        else True
+    )
+
+
+def test_a_malformed_rollout_stops_the_run_with_a_checkpoint(assets, tmp_path, capsys):
+    """A completion holding an id no tokenizer token has (step 2's first rollout): refused, never
+    trained on; step 1 is saved and the run exits 2 with the row's problem."""
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
+        # The probe, version 0's push (2 requests), step 1's 8 rollouts and version 1's push.
+        server.faults.extend([""] * 13 + ["bad_id"])
+        cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, "vllm"))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert (
+        "gave a malformed rollout: token 0 is id 287, outside the ids the tokenizer has"
+        in (lines[0])
+    )
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]
+    assert (tmp_path / "out" / "step_000001").is_dir()
+
+
+def test_the_test_server_answers_lora_mistakes_as_the_servers_do(assets, tmp_path):
+    """The refusals kd reads, as vLLM's and SGLang's source writes them."""
+    import requests
+
+    adapter = tmp_path / "missing"
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as v:
+        r = requests.post(
+            f"{v.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)}
+        )
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "NotFoundError" and "No adapter found" in r.text
+        r = requests.post(f"{v.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The lora adapter 'a' cannot be found."
+        r = requests.post(f"{v.url}/v1/completions", json={"model": "a", "prompt": [1, 2]})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "The model `a` does not exist."
+    with RolloutTestServer(assets["student"], api="vllm", runtime_lora=False) as v:
+        r = requests.post(
+            f"{v.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"}
+        )
+        assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
+    with RolloutTestServer(assets["student"], api="sglang", enable_lora=False) as s:
+        r = requests.post(f"{s.url}/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"})
+        assert r.status_code == 400
+        assert r.json()["error_message"] == (
+            "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        )
+    with RolloutTestServer(assets["student"], api="sglang") as s:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "lora_path": "a"}
+        r = requests.post(f"{s.url}/generate", json=body)
+        assert r.status_code == 400
+        assert (
+            "The following requested LoRA adapters are not loaded: a"
+            in r.json()["error"]["message"]
+        )
+
+
+@pytest.mark.parametrize(
+    ("api", "lora"), [("vllm", True), ("sglang", False)], ids=["vllm-lora", "sglang-full"]
+)
+def test_a_server_that_dies_during_a_push_stops_with_that_step_saved(
+    assets, tmp_path, capsys, api, lora
+):
+    """The server dies while it takes version 2 (after step 2 is applied): the run stops before
+    step 3 trains, with step_2 saved as step 2 (never step 2's weights under step 1's name), and
+    the resumed run pushes version 2 again and ends as a run that never stopped."""
+    fast = {"server_retries": 0, "server_timeout": 20}
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "ref", lora=lora, on_policy=served(server, api, **fast))
+        assert kd_run(cfg, tmp_path / "ref.yaml") == 0
+    reference = final_weights(tmp_path / "ref", lora)
+
+    out = tmp_path / "run"
+    server = RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME).start()
+
+    def die_taking_version_2(path, body):
+        if _push_version(api, lora, path, body) == 2:
+            server.kill_on = path
+
+    server.on_post = die_taking_version_2
+    capsys.readouterr()
+    cfg = config(assets, out, lora=lora, on_policy=served(server, api, **fast))
+    rc = kd_run(cfg, tmp_path / "run.yaml")
+    server.kill()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "stopped after step 2" in lines[0], err
+    assert "the last weight push failed" not in err  # said once, in the error line
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert (out / "step_000002").is_dir() and not (out / "final").exists()
+
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as fresh:
+        cfg = config(assets, out, lora=lora, on_policy=served(fresh, api, **fast))
+        assert kd_run(cfg, tmp_path / "resume.yaml", "resume_from_checkpoint=true") == 0
+        pushed = [_push_version(api, lora, p, b) for p, b in fresh.log]
+    assert [v for v in pushed if v is not None] == [2, 3]
+    assert_same_weights(final_weights(out, lora), reference)
+
+
+def test_a_server_that_dies_during_async_sampling_stops_before_the_next_step_trains(
+    assets, tmp_path, capsys
+):
+    """async_steps 1: step 3's rollouts are asked while step 2 trains and the server dies then;
+    the run stops before step 3 trains, with step_2 saved, and resume finishes it."""
+    fast = {"server_retries": 0, "server_timeout": 20, "async_steps": 1}
+    server = RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME).start()
+    state = {"rollouts": 0}
+
+    def die_at_step_3(path, body):
+        if path == "/v1/completions":  # steps 1 and 2 ask 8 rollouts each
+            state["rollouts"] += 1
+            if state["rollouts"] == 17:
+                server.kill_on = path
+
+    server.on_post = die_at_step_3
+    out = tmp_path / "run"
+    cfg = config(assets, out, lora=True, on_policy=served(server, "vllm", **fast))
+    capsys.readouterr()
+    rc = kd_run(cfg, tmp_path / "run.yaml")
+    server.kill()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "stopped after step 2" in lines[0], err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as fresh:
+        cfg = config(assets, out, lora=True, on_policy=served(fresh, "vllm", **fast))
+        assert kd_run(cfg, tmp_path / "resume.yaml", "resume_from_checkpoint=true") == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

@@ -1,0 +1,86 @@
+"""The rollout interface's pieces that need no run: what each sampler costs in the plan (through
+``kd plan``'s own path), the local sampler's refusals and its frozen copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_memory import FULL_14B_3B
+
+from kd.config import load_config
+from kd.errors import KDUserError
+from kd.memory import plan_from_config
+from kd.memory.estimate import GEN_PHASE
+from kd.rollouts.base import Sampler
+from kd.rollouts.local import LocalSampler, frozen_copy
+from kd.runtime.distributed import WorldInfo
+
+
+def components(*overrides: str) -> dict[str, dict[str, float]]:
+    plan = plan_from_config(load_config(FULL_14B_3B, list(overrides)), budget_gib=80)
+    return plan.to_json()["phase_components"]
+
+
+def test_plan_counts_what_the_sampler_holds():
+    """batch_rollouts samples the step's rows together (a larger KV cache, capped by
+    rollout_batch_size); async_steps: 1 adds the frozen copy of the student's weights to every
+    phase; a served sampler puts no student rollout on the training device."""
+    base = ["on_policy.lmbda=1", "gradient_accumulation_steps=4", "batch_size=2"]
+    one = components(*base)
+    step = components(*base, "on_policy.batch_rollouts=true")
+    capped = components(*base, "on_policy.batch_rollouts=true", "on_policy.rollout_batch_size=4")
+    # (GiB, rounded in the JSON)
+    assert step[GEN_PHASE]["kv_cache"] == pytest.approx(4 * one[GEN_PHASE]["kv_cache"], rel=0.01)
+    assert capped[GEN_PHASE]["kv_cache"] == pytest.approx(2 * one[GEN_PHASE]["kv_cache"], rel=0.01)
+    copy = components(*base, "on_policy.async_steps=1")
+    for phase, comps in copy.items():
+        assert comps["student_weights"] > one[phase]["student_weights"], phase
+    served = components(*base, "on_policy.sampler=served")
+    assert GEN_PHASE not in served
+
+
+def sampler(world_size: int = 1, **kw) -> LocalSampler:
+    overrides = [f"on_policy.{k}={v}" for k, v in {"lmbda": 1, **kw}.items()]
+    run = load_config(FULL_14B_3B, overrides)
+    from kd.config.run import run_config
+
+    settings = run_config(run).on_policy
+    assert settings is not None
+
+    class Tok:
+        pad_id, eos_id, stop_tokens = 0, 2, [2]
+
+    return LocalSampler(
+        settings,
+        tokenizer=Tok(),
+        seed=0,
+        vocab_limit=10,
+        world=WorldInfo(world_size, 0, 0),
+        device=torch.device("cpu"),
+    )
+
+
+def test_local_sampler_is_a_sampler_and_refuses_async_under_torchrun():
+    assert isinstance(sampler(), Sampler)
+    sampler(async_steps=1).check()
+    with pytest.raises(KDUserError, match=r"^on_policy.async_steps: 1 samples from a background"):
+        sampler(2, async_steps=1).check()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_frozen_copy_keeps_its_own_weights(compiled):
+    """The async sampler's copy computes with its weights, not the student's (compiled in place
+    as compile: true does, too), and trains nothing."""
+    student = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    if compiled:
+        for layer in student:
+            layer.compile(backend="eager")
+    copy = frozen_copy(student)
+    x = torch.ones(1, 3)
+    before = copy(x).detach().clone()
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(1.0)
+    assert torch.equal(copy(x), before)
+    assert not torch.equal(student(x), before)
+    assert not any(p.requires_grad for p in copy.parameters())
