@@ -5,7 +5,7 @@ The student of ``bench_vs_trl.py`` (SmolLM2-135M-Instruct with every third layer
 tokens of the Python reference paragraphs), batch 1 and 4, temperature 1, no stop token, with
 every method of ``bench_on_policy.py``'s generation part:
 
-- kd's rollout (:func:`kd.training.on_policy.rollout`) on the torchtune module (its KV cache) and
+- kd's rollout (:func:`kd.rollouts.sampling.rollout`) on the torchtune module (its KV cache) and
   on the transformers module (``DynamicCache``), the two backends ``kd run`` uses;
 - recomputing the whole prefix every token through the same sampler (the tokens must come out
   identical to the cached rollout's);

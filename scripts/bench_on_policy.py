@@ -4,7 +4,7 @@ docs/on_policy_benchmark.md.
 Three measurements:
 
 1. **Generation throughput** at 128 new tokens after 32-token prompts, batch 1 and 8, on two tiny
-   random-init Qwen2 shapes (the demo's student, and a 4x wider one): :func:`kd.training.on_policy.rollout`
+   random-init Qwen2 shapes (the demo's student, and a 4x wider one): :func:`kd.rollouts.sampling.rollout`
    (the KV cache) against a loop that recomputes the whole sequence every token through the same
    sampler (same per-row generators: the tokens must come out identical), and, as library
    reference points, torchtune's ``generate`` with and without ``local_kv_cache`` and
@@ -78,6 +78,7 @@ def _methods(tt_model: Any, hf_model: Any, prompt: Any, seed: int) -> dict[str, 
 
     from kd import models
     from kd._torchtune import generate_tokens, local_kv_cache
+    from kd.rollouts import sampling
     from kd.training import on_policy
 
     b = prompt.shape[0]
@@ -89,13 +90,13 @@ def _methods(tt_model: Any, hf_model: Any, prompt: Any, seed: int) -> dict[str, 
     cpu = torch.device("cpu")
 
     def gens() -> list[torch.Generator]:
-        return on_policy.row_generators(seed, 0, range(b), device=cpu)
+        return sampling.row_generators(seed, 0, range(b), device=cpu)
 
     def kd_rollout(model: Any) -> Callable[[int], torch.Tensor]:
         def run(new: int) -> torch.Tensor:
             models.set_hidden_output(model)
             try:
-                return on_policy.rollout(
+                return sampling.rollout(
                     model,
                     prompts,
                     max_new_tokens=new,
@@ -120,7 +121,7 @@ def _methods(tt_model: Any, hf_model: Any, prompt: Any, seed: int) -> dict[str, 
             for _ in range(new):
                 hidden = tt_model(tokens)
                 logits = models.logits_from_hidden(tt_model, hidden[:, -1])
-                token = on_policy.sample_next(
+                token = sampling.sample_next(
                     logits, temperature=1.0, top_p=1.0, vocab_limit=None, generators=generators
                 )
                 tokens = torch.cat([tokens, token[:, None]], dim=1)
@@ -603,7 +604,7 @@ def write_doc(report: dict, doc: Path) -> None:
         "(wall-clock rates are in report.json). "
         "*recompute the prefix* is the peer: a loop that runs the whole sequence through the "
         "model for every new token, through kd's sampler with the same per-row generators as "
-        "`kd.training.on_policy.rollout`; the torchtune and transformers rows are the libraries' own "
+        "`kd.rollouts.sampling.rollout`; the torchtune and transformers rows are the libraries' own "
         "`generate` on the same weights, as reference points (transformers' sampler and "
         "torchtune's differ from kd's, so only their speed compares).",
         "",

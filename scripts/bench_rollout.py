@@ -9,7 +9,7 @@ temperature and top-p, SmolLM2's end-of-turn / end-of-text ids as stop ids:
 - ``generate``: transformers' ``model.generate`` (do_sample, the same temperature / top_p; the
   transformers model) or torchtune's ``generate`` (torchtune model, ``local_kv_cache``), the
   libraries' own loops;
-- ``kd per micro-batch``: today's recipe, :func:`kd.training.on_policy.rollout` once per
+- ``kd per micro-batch``: today's recipe, :func:`kd.rollouts.sampling.rollout` once per
   micro-batch (``--grad-accum`` of them, ``batch / grad_accum`` rows each);
 - ``kd rollout``: the same function over all ``batch`` rows at once;
 - ``kd fast``: :func:`kd.rollouts.decode.fast_rollout` (``batch_rollouts: true``: length groups,
@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO / "src"))
 from kd import models  # noqa: E402
 from kd.rollouts.base import Prompts  # noqa: E402
 from kd.rollouts.decode import fast_rollout  # noqa: E402
+from kd.rollouts.sampling import rollout, row_generators  # noqa: E402
 from kd.testing import smollm2_folder  # noqa: E402
-from kd.training.on_policy import rollout, row_generators  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
 
-import kd.training.on_policy
+import kd.rollouts.sampling
 from kd import cli
 from kd.testing import checkpointer_node, write_jsonl
 
@@ -133,13 +133,13 @@ def test_a_batch_samples_each_rows_teacher(
     """Four rows a micro-batch (a, b, none, a; then b, none, b, a): with seq_kd each teacher
     samples its own rows only, and the row naming none is not sampled."""
     seen: list[tuple[int, int]] = []
-    original = kd.training.on_policy.rollout
+    original = kd.rollouts.sampling.rollout
 
     def spy(model, prompts, **kwargs):
         seen.append((id(model), int(prompts.tokens.shape[0])))
         return original(model, prompts, **kwargs)
 
-    monkeypatch.setattr(kd.training.on_policy, "rollout", spy)
+    monkeypatch.setattr(kd.rollouts.sampling, "rollout", spy)
     op = dict(_on_policy(True), lmbda=0.0)
     cfg = _config(assets, tmp_path / "run", routed_data, None, on_policy=op)
     cfg.update(batch_size=4, max_steps_per_epoch=1, gradient_accumulation_steps=2)

@@ -4,7 +4,7 @@ same global batch, through the command a user types (``kd run --nproc_per_node 2
 The student samples its completions while sharded (FSDP2 gathers each layer per decoding step), so
 every rank must run the same number of decoding steps; each row draws from its own generator
 (seed, epoch, row), so the same rows sample the same tokens on 1 or 2 ranks. Every launch records
-each rank's rollouts (a ``sitecustomize`` wraps :func:`kd.training.on_policy.rollout`) so the tests check
+each rank's rollouts (a ``sitecustomize`` wraps :func:`kd.rollouts.sampling.rollout`) so the tests check
 the sampled tokens themselves, not only the losses they lead to. fp32, shuffle off.
 """
 
@@ -30,8 +30,8 @@ from test_distributed import (
 )
 
 from kd import cli
+from kd.rollouts import sampling
 from kd.testing import run_launch
-from kd.training import on_policy
 
 STEPS = 3
 ON_POLICY = {"lmbda": 1.0, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
@@ -69,10 +69,10 @@ from collections.abc import Callable
 {inspect.getsource(_recording)}
 
 if "RANK" in os.environ:
-    from kd.training import on_policy
+    from kd.rollouts import sampling
 
-    on_policy.rollout = _recording(
-        on_policy.rollout,
+    sampling.rollout = _recording(
+        sampling.rollout,
         os.path.join(os.environ["KD_TEST_ROLLOUTS"], f"rank{{os.environ['RANK']}}.jsonl"),
     )
 """
@@ -106,7 +106,7 @@ def _single(cfg_path: Path, records: Path) -> None:
     """The config on one device, in this process, its rollouts recorded to ``records``."""
     records.mkdir(parents=True, exist_ok=True)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(on_policy, "rollout", _recording(on_policy.rollout, str(records / "rank0.jsonl")))
+        m.setattr(sampling, "rollout", _recording(sampling.rollout, str(records / "rank0.jsonl")))
         assert cli.main(["run", "kd_single_device", "--config", str(cfg_path)]) == 0
 
 

@@ -14,7 +14,7 @@ import torch
 from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
-import kd.training.on_policy
+import kd.rollouts.sampling
 from kd import checkpoint, cli, models
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
@@ -47,13 +47,13 @@ def run(tmp_path: Path, name: str, assets: dict, *overrides: str, **top) -> Path
 def sampling_vocabs(monkeypatch) -> list[int]:
     """The vocabulary size of each model that samples (student 288, teacher 320), in order."""
     seen: list[int] = []
-    original = kd.training.on_policy.rollout
+    original = kd.rollouts.sampling.rollout
 
     def spy(model, *args, **kwargs):
         seen.append(models.vocab_size(model))
         return original(model, *args, **kwargs)
 
-    monkeypatch.setattr(kd.training.on_policy, "rollout", spy)
+    monkeypatch.setattr(kd.rollouts.sampling, "rollout", spy)
     return seen
 
 

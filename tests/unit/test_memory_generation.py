@@ -1,5 +1,5 @@
 """Memory planner: the generation phase (``on_policy``: a model samples completions with a KV
-cache at the start of a step) against the traced ``kd.training.on_policy.rollout``, its place in the plan,
+cache at the start of a step) against the traced ``kd.rollouts.sampling.rollout``, its place in the plan,
 the refusal before loading when only it does not fit, and the fit search."""
 
 from __future__ import annotations

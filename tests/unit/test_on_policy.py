@@ -14,6 +14,7 @@ from kd import _torchtune as tt
 from kd import models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
+from kd.rollouts import sampling
 from kd.runtime.prepare import prepare_student
 from kd.testing import TinyModel, write_tiny_model
 from kd.training import on_policy, train
@@ -52,7 +53,7 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> Prompts:
 
 
 def greedy(model: torch.nn.Module, prompts: Prompts, *, new: int, stops=()) -> Completions:
-    return on_policy.rollout(
+    return sampling.rollout(
         model,
         prompts,
         max_new_tokens=new,
@@ -99,7 +100,7 @@ def sampled() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Ten
     student = randomised(tiny_hidden_decoder(VOCAB, 32, seed=0), seed=1)
     teacher = randomised(tiny_hidden_decoder(VOCAB, 48, seed=1), seed=2)
     prompts = random_prompts([3, 7, 5, 2], VOCAB, seed=3)
-    done = on_policy.rollout(
+    done = sampling.rollout(
         student,
         prompts,
         max_new_tokens=9,
@@ -108,7 +109,7 @@ def sampled() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Ten
         stop_ids=[5, 9],
         pad_id=PAD,
         vocab_limit=None,
-        generators=on_policy.row_generators(0, 0, [0, 1, 2, 3], device=CPU),
+        generators=sampling.row_generators(0, 0, [0, 1, 2, 3], device=CPU),
     )
     tokens, labels = on_policy.training_batch(prompts, done, pad_id=PAD)
     labels = train.shift_labels(labels)
@@ -353,12 +354,12 @@ def _gens(n: int, seed: int = 0) -> list[torch.Generator]:
 
 def test_greedy_is_argmax_within_the_shared_vocab():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    got = on_policy.sample_next(
+    got = sampling.sample_next(
         logits, temperature=0.0, top_p=1.0, vocab_limit=None, generators=None
     )
     assert torch.equal(got, logits.argmax(-1))
     logits[:, 45] = 100.0  # the best id lies outside the shared vocabulary
-    got = on_policy.sample_next(logits, temperature=0.0, top_p=1.0, vocab_limit=40, generators=None)
+    got = sampling.sample_next(logits, temperature=0.0, top_p=1.0, vocab_limit=40, generators=None)
     assert torch.equal(got, logits[:, :40].argmax(-1))
 
 
@@ -366,7 +367,7 @@ def test_vocab_limit_is_never_sampled():
     n = 2000
     logits = torch.zeros(n, 12)
     logits[:, 8:] = 3.0  # the likeliest ids are past the limit
-    got = on_policy.sample_next(
+    got = sampling.sample_next(
         logits, temperature=1.0, top_p=1.0, vocab_limit=8, generators=_gens(n)
     )
     assert got.max() < 8
@@ -389,7 +390,7 @@ def test_top_p_keeps_the_nucleus_of_transformers(monkeypatch, top_p, temperature
         return real(probs, *args, **kwargs)
 
     monkeypatch.setattr(torch, "multinomial", spy)
-    on_policy.sample_next(
+    sampling.sample_next(
         logits, temperature=temperature, top_p=top_p, vocab_limit=None, generators=_gens(64)
     )
     ours = torch.stack(seen)
@@ -412,8 +413,8 @@ def test_each_row_draws_from_its_own_generator():
     in_batch, alone = [], []
     for _ in range(20):
         kw = dict(temperature=1.0, top_p=1.0, vocab_limit=None)
-        in_batch.append(int(on_policy.sample_next(batch, generators=batch_gens, **kw)[2]))
-        alone.append(int(on_policy.sample_next(flat, generators=alone_gens, **kw)[0]))
+        in_batch.append(int(sampling.sample_next(batch, generators=batch_gens, **kw)[2]))
+        alone.append(int(sampling.sample_next(flat, generators=alone_gens, **kw)[0]))
     assert in_batch == alone
     assert len(set(alone)) > 5  # the draws are random
 
@@ -422,7 +423,7 @@ def test_each_row_draws_from_its_own_generator():
 def test_temperature_shapes_the_sampled_distribution(temperature):
     n = 6000
     base = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
-    got = on_policy.sample_next(
+    got = sampling.sample_next(
         base.expand(n, -1),
         temperature=temperature,
         top_p=1.0,
@@ -589,7 +590,7 @@ def test_rollout_samples_from_the_models_policy_without_dropout(hf_folder):
 
 
 def _sample(model, prompts, rows, *, seed=0, epoch=0, stops=(7,)):
-    return on_policy.rollout(
+    return sampling.rollout(
         model,
         prompts,
         max_new_tokens=10,
@@ -598,7 +599,7 @@ def _sample(model, prompts, rows, *, seed=0, epoch=0, stops=(7,)):
         stop_ids=list(stops),
         pad_id=PAD,
         vocab_limit=VOCAB - 4,
-        generators=on_policy.row_generators(seed, epoch, rows, device=CPU),
+        generators=sampling.row_generators(seed, epoch, rows, device=CPU),
     )
 
 

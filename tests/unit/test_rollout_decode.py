@@ -1,5 +1,5 @@
 """The fast local decoding loop (``on_policy.batch_rollouts``, :mod:`kd.rollouts.decode`) samples
-what today's :func:`kd.training.on_policy.rollout` samples: the same greedy tokens and, with each
+what today's :func:`kd.rollouts.sampling.rollout` samples: the same greedy tokens and, with each
 row's own generator, the same sampled tokens, while prompts run in length groups, the KV cache is
 preallocated (transformers' StaticCache) and finished rows leave the batch."""
 
@@ -12,7 +12,7 @@ from conftest import STUDENT, tiny_hidden_decoder, write_hf_qwen2
 from kd import models
 from kd.rollouts.base import Prompts
 from kd.rollouts.decode import fast_rollout, length_groups
-from kd.training.on_policy import rollout, row_generators
+from kd.rollouts.sampling import rollout, row_generators
 
 
 def hf_model(tmp_path) -> torch.nn.Module:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_hidden_decoder
 
-from kd.training.on_policy import Prompts, rollout
+from kd.rollouts.base import Prompts
+from kd.rollouts.sampling import rollout
 
 
 def test_rollout_builds_no_graph_for_a_trainable_student():

@@ -131,7 +131,7 @@ class Backend(Protocol):
     ) -> Any:
         """A context manager whose value ``forward(x, start)`` runs positions ``start ..
         start + len(x)`` of a ``[b, total]`` left-padded sequence with a KV cache
-        (:func:`kd.training.on_policy.rollout`). ``forward.__self__.select(index)`` keeps rows
+        (:func:`kd.rollouts.sampling.rollout`). ``forward.__self__.select(index)`` keeps rows
         ``index`` of the batch, cache included (:func:`kd.rollouts.decode.fast_rollout`: finished
         rows leave); the transformers backend also takes ``static=True`` (a ``StaticCache``)."""
         ...

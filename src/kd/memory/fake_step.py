@@ -559,7 +559,7 @@ def fake_friendly_kv_cache() -> Iterator[None]:
 
 
 class _Rollout(nn.Module):
-    """:func:`kd.training.on_policy.rollout` as a module call (the trackers accept the model's many calls
+    """:func:`kd.rollouts.sampling.rollout` as a module call (the trackers accept the model's many calls
     nested in it; see :class:`_Evaluation`)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -567,9 +567,9 @@ class _Rollout(nn.Module):
         self.models = (model,)
 
     def forward(self, prompts: Any, **kwargs: Any) -> Any:
-        from kd.training import on_policy
+        from kd.rollouts import sampling
 
-        return on_policy.rollout(self.models[0], prompts, **kwargs)
+        return sampling.rollout(self.models[0], prompts, **kwargs)
 
 
 def trace_generation(
@@ -579,7 +579,7 @@ def trace_generation(
 
     Each model of ``generation.models`` samples ``generation.new_tokens`` tokens after a fake
     batch of left-padded prompts ``[b, s - new_tokens]`` (``b, s`` of the step's micro-batch:
-    prompt and completion fill ``tokenizer.max_seq_len``) through :func:`kd.training.on_policy.rollout`
+    prompt and completion fill ``tokenizer.max_seq_len``) through :func:`kd.rollouts.sampling.rollout`
     (prefill with the KV cache, then one token per step; every step runs, since fake tensors
     cannot tell where a completion stops). The gradients are gone (the previous step's
     ``optimizer_step`` set them to None). Sampling uses one CPU generator per row with the

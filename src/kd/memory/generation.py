@@ -1,6 +1,6 @@
 """The generation phase of the memory estimate (only with ``on_policy:``): what stays resident at
 the start of a step plus the larger of the sampling models' rollouts
-(:func:`kd.training.on_policy.rollout`: KV cache, prefill or decoding step, the sampler's ``[b, V]``
+(:func:`kd.rollouts.sampling.rollout`: KV cache, prefill or decoding step, the sampler's ``[b, V]``
 buffers). Derivation and trace check: ``docs/memory_accuracy.md``. Pure arithmetic, no torch.
 """
 
@@ -12,7 +12,7 @@ from kd.memory.knobs import GenerationKnobs, TrainKnobs
 from kd.memory.shapes import ModelShape
 from kd.memory.training_step import Components, between_steps
 
-# kd.training.on_policy.rollout's own tensors besides the model's: the prompts (int64 ids, bool mask, int64
+# kd.rollouts.sampling.rollout's own tensors besides the model's: the prompts (int64 ids, bool mask, int64
 # lengths), the [b, P + N] bool mask, the [b, N] int64 completions and the per-row state; the
 # stop ids (two: end of turn and end of text).
 _STOP_IDS = 2
@@ -80,7 +80,7 @@ def upcast_bytes(vocab: int, batch: int, a: int) -> int:
 
 
 def sampler_bytes(vocab: int, batch: int, a: int, g: GenerationKnobs) -> int:
-    """Peak of the next-token logits and ``kd.training.on_policy.sample_next`` on ``[b, V]``.
+    """Peak of the next-token logits and ``kd.rollouts.sampling.sample_next`` on ``[b, V]``.
 
     The logits in the dtype and their fp32 copy; then the fp32 logits, the vocabulary-masked
     clone (the sampled vocabulary is taken to be smaller than the output, as a tokenizer's usually
@@ -107,7 +107,7 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
     """The generation's candidate peaks when ``shape`` samples, each with where it lies
     (:data:`LAYER`, :data:`HEAD` or a boundary of :func:`hf_terms.generation_boundaries`) and its
     transient components (``kv_cache``, ``activations``, ``sampling``, ``buffers``):
-    :func:`kd.training.on_policy.rollout` on ``b`` prompts of ``P = seq_len - new_tokens`` tokens,
+    :func:`kd.rollouts.sampling.rollout` on ``b`` prompts of ``P = seq_len - new_tokens`` tokens,
     with a cache of ``seq_len`` positions.
 
     The rollout's own tensors are held throughout (torchtune: int32 positions ``[b, total]``, the

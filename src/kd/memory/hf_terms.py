@@ -475,7 +475,7 @@ def generation_steps(
     upcast: int,
     sampler: int,
 ) -> list[dict[str, int]]:
-    """The candidate peaks of :func:`kd.training.on_policy.rollout` on a transformers model, as
+    """The candidate peaks of :func:`kd.rollouts.sampling.rollout` on a transformers model, as
     components (``kv_cache``, ``activations``, ``sampling``, ``buffers``) beyond the rollout's
     own tensors.
 

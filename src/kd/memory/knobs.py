@@ -31,7 +31,7 @@ class OptimizerSpec:
 @dataclass(frozen=True)
 class GenerationKnobs:
     """On-policy sampling at the start of each optimizer step (``on_policy:``,
-    :func:`kd.training.on_policy.rollout`).
+    :func:`kd.rollouts.sampling.rollout`).
 
     The micro-batch's prompts sample together: ``TrainKnobs.batch_size`` rows, left-padded to
     ``seq_len - new_tokens`` tokens at most (``tokenizer.max_seq_len`` leaves room for the

@@ -5,7 +5,7 @@ ranks (:mod:`kd.memory.trace_fsdp`). Both build the run's real-size student and 
 builders on *fake CPU* tensors (no storage is allocated), prepare them as the recipe does
 (:mod:`kd.runtime.prepare`: LoRA trainable set, activation checkpointing, hidden-state output, frozen
 teacher), then run ``kd.training.train.micro_step`` (teacher forward, student forward, loss, backward) and
-the optimizer step (then, with ``on_policy``, each sampling model's ``kd.training.on_policy.rollout``, and
+the optimizer step (then, with ``on_policy``, each sampling model's ``kd.rollouts.sampling.rollout``, and
 with validation, one validation batch through ``kd.training.evaluate.batch_sums``), while torch's
 ``MemTracker`` counts every storage by category. Peaks are read per phase. That step lives in
 :mod:`kd.memory.fake_step`.

@@ -39,14 +39,14 @@ from kd.errors import brief
 from kd.memory.plan import MemoryPlan
 from kd.memory.run_check import check_run_memory
 from kd.metrics import PhaseTimer, progress_bar
+from kd.rollouts.base import RolloutStopped, Sampler
+from kd.rollouts.build import sampler_for
 from kd.runtime import distributed
 from kd.runtime.checkpoints import Progress, check_loaded_weights_finite
 from kd.runtime.distributed import WorldInfo
 from kd.runtime.interrupts import GracefulStop, stopped_message
 from kd.runtime.run_checkpointer import RunCheckpointer
 from kd.runtime.run_context import RunContext
-from kd.rollouts.base import RolloutStopped, Sampler
-from kd.rollouts.build import sampler_for
 from kd.teachers import Teacher, TeacherInput, TeacherStopped
 from kd.teachers.build import teacher_source
 from kd.training import evaluate, on_policy, train
@@ -233,7 +233,7 @@ class KDRecipe:
             world=self.world,
             device=self.device,
             output_dir=self.output_dir,
-            student=self._student_source(),
+            student=self.ctx.student_source(self.facts),
             student_vocab=self.facts.student_vocab,
         )
 

@@ -132,7 +132,7 @@ class Sampler(Protocol):
         Args:
             prompts: left-padded prompts, on the training device.
             rows: each prompt's dataset row: row ``r`` of epoch ``e`` samples from a generator
-                seeded by ``(seed, e, r)`` (:func:`kd.training.on_policy.row_generators`), or
+                seeded by ``(seed, e, r)`` (:func:`kd.rollouts.sampling.row_generators`), or
                 the server's per-request ``seed`` derived the same way.
             epoch: the epoch of ``step``.
             step: the optimizer step the completions train (1-based).

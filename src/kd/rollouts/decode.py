@@ -1,7 +1,7 @@
 """The local sampler's fast decoding loop (``on_policy.batch_rollouts: true``).
 
-:func:`fast_rollout` samples like :func:`kd.training.on_policy.rollout` (the same
-:func:`~kd.training.on_policy.sample_next`, one generator per row, each row drawing once per
+:func:`fast_rollout` samples like :func:`kd.rollouts.sampling.rollout` (the same
+:func:`~kd.rollouts.sampling.sample_next`, one generator per row, each row drawing once per
 token it samples) with three differences that save work:
 
 - the prompts run in groups of similar length (:func:`length_groups`: sorted by length, at most
@@ -12,7 +12,7 @@ token it samples) with three differences that save work:
   cache, mask and positions keep only the live rows (one ``index_select``), so later steps run
   on fewer rows.
 
-A row's tokens are those :func:`~kd.training.on_policy.rollout` would sample from the same
+A row's tokens are those :func:`~kd.rollouts.sampling.rollout` would sample from the same
 logits: its generator is asked once per token it samples, in the same order. Only float
 rounding may differ (another batch width, other padding), so greedy completions are equal and
 sampled ones come from the same distribution.
@@ -28,7 +28,7 @@ from torch import nn
 from kd import models
 from kd.backends import backend_of
 from kd.rollouts.base import Completions, Prompts
-from kd.training.on_policy import sample_next
+from kd.rollouts.sampling import sample_next
 
 __all__ = ["fast_rollout", "length_groups"]
 
@@ -59,7 +59,7 @@ def fast_rollout(
 ) -> Completions:
     """Sample up to ``max_new_tokens`` tokens after each prompt, group by group (one device).
 
-    Args: as :func:`kd.training.on_policy.rollout`, plus ``group_size``: rows per generation
+    Args: as :func:`kd.rollouts.sampling.rollout`, plus ``group_size``: rows per generation
         (``on_policy.rollout_batch_size``; None: all of them at once).
     """
     b = prompts.tokens.shape[0]

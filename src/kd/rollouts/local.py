@@ -1,6 +1,6 @@
 """The local sampler (``on_policy.sampler: local``): the student samples in this process.
 
-Each call runs :func:`kd.training.on_policy.rollout` (either backend's KV cache, one generator per
+Each call runs :func:`kd.rollouts.sampling.rollout` (either backend's KV cache, one generator per
 dataset row seeded by ``(seed, epoch, row)``): today's sampler, bit for bit, when nothing new is
 switched on. With ``on_policy.batch_rollouts`` (on one device) it runs
 :func:`kd.rollouts.decode.fast_rollout` instead: groups of similar length, a preallocated cache,
@@ -22,9 +22,10 @@ from torch import nn
 
 from kd.config.run import OnPolicySettings
 from kd.errors import KDUserError
+from kd.rollouts import sampling
 from kd.rollouts.base import Completions, Prompts
 from kd.rollouts.decode import fast_rollout
-from kd.training import distributed, on_policy
+from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
 __all__ = ["LocalSampler"]
@@ -67,7 +68,7 @@ class LocalSampler:
         self.device = device
         self.compile = compile
         self.pad_id = pad_id_of(tokenizer)
-        self.stop_ids = on_policy.stop_token_ids(tokenizer)
+        self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
         self._policy: nn.Module | None = None  # the frozen copy (async_steps: 1)
 
@@ -92,7 +93,7 @@ class LocalSampler:
         op = self.settings
         model = self._policy if self._policy is not None else student
         generators = (
-            on_policy.row_generators(self.seed, epoch, rows, device=self.device)
+            sampling.row_generators(self.seed, epoch, rows, device=self.device)
             if op.temperature > 0
             else None
         )
@@ -110,7 +111,7 @@ class LocalSampler:
                 group_size=op.rollout_batch_size,
             )
             return replace(done, version=self.version)
-        done = on_policy.rollout(
+        done = sampling.rollout(
             model,
             prompts,
             max_new_tokens=op.max_new_tokens,

@@ -486,7 +486,7 @@ class ServedSampler:
         student: nn.Module,
     ) -> Completions:
         """Completions of ``prompts`` from the server (one request per prompt), version set."""
-        from kd.training.on_policy import derive_seed
+        from kd.rollouts.sampling import derive_seed
 
         if self._failure is not None:  # the last push failed: stop before this step trains
             self._raised = True
@@ -651,7 +651,7 @@ def served_sampler(
 ) -> ServedSampler:
     """The served sampler of a run (:func:`kd.rollouts.build.sampler_for`'s ``served``)."""
     from kd.data import pad_id_of
-    from kd.training.on_policy import stop_token_ids
+    from kd.rollouts.sampling import stop_token_ids
 
     assert run.on_policy is not None
     sync = SyncSettings(
