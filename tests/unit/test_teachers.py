@@ -178,6 +178,7 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
             teacher_quantization="none",
             teacher_offload="none",
             components={"teacher_model": teacher_model},
+            has_teacher=teacher_model is not None and teacher_logits is None,
         )
 
     logits = SimpleNamespace(path=tmp_path, k=4, tail="bucket", format="kd")

@@ -781,6 +781,17 @@ class EvalSettings:
     )
 
 
+# The settings dataclass of each section a teacher kind registered outside this module declares
+# (kd.teachers.kinds.register fills it; the kinds declared here are RunConfig's own fields).
+KIND_SECTIONS: dict[str, type] = {}
+
+
+def _kind_settings(cfg: DictConfig) -> dict[str, Any]:
+    return {
+        name: build(cls, cfg) for name, cls in KIND_SECTIONS.items() if cfg.get(name) is not None
+    }
+
+
 def _components(cfg: DictConfig) -> dict[str, DictConfig | ListConfig | None]:
     return {key: frozen_node(cfg.get(key)) for key in COMPONENT_KEYS}
 
@@ -907,6 +918,8 @@ class RunConfig:
         "(docs/security.md)",
         resume=MAY_CHANGE,
     )
+    # The sections of teacher kinds registered outside this module (kd.teachers.kinds.register).
+    kind_settings: dict[str, Any] = derived(_kind_settings, default={})
     yaml: str = derived(lambda cfg: OmegaConf.to_yaml(cfg, resolve=True))
 
     @property

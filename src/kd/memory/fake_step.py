@@ -26,6 +26,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
+from kd.teachers import kinds
+from kd.teachers.kinds import StandIn
 
 if TYPE_CHECKING:
     from kd.training.prepare import ShardSpec
@@ -345,11 +347,10 @@ def build_fake_step(
     micro-batch is the plan's: ``batch_size`` rows (per rank) of the planned sequence length,
     every position labelled (the worst case); with gradient accumulation the gradients of the
     earlier micro-batches are pre-created; with ``optimizer_in_cpu`` no optimizer is built and
-    the gradients stay resident; with stored teacher logits (``teacher_logits:``) or a served
-    teacher (``teacher_server:``) no teacher is built: the step gets a fake ``[b, s, k]`` int64
-    ids and float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch`` and the
-    server client return it, which a :class:`kd.teachers.FixedTopKTeacher` answers with the
-    section's tail treatment (``signal_teacher``), as the run's file or served teacher does.
+    the gradients stay resident. The run's teacher kind sets its stand-in
+    (:attr:`kd.teachers.kinds.TeacherKind.stand_in`): with a store or a served teacher no
+    teacher is built, the step gets a fake ``[b, s, k]`` int64 ids and float16 log-probs batch
+    (``teacher_topk``) answered as the run's teacher does (``signal_teacher``).
 
     Args:
         run: the run configuration.
@@ -380,58 +381,25 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
-        if run.teacher_quantization == "int8" and shard is None:
-            from kd.teachers.quantize import quantize_int8
-
-            quantize_int8(teacher)
-    trainable = [p for p in student.parameters() if p.requires_grad]
-    signal_teacher = None
-    if teacher is not None and run.hidden_states is not None:
-        from kd.teachers import ModelTeacher
-        from kd.teachers.hidden import HiddenStateTeacher
-
-        signal_teacher = HiddenStateTeacher(ModelTeacher(teacher), run.hidden_states)
-        trainable += list(signal_teacher.bind_student(student).parameters())
-    if teacher is not None and knobs.cross_tokenizer:
-        from kd.memory.fake_cross import FakeCrossTeacher
-        from kd.memory.loss_head import cross_matched
-
-        sizes = (models.vocab_size(student), models.vocab_size(teacher))
-        signal_teacher = FakeCrossTeacher(
-            teacher,
-            sizes=sizes,
-            matched=cross_matched(planned.student, planned.teacher, knobs),  # type: ignore[arg-type]
-            matched_weight=run.cross_tokenizer.matched_weight,  # type: ignore[union-attr]
-        )
+    # The run's teacher kind sets its stand-in (kd.teachers.kinds): int8 weights, hidden-state
+    # hooks and projections (trained: added before the optimizer), another tokenizer's loss, a
+    # top-k batch as a store's reader or a server's client returns it.
+    stand_in = StandIn(
+        run=run,
+        planned=planned,
+        student=student,
+        teacher=teacher,
+        shard=shard,
+        trainable=[p for p in student.parameters() if p.requires_grad],
+    )
+    kind = kinds.selected(run)
+    if kind is not None and kind.stand_in is not None:
+        kind.stand_in(stand_in)
+    trainable, topk = stand_in.trainable, stand_in.topk
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
     vocab = models.vocab_size(student)
-    topk = None
-    if knobs.stored_topk is not None and knobs.cross_tokenizer:
-        from kd.memory.fake_cross import FakeCrossStore
-        from kd.memory.loss_head import cross_matched, cross_teacher
-
-        crossed = cross_teacher(planned.student, None, knobs)
-        assert crossed is not None and run.cross_tokenizer is not None
-        signal_teacher = FakeCrossStore(
-            sizes=(vocab, crossed.vocab_size),
-            matched=cross_matched(planned.student, crossed, knobs),
-            matched_weight=run.cross_tokenizer.matched_weight,
-        )
-    elif knobs.stored_topk is not None:
-        from kd.teachers import FixedTopKTeacher
-
-        shape = (b, s, knobs.stored_topk)
-        topk = (
-            torch.randint(0, vocab, shape),  # [b, s, k] int64 ids
-            torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
-        )
-        # The stored or served signal, as FileTeacher / ServedTeacher answer it: the tensors of
-        # the micro-batch and the tail treatment of the config's section.
-        served = run.teacher_server
-        tail = served.tail if served is not None else run.teacher_logits.tail
-        signal_teacher = FixedTopKTeacher(*topk, tail=tail)
     return FakeStep(
         student=student,
         teacher=teacher,
@@ -442,7 +410,7 @@ def build_fake_step(
         num_tokens_total=torch.tensor(b * s * knobs.grad_accum * num_ranks),
         knobs=knobs,
         teacher_topk=topk,
-        signal_teacher=signal_teacher,
+        signal_teacher=stand_in.signal_teacher,
     )
 
 

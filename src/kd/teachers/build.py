@@ -1,29 +1,14 @@
 """The one place a config's teacher is chosen, and each kind's lifecycle before it teaches.
 
-:func:`teacher_source` reads the config once and returns what the run's teacher is made from:
-
-* ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
-  file; ``teacher_model``, if set, only identifies the teacher the store came from), or with
-  ``cross_tokenizer:`` :class:`kd.teachers.cross_stored.CrossStoredSource` (the store of a
-  teacher with another tokenizer);
-* else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
-  :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
-  (``kd run teacher_logits``), not asked by ``kd run kd``;
-* else ``self_teacher:`` set -> :class:`SelfTeacherSource` (the student teaches itself with a
-  privileged context, :mod:`kd.teachers.self_teacher`);
-* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
-* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend),
-  or with ``cross_tokenizer:`` :class:`kd.teachers.cross.CrossTokenizerSource` (a Hugging Face
-  teacher with its own tokenizer);
-* else ``teachers:`` set -> :class:`kd.teachers.multi.MultiTeacherSource`: several named
-  teachers, each built by this function from its own one-teacher config (validation refuses
-  the top-level teacher keys beside it);
-* else None: plain fine-tuning.
+:func:`teacher_source` asks the teacher-kind registry (:mod:`kd.teachers.kinds`) which kind
+the config names, and that kind builds its source: the sources here (a local model, kd's store or
+another tool's file, a served teacher, the student itself), or another module's (several
+teachers, a teacher with another tokenizer); None: plain fine-tuning.
 
 A source has the recipe's phases: :meth:`TeacherSource.check` runs every weight-free check
 (``kd validate`` and ``kd run`` before any weight loads), :meth:`TeacherSource.load` returns the
-:class:`kd.teachers.Teacher`. A new kind of teacher is a new source and teacher here, plus its
-config keys; the recipe does not change.
+:class:`kd.teachers.Teacher`. A new kind of teacher is its kind module in :mod:`kd.teachers.kinds`, its
+source and its teacher; the recipe does not change (``docs/teachers.md``).
 """
 
 from __future__ import annotations
@@ -37,14 +22,11 @@ import torch
 from kd import data
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
-from kd.teachers import foreign_logits, store_folder, stored_logits
+from kd.teachers import foreign_logits, kinds, store_folder, stored_logits
 from kd.teachers.base import Teacher
-from kd.teachers.cross import CrossTokenizerSource
-from kd.teachers.cross_stored import CrossStoredSource
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
-from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.parking import ParkedWeights
 from kd.teachers.privileged import PrivilegedRows
 from kd.teachers.quantize import quantize_int8
@@ -92,46 +74,13 @@ class TeacherSource(Protocol):
 
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
-    """The run's teacher source (see the module docstring), or None without a teacher."""
-    served = run.teacher_server
-    if run.teacher_logits is not None and served is not None and served.store is not None:
-        raise KDUserError(
-            f"teacher_server.store: {served.store} beside teacher_logits.path "
-            f"{run.teacher_logits.path}: train from one store; set teacher_server.store=null "
-            "(train from teacher_logits.path), or teacher_logits=null (write through the server)"
-        )
-    if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
-        _check_no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
-        if run.cross_tokenizer is not None:  # the teacher's own tokens and offsets, stored
-            return CrossStoredSource(run)
-        return StoredTeacherSource(run)
-    if run.teacher_server is not None:
-        _check_no_quantization(run, "this run's teacher is served (teacher_server)")
-        return ServedTeacherSource(run)
-    if run.self_teacher is not None:
-        _check_no_quantization(run, "this run's teacher is the student itself (self_teacher)")
-        return SelfTeacherSource(run)
-    if run.components["teacher_model"] is not None:
-        if run.cross_tokenizer is not None:  # its own tokenizer
-            _check_no_quantization(run, "this run's teacher has another tokenizer")
-            return CrossTokenizerSource(run)
-        return ModelTeacherSource(run)
-    # Several teachers (no top-level one), each built here.
-    if run.teachers is not None:
-        _check_no_quantization(run, "the members of teachers: are not quantized")
-        return MultiTeacherSource(run, teacher_source)
-    _check_no_quantization(run, "this run has no teacher_model")
-    return None
-
-
-def _check_no_quantization(run: RunConfig, why: str) -> None:
-    """``teacher_quantization`` applies to a local ``teacher_model`` only."""
-    quantization = run.teacher_quantization
-    if quantization != "none":
-        raise KDUserError(
-            f"teacher_quantization: {quantization} quantizes a local teacher_model, "
-            f"and {why}; set teacher_quantization=none"
-        )
+    """The run's teacher source: the source of the kind the registry selects
+    (:func:`kd.teachers.kinds.selected`), or None without a teacher (plain fine-tuning)."""
+    kind = kinds.selected(run)
+    if kind is None:
+        kinds.no_quantization(run, "this run has no teacher_model")
+        return None
+    return kind.make(run, teacher_source)
 
 
 class ModelTeacherSource:

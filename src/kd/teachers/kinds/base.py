@@ -1,0 +1,158 @@
+"""What a teacher kind declares, in one module of :mod:`kd.teachers.kinds`.
+
+A :class:`TeacherKind` is everything kd knows about one kind of teacher outside its teacher
+class: the config section that names it, when a run selects it, its weight-free config checks,
+whether it may be a member of ``teachers:``, what it tells the memory planner
+(:class:`TeacherPlan`), its stand-in in the memory tracer (:class:`StandIn`) and its source (the
+:class:`kd.teachers.build.TeacherSource` that checks and loads it, imported only when a run
+builds it). No torch here: ``kd validate`` and ``kd plan`` read the registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kd.errors import KDUserError
+
+if TYPE_CHECKING:
+    from kd.config.run import RunConfig
+    from kd.config.schema import Problem, Section
+
+__all__ = ["SchemaCheck", "StandIn", "TeacherKind", "TeacherPlan", "no_quantization"]
+
+SchemaCheck = Callable[[dict[str, Any], "list[Problem]"], None]
+
+
+@dataclass
+class TeacherPlan:
+    """What the selected kind tells :func:`kd.memory.plan.inputs_from_run` (no torch).
+
+    Attributes:
+        run: the run.
+        student: the student's :class:`kd.memory.shapes.ModelShape`.
+        shape_of: ``(run, key, checkpointer_key) -> (ModelShape, notes)``: a model key's shape.
+        notes: the plan's notes (a kind appends its own).
+        seq_len: the planned sequence length.
+        dtype_bytes: bytes per weight of the run's dtype.
+        int8_bytes: ``(shape, dtype_bytes) -> bytes per weight`` of an int8 teacher.
+        teacher: the shape planned as the teacher's forward, or None (no teacher forward).
+        stored_topk: k of a top-k signal read from a store or a server, or None.
+        teacher_samples: the teacher model may sample ``seq_kd`` completions.
+        bytes_per_param: bytes per teacher weight when not the run's dtype (None: the dtype).
+        self_copy: the teacher is a frozen copy of the student's initial weights.
+        other_params: resident parameters of further teachers (``teachers:``).
+        other_head_params: their output projections' parameters.
+        hidden_map: ``hidden_states.layer_map`` pairs.
+        hidden_loss: ``hidden_states.loss``.
+        cross: the loss is the cross-tokenizer aligned loss.
+        cross_vocab: the teacher's distribution size for it (0/None: the planned teacher's).
+        offload: ``teacher_offload`` of a local teacher model.
+        line: the plan table's teacher line (None: the teacher's weights).
+    """
+
+    run: RunConfig
+    student: Any
+    shape_of: Callable[..., tuple[Any, list[str]]]
+    notes: list[str]
+    seq_len: int
+    dtype_bytes: int
+    int8_bytes: Callable[[Any, int], float]
+    teacher: Any = None
+    stored_topk: int | None = None
+    teacher_samples: bool = True
+    bytes_per_param: float | None = None
+    self_copy: bool = False
+    other_params: int = 0
+    other_head_params: int = 0
+    hidden_map: tuple[str, ...] = ()
+    hidden_loss: str = "cosine"
+    cross: bool = False
+    cross_vocab: int | None = None
+    offload: str = "none"
+    line: str | None = None
+
+
+@dataclass
+class StandIn:
+    """The memory tracer's step being built (:func:`kd.memory.fake_step.build_fake_step`): a
+    kind sets the stand-in of its teacher's signal.
+
+    Attributes:
+        run: the run.
+        planned: the run's :class:`kd.memory.plan.PlanInputs`.
+        student: the prepared fake student.
+        teacher: the prepared fake teacher model (``teacher_model``), or None.
+        shard: FSDP2 settings, or None on one device.
+        trainable: the parameters the optimizer steps (a kind may add its own).
+        signal_teacher: the teacher answering the step's signal (None: ``teacher``).
+        topk: fake ``(ids, logprobs)`` a top-k teacher answers, or None.
+    """
+
+    run: RunConfig
+    planned: Any
+    student: Any
+    teacher: Any
+    shard: Any
+    trainable: list[Any]
+    signal_teacher: Any = None
+    topk: tuple[Any, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TeacherKind:
+    """One kind of teacher, declared once.
+
+    Attributes:
+        name: the kind's one name (docs, logs, errors).
+        section: the config section (or key) whose presence names it; None for the kind chosen
+            by ``teacher_model`` alone.
+        selects: whether a run's teacher is this kind (the registry asks the kinds by
+            ``precedence``, lowest first; the first that answers yes is the run's).
+        make: ``(run, teacher_source) -> TeacherSource``: imports the kind's source and builds
+            it (``teacher_source`` builds members of several teachers).
+        precedence: the order kinds are asked in.
+        replaces_teacher_model: with the section set, ``teacher_model`` and
+            ``teacher_checkpointer`` may be left out (the section is the teacher).
+        checks: weight-free schema checks (``(data, problems) -> None``), run in registry order.
+        nested: ``(data, check) -> problems`` of the one-teacher configs the section holds
+            (``teachers:``' members), each checked by ``check``.
+        member: it may be a member of ``teachers:`` (a one-teacher config).
+        plan: fills the :class:`TeacherPlan` of a run that selects it.
+        stand_in: sets the tracer's :class:`StandIn` of a run that selects it.
+        settings: the settings dataclass of a section not declared in
+            :class:`kd.config.run.RunConfig` (a kind added outside kd): read into
+            ``run.kind_settings[section]``.
+        section_help: the schema's :class:`kd.config.schema.Section` of such a section.
+        doc: the doc page of the kind.
+    """
+
+    name: str
+    section: str | None
+    selects: Callable[[RunConfig], bool]
+    make: Callable[[RunConfig, Callable[[RunConfig], Any]], Any]
+    precedence: int
+    replaces_teacher_model: bool = False
+    checks: tuple[SchemaCheck, ...] = ()
+    nested: Callable[[dict[str, Any], Callable[..., list[Problem]]], list[Problem]] | None = None
+    member: bool = False
+    plan: Callable[[TeacherPlan], None] | None = None
+    stand_in: Callable[[StandIn], None] | None = None
+    settings: type | None = None
+    section_help: Section | None = None
+    doc: str = "docs/teachers.md"
+
+
+def no_quantization(run: RunConfig, why: str) -> None:
+    """``teacher_quantization`` applies to a local ``teacher_model`` only.
+
+    Raises:
+        KDUserError: it is set and ``why`` says why this run's teacher is not one.
+    """
+    quantization = run.teacher_quantization
+    if quantization != "none":
+        raise KDUserError(
+            f"teacher_quantization: {quantization} quantizes a local teacher_model, "
+            f"and {why}; set teacher_quantization=none"
+        )
