@@ -62,12 +62,15 @@ class Progress:
         validation: the best validation value so far and the evaluations since it improved
             (:meth:`kd.training.evaluate.BestTracker.state_dict`); empty without validation and when
             restored from a checkpoint written before kd had it.
+        teacher: the teacher's own state (:meth:`kd.teachers.Teacher.state_dict`); empty
+            without one, and when restored from a checkpoint written before kd had it.
     """
 
     global_step: int
     epoch: int
     seed: int
     validation: dict[str, Any] = field(default_factory=dict)
+    teacher: dict[str, Any] = field(default_factory=dict)
 
 
 def save_training_checkpoint(
@@ -106,6 +109,7 @@ def save_training_checkpoint(
             "epoch": progress.epoch,
             "seed": progress.seed,
             "validation": dict(progress.validation),
+            "teacher": dict(progress.teacher),
             "world_size": world.world_size,
             "rng": capture_rng_state(),
         }
@@ -295,12 +299,13 @@ def _restore(
             saved_world,
             world.world_size,
         )
-    validation = state.get("validation")
+    validation, teacher = state.get("validation"), state.get("teacher")
     progress = Progress(
         int(state["global_step"]),
         int(state["epoch"]),
         int(state["seed"]),
         validation=dict(validation) if isinstance(validation, dict) else {},
+        teacher=dict(teacher) if isinstance(teacher, dict) else {},
     )
     if rank0:
         log.info("resumed from %s at step %d", ckpt, progress.global_step)

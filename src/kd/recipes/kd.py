@@ -264,6 +264,8 @@ class KDRecipe:
         self.global_step, self.epoch = progress.global_step, progress.epoch
         self.run = self.run.with_seed(progress.seed)
         self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
+        if self.teacher is not None:
+            self.teacher.load_state_dict(progress.teacher)
         validator = self.validator
         if validator is not None and not validator.tracker.load_state_dict(progress.validation):
             if self.world.is_rank_zero:
@@ -408,6 +410,8 @@ class KDRecipe:
         )
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        if self.teacher is not None:
+            self.teacher.after_step(self.global_step + 1)
         loss, ce, kd, *extra_sums = (float(x) for x in sums)
         return train.StepStats(
             loss=loss,
@@ -550,6 +554,7 @@ class KDRecipe:
             self.epoch,
             int(self.run.seed or 0),
             validation=tracker.state_dict() if tracker is not None else {},
+            teacher=self.teacher.state_dict() if self.teacher is not None else {},
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:

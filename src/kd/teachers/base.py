@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -146,6 +146,22 @@ class Teacher(Protocol):
             never exports them with the student. Default: nothing, None.
         """
         return None
+
+    def after_step(self, step: int) -> None:
+        """Called by the recipe after each optimizer step (``step``: the steps done, 1 first),
+        on every rank, whether or not the step applied its gradients: a teacher that changes
+        as the run goes (an EMA of the student, a schedule, a counter) moves here. Default:
+        nothing changes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The teacher's own state (plain values, tensors on the host), saved in step
+        checkpoints and given back to :meth:`load_state_dict` on resume so that a resumed run
+        matches an uninterrupted one. Rank 0's is saved. Default: none, ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a step checkpoint (``{}``: one saved before this
+        teacher had state, or by a teacher without any). Default: nothing to restore."""
 
     def close(self) -> None:
         """Let go of what the teacher holds for the run (connections, worker threads, a store's
