@@ -64,6 +64,7 @@ from kd.config.run import DIVERGENCES  # the one list, beside the kd_loss.diverg
 
 __all__ = [
     "DIVERGENCES",
+    "mix_ce_kd",
     "ce_loss",
     "fused_linear_ce_loss",
     "fused_linear_kd_loss",
@@ -72,6 +73,12 @@ __all__ = [
     "per_token_divergence",
     "shared_vocab_logprobs",
 ]
+
+
+def mix_ce_kd(ce: Tensor, kd: Tensor, kd_ratio: float) -> Tensor:
+    """The training objective ``(1 - r) * CE + r * KD`` (``r`` = ``kd_ratio``): the one place
+    it is written; every signal, the fused losses and the evaluation call it."""
+    return (1.0 - kd_ratio) * ce + kd_ratio * kd
 
 
 # Log-probs are clamped to this so that -inf logits (masked vocab entries) give p = 0 and finite
@@ -346,7 +353,7 @@ class _FusedHead(torch.autograd.Function):
         """``(loss, ce, kd)`` from the chunk sums; saves the gradients for :meth:`backward`."""
         ce = ce_sum * inv_n
         kd = kd_sum * inv_n * t2
-        loss = (1.0 - kd_ratio) * ce + kd_ratio * kd
+        loss = mix_ce_kd(ce, kd, kd_ratio)
         if grad_w is not None and weight_dtype != torch.float32:
             grad_w = grad_w.to(weight_dtype)
         ctx.save_for_backward(grad_h, grad_w)

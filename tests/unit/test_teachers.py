@@ -231,7 +231,117 @@ def test_no_backend_test_outside_the_adapters():
     assert _calls_outside(("backends/", "hf/"), {"is_hf_model"}) == []
 
 
+# The names kd gives a config as plain containers or a DictConfig.
+CONFIG_NAMES = ("data", "cfg", "config", "raw")
+
+
+def _kind_reads(path: Path, sections: set[str]) -> set[str]:
+    """The sections ``path`` reads: ``run.<section>`` (also ``self.run.``, ``member.run.``),
+    and a config's ``data.get("<section>")`` / ``data["<section>"]`` (plain containers)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in sections:
+            base = node.value
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+            if name == "run":
+                found.add(node.attr)
+        key = None
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args:
+            base, key = getattr(node.func, "value", None), node.args[0]
+        elif isinstance(node, ast.Subscript):
+            base, key = node.value, node.slice
+        if key is not None and getattr(base, "id", None) not in CONFIG_NAMES:
+            key = None  # a memory component named like a section, a schema table
+        if isinstance(key, ast.Constant) and key.value in sections:
+            found.add(key.value)
+    return found
+
+
+def test_every_registered_kind_is_complete():
+    """Each kind module declares one registered kind with its section in the schema, its teacher
+    class, its own modules and its doc page; a kind module left out of the registry fails."""
+    from kd.config import schema
+    from kd.teachers import kinds
+
+    registered = kinds.kinds()
+    assert len({k.name for k in registered}) == len(registered)
+    modules = {
+        p.stem for p in (SRC / "teachers" / "kinds").glob("*.py") if p.stem not in ("base",)
+    } - {"__init__"}
+    declared = {k.make.__module__.rsplit(".", 1)[-1] for k in registered if k.make.__module__} | {
+        k.selects.__module__.rsplit(".", 1)[-1] for k in registered
+    }
+    assert modules <= declared, f"kind modules not registered: {modules - declared}"
+    root = SRC.parents[1]
+    for kind in registered:
+        if kind.section is not None:
+            assert kind.section in schema.TOP_LEVEL, kind.name
+        module, _, cls = kind.teacher.rpartition(".")
+        teacher = getattr(__import__(module, fromlist=[cls]), cls)
+        assert Teacher in teacher.__mro__, kind.name
+        assert (root / kind.doc).is_file(), kind.doc
+        assert kind.modules and all((SRC / m).is_file() for m in kind.modules), kind.name
+        assert kind.plan is not None, f"{kind.name}: the planner needs its inputs"
+
+
+def test_no_module_outside_a_kinds_own_files_reads_its_section():
+    """Which teacher keys a config sets is asked only by the registry's kind modules and each
+    kind's own modules (its source, teacher, config checks), read from the registry."""
+    from kd.teachers import kinds
+
+    sections = {k.section for k in kinds.kinds() if k.section is not None}
+    owned: dict[str, set[str]] = {}
+    for kind in kinds.kinds():
+        for module in kind.modules:
+            owned.setdefault(module, set()).add(kind.name)
+    outside = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("teachers/kinds/") or rel in owned:
+            continue
+        read = _kind_reads(path, sections)
+        if read:
+            outside.append(f"{rel}: {sorted(read)}")
+    assert outside == []
+
+
 def test_the_recipe_never_asks_which_teacher_it_holds():
+    """The recipe names no kind's section, teacher class or source, read from the registry."""
+    from kd.teachers import kinds
+
     recipe = (SRC / "recipes" / "kd.py").read_text()
-    for kind in ("ModelTeacher", "FileTeacher", "stored_logits", "foreign_logits", "is_hf_model"):
-        assert kind not in recipe, kind
+    names = {"stored_logits", "foreign_logits", "is_hf_model"}
+    for kind in kinds.kinds():
+        names.add(kind.teacher.rpartition(".")[2])
+        if kind.section is not None:
+            names.add(f"run.{kind.section}")
+    for name in sorted(names):
+        assert name not in recipe, name
+    assert (
+        _kind_reads(SRC / "recipes" / "kd.py", {k.section for k in kinds.kinds()} - {None}) == set()
+    )
+
+
+def test_the_ce_kd_mix_is_written_once():
+    """``(1 - r) * CE + r * KD`` is kd.losses.mix_ce_kd; signals, the fused losses and the
+    evaluation call it (a second copy could drift from it)."""
+    import re
+
+    mix = re.compile(r"\(1(\.0)? - [\w.]*kd_ratio\) \* \w+ \+ [\w.]*kd_ratio \* \w+")
+    found = []
+    for path in SRC.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if mix.search(code) and "``" not in code and '"' not in code:
+                found.append(f"{path.relative_to(SRC)}:{n}")
+    assert found == ["losses.py:81"]
+
+
+def test_the_member_keys_of_several_teachers_are_the_member_kinds_sections():
+    """A member of ``teachers:`` holds the section of a kind declared ``member=True`` (or a
+    local teacher_model): kd.config.teachers' key list and the registry agree."""
+    from kd.config.teachers import TEACHER_KEYS
+    from kd.teachers import kinds
+
+    sections = {k.section or "teacher_model" for k in kinds.kinds() if k.member}
+    assert sections | {"teacher_checkpointer"} == set(TEACHER_KEYS)

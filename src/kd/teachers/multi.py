@@ -407,7 +407,7 @@ class MultiSignal:
         ce, kd = ce_sum / n, kd_sum / n * t2
         for name, s in zip(self.owner.names, member_sums, strict=True):
             self.terms[f"kd_loss/{name}"] = (s / n * t2).detach()
-        loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+        loss = losses.mix_ce_kd(ce, kd, settings.kd_ratio)
         return loss, ce.detach(), kd.detach()
 
     def _member_logprobs(

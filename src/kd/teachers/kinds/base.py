@@ -125,6 +125,9 @@ class TeacherKind:
             :class:`kd.config.run.RunConfig` (a kind added outside kd): read into
             ``run.kind_settings[section]``.
         section_help: the schema's :class:`kd.config.schema.Section` of such a section.
+        teacher: the dotted path of its :class:`kd.teachers.Teacher` class.
+        modules: its own implementation modules (paths under ``src/kd``): the only modules
+            besides this package that may read its section (a guard test checks).
         doc: the doc page of the kind.
     """
 
@@ -141,6 +144,8 @@ class TeacherKind:
     stand_in: Callable[[StandIn], None] | None = None
     settings: type | None = None
     section_help: Section | None = None
+    teacher: str = ""
+    modules: tuple[str, ...] = ()
     doc: str = "docs/teachers.md"
 
 

@@ -125,4 +125,13 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in=_stand_in,
     doc="docs/cross_tokenizer.md",
+    teacher="kd.teachers.cross.CrossTokenizerTeacher",
+    modules=(
+        "teachers/cross.py",
+        "teachers/cross_stored.py",
+        "teachers/cross_chat.py",
+        "cross_tokenizer.py",
+        "config/teachers.py",
+        "recipes/teacher_logits.py",
+    ),
 )

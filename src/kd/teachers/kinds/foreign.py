@@ -37,4 +37,11 @@ KIND = TeacherKind(
     plan=store.plan_stored,
     stand_in=store.KIND.stand_in,
     doc="docs/stored_logits.md",
+    teacher="kd.teachers.files.FileTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/foreign_logits.py",
+        "teachers/distillkit_compressed.py",
+        "config/checks/features.py",
+    ),
 )

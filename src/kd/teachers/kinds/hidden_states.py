@@ -58,4 +58,10 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in=_stand_in,
     doc="docs/hidden_states.md",
+    teacher="kd.teachers.hidden.HiddenStateTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/hidden.py",
+        "config/checks/features.py",
+    ),
 )

@@ -91,4 +91,12 @@ KIND = TeacherKind(
     member=True,
     plan=plan_local_model,
     stand_in=quantize_stand_in,
+    teacher="kd.teachers.model.ModelTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/model.py",
+        "teachers/quantize.py",
+        "teachers/parking.py",
+        "config/checks/features.py",
+    ),
 )

@@ -71,4 +71,11 @@ KIND = TeacherKind(
     checks=(check_self_teacher,),
     plan=_plan,
     doc="docs/self_distillation.md",
+    teacher="kd.teachers.self_teacher.SelfTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/self_teacher.py",
+        "teachers/privileged.py",
+        "config/checks/self_teacher.py",
+    ),
 )

@@ -72,4 +72,14 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in=_stand_in,
     doc="docs/served_teacher.md",
+    teacher="kd.teachers.served.ServedTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/served.py",
+        "teachers/transport.py",
+        "teachers/protocols.py",
+        "teachers/store_folder.py",
+        "config/checks/features.py",
+        "recipes/teacher_logits.py",
+    ),
 )

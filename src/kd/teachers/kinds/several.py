@@ -96,4 +96,9 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in=_stand_in,
     doc="docs/multi_teacher.md",
+    teacher="kd.teachers.multi.MultiTeacher",
+    modules=(
+        "teachers/multi.py",
+        "config/teachers.py",
+    ),
 )

@@ -93,4 +93,13 @@ KIND = TeacherKind(
     plan=plan_stored,
     stand_in=_stand_in,
     doc="docs/stored_logits.md",
+    teacher="kd.teachers.files.FileTeacher",
+    modules=(
+        "teachers/build.py",
+        "teachers/files.py",
+        "teachers/stored_logits.py",
+        "teachers/store_folder.py",
+        "config/checks/features.py",
+        "recipes/teacher_logits.py",
+    ),
 )
