@@ -345,3 +345,13 @@ def test_the_member_keys_of_several_teachers_are_the_member_kinds_sections():
 
     sections = {k.section or "teacher_model" for k in kinds.kinds() if k.member}
     assert sections | {"teacher_checkpointer"} == set(TEACHER_KEYS)
+
+
+def test_the_registry_imports_no_torch():
+    """kd validate and kd plan read the registry before any torch import (fast errors)."""
+    import subprocess
+    import sys
+
+    code = "import sys, kd.teachers.kinds, kd.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -16,9 +16,9 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
     - Loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` (``kd_ratio``, ``kd_loss.divergence``,
       ``temperature`` with T^2 scaling), fused over labelled tokens chunk by chunk (``fused_loss``,
       ``loss_chunk_size``); teacher and student may pad their vocabularies differently.
-    - The teacher (:mod:`kd.teachers`): a model (``teacher_model``) or stored top-k log-probs
-      (``teacher_logits``: kd's store, an axolotl or DistillKit file). The recipe asks it for a
-      signal per micro-batch and never asks which kind it is.
+    - The teacher: any kind of :mod:`kd.teachers.kinds` (``docs/teachers.md``). The recipe asks
+      it for a signal per micro-batch, calls its ``after_step`` after each optimizer step, keeps
+      its state in step checkpoints, and never asks which kind it is.
     - Exact gradient accumulation over all micro-batches and ranks; ``enable_activation_
       checkpointing``, ``compile``, ``clip_grad_norm``, ``lr_scheduler``, ``optimizer_in_cpu``;
       LoRA students (only adapters train; saved merged and as an adapter); FSDP2 (``fsdp.*``).

@@ -1,8 +1,9 @@
 """The teacher interface: what the loss needs from a teacher for one batch.
 
-Every kind of teacher (a local model of either backend, kd's own store of top-k log-probs, another
-tool's top-k file, and whatever comes next: a served model, several teachers, hidden-state
-targets) implements :class:`Teacher`. The recipe holds one and calls it; it never asks which kind
+Every kind of teacher (:mod:`kd.teachers.kinds`, ``docs/teachers.md``: a local model of either
+backend, hidden-state targets, kd's store of top-k log-probs, another tool's top-k files, a served
+model, the student itself, a teacher with another tokenizer, several teachers) implements
+:class:`Teacher`. The recipe holds one and calls it; it never asks which kind
 it holds. A teacher answers a :class:`TeacherInput` (a micro-batch) with a :class:`TeacherSignal`,
 and the signal owns the divergence between itself and the student (:meth:`TeacherSignal.loss`), so
 a new kind of signal brings its own loss without a branch in :mod:`kd.training.train`.
@@ -81,13 +82,12 @@ class TeacherSignal(Protocol):
         labels: torch.Tensor,
         *,
         settings: LossSettings,
-    ) -> (
-        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-    ):
-        """``(loss, ce, kd)``, each a mean over labelled positions; a signal whose loss has
-        more terms than CE and KD adds a fourth element, ``{name: term}`` (detached means over
-        labelled positions, e.g. ``hidden_loss``), which the recipe logs beside them.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, ce, kd)``, each a mean over labelled positions, ``loss`` mixed by
+        :func:`kd.losses.mix_ce_kd` (plus any extra term's weighted share); a signal whose loss
+        has more terms than CE and KD also fills its ``terms`` attribute, ``{name: term}``
+        (detached means over labelled positions, e.g. ``hidden_loss``), which the recipe logs
+        beside them.
 
         Args:
             student: the student decoder (its output projection turns ``student_hidden`` into
