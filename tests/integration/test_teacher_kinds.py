@@ -19,12 +19,11 @@ from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
+from kd.config import teacher_kinds
 from kd.config.declare import MUST_MATCH, setting, settings
 from kd.config.schema import Section
+from kd.config.teacher_kinds import StandIn, TeacherKind, TeacherPlan
 from kd.teachers import Teacher, TeacherInput, TopKSignal
-from kd.teachers import kinds as teacher_kinds
-from kd.teachers.kinds import StandIn, TeacherKind, TeacherPlan
-from kd.teachers.kinds.store import topk_stand_in
 
 SECTION = "counting_teacher"
 
@@ -96,14 +95,16 @@ def _plan(p: TeacherPlan) -> None:
 
 
 def _stand_in(s: StandIn) -> None:
-    topk_stand_in(s, k=s.run.kind_settings[SECTION].k, tail="renorm")
+    from kd.memory.stand_ins import topk
+
+    topk(s, k=s.run.kind_settings[SECTION].k, tail="renorm")
 
 
 KIND = TeacherKind(
     name="counting",
     section=SECTION,
     selects=lambda run: SECTION in run.kind_settings,
-    make=lambda run, build: CountingSource(run),
+    source=CountingSource,
     precedence=1,
     replaces_teacher_model=True,
     plan=_plan,

@@ -259,18 +259,17 @@ def _kind_reads(path: Path, sections: set[str]) -> set[str]:
 
 def test_every_registered_kind_is_complete():
     """Each kind module declares one registered kind with its section in the schema, its teacher
-    class, its own modules and its doc page; a kind module left out of the registry fails."""
+    class, its source and stand-in (their references resolve), its planner inputs, its own
+    modules and its doc page; a kind module left out of the registry fails."""
     from kd.config import schema
-    from kd.teachers import kinds
+    from kd.config import teacher_kinds as kinds
 
     registered = kinds.kinds()
     assert len({k.name for k in registered}) == len(registered)
     modules = {
         p.stem for p in (SRC / "teachers" / "kinds").glob("*.py") if p.stem not in ("base",)
     } - {"__init__"}
-    declared = {k.make.__module__.rsplit(".", 1)[-1] for k in registered if k.make.__module__} | {
-        k.selects.__module__.rsplit(".", 1)[-1] for k in registered
-    }
+    declared = {k.selects.__module__.rsplit(".", 1)[-1] for k in registered}
     assert modules <= declared, f"kind modules not registered: {modules - declared}"
     root = SRC.parents[1]
     for kind in registered:
@@ -282,22 +281,30 @@ def test_every_registered_kind_is_complete():
         assert (root / kind.doc).is_file(), kind.doc
         assert kind.modules and all((SRC / m).is_file() for m in kind.modules), kind.name
         assert kind.plan is not None, f"{kind.name}: the planner needs its inputs"
+        if isinstance(kind.source, str):  # by reference: it names a source with both phases
+            source = kinds.resolve(kind.source)
+            assert callable(source.check) and callable(source.load), kind.name
+        if kind.stand_in is not None:
+            assert callable(kinds.resolve(kind.stand_in)), kind.name
 
 
 def test_no_module_outside_a_kinds_own_files_reads_its_section():
     """Which teacher keys a config sets is asked only by the registry's kind modules and each
-    kind's own modules (its source, teacher, config checks), read from the registry."""
-    from kd.teachers import kinds
+    kind's own modules (its source, teacher, config checks, tracer stand-in), read from the
+    registry."""
+    from kd.config import teacher_kinds as kinds
 
     sections = {k.section for k in kinds.kinds() if k.section is not None}
     owned: dict[str, set[str]] = {}
     for kind in kinds.kinds():
-        for module in kind.modules:
+        refs = [r for r in (kind.source, kind.stand_in) if isinstance(r, str)]
+        by_ref = [r.partition(":")[0].removeprefix("kd.").replace(".", "/") + ".py" for r in refs]
+        for module in (*kind.modules, *by_ref):
             owned.setdefault(module, set()).add(kind.name)
     outside = []
     for path in SRC.rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()
-        if rel.startswith("teachers/kinds/") or rel in owned:
+        if rel.startswith("config/teacher_kinds/") or rel in owned:
             continue
         read = _kind_reads(path, sections)
         if read:
@@ -307,7 +314,7 @@ def test_no_module_outside_a_kinds_own_files_reads_its_section():
 
 def test_the_recipe_never_asks_which_teacher_it_holds():
     """The recipe names no kind's section, teacher class or source, read from the registry."""
-    from kd.teachers import kinds
+    from kd.config import teacher_kinds as kinds
 
     recipe = (SRC / "recipes" / "kd.py").read_text()
     names = {"stored_logits", "foreign_logits", "is_hf_model"}
@@ -340,8 +347,8 @@ def test_the_ce_kd_mix_is_written_once():
 def test_the_member_keys_of_several_teachers_are_the_member_kinds_sections():
     """A member of ``teachers:`` holds the section of a kind declared ``member=True`` (or a
     local teacher_model): kd.config.teachers' key list and the registry agree."""
+    from kd.config import teacher_kinds as kinds
     from kd.config.teachers import TEACHER_KEYS
-    from kd.teachers import kinds
 
     sections = {k.section or "teacher_model" for k in kinds.kinds() if k.member}
     assert sections | {"teacher_checkpointer"} == set(TEACHER_KEYS)
@@ -352,6 +359,6 @@ def test_the_registry_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, kd.teachers.kinds, kd.config; print('torch' in sys.modules)"
+    code = "import sys, kd.config.teacher_kinds, kd.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -782,7 +782,7 @@ class EvalSettings:
 
 
 # The settings dataclass of each section a teacher kind registered outside this module declares
-# (kd.teachers.kinds.register fills it; the kinds declared here are RunConfig's own fields).
+# (kd.config.teacher_kinds.register fills it; the kinds declared here are RunConfig's own fields).
 KIND_SECTIONS: dict[str, type] = {}
 
 
@@ -918,7 +918,7 @@ class RunConfig:
         "(docs/security.md)",
         resume=MAY_CHANGE,
     )
-    # The sections of teacher kinds registered outside this module (kd.teachers.kinds.register).
+    # The sections of teacher kinds registered outside this module (kd.config.teacher_kinds.register).
     kind_settings: dict[str, Any] = derived(_kind_settings, default={})
     yaml: str = derived(lambda cfg: OmegaConf.to_yaml(cfg, resolve=True))
 

@@ -275,7 +275,7 @@ TOP_LEVEL: dict[str, Key] = {
 
 def add_section(name: str, section: Section, settings: type) -> None:
     """Add the optional section ``name`` whose keys ``settings`` declares (a teacher kind
-    registered at runtime, :func:`kd.teachers.kinds.register`): every table above gains it."""
+    registered at runtime, :func:`kd.config.teacher_kinds.register`): every table above gains it."""
     keys = declared_keys(settings)
     _SECTIONS[name] = section
     SECTIONS[name] = {dotted.split(".", 1)[1]: key for dotted, key in keys.items()}

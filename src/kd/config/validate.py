@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config import schema
+from kd.config import teacher_kinds as kinds
 from kd.config.checks.components import (
     check_component_targets,
     check_families,
@@ -51,7 +52,6 @@ from kd.config.checks.teacher import hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
 from kd.errors import ConfigError
-from kd.teachers import kinds
 
 # Re-exported: what other modules import from here.
 __all__ = [
@@ -122,7 +122,7 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     """
     problems: list[Problem] = []
     optional = hf_checkpointers(data, problems)
-    if kinds.replacing_sections(data):  # a kind's section is the teacher (kd.teachers.kinds)
+    if kinds.replacing_sections(data):  # a kind's section is the teacher (kd.config.teacher_kinds)
         optional |= {"teacher_model", "teacher_checkpointer"}
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)

@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from kd.config import teacher_kinds as kinds
 from kd.config.run import RunConfig
+from kd.config.teacher_kinds import StandIn
 from kd.errors import KDUserError
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
-from kd.teachers import kinds
-from kd.teachers.kinds import StandIn
 
 if TYPE_CHECKING:
     from kd.training.prepare import ShardSpec
@@ -348,7 +348,7 @@ def build_fake_step(
     every position labelled (the worst case); with gradient accumulation the gradients of the
     earlier micro-batches are pre-created; with ``optimizer_in_cpu`` no optimizer is built and
     the gradients stay resident. The run's teacher kind sets its stand-in
-    (:attr:`kd.teachers.kinds.TeacherKind.stand_in`): with a store or a served teacher no
+    (:attr:`kd.config.teacher_kinds.TeacherKind.stand_in`): with a store or a served teacher no
     teacher is built, the step gets a fake ``[b, s, k]`` int64 ids and float16 log-probs batch
     (``teacher_topk``) answered as the run's teacher does (``signal_teacher``).
 
@@ -381,7 +381,7 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
-    # The run's teacher kind sets its stand-in (kd.teachers.kinds): int8 weights, hidden-state
+    # The run's teacher kind sets its stand-in (kd.config.teacher_kinds): int8 weights, hidden-state
     # hooks and projections (trained: added before the optimizer), another tokenizer's loss, a
     # top-k batch as a store's reader or a server's client returns it.
     stand_in = StandIn(
@@ -394,7 +394,7 @@ def build_fake_step(
     )
     kind = kinds.selected(run)
     if kind is not None and kind.stand_in is not None:
-        kind.stand_in(stand_in)
+        kinds.resolve(kind.stand_in)(stand_in)  # kd.memory.stand_ins, imported when traced
     trainable, topk = stand_in.trainable, stand_in.topk
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)

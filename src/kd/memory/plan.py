@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
+from kd.config import teacher_kinds as kinds
 from kd.config.run import OnPolicySettings, RunConfig, run_config
+from kd.config.teacher_kinds import TeacherPlan
 from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
@@ -29,8 +32,6 @@ from kd.memory.shapes import (
     int8_teacher_bytes_per_param,
     shape_from_component,
 )
-from kd.teachers import kinds
-from kd.teachers.kinds import TeacherPlan
 
 PHASE_LABELS = {
     "generation": "generation",
@@ -468,10 +469,16 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     )
 
 
+def _store_manifest(folder: Path) -> dict[str, Any] | None:
+    from kd.teachers.stored_logits import read_manifest
+
+    return read_manifest(folder)
+
+
 def teacher_plan(
     run: RunConfig, student: ModelShape, notes: list[str], *, seq_len: int
 ) -> TeacherPlan:
-    """What the run's teacher kind (:func:`kd.teachers.kinds.selected`) adds to the plan: its
+    """What the run's teacher kind (:func:`kd.config.teacher_kinds.selected`) adds to the plan: its
     forward's shape, a top-k signal, its weights' bytes, further teachers, hidden-state pairs, a
     cross-tokenizer loss, the table's line. No teacher: all empty."""
     tp = TeacherPlan(
@@ -482,6 +489,7 @@ def teacher_plan(
         seq_len=seq_len,
         dtype_bytes=4 if run.dtype == "fp32" else 2,
         int8_bytes=int8_teacher_bytes_per_param,
+        store_manifest=_store_manifest,
     )
     kind = kinds.selected(run)
     if kind is not None and kind.plan is not None:

@@ -16,7 +16,7 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
     - Loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` (``kd_ratio``, ``kd_loss.divergence``,
       ``temperature`` with T^2 scaling), fused over labelled tokens chunk by chunk (``fused_loss``,
       ``loss_chunk_size``); teacher and student may pad their vocabularies differently.
-    - The teacher: any kind of :mod:`kd.teachers.kinds` (``docs/teachers.md``). The recipe asks
+    - The teacher: any kind of :mod:`kd.config.teacher_kinds` (``docs/teachers.md``). The recipe asks
       it for a signal per micro-batch, calls its ``after_step`` after each optimizer step, keeps
       its state in step checkpoints, and never asks which kind it is.
     - Exact gradient accumulation over all micro-batches and ranks; ``enable_activation_

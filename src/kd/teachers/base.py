@@ -1,6 +1,6 @@
 """The teacher interface: what the loss needs from a teacher for one batch.
 
-Every kind of teacher (:mod:`kd.teachers.kinds`, ``docs/teachers.md``: a local model of either
+Every kind of teacher (:mod:`kd.config.teacher_kinds`, ``docs/teachers.md``: a local model of either
 backend, hidden-state targets, kd's store of top-k log-probs, another tool's top-k files, a served
 model, the student itself, a teacher with another tokenizer, several teachers) implements
 :class:`Teacher`. The recipe holds one and calls it; it never asks which kind

@@ -1,13 +1,13 @@
 """The one place a config's teacher is chosen, and each kind's lifecycle before it teaches.
 
-:func:`teacher_source` asks the teacher-kind registry (:mod:`kd.teachers.kinds`) which kind
+:func:`teacher_source` asks the teacher-kind registry (:mod:`kd.config.teacher_kinds`) which kind
 the config names, and that kind builds its source: the sources here (a local model, kd's store or
 another tool's file, a served teacher, the student itself), or another module's (several
 teachers, a teacher with another tokenizer); None: plain fine-tuning.
 
 A source has the recipe's phases: :meth:`TeacherSource.check` runs every weight-free check
 (``kd validate`` and ``kd run`` before any weight loads), :meth:`TeacherSource.load` returns the
-:class:`kd.teachers.Teacher`. A new kind of teacher is its kind module in :mod:`kd.teachers.kinds`, its
+:class:`kd.teachers.Teacher`. A new kind of teacher is its kind module in :mod:`kd.config.teacher_kinds`, its
 source and its teacher; the recipe does not change (``docs/teachers.md``).
 """
 
@@ -20,9 +20,10 @@ from typing import Any, Protocol
 import torch
 
 from kd import data
+from kd.config import teacher_kinds
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
-from kd.teachers import foreign_logits, kinds, store_folder, stored_logits
+from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
 from kd.teachers.files import FileTeacher, TeacherLogitsFile
 from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
@@ -75,12 +76,23 @@ class TeacherSource(Protocol):
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source: the source of the kind the registry selects
-    (:func:`kd.teachers.kinds.selected`), or None without a teacher (plain fine-tuning)."""
-    kind = kinds.selected(run)
+    (:func:`kd.config.teacher_kinds.selected`), or None without a teacher (plain fine-tuning).
+
+    Raises:
+        KDUserError: the kind refuses this run (``TeacherKind.refuse``).
+    """
+    kind = teacher_kinds.selected(run)
     if kind is None:
-        kinds.no_quantization(run, "this run has no teacher_model")
+        teacher_kinds.no_quantization(run, "this run has no teacher_model")
         return None
-    return kind.make(run, teacher_source)
+    if kind.refuse is not None:
+        kind.refuse(run)
+    source = kind.source
+    if callable(source) and not isinstance(source, type):
+        source = source(run)  # a function of the run choosing the reference
+    cls = teacher_kinds.resolve(source)
+    # A kind holding one-teacher configs (teachers:' members) builds them with this function.
+    return cls(run, teacher_source) if kind.nested is not None else cls(run)
 
 
 class ModelTeacherSource:

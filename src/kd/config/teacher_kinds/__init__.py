@@ -1,8 +1,9 @@
 """The teacher-kind registry: every kind of teacher kd knows, each declared in one module.
 
-Each module here declares one :class:`TeacherKind` (:mod:`kd.teachers.kinds.base`): its config
+Each module here declares one :class:`TeacherKind` (:mod:`kd.config.teacher_kinds.base`): its config
 section, its checks, whether it may be a member of ``teachers:``, its planner inputs, its tracer
-stand-in and its lazily imported source. :func:`kd.teachers.build.teacher_source`,
+stand-in and its source (the last two by reference, imported by the layer that builds them).
+:func:`kd.teachers.build.teacher_source`,
 :mod:`kd.config.validate`, ``kd plan`` (:func:`kd.memory.plan.inputs_from_run`) and the memory
 tracer (:func:`kd.memory.fake_step.build_fake_step`) loop over :func:`kinds`; nothing outside
 these modules asks which teacher keys a config sets.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kd.config import schema
 from kd.config.run import KIND_SECTIONS
-from kd.teachers.kinds import (
+from kd.config.teacher_kinds import (
     cross_tokenizer,
     foreign,
     hidden_states,
@@ -29,7 +30,13 @@ from kd.teachers.kinds import (
     several,
     store,
 )
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan, no_quantization
+from kd.config.teacher_kinds.base import (
+    StandIn,
+    TeacherKind,
+    TeacherPlan,
+    no_quantization,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
@@ -44,6 +51,7 @@ __all__ = [
     "no_quantization",
     "register",
     "replacing_sections",
+    "resolve",
     "schema_checks",
     "selected",
     "unregister",

@@ -1,15 +1,19 @@
-"""What a teacher kind declares, in one module of :mod:`kd.teachers.kinds`.
+"""What a teacher kind declares, in one module of :mod:`kd.config.teacher_kinds`.
 
 A :class:`TeacherKind` is everything kd knows about one kind of teacher outside its teacher
 class: the config section that names it, when a run selects it, its weight-free config checks,
 whether it may be a member of ``teachers:``, what it tells the memory planner
 (:class:`TeacherPlan`), its stand-in in the memory tracer (:class:`StandIn`) and its source (the
-:class:`kd.teachers.build.TeacherSource` that checks and loads it, imported only when a run
-builds it). No torch here: ``kd validate`` and ``kd plan`` read the registry.
+:class:`kd.teachers.build.TeacherSource` that checks and loads it). The source and the stand-in are
+named by reference (``"module:attribute"``, as a config names a ``_component_``) and imported
+only when a run builds them, by the layers that own them (:mod:`kd.teachers.build`,
+:mod:`kd.memory.fake_step`): the registry sits in the config layer, which every layer may import,
+and imports none of them. No torch here: ``kd validate`` and ``kd plan`` read the registry.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,7 +24,14 @@ if TYPE_CHECKING:
     from kd.config.run import RunConfig
     from kd.config.schema import Problem, Section
 
-__all__ = ["SchemaCheck", "StandIn", "TeacherKind", "TeacherPlan", "no_quantization"]
+__all__ = [
+    "SchemaCheck",
+    "StandIn",
+    "TeacherKind",
+    "TeacherPlan",
+    "no_quantization",
+    "resolve",
+]
 
 SchemaCheck = Callable[[dict[str, Any], "list[Problem]"], None]
 
@@ -37,6 +48,7 @@ class TeacherPlan:
         seq_len: the planned sequence length.
         dtype_bytes: bytes per weight of the run's dtype.
         int8_bytes: ``(shape, dtype_bytes) -> bytes per weight`` of an int8 teacher.
+        store_manifest: ``folder -> manifest or None`` of kd's store in a folder.
         teacher: the shape planned as the teacher's forward, or None (no teacher forward).
         stored_topk: k of a top-k signal read from a store or a server, or None.
         teacher_samples: the teacher model may sample ``seq_kd`` completions.
@@ -59,6 +71,7 @@ class TeacherPlan:
     seq_len: int
     dtype_bytes: int
     int8_bytes: Callable[[Any, int], float]
+    store_manifest: Callable[[Any], dict[str, Any] | None]
     teacher: Any = None
     stored_topk: int | None = None
     teacher_samples: bool = True
@@ -110,9 +123,13 @@ class TeacherKind:
             by ``teacher_model`` alone.
         selects: whether a run's teacher is this kind (the registry asks the kinds by
             ``precedence``, lowest first; the first that answers yes is the run's).
-        make: ``(run, teacher_source) -> TeacherSource``: imports the kind's source and builds
-            it (``teacher_source`` builds members of several teachers).
+        source: its :class:`kd.teachers.build.TeacherSource`: a reference
+            ``"module:Class"`` (built as ``Class(run)``; a kind with ``nested`` configs as
+            ``Class(run, teacher_source)``, which builds the members), a function of the run
+            returning such a reference, or (a kind defined outside kd) the class itself.
         precedence: the order kinds are asked in.
+        refuse: raises :class:`kd.errors.KDUserError` for a run this kind cannot take that the
+            schema pass lets through (checked before its source is built).
         replaces_teacher_model: with the section set, ``teacher_model`` and
             ``teacher_checkpointer`` may be left out (the section is the teacher).
         checks: weight-free schema checks (``(data, problems) -> None``), run in registry order.
@@ -120,7 +137,8 @@ class TeacherKind:
             (``teachers:``' members), each checked by ``check``.
         member: it may be a member of ``teachers:`` (a one-teacher config).
         plan: fills the :class:`TeacherPlan` of a run that selects it.
-        stand_in: sets the tracer's :class:`StandIn` of a run that selects it.
+        stand_in: sets the tracer's :class:`StandIn` of a run that selects it: a reference
+            ``"module:function"`` or (a kind defined outside kd) the function.
         settings: the settings dataclass of a section not declared in
             :class:`kd.config.run.RunConfig` (a kind added outside kd): read into
             ``run.kind_settings[section]``.
@@ -134,19 +152,28 @@ class TeacherKind:
     name: str
     section: str | None
     selects: Callable[[RunConfig], bool]
-    make: Callable[[RunConfig, Callable[[RunConfig], Any]], Any]
+    source: str | Callable[..., Any]
     precedence: int
+    refuse: Callable[[RunConfig], None] | None = None
     replaces_teacher_model: bool = False
     checks: tuple[SchemaCheck, ...] = ()
     nested: Callable[[dict[str, Any], Callable[..., list[Problem]]], list[Problem]] | None = None
     member: bool = False
     plan: Callable[[TeacherPlan], None] | None = None
-    stand_in: Callable[[StandIn], None] | None = None
+    stand_in: str | Callable[[StandIn], None] | None = None
     settings: type | None = None
     section_help: Section | None = None
     teacher: str = ""
     modules: tuple[str, ...] = ()
     doc: str = "docs/teachers.md"
+
+
+def resolve(ref: str | Any) -> Any:
+    """The object a ``"module:attribute"`` reference names (anything else as it is)."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def no_quantization(run: RunConfig, why: str) -> None:

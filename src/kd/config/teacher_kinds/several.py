@@ -8,10 +8,10 @@ Its source is :class:`kd.teachers.multi.MultiTeacherSource`; its teacher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 from kd.config.teachers import check_teachers, member_problems, members_of
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan, no_quantization
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
@@ -23,11 +23,8 @@ def _selects(run: RunConfig) -> bool:
     return run.teachers is not None
 
 
-def _make(run: RunConfig, build: Any) -> Any:
+def _refuse(run: RunConfig) -> None:
     no_quantization(run, "the members of teachers: are not quantized")
-    from kd.teachers.multi import MultiTeacherSource
-
-    return MultiTeacherSource(run, build)
 
 
 def _plan(p: TeacherPlan) -> None:
@@ -75,26 +72,18 @@ def _plan(p: TeacherPlan) -> None:
     p.cross_vocab = shape.vocab_size
 
 
-def _stand_in(s: StandIn) -> None:
-    """The planned member stands in for all; a member with another tokenizer as the cross
-    kind's stand-in."""
-    if s.teacher is not None and s.planned.knobs.cross_tokenizer:
-        from kd.teachers.kinds.cross_tokenizer import cross_model_stand_in
-
-        cross_model_stand_in(s)
-
-
 KIND = TeacherKind(
     name="several",
     section="teachers",
     selects=_selects,
-    make=_make,
+    source="kd.teachers.multi:MultiTeacherSource",
+    refuse=_refuse,
     precedence=70,
     replaces_teacher_model=True,
     checks=(check_teachers,),
     nested=member_problems,
     plan=_plan,
-    stand_in=_stand_in,
+    stand_in="kd.memory.stand_ins:several",
     doc="docs/multi_teacher.md",
     teacher="kd.teachers.multi.MultiTeacher",
     modules=(

@@ -7,16 +7,16 @@ Its source is :class:`kd.teachers.build.StoredTeacherSource`; its teacher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kd.config.checks.features import check_teacher_logits
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 from kd.errors import KDUserError
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan, no_quantization
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
 
-__all__ = ["KIND", "check_one_store", "make_stored", "topk_stand_in"]
+__all__ = ["KIND", "check_one_store", "plan_stored", "refuse_stored"]
 
 SECTION = "teacher_logits"
 
@@ -36,14 +36,10 @@ def check_one_store(run: RunConfig) -> None:
         )
 
 
-def make_stored(run: RunConfig, build: Any) -> Any:
-    """The source of a store or another tool's file (also beside ``teacher_server``: the store
-    it filled)."""
+def refuse_stored(run: RunConfig) -> None:
+    """One store, and no int8 (nothing to quantize)."""
     check_one_store(run)
     no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
-    from kd.teachers.build import StoredTeacherSource
-
-    return StoredTeacherSource(run)
 
 
 def _selects(run: RunConfig) -> bool:
@@ -57,41 +53,18 @@ def plan_stored(p: TeacherPlan) -> None:
     p.stored_topk = p.run.teacher_logits.k
 
 
-def topk_stand_in(s: StandIn, *, k: int, tail: str) -> None:
-    """A fake ``[b, s, k]`` int64 ids and float16 log-probs batch, as a store's reader and a
-    server's client return it, answered with the section's tail treatment
-    (:class:`kd.teachers.FixedTopKTeacher`), as the run's file or served teacher does."""
-    import torch
-
-    from kd import models
-    from kd.teachers import FixedTopKTeacher
-
-    knobs = s.planned.knobs
-    shape = (knobs.batch_size, knobs.seq_len, k)
-    s.topk = (
-        torch.randint(0, models.vocab_size(s.student), shape),  # [b, s, k] int64 ids
-        torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
-    )
-    s.signal_teacher = FixedTopKTeacher(*s.topk, tail=tail)
-
-
-def _stand_in(s: StandIn) -> None:
-    settings = s.run.teacher_logits
-    assert settings is not None
-    topk_stand_in(s, k=settings.k, tail=settings.tail)
-
-
 KIND = TeacherKind(
     name="store",
     section=SECTION,
     selects=_selects,
-    make=make_stored,
+    source="kd.teachers.build:StoredTeacherSource",
+    refuse=refuse_stored,
     precedence=10,
     replaces_teacher_model=True,
     checks=(check_teacher_logits,),
     member=True,
     plan=plan_stored,
-    stand_in=_stand_in,
+    stand_in="kd.memory.stand_ins:store",
     doc="docs/stored_logits.md",
     teacher="kd.teachers.files.FileTeacher",
     modules=(

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kd.config.checks.features import check_teacher_logits
-from kd.teachers.kinds import store
-from kd.teachers.kinds.base import TeacherKind
+from kd.config.teacher_kinds import store
+from kd.config.teacher_kinds.base import TeacherKind
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
@@ -29,13 +29,14 @@ KIND = TeacherKind(
     name="foreign",
     section=store.SECTION,
     selects=_selects,
-    make=store.make_stored,
+    source="kd.teachers.build:StoredTeacherSource",
+    refuse=store.refuse_stored,
     precedence=11,
     replaces_teacher_model=True,
     checks=(check_teacher_logits,),
     member=True,
     plan=store.plan_stored,
-    stand_in=store.KIND.stand_in,
+    stand_in="kd.memory.stand_ins:store",
     doc="docs/stored_logits.md",
     teacher="kd.teachers.files.FileTeacher",
     modules=(

@@ -13,18 +13,18 @@ from kd.config.checks.features import check_teacher_offload
 from kd.config.checks.teacher import is_hf_model_node
 from kd.config.checks.values import fmt
 from kd.config.schema import Problem
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
 
-__all__ = ["KIND", "plan_local_model", "quantize_stand_in"]
+__all__ = ["KIND", "check_teacher", "plan_local_model"]
 
 
 def check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
     """``teacher_model: null`` is plain fine-tuning: only with ``kd_ratio: 0`` (unless another
     kind's section is the teacher)."""
-    from kd.teachers.kinds import replacing_sections
+    from kd.config.teacher_kinds import replacing_sections
 
     if replacing_sections(data):
         return  # that section teaches; a teacher node, if any, only identifies it
@@ -56,12 +56,6 @@ def _selects(run: RunConfig) -> bool:
     return run.has_teacher
 
 
-def _make(run: RunConfig, build: Any) -> Any:
-    from kd.teachers.build import ModelTeacherSource
-
-    return ModelTeacherSource(run)
-
-
 def plan_local_model(p: TeacherPlan) -> None:
     """A local teacher model's planner inputs: its shape, int8 weights, its offload mode."""
     run = p.run
@@ -72,25 +66,16 @@ def plan_local_model(p: TeacherPlan) -> None:
     p.offload = run.teacher_offload
 
 
-def quantize_stand_in(s: StandIn) -> None:
-    """The tracer's teacher quantized as the run's (one device only, as the source refuses
-    int8 under FSDP2)."""
-    if s.teacher is not None and s.run.teacher_quantization == "int8" and s.shard is None:
-        from kd.teachers.quantize import quantize_int8
-
-        quantize_int8(s.teacher)
-
-
 KIND = TeacherKind(
     name="model",
     section=None,
     selects=_selects,
-    make=_make,
+    source="kd.teachers.build:ModelTeacherSource",
     precedence=60,
     checks=(check_teacher, check_teacher_offload),
     member=True,
     plan=plan_local_model,
-    stand_in=quantize_stand_in,
+    stand_in="kd.memory.stand_ins:model",
     teacher="kd.teachers.model.ModelTeacher",
     modules=(
         "teachers/build.py",

@@ -8,11 +8,11 @@ Its source is :class:`kd.teachers.build.ModelTeacherSource`; its teacher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kd.config.checks.features import check_hidden_states
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan
-from kd.teachers.kinds.model import plan_local_model, quantize_stand_in
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan
+from kd.config.teacher_kinds.model import plan_local_model
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
@@ -24,12 +24,6 @@ def _selects(run: RunConfig) -> bool:
     return run.hidden_states is not None and run.has_teacher
 
 
-def _make(run: RunConfig, build: Any) -> Any:
-    from kd.teachers.build import ModelTeacherSource
-
-    return ModelTeacherSource(run)
-
-
 def _plan(p: TeacherPlan) -> None:
     plan_local_model(p)
     hs = p.run.hidden_states
@@ -37,26 +31,15 @@ def _plan(p: TeacherPlan) -> None:
     p.hidden_map, p.hidden_loss = hs.layer_map, hs.loss
 
 
-def _stand_in(s: StandIn) -> None:
-    """The teacher's hooks and the projections (trained with the student)."""
-    quantize_stand_in(s)
-    from kd.teachers import ModelTeacher
-    from kd.teachers.hidden import HiddenStateTeacher
-
-    assert s.run.hidden_states is not None
-    s.signal_teacher = HiddenStateTeacher(ModelTeacher(s.teacher), s.run.hidden_states)
-    s.trainable += list(s.signal_teacher.bind_student(s.student).parameters())
-
-
 KIND = TeacherKind(
     name="hidden_states",
     section="hidden_states",
     selects=_selects,
-    make=_make,
+    source="kd.teachers.build:ModelTeacherSource",
     precedence=50,
     checks=(check_hidden_states,),
     plan=_plan,
-    stand_in=_stand_in,
+    stand_in="kd.memory.stand_ins:hidden_states",
     doc="docs/hidden_states.md",
     teacher="kd.teachers.hidden.HiddenStateTeacher",
     modules=(

@@ -9,10 +9,10 @@ Its source is :class:`kd.teachers.build.SelfTeacherSource`; its teacher
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kd.config.checks.self_teacher import check_self_teacher
-from kd.teachers.kinds.base import TeacherKind, TeacherPlan, no_quantization
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig
@@ -24,11 +24,8 @@ def _selects(run: RunConfig) -> bool:
     return run.self_teacher is not None and run.teacher_logits is None
 
 
-def _make(run: RunConfig, build: Any) -> Any:
+def _refuse(run: RunConfig) -> None:
     no_quantization(run, "this run's teacher is the student itself (self_teacher)")
-    from kd.teachers.build import SelfTeacherSource
-
-    return SelfTeacherSource(run)
 
 
 def _plan(p: TeacherPlan) -> None:
@@ -65,7 +62,8 @@ KIND = TeacherKind(
     name="self",
     section="self_teacher",
     selects=_selects,
-    make=_make,
+    source="kd.teachers.build:SelfTeacherSource",
+    refuse=_refuse,
     precedence=30,
     replaces_teacher_model=True,
     checks=(check_self_teacher,),

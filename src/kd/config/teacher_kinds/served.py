@@ -9,12 +9,11 @@ teacher_logits``) and the store kind teaches. Its source is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kd.config.checks.features import check_teacher_server
+from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 from kd.errors import redact
-from kd.teachers.kinds.base import StandIn, TeacherKind, TeacherPlan, no_quantization
-from kd.teachers.kinds.store import topk_stand_in
 
 if TYPE_CHECKING:
     from kd.config.run import RunConfig, TeacherServerSettings
@@ -33,11 +32,8 @@ def _selects(run: RunConfig) -> bool:
     return run.teacher_server is not None and run.teacher_logits is None
 
 
-def _make(run: RunConfig, build: Any) -> Any:
+def _refuse(run: RunConfig) -> None:
     no_quantization(run, "this run's teacher is served (teacher_server)")
-    from kd.teachers.build import ServedTeacherSource
-
-    return ServedTeacherSource(run)
 
 
 def _plan(p: TeacherPlan) -> None:
@@ -54,23 +50,18 @@ def _plan(p: TeacherPlan) -> None:
     )
 
 
-def _stand_in(s: StandIn) -> None:
-    settings = s.run.teacher_server
-    assert settings is not None
-    topk_stand_in(s, k=settings.top_k, tail=settings.tail)
-
-
 KIND = TeacherKind(
     name="served",
     section="teacher_server",
     selects=_selects,
-    make=_make,
+    source="kd.teachers.build:ServedTeacherSource",
+    refuse=_refuse,
     precedence=20,
     replaces_teacher_model=True,
     checks=(check_teacher_server,),
     member=True,
     plan=_plan,
-    stand_in=_stand_in,
+    stand_in="kd.memory.stand_ins:served",
     doc="docs/served_teacher.md",
     teacher="kd.teachers.served.ServedTeacher",
     modules=(
