@@ -13,10 +13,10 @@ from conftest import tiny_hidden_decoder
 
 from kd import backends, models
 from kd.teachers import (
-    FileTeacher,
     FixedTopKTeacher,
     LogitsSignal,
     ModelTeacher,
+    StoreTeacher,
     Teacher,
     TeacherInput,
     TeacherSignal,
@@ -89,7 +89,7 @@ class _Reader:
 def test_file_teacher_reads_rows_and_carries_vocab_and_tail():
     teacher = models.freeze(tiny_hidden_decoder(seed=5))
     reader = _Reader(teacher, k=64)
-    ft = FileTeacher(reader, k=64, vocab=64, tail="renorm", device=torch.device("cpu"))
+    ft = StoreTeacher(reader, k=64, vocab=64, tail="renorm", device=torch.device("cpu"))
     tokens, labels = _batch()
     sig = ft.signal(TeacherInput(tokens, labels, rows=[4, 7]))
     assert reader.calls == [([4, 7], 64)]

@@ -358,7 +358,7 @@ class SelfTeacherSettings:
 
 @settings
 class HiddenStateSettings:
-    """Hidden-state distillation (``hidden_states:``; :mod:`kd.teachers.hidden`): the student's
+    """Hidden-state distillation (``hidden_states:``; :mod:`kd.teachers.hidden_states`): the student's
     mapped layer outputs are matched to the teacher's, through a learned projection when the
     widths differ; the loss adds ``weight * hidden_loss``."""
 

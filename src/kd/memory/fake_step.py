@@ -292,7 +292,7 @@ class FakeStep:
             [b, s, k] float16)`` as the run's teacher puts them on the device; None with an
             online teacher or none.
         signal_teacher: what the step asks for the teacher's signal when it is not ``teacher``
-            itself (``hidden_states:``: the :class:`kd.teachers.hidden.HiddenStateTeacher` over it,
+            itself (``hidden_states:``: the :class:`kd.teachers.hidden_states.HiddenStateTeacher` over it,
             bound to the student; its projections are in ``trainable``; with ``teacher_topk`` a
             :class:`kd.teachers.FixedTopKTeacher` over them); None: ``teacher``.
         knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the

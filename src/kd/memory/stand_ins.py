@@ -16,7 +16,7 @@ from kd.config.teacher_kinds import StandIn
 from kd.memory import loss_head
 from kd.memory.fake_cross import FakeCrossStore, FakeCrossTeacher
 from kd.teachers import FixedTopKTeacher, ModelTeacher
-from kd.teachers.hidden import HiddenStateTeacher
+from kd.teachers.hidden_states import HiddenStateTeacher
 from kd.teachers.quantize import quantize_int8
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Teachers: one interface (:class:`Teacher`), one implementation per kind of teacher.
 
 * :class:`ModelTeacher`: a local model of either backend (:mod:`kd.teachers.model`).
-* :class:`FileTeacher`: top-k log-probs from kd's store or another tool's file
+* :class:`StoreTeacher`: top-k log-probs from kd's store or another tool's file
   (:mod:`kd.teachers.files`).
 * :class:`kd.teachers.served.ServedTeacher`: top-k log-probs from a vLLM or SGLang server
   (:mod:`kd.teachers.served`, imported on its own: it needs an HTTP client).
@@ -13,15 +13,15 @@ it holds.
 """
 
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal, TeacherStopped
-from kd.teachers.files import FileTeacher, FixedTopKTeacher, TeacherLogitsFile
+from kd.teachers.files import FixedTopKTeacher, StoreTeacher, TeacherLogitsFile
 from kd.teachers.model import ModelTeacher, as_teacher
 from kd.teachers.signals import LogitsSignal, TopKSignal
 
 __all__ = [
-    "FileTeacher",
     "FixedTopKTeacher",
     "LogitsSignal",
     "ModelTeacher",
+    "StoreTeacher",
     "Teacher",
     "TeacherInput",
     "TeacherLogitsFile",

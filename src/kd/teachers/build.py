@@ -25,8 +25,8 @@ from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
-from kd.teachers.files import FileTeacher, TeacherLogitsFile
-from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
+from kd.teachers.files import StoreTeacher, TeacherLogitsFile
+from kd.teachers.hidden_states import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.parking import ParkedWeights
 from kd.teachers.privileged import PrivilegedRows
@@ -205,9 +205,9 @@ class StoredTeacherSource:
         # The student's KD softmax runs over the shared vocabulary, as with a teacher model.
         self.reader, self.vocab = store, int(store.manifest["vocab"])
 
-    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> FileTeacher:
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> StoreTeacher:
         assert self.reader is not None, "check() opens the file"
-        return FileTeacher(
+        return StoreTeacher(
             self.reader,
             k=self.settings.k,
             vocab=self.vocab,
@@ -289,14 +289,14 @@ class ServedTeacherSource:
 
     def load(
         self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None
-    ) -> ServedTeacher | FileTeacher:
+    ) -> ServedTeacher | StoreTeacher:
         s = self.settings
         store: store_folder.WriteThroughStore | None = None
         if s.store is not None:
             assert self.spec is not None, "check() opens the store"
             if self.manifest is not None and self.manifest.get("complete"):
                 reader = stored_logits.TeacherLogitsReader(s.store, key=_STORE)
-                return FileTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
+                return StoreTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
             lock = store_folder.start_store_folder(s.store, self.spec, self.manifest, key=_STORE)
             store = store_folder.WriteThroughStore(
                 s.store, self.spec, self.hashes, key=_STORE, lock=lock

@@ -3,7 +3,7 @@
 :class:`kd.teachers.foreign_logits.ForeignLogitsReader`.
 
 It shares the store's section, source (:class:`kd.teachers.build.StoredTeacherSource`), teacher
-(:class:`kd.teachers.FileTeacher`), planner inputs and stand-in.
+(:class:`kd.teachers.StoreTeacher`), planner inputs and stand-in.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ KIND = TeacherKind(
     plan=store.plan_stored,
     stand_in="kd.memory.stand_ins:store",
     doc="docs/stored_logits.md",
-    teacher="kd.teachers.files.FileTeacher",
+    teacher="kd.teachers.files.StoreTeacher",
     modules=(
         "teachers/build.py",
         "teachers/foreign_logits.py",

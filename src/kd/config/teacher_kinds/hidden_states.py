@@ -3,7 +3,7 @@ are matched to (``hidden_states:``; hidden-state distillation), through learned 
 projections the recipe trains with the student.
 
 Its source is :class:`kd.teachers.build.ModelTeacherSource`; its teacher
-:class:`kd.teachers.hidden.HiddenStateTeacher` over a :class:`kd.teachers.ModelTeacher`.
+:class:`kd.teachers.hidden_states.HiddenStateTeacher` over a :class:`kd.teachers.ModelTeacher`.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in="kd.memory.stand_ins:hidden_states",
     doc="docs/hidden_states.md",
-    teacher="kd.teachers.hidden.HiddenStateTeacher",
+    teacher="kd.teachers.hidden_states.HiddenStateTeacher",
     modules=(
         "teachers/build.py",
-        "teachers/hidden.py",
+        "teachers/hidden_states.py",
         "config/checks/features.py",
     ),
 )

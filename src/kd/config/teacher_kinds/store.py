@@ -2,7 +2,7 @@
 ``format: kd``), written by ``kd run teacher_logits`` or a served teacher's write-through.
 
 Its source is :class:`kd.teachers.build.StoredTeacherSource`; its teacher
-:class:`kd.teachers.FileTeacher` over :class:`kd.teachers.stored_logits.TeacherLogitsReader`.
+:class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.stored_logits.TeacherLogitsReader`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ KIND = TeacherKind(
     plan=plan_stored,
     stand_in="kd.memory.stand_ins:store",
     doc="docs/stored_logits.md",
-    teacher="kd.teachers.files.FileTeacher",
+    teacher="kd.teachers.files.StoreTeacher",
     modules=(
         "teachers/build.py",
         "teachers/files.py",
