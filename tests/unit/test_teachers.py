@@ -362,3 +362,48 @@ def test_the_registry_imports_no_torch():
     code = "import sys, kd.config.teacher_kinds, kd.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _Counting(Teacher):
+    """A teacher with state: the optimizer steps it has seen."""
+
+    def __init__(self, steps: int = 0):
+        self.steps = steps
+
+    def after_step(self, step: int) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state.get("steps", 0))
+
+
+def test_teachers_made_of_teachers_pass_the_step_and_the_state_on():
+    """Several teachers and a hidden-state teacher hand after_step, state_dict and
+    load_state_dict to the teachers they hold; a teacher without state saves {}."""
+    from kd.config.run import HiddenStateSettings
+    from kd.teachers.hidden_states import HiddenStateTeacher
+    from kd.teachers.multi import MultiTeacher
+
+    a, b = _Counting(), _Counting(5)
+    plain = FixedTopKTeacher(torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1))
+    multi = MultiTeacher([a, b, plain], names=["a", "b", "c"], weights=[1, 1, 1], combine="weights")
+    multi.after_step(1)
+    assert (a.steps, b.steps) == (1, 6)
+    assert multi.state_dict() == {"a": {"steps": 1}, "b": {"steps": 6}}
+    fresh = [_Counting(), _Counting(), plain]
+    again = MultiTeacher(fresh, names=["a", "b", "c"], weights=[1, 1, 1], combine="weights")
+    again.load_state_dict(multi.state_dict())
+    assert [t.steps for t in fresh[:2]] == [1, 6]
+
+    inner = ModelTeacher(tiny_hidden_decoder())
+    hidden = HiddenStateTeacher(inner, HiddenStateSettings(layer_map=("0:0",)))
+    assert hidden.state_dict() == {} and plain.state_dict() == {}
+    counting = _Counting(2)
+    hidden.inner = counting  # the wrapped teacher's hooks are the ones called
+    hidden.after_step(3)
+    assert hidden.state_dict() == {"steps": 3}
+    hidden.load_state_dict({"steps": 7})
+    assert counting.steps == 7

@@ -328,6 +328,15 @@ class HiddenStateTeacher(Teacher):
     def check_loaded(self) -> None:
         self.inner.check_loaded()
 
+    def after_step(self, step: int) -> None:
+        self.inner.after_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
     def generator_for(self, route: str | None) -> nn.Module | None:
         return self.inner.generator_for(route)
 
