@@ -381,21 +381,13 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
-    # The run's teacher kind sets its stand-in (kd.config.teacher_kinds): int8 weights, hidden-state
-    # hooks and projections (trained: added before the optimizer), another tokenizer's loss, a
-    # top-k batch as a store's reader or a server's client returns it.
-    stand_in = StandIn(
-        run=run,
-        planned=planned,
-        student=student,
-        teacher=teacher,
-        shard=shard,
-        trainable=[p for p in student.parameters() if p.requires_grad],
-    )
+    # The run's teacher kind sets its stand-in (kd.memory.stand_ins); trained parameters it adds
+    # (hidden-state projections) join the student's before the optimizer is built.
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    stand_in = StandIn(run, planned, student, teacher, shard, trainable)
     kind = kinds.selected(run)
     if kind is not None and kind.stand_in is not None:
-        kinds.resolve(kind.stand_in)(stand_in)  # kd.memory.stand_ins, imported when traced
-    trainable, topk = stand_in.trainable, stand_in.topk
+        kinds.resolve(kind.stand_in)(stand_in)
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
@@ -409,7 +401,7 @@ def build_fake_step(
         labels=torch.randint(0, vocab, (b, s)),  # [b, s]
         num_tokens_total=torch.tensor(b * s * knobs.grad_accum * num_ranks),
         knobs=knobs,
-        teacher_topk=topk,
+        teacher_topk=stand_in.topk,
         signal_teacher=stand_in.signal_teacher,
     )
 
