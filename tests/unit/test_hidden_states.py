@@ -1,4 +1,4 @@
-"""Hidden-state distillation (kd.teachers.hidden): the loss against a float64 reference and
+"""Hidden-state distillation (kd.teachers.hidden_states): the loss against a float64 reference and
 DistillKit's formula, the layer map, kd init's proposal, and a tiny pruned student that learns
 faster with hidden-state KD than with logits alone."""
 
@@ -16,7 +16,7 @@ from kd.config.run import HiddenStateSettings, LossSettings
 from kd.errors import KDUserError
 from kd.scaffold.layer_map import uniform_map
 from kd.teachers import ModelTeacher
-from kd.teachers.hidden import (
+from kd.teachers.hidden_states import (
     HiddenStateTeacher,
     hidden_state_loss,
     parse_layer_map,

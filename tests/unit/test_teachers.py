@@ -13,10 +13,10 @@ from conftest import tiny_hidden_decoder
 
 from kd import backends, models
 from kd.teachers import (
-    FileTeacher,
     FixedTopKTeacher,
     LogitsSignal,
     ModelTeacher,
+    StoreTeacher,
     Teacher,
     TeacherInput,
     TeacherSignal,
@@ -89,7 +89,7 @@ class _Reader:
 def test_file_teacher_reads_rows_and_carries_vocab_and_tail():
     teacher = models.freeze(tiny_hidden_decoder(seed=5))
     reader = _Reader(teacher, k=64)
-    ft = FileTeacher(reader, k=64, vocab=64, tail="renorm", device=torch.device("cpu"))
+    ft = StoreTeacher(reader, k=64, vocab=64, tail="renorm", device=torch.device("cpu"))
     tokens, labels = _batch()
     sig = ft.signal(TeacherInput(tokens, labels, rows=[4, 7]))
     assert reader.calls == [([4, 7], 64)]
@@ -179,6 +179,7 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
             teacher_offload="none",
             teacher_device=None,
             components={"teacher_model": teacher_model},
+            has_teacher=teacher_model is not None and teacher_logits is None,
         )
 
     logits = SimpleNamespace(path=tmp_path, k=4, tail="bucket", format="kd")
@@ -231,7 +232,179 @@ def test_no_backend_test_outside_the_adapters():
     assert _calls_outside(("backends/", "hf/"), {"is_hf_model"}) == []
 
 
+# The names kd gives a config as plain containers or a DictConfig.
+CONFIG_NAMES = ("data", "cfg", "config", "raw")
+
+
+def _kind_reads(path: Path, sections: set[str]) -> set[str]:
+    """The sections ``path`` reads: ``run.<section>`` (also ``self.run.``, ``member.run.``),
+    and a config's ``data.get("<section>")`` / ``data["<section>"]`` (plain containers)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in sections:
+            base = node.value
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+            if name == "run":
+                found.add(node.attr)
+        key = None
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args:
+            base, key = getattr(node.func, "value", None), node.args[0]
+        elif isinstance(node, ast.Subscript):
+            base, key = node.value, node.slice
+        if key is not None and getattr(base, "id", None) not in CONFIG_NAMES:
+            key = None  # a memory component named like a section, a schema table
+        if isinstance(key, ast.Constant) and key.value in sections:
+            found.add(key.value)
+    return found
+
+
+def test_every_registered_kind_is_complete():
+    """Each kind module declares one registered kind with its section in the schema, its teacher
+    class, its source and stand-in (their references resolve), its planner inputs, its own
+    modules and its doc page; a kind module left out of the registry fails."""
+    from kd.config import schema
+    from kd.config import teacher_kinds as kinds
+
+    registered = kinds.kinds()
+    assert len({k.name for k in registered}) == len(registered)
+    modules = {
+        p.stem for p in (SRC / "teachers" / "kinds").glob("*.py") if p.stem not in ("base",)
+    } - {"__init__"}
+    declared = {k.selects.__module__.rsplit(".", 1)[-1] for k in registered}
+    assert modules <= declared, f"kind modules not registered: {modules - declared}"
+    root = SRC.parents[1]
+    for kind in registered:
+        if kind.section is not None:
+            assert kind.section in schema.TOP_LEVEL, kind.name
+        module, _, cls = kind.teacher.rpartition(".")
+        teacher = getattr(__import__(module, fromlist=[cls]), cls)
+        assert Teacher in teacher.__mro__, kind.name
+        assert (root / kind.doc).is_file(), kind.doc
+        assert kind.modules and all((SRC / m).is_file() for m in kind.modules), kind.name
+        assert kind.plan is not None, f"{kind.name}: the planner needs its inputs"
+        if isinstance(kind.source, str):  # by reference: it names a source with both phases
+            source = kinds.resolve(kind.source)
+            assert callable(source.check) and callable(source.load), kind.name
+        if kind.stand_in is not None:
+            assert callable(kinds.resolve(kind.stand_in)), kind.name
+
+
+def test_no_module_outside_a_kinds_own_files_reads_its_section():
+    """Which teacher keys a config sets is asked only by the registry's kind modules and each
+    kind's own modules (its source, teacher, config checks, tracer stand-in), read from the
+    registry."""
+    from kd.config import teacher_kinds as kinds
+
+    sections = {k.section for k in kinds.kinds() if k.section is not None}
+    owned: dict[str, set[str]] = {}
+    for kind in kinds.kinds():
+        refs = [r for r in (kind.source, kind.stand_in) if isinstance(r, str)]
+        by_ref = [r.partition(":")[0].removeprefix("kd.").replace(".", "/") + ".py" for r in refs]
+        for module in (*kind.modules, *by_ref):
+            owned.setdefault(module, set()).add(kind.name)
+    outside = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("config/teacher_kinds/") or rel in owned:
+            continue
+        read = _kind_reads(path, sections)
+        if read:
+            outside.append(f"{rel}: {sorted(read)}")
+    assert outside == []
+
+
 def test_the_recipe_never_asks_which_teacher_it_holds():
+    """The recipe names no kind's section, teacher class or source, read from the registry."""
+    from kd.config import teacher_kinds as kinds
+
     recipe = (SRC / "recipes" / "kd.py").read_text()
-    for kind in ("ModelTeacher", "FileTeacher", "stored_logits", "foreign_logits", "is_hf_model"):
-        assert kind not in recipe, kind
+    names = {"stored_logits", "foreign_logits", "is_hf_model"}
+    for kind in kinds.kinds():
+        names.add(kind.teacher.rpartition(".")[2])
+        if kind.section is not None:
+            names.add(f"run.{kind.section}")
+    for name in sorted(names):
+        assert name not in recipe, name
+    assert (
+        _kind_reads(SRC / "recipes" / "kd.py", {k.section for k in kinds.kinds()} - {None}) == set()
+    )
+
+
+def test_the_ce_kd_mix_is_written_once():
+    """``(1 - r) * CE + r * KD`` is kd.losses.mix_ce_kd; signals, the fused losses and the
+    evaluation call it (a second copy could drift from it)."""
+    import re
+
+    mix = re.compile(r"\(1(\.0)? - [\w.]*kd_ratio\) \* \w+ \+ [\w.]*kd_ratio \* \w+")
+    found = []
+    for path in SRC.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if mix.search(code) and "``" not in code and '"' not in code:
+                found.append(f"{path.relative_to(SRC)}:{n}")
+    assert found == ["losses.py:81"]
+
+
+def test_the_member_keys_of_several_teachers_are_the_member_kinds_sections():
+    """A member of ``teachers:`` holds the section of a kind declared ``member=True`` (or a
+    local teacher_model): kd.config.teachers' key list and the registry agree."""
+    from kd.config import teacher_kinds as kinds
+    from kd.config.teachers import TEACHER_KEYS
+
+    sections = {k.section or "teacher_model" for k in kinds.kinds() if k.member}
+    assert sections | {"teacher_checkpointer"} == set(TEACHER_KEYS)
+
+
+def test_the_registry_imports_no_torch():
+    """kd validate and kd plan read the registry before any torch import (fast errors)."""
+    import subprocess
+    import sys
+
+    code = "import sys, kd.config.teacher_kinds, kd.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+class _Counting(Teacher):
+    """A teacher with state: the optimizer steps it has seen."""
+
+    def __init__(self, steps: int = 0):
+        self.steps = steps
+
+    def after_step(self, step: int) -> None:
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state.get("steps", 0))
+
+
+def test_teachers_made_of_teachers_pass_the_step_and_the_state_on():
+    """Several teachers and a hidden-state teacher hand after_step, state_dict and
+    load_state_dict to the teachers they hold; a teacher without state saves {}."""
+    from kd.config.run import HiddenStateSettings
+    from kd.teachers.hidden_states import HiddenStateTeacher
+    from kd.teachers.multi import MultiTeacher
+
+    a, b = _Counting(), _Counting(5)
+    plain = FixedTopKTeacher(torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1))
+    multi = MultiTeacher([a, b, plain], names=["a", "b", "c"], weights=[1, 1, 1], combine="weights")
+    multi.after_step(1)
+    assert (a.steps, b.steps) == (1, 6)
+    assert multi.state_dict() == {"a": {"steps": 1}, "b": {"steps": 6}}
+    fresh = [_Counting(), _Counting(), plain]
+    again = MultiTeacher(fresh, names=["a", "b", "c"], weights=[1, 1, 1], combine="weights")
+    again.load_state_dict(multi.state_dict())
+    assert [t.steps for t in fresh[:2]] == [1, 6]
+
+    inner = ModelTeacher(tiny_hidden_decoder())
+    hidden = HiddenStateTeacher(inner, HiddenStateSettings(layer_map=("0:0",)))
+    assert hidden.state_dict() == {} and plain.state_dict() == {}
+    counting = _Counting(2)
+    hidden.inner = counting  # the wrapped teacher's hooks are the ones called
+    hidden.after_step(3)
+    assert hidden.state_dict() == {"steps": 3}
+    hidden.load_state_dict({"steps": 7})
+    assert counting.steps == 7

@@ -365,7 +365,7 @@ class SelfTeacherSettings:
 
 @settings
 class HiddenStateSettings:
-    """Hidden-state distillation (``hidden_states:``; :mod:`kd.teachers.hidden`): the student's
+    """Hidden-state distillation (``hidden_states:``; :mod:`kd.teachers.hidden_states`): the student's
     mapped layer outputs are matched to the teacher's, through a learned projection when the
     widths differ; the loss adds ``weight * hidden_loss``."""
 
@@ -904,6 +904,17 @@ class EvalSettings:
     )
 
 
+# The settings dataclass of each section a teacher kind registered outside this module declares
+# (kd.config.teacher_kinds.register fills it; the kinds declared here are RunConfig's own fields).
+KIND_SECTIONS: dict[str, type] = {}
+
+
+def _kind_settings(cfg: DictConfig) -> dict[str, Any]:
+    return {
+        name: build(cls, cfg) for name, cls in KIND_SECTIONS.items() if cfg.get(name) is not None
+    }
+
+
 def _components(cfg: DictConfig) -> dict[str, DictConfig | ListConfig | None]:
     return {key: frozen_node(cfg.get(key)) for key in COMPONENT_KEYS}
 
@@ -1040,6 +1051,8 @@ class RunConfig:
         "(docs/security.md)",
         resume=MAY_CHANGE,
     )
+    # The sections of teacher kinds registered outside this module (kd.config.teacher_kinds.register).
+    kind_settings: dict[str, Any] = derived(_kind_settings, default={})
     yaml: str = derived(lambda cfg: OmegaConf.to_yaml(cfg, resolve=True))
 
     @property

@@ -273,6 +273,22 @@ TOP_LEVEL: dict[str, Key] = {
 }
 
 
+def add_section(name: str, section: Section, settings: type) -> None:
+    """Add the optional section ``name`` whose keys ``settings`` declares (a teacher kind
+    registered at runtime, :func:`kd.config.teacher_kinds.register`): every table above gains it."""
+    keys = declared_keys(settings)
+    _SECTIONS[name] = section
+    SECTIONS[name] = {dotted.split(".", 1)[1]: key for dotted, key in keys.items()}
+    SECTION_WORDS[name] = section.words
+    TOP_LEVEL[name] = _section_key(name, section)
+
+
+def remove_section(name: str) -> None:
+    """Undo :func:`add_section`."""
+    for table in (_SECTIONS, SECTIONS, SECTION_WORDS, TOP_LEVEL):
+        table.pop(name, None)
+
+
 # Keys torchtune's KD recipes accept that kd does not use; they are dropped with a notice.
 IGNORED_TORCHTUNE_KEYS: dict[str, str] = {
     "profiler": "profiling is not wired into kd recipes; use scripts/ benchmarks",

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config import schema
+from kd.config import teacher_kinds as kinds
 from kd.config.checks.components import (
     check_component_targets,
     check_families,
@@ -29,13 +30,8 @@ from kd.config.checks.components import (
 )
 from kd.config.checks.features import (
     check_device,
-    check_hidden_states,
     check_on_policy,
     check_output_dir,
-    check_teacher_device,
-    check_teacher_logits,
-    check_teacher_offload,
-    check_teacher_server,
     check_validation,
 )
 from kd.config.checks.keys import (
@@ -52,11 +48,9 @@ from kd.config.checks.paths import (
     lookup_problem,
     writable_dir_problem,
 )
-from kd.config.checks.self_teacher import check_self_teacher
-from kd.config.checks.teacher import check_teacher, hf_checkpointers, is_hf_model_node
+from kd.config.checks.teacher import hf_checkpointers, is_hf_model_node
 from kd.config.checks.values import check_value
 from kd.config.schema import Problem
-from kd.config.teachers import check_cross_tokenizer, check_teachers, member_problems
 from kd.errors import ConfigError
 
 # Re-exported: what other modules import from here.
@@ -103,7 +97,7 @@ def validate_config(
     assert isinstance(data, dict)
     problems = schema_problems(data, check_paths=check_paths)
     if not problems and check_components:
-        problems = component_problems(data) + member_problems(data, component_problems)
+        problems = component_problems(data) + kinds.nested_problems(data, component_problems)
     if problems:
         raise ConfigError(problems)
 
@@ -128,15 +122,8 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
     """
     problems: list[Problem] = []
     optional = hf_checkpointers(data, problems)
-    if isinstance(data.get("teacher_logits"), dict):
-        # Training from stored teacher logits needs no teacher (the precompute does: it says so).
+    if kinds.replacing_sections(data):  # a kind's section is the teacher (kd.config.teacher_kinds)
         optional |= {"teacher_model", "teacher_checkpointer"}
-    if isinstance(data.get("teacher_server"), dict):
-        optional |= {"teacher_model", "teacher_checkpointer"}  # the server is the teacher
-    if isinstance(data.get("self_teacher"), dict):
-        optional |= {"teacher_model", "teacher_checkpointer"}  # the student teaches itself
-    if isinstance(data.get("teachers"), dict):
-        optional |= {"teacher_model", "teacher_checkpointer"}  # each member names its own
     check_keys(data, schema.TOP_LEVEL, "", problems, optional=optional)
     check_component_numbers(data, problems)
     for name, section in schema.SECTIONS.items():
@@ -146,21 +133,15 @@ def schema_problems(data: dict[str, Any], *, check_paths: bool = True) -> list[P
             check_keys(node, section, f"{name}.", problems)
     check_component_args(data, problems)
     check_loss(data.get("loss"), problems)
-    check_teacher(data, problems)
     check_validation(data, problems)
-    check_teacher_logits(data, problems)
-    check_teacher_server(data, problems)
     check_on_policy(data, problems)
-    check_self_teacher(data, problems)
-    check_teachers(data, problems)
-    check_cross_tokenizer(data, problems)
-    if isinstance(data.get("teachers"), dict) and not problems:
-        problems += member_problems(data, lambda d: schema_problems(d, check_paths=check_paths))
-    check_hidden_states(data, problems)
+    kinds.schema_checks(data, problems)  # each teacher kind's own checks
+    if not problems:  # the members of teachers:, each a one-teacher config
+        problems += kinds.nested_problems(
+            data, lambda d: schema_problems(d, check_paths=check_paths)
+        )
     check_output_dir(data, problems)
     check_device(data, problems)
-    check_teacher_offload(data, problems)
-    check_teacher_device(data, problems)
     check_component_targets(data, problems)
     check_static_arguments(data, problems)
     check_families(data, problems)

@@ -55,6 +55,7 @@ from kd.losses.divergences import (
     DIVERGENCES,
     ce_loss,
     kd_loss,
+    mix_ce_kd,
     per_token_divergence,
     shared_vocab_logprobs,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "fused_linear_kd_loss",
     "fused_linear_topk_kd_loss",
     "kd_loss",
+    "mix_ce_kd",
     "per_token_divergence",
     "shared_vocab_logprobs",
 ]

@@ -14,6 +14,13 @@ from torch import Tensor
 
 from kd.config.run import DIVERGENCES  # the one list, beside the kd_loss.divergence key
 
+
+def mix_ce_kd(ce: Tensor, kd: Tensor, kd_ratio: float) -> Tensor:
+    """The training objective ``(1 - r) * CE + r * KD`` (``r`` = ``kd_ratio``): the one place
+    it is written; every signal, the fused losses and the evaluation call it."""
+    return (1.0 - kd_ratio) * ce + kd_ratio * kd
+
+
 # Log-probs are clamped to this so that -inf logits (masked vocab entries) give p = 0 and finite
 # products p * (log p - log q) instead of 0 * inf = nan.
 _LOG_MIN = torch.finfo(torch.float32).min

@@ -16,6 +16,7 @@ from kd.losses.divergences import (
     _check_divergence,
     _divergence_value_and_grad,
     _log_softmax_fp32,
+    mix_ce_kd,
 )
 
 
@@ -40,7 +41,7 @@ class _FusedHead(torch.autograd.Function):
         """``(loss, ce, kd)`` from the chunk sums; saves the gradients for :meth:`backward`."""
         ce = ce_sum * inv_n
         kd = kd_sum * inv_n * t2
-        loss = (1.0 - kd_ratio) * ce + kd_ratio * kd
+        loss = mix_ce_kd(ce, kd, kd_ratio)
         if grad_w is not None and weight_dtype != torch.float32:
             grad_w = grad_w.to(weight_dtype)
         ctx.save_for_backward(grad_h, grad_w)

@@ -23,7 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from kd.config import teacher_kinds as kinds
 from kd.config.run import RunConfig
+from kd.config.teacher_kinds import StandIn
 from kd.errors import KDUserError
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
 
@@ -291,7 +293,7 @@ class FakeStep:
             [b, s, k] float16)`` as the run's teacher puts them on the device; None with an
             online teacher or none.
         signal_teacher: what the step asks for the teacher's signal when it is not ``teacher``
-            itself (``hidden_states:``: the :class:`kd.teachers.hidden.HiddenStateTeacher` over it,
+            itself (``hidden_states:``: the :class:`kd.teachers.hidden_states.HiddenStateTeacher` over it,
             bound to the student; its projections are in ``trainable``; with ``teacher_topk`` a
             :class:`kd.teachers.FixedTopKTeacher` over them); None: ``teacher``.
         knobs: the planner's knobs of the run (:func:`kd.memory.plan.inputs_from_run`): the
@@ -367,11 +369,10 @@ def build_fake_step(
     micro-batch is the plan's: ``batch_size`` rows (per rank) of the planned sequence length,
     every position labelled (the worst case); with gradient accumulation the gradients of the
     earlier micro-batches are pre-created; with ``optimizer_in_cpu`` no optimizer is built and
-    the gradients stay resident; with stored teacher logits (``teacher_logits:``) or a served
-    teacher (``teacher_server:``) no teacher is built: the step gets a fake ``[b, s, k]`` int64
-    ids and float16 log-probs batch (``teacher_topk``), as ``TeacherLogitsReader.batch`` and the
-    server client return it, which a :class:`kd.teachers.FixedTopKTeacher` answers with the
-    section's tail treatment (``signal_teacher``), as the run's file or served teacher does.
+    the gradients stay resident. The run's teacher kind sets its stand-in
+    (:attr:`kd.config.teacher_kinds.TeacherKind.stand_in`): with a store or a served teacher no
+    teacher is built, the step gets a fake ``[b, s, k]`` int64 ids and float16 log-probs batch
+    (``teacher_topk``) answered as the run's teacher does (``signal_teacher``).
 
     Args:
         run: the run configuration.
@@ -402,59 +403,18 @@ def build_fake_step(
     )
     if teacher is not None:
         teacher = prepare_teacher(teacher, shard=shard)
-        if run.teacher_quantization == "int8" and shard is None:
-            from kd.teachers.quantize import quantize_int8
-
-            quantize_int8(teacher)
-    _offload_as_run(run, student, teacher, shard)
+    # The run's teacher kind sets its stand-in (kd.memory.stand_ins); trained parameters it adds
+    # (hidden-state projections) join the student's before the optimizer is built.
     trainable = [p for p in student.parameters() if p.requires_grad]
-    signal_teacher = None
-    if teacher is not None and run.hidden_states is not None:
-        from kd.teachers import ModelTeacher
-        from kd.teachers.hidden import HiddenStateTeacher
-
-        signal_teacher = HiddenStateTeacher(ModelTeacher(teacher), run.hidden_states)
-        trainable += list(signal_teacher.bind_student(student).parameters())
-    if teacher is not None and knobs.cross_tokenizer:
-        from kd.memory.fake_cross import FakeCrossTeacher
-        from kd.memory.loss_head import cross_matched
-
-        sizes = (models.vocab_size(student), models.vocab_size(teacher))
-        signal_teacher = FakeCrossTeacher(
-            teacher,
-            sizes=sizes,
-            matched=cross_matched(planned.student, planned.teacher, knobs),  # type: ignore[arg-type]
-            matched_weight=run.cross_tokenizer.matched_weight,  # type: ignore[union-attr]
-        )
+    stand_in = StandIn(run, planned, student, teacher, shard, trainable)
+    kind = kinds.selected(run)
+    if kind is not None and kind.stand_in is not None:
+        kinds.resolve(kind.stand_in)(stand_in)
+    _offload_as_run(run, student, teacher, shard)  # after the stand-in: the teacher as it runs
     in_cpu = run.optimizer.in_cpu
     opt = None if in_cpu else build_optimizer(run.optimizer.node, trainable, foreach=foreach)
     prime_steady_state(opt, trainable, grads_resident=knobs.grad_accum > 1 or in_cpu)
     vocab = models.vocab_size(student)
-    topk = None
-    if knobs.stored_topk is not None and knobs.cross_tokenizer:
-        from kd.memory.fake_cross import FakeCrossStore
-        from kd.memory.loss_head import cross_matched, cross_teacher
-
-        crossed = cross_teacher(planned.student, None, knobs)
-        assert crossed is not None and run.cross_tokenizer is not None
-        signal_teacher = FakeCrossStore(
-            sizes=(vocab, crossed.vocab_size),
-            matched=cross_matched(planned.student, crossed, knobs),
-            matched_weight=run.cross_tokenizer.matched_weight,
-        )
-    elif knobs.stored_topk is not None:
-        from kd.teachers import FixedTopKTeacher
-
-        shape = (b, s, knobs.stored_topk)
-        topk = (
-            torch.randint(0, vocab, shape),  # [b, s, k] int64 ids
-            torch.zeros(shape, dtype=torch.float16),  # [b, s, k] log-probs
-        )
-        # The stored or served signal, as FileTeacher / ServedTeacher answer it: the tensors of
-        # the micro-batch and the tail treatment of the config's section.
-        served = run.teacher_server
-        tail = served.tail if served is not None else run.teacher_logits.tail
-        signal_teacher = FixedTopKTeacher(*topk, tail=tail)
     return FakeStep(
         student=student,
         teacher=teacher,
@@ -464,8 +424,8 @@ def build_fake_step(
         labels=torch.randint(0, vocab, (b, s)),  # [b, s]
         num_tokens_total=torch.tensor(b * s * knobs.grad_accum * num_ranks),
         knobs=knobs,
-        teacher_topk=topk,
-        signal_teacher=signal_teacher,
+        teacher_topk=stand_in.topk,
+        signal_teacher=stand_in.signal_teacher,
     )
 
 

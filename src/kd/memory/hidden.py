@@ -1,4 +1,4 @@
-"""Hidden-state distillation in the memory estimate (``hidden_states:``, :mod:`kd.teachers.hidden`).
+"""Hidden-state distillation in the memory estimate (``hidden_states:``, :mod:`kd.teachers.hidden_states`).
 
 One component, ``hidden_states``, per phase:
 

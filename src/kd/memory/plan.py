@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
+from kd.config import teacher_kinds as kinds
 from kd.config.run import OnPolicySettings, RunConfig, run_config
-from kd.errors import KDUserError, brief, redact
+from kd.config.teacher_kinds import TeacherPlan
+from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
@@ -449,16 +451,8 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         KDUserError: a model whose shape cannot be determined.
     """
     student, notes = _shape(run, "model", "checkpointer")
-    teacher = None
-    if run.has_teacher:
-        teacher, teacher_notes = _shape(run, "teacher_model", "teacher_checkpointer")
-        notes += teacher_notes
-    elif run.self_teacher is not None:
-        teacher = replace(student, lora=None)  # the student's own forward, without grad
-    teacher, others, cross_vocab, other_heads = _several_teachers(run, teacher, notes)
-    if run.cross_tokenizer is not None and run.teacher_logits is not None:
-        cross_vocab = _cross_store_size(run, student, notes)
     seq = run.memory.seq_len
+    tp = teacher_plan(run, student, notes, seq_len=int(seq or student.max_seq_len))
     if seq is None:
         seq = student.max_seq_len
         notes.append(
@@ -484,27 +478,24 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         reserve_bytes=None if reserve is None else int(reserve * GIB),
         device_type="cpu" if run.device.startswith("cpu") else "cuda",
         eval_batch=run.validation.batch_size if run.validation is not None else None,
-        stored_topk=run.teacher_logits.k
-        if run.teacher_logits is not None
-        else (run.teacher_server.top_k if run.teacher_server is not None else None),
+        stored_topk=tp.stored_topk,
         generation=generation_knobs(
             run.on_policy,
-            teacher=teacher is not None and run.self_teacher is None,
+            teacher=tp.teacher is not None and tp.teacher_samples,
             batch_size=run.batch_size,
             grad_accum=run.optimizer.grad_accum,
         ),
-        teacher_bytes_per_param=_teacher_bytes_per_param(run, student, teacher),
-        self_teacher_copy=bool(_self_teacher_copy(run, student)),
-        other_teacher_params=others,
-        hidden_map=run.hidden_states.layer_map if run.hidden_states is not None else (),
-        hidden_loss=run.hidden_states.loss if run.hidden_states is not None else "cosine",
-        cross_tokenizer=(run.cross_tokenizer is not None and run.has_teacher)
-        or cross_vocab is not None,
-        cross_vocab=cross_vocab or None,
+        teacher_bytes_per_param=tp.bytes_per_param,
+        self_teacher_copy=tp.self_copy,
+        other_teacher_params=tp.other_params,
+        hidden_map=tp.hidden_map,
+        hidden_loss=tp.hidden_loss,
+        cross_tokenizer=tp.cross,
+        cross_vocab=tp.cross_vocab or None,
         activation_offloading=run.activation_offloading,
-        teacher_offload=run.teacher_offload if teacher is not None else "none",
-        other_teacher_head_params=other_heads,
-        teacher_own_device=teacher is not None and _own_device(run),
+        teacher_offload=tp.offload if tp.teacher is not None else "none",
+        other_teacher_head_params=tp.other_head_params,
+        teacher_own_device=tp.teacher is not None and _own_device(run),
     )
     if student.lora is not None and student.lora.use_dora:
         notes.append(
@@ -515,7 +506,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
     model = run.components["model"]
     return PlanInputs(
         student=student,
-        teacher=teacher,
+        teacher=tp.teacher,
         knobs=knobs,
         seq_len_source=run.memory.seq_len_source,
         config_name=config_name,
@@ -523,8 +514,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         student_component=str(model.get("_component_", "")) if model is not None else "",
         optimizer_keys=tuple(str(key) for key in run.optimizer.node),
         notes=notes,
-        teacher_line=_served_teacher_line(run, seq_len=int(seq))
-        or _self_teacher_line(run, student, seq_len=int(seq)),
+        teacher_line=tp.line,
         teacher_device=run.teacher_device if knobs.teacher_own_device else None,
     )
 
@@ -542,129 +532,32 @@ def _own_device(run: RunConfig) -> bool:
     return split(run.teacher_device) != split(run.device)
 
 
-def _self_teacher_copy(run: RunConfig, student: ModelShape) -> bool | None:
-    """Whether a self teacher is a frozen copy of the student's weights (a full fine-tune
-    from its initial weights); False: the student itself (LoRA adapters off, or live weights);
-    None: no self teacher."""
-    s = run.self_teacher
-    if s is None:
-        return None
-    return student.lora is None and s.weights == "initial"
-
-
-def _self_teacher_line(run: RunConfig, student: ModelShape, *, seq_len: int) -> str | None:
-    """The table's line of a self teacher: which weights, and its longer input."""
-    copy = _self_teacher_copy(run, student)
-    if copy is None:
-        return None
-    longer = (
-        f"its input (prompt + context + completion) is at most {seq_len} tokens (kd validate "
-        "refuses longer rows), planned as the teacher forward and logits"
-    )
-    if not copy:
-        which = (
-            "the LoRA student with adapters off" if student.lora else "the student's live weights"
-        )
-        return f"self: {which}, no teacher weights; {longer}"
-    size = student.total_params() * (4 if run.dtype == "fp32" else 2) / GIB
-    return (
-        f"self: a frozen copy of the student's initial weights ({size:.2f} GiB; a LoRA student, "
-        f"whose teacher is its base with adapters off, or self_teacher.weights=live would "
-        f"remove it); {longer}"
-    )
-
-
-def _teacher_bytes_per_param(
-    run: RunConfig, student: ModelShape, teacher: ModelShape | None
-) -> float | None:
-    """Bytes per teacher weight when not the run's dtype: none for a self teacher without a
-    copy (LoRA adapters off, or live), int8 weights (``teacher_quantization``); None: the dtype."""
-    if _self_teacher_copy(run, student) is False:
-        return 0.0
-    if teacher is not None and run.teacher_quantization == "int8":
-        return int8_teacher_bytes_per_param(teacher, 4 if run.dtype == "fp32" else 2)
-    return None
-
-
-def _several_teachers(
-    run: RunConfig, teacher: ModelShape | None, notes: list[str]
-) -> tuple[ModelShape | None, int, int | None, int]:
-    """``teachers:``: the largest local member is planned as the teacher (members run forward one
-    after another), the others' parameters stay resident. Returns ``(teacher, other params,
-    cross)``: ``cross`` is None when no local member has another tokenizer, 0 when the planned
-    one has, else the largest distribution of the members that have (their losses run one after
-    another: the loss head is planned as theirs, on the student's full logits)."""
-    from kd.config.teachers import members_of
-
-    local, crossed = [], []
-    for member in members_of(run):
-        if member.run.has_teacher:
-            shape, member_notes = _shape(member.run, "teacher_model", "teacher_checkpointer")
-            local.append(shape)
-            if member.run.cross_tokenizer is not None:
-                crossed.append((member.name, shape))
-            notes += [f"teachers {member.name}: {n}" for n in member_notes]
-    if not local:
-        return teacher, 0, None, 0
-    largest = max(local, key=lambda m: m.total_params())
-    heads = sum(m.vocab_size * m.embed_dim for m in local) - largest.vocab_size * largest.embed_dim
-    if len(local) > 1:
-        where = (
-            "parked in host memory and brought in in turn"
-            if run.teacher_offload != "none"
-            else "as resident"
-        )
-        notes.append(
-            f"teachers: {len(local)} local teachers; the largest is planned as the teacher, the "
-            f"others' weights {where}"
-        )
-    others = sum(m.total_params() for m in local) - largest.total_params()
-    if not crossed:
-        return largest, others, None, heads
-    if any(shape is largest for _, shape in crossed):
-        return largest, others, 0, heads
-    name, shape = max(crossed, key=lambda c: c[1].vocab_size)
-    notes.append(
-        f"teachers {name}: its cross-tokenizer loss ({shape.vocab_size} ids) is planned as the "
-        "loss head, beside the largest member's forward"
-    )
-    return largest, others, shape.vocab_size, heads
-
-
-def _cross_store_size(run: RunConfig, student: ModelShape, notes: list[str]) -> int:
-    """The teacher's distribution size behind a cross-tokenizer store (``teacher_logits`` with
-    ``cross_tokenizer``): its manifest's, else the configured ``teacher_model``'s (the store is
-    not written yet), else the student's (with a note)."""
+def _store_manifest(folder: Path) -> dict[str, Any] | None:
     from kd.teachers.stored_logits import read_manifest
 
-    assert run.teacher_logits is not None
-    folder = Path(run.teacher_logits.path).expanduser()
-    manifest = read_manifest(folder) if folder.is_dir() else None
-    cross = manifest.get("cross_tokenizer") if manifest is not None else None
-    if isinstance(cross, dict) and isinstance(cross.get("teacher_size"), int):
-        return int(cross["teacher_size"])
-    if run.components["teacher_model"] is not None:
-        return _shape(run, "teacher_model", "teacher_checkpointer")[0].vocab_size
-    notes.append(
-        f"teacher_logits: {folder} holds no cross-tokenizer store yet and no teacher_model names "
-        "its teacher: its distribution is planned at the student's size"
+    return read_manifest(folder)
+
+
+def teacher_plan(
+    run: RunConfig, student: ModelShape, notes: list[str], *, seq_len: int
+) -> TeacherPlan:
+    """What the run's teacher kind (:func:`kd.config.teacher_kinds.selected`) adds to the plan: its
+    forward's shape, a top-k signal, its weights' bytes, further teachers, hidden-state pairs, a
+    cross-tokenizer loss, the table's line. No teacher: all empty."""
+    tp = TeacherPlan(
+        run=run,
+        student=student,
+        shape_of=_shape,
+        notes=notes,
+        seq_len=seq_len,
+        dtype_bytes=4 if run.dtype == "fp32" else 2,
+        int8_bytes=int8_teacher_bytes_per_param,
+        store_manifest=_store_manifest,
     )
-    return student.vocab_size
-
-
-def _served_teacher_line(run: RunConfig, *, seq_len: int) -> str | None:
-    """The table's line of a served teacher: no weights, and the host memory of its prefetch."""
-    s = run.teacher_server
-    if s is None or run.teacher_logits is not None:  # beside a store, the store teaches
-        return None
-    from kd.teachers.served import prefetch_bytes
-
-    buffer = prefetch_bytes(s, batch_size=run.batch_size, seq_len=seq_len)
-    return (
-        f"served top-{s.top_k} log-probs of {s.model} ({s.api} at {redact(s.url)}), no teacher weights "
-        f"or forward; prefetch buffer {s.prefetch} micro-batches ahead, {buffer / 2**20:.1f} MiB "
-        "of host memory"
-    )
+    kind = kinds.selected(run)
+    if kind is not None and kind.plan is not None:
+        kind.plan(tp)
+    return tp
 
 
 def make_plan(inputs: PlanInputs, budget_gib: float | None) -> MemoryPlan:

@@ -12,8 +12,9 @@ both models are sharded with FSDP2 and the loss curve matches one device.
 Features (each knob is a config key declared in kd/config/run.py; ``kd run --help`` lists them
 with their doc pages): the memory plan before any weight loads (``kd validate`` runs exactly
 :meth:`KDRecipe.preload`); the loss ``(1 - kd_ratio) * CE + kd_ratio * KD`` fused over labelled
-tokens; any teacher (:mod:`kd.teachers`), asked for a signal per micro-batch and never asked which
-kind it is; exact gradient accumulation over micro-batches and ranks, LoRA, FSDP2; step
+tokens; any teacher kind (:mod:`kd.config.teacher_kinds`, ``docs/teachers.md``), asked for a
+signal per micro-batch, told of each optimizer step (its state kept in step checkpoints) and never
+asked which kind it is; exact gradient accumulation over micro-batches and ranks, LoRA, FSDP2; step
 checkpoints and exact resume, SIGTERM/SIGINT saving and exiting 0, one run per ``output_dir``;
 metrics (``metrics.jsonl``, ``metric_logger``); validation, ``best/`` and early stopping;
 on-policy distillation (``on_policy``) and the final lm-eval evaluation (``eval``).
@@ -247,6 +248,8 @@ class KDRecipe:
         self.rollout_state = progress.rollouts
         self.run = self.run.with_seed(progress.seed)
         self.checkpointer.config_yaml = self.run.yaml  # the snapshot holds the run's seed
+        if self.teacher is not None:
+            self.teacher.load_state_dict(progress.teacher)
         if self.validator is not None:
             self.validator.restore(progress.validation, ckpt, say=self.world.is_rank_zero)
 
@@ -296,7 +299,7 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
-                    self._rollouts_after_step(bar)  # the sampler takes the step's weights
+                    self._after_step(bar)  # the teacher and the sampler follow the step's weights
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         lr = float(self.optimizer.param_groups[0]["lr"])
                         plan = self.plan.peak_gib if self.plan is not None else None
@@ -398,9 +401,12 @@ class KDRecipe:
             batches = self.on_policy.look_ahead(batches, per_step=self.run.optimizer.grad_accum)
         return batches
 
-    def _rollouts_after_step(self, bar: Any) -> None:
-        """The on-policy sampler takes the weights of the step just counted (a served sampler
-        pushes them); one that cannot stops the run with this step saved."""
+    def _after_step(self, bar: Any) -> None:
+        """After the step just counted: the teacher's ``after_step``; the on-policy sampler takes
+        the weights (a served sampler pushes them), and one that cannot stops the run with this
+        step saved."""
+        if self.teacher is not None:
+            self.teacher.after_step(self.global_step)
         if self.on_policy is None:
             return
         try:
@@ -491,6 +497,7 @@ class KDRecipe:
             int(self.run.seed or 0),
             validation=tracker.state_dict() if tracker is not None else {},
             rollouts=self.on_policy.state_dict() if self.on_policy is not None else {},
+            teacher=self.teacher.state_dict() if self.teacher is not None else {},
         )
 
     def _stop(self, signal_name: str | None, just_saved: Path | None = None) -> None:

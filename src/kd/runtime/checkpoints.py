@@ -65,6 +65,8 @@ class Progress:
         rollouts: the on-policy component's state
             (:meth:`kd.training.on_policy.OnPolicyBatches.state_dict`: the sampler's, the next
             step's completions sampled ahead); empty without on_policy.
+        teacher: the teacher's own state (:meth:`kd.teachers.Teacher.state_dict`); empty
+            without one, and when restored from a checkpoint written before kd had it.
     """
 
     global_step: int
@@ -72,6 +74,7 @@ class Progress:
     seed: int
     validation: dict[str, Any] = field(default_factory=dict)
     rollouts: dict[str, Any] = field(default_factory=dict)
+    teacher: dict[str, Any] = field(default_factory=dict)
 
 
 def save_training_checkpoint(
@@ -111,6 +114,7 @@ def save_training_checkpoint(
             "seed": progress.seed,
             "validation": dict(progress.validation),
             "rollouts": dict(progress.rollouts),
+            "teacher": dict(progress.teacher),
             "world_size": world.world_size,
             "rng": capture_rng_state(),
         }
@@ -302,12 +306,14 @@ def _restore(
         )
     validation = state.get("validation")
     rollouts = state.get("rollouts")
+    teacher = state.get("teacher")
     progress = Progress(
         int(state["global_step"]),
         int(state["epoch"]),
         int(state["seed"]),
         validation=dict(validation) if isinstance(validation, dict) else {},
         rollouts=dict(rollouts) if isinstance(rollouts, dict) else {},
+        teacher=dict(teacher) if isinstance(teacher, dict) else {},
     )
     if rank0:
         log.info("resumed from %s at step %d", ckpt, progress.global_step)

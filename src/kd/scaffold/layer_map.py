@@ -1,4 +1,4 @@
-"""``kd init``'s hidden-state map (``hidden_states.layer_map``, :mod:`kd.teachers.hidden`).
+"""``kd init``'s hidden-state map (``hidden_states.layer_map``, :mod:`kd.teachers.hidden_states`).
 
 A student cut from the teacher (a depth-pruned copy: same widths, some decoder layers dropped)
 has each kept layer's weights equal to one of the teacher's: those layers map to themselves, found

@@ -1,8 +1,9 @@
 """The teacher interface: what the loss needs from a teacher for one batch.
 
-Every kind of teacher (a local model of either backend, kd's own store of top-k log-probs, another
-tool's top-k file, and whatever comes next: a served model, several teachers, hidden-state
-targets) implements :class:`Teacher`. The recipe holds one and calls it; it never asks which kind
+Every kind of teacher (:mod:`kd.config.teacher_kinds`, ``docs/teachers.md``: a local model of either
+backend, hidden-state targets, kd's store of top-k log-probs, another tool's top-k files, a served
+model, the student itself, a teacher with another tokenizer, several teachers) implements
+:class:`Teacher`. The recipe holds one and calls it; it never asks which kind
 it holds. A teacher answers a :class:`TeacherInput` (a micro-batch) with a :class:`TeacherSignal`,
 and the signal owns the divergence between itself and the student (:meth:`TeacherSignal.loss`), so
 a new kind of signal brings its own loss without a branch in :mod:`kd.training.train`.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -81,13 +82,12 @@ class TeacherSignal(Protocol):
         labels: torch.Tensor,
         *,
         settings: LossSettings,
-    ) -> (
-        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        | tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
-    ):
-        """``(loss, ce, kd)``, each a mean over labelled positions; a signal whose loss has
-        more terms than CE and KD adds a fourth element, ``{name: term}`` (detached means over
-        labelled positions, e.g. ``hidden_loss``), which the recipe logs beside them.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, ce, kd)``, each a mean over labelled positions, ``loss`` mixed by
+        :func:`kd.losses.mix_ce_kd` (plus any extra term's weighted share); a signal whose loss
+        has more terms than CE and KD also fills its ``terms`` attribute, ``{name: term}``
+        (detached means over labelled positions, e.g. ``hidden_loss``), which the recipe logs
+        beside them.
 
         Args:
             student: the student decoder (its output projection turns ``student_hidden`` into
@@ -146,6 +146,22 @@ class Teacher(Protocol):
             never exports them with the student. Default: nothing, None.
         """
         return None
+
+    def after_step(self, step: int) -> None:
+        """Called by the recipe after each optimizer step (``step``: the steps done, 1 first),
+        on every rank, whether or not the step applied its gradients: a teacher that changes
+        as the run goes (an EMA of the student, a schedule, a counter) moves here. Default:
+        nothing changes."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The teacher's own state (plain values, tensors on the host), saved in step
+        checkpoints and given back to :meth:`load_state_dict` on resume so that a resumed run
+        matches an uninterrupted one. Rank 0's is saved. Default: none, ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a step checkpoint (``{}``: one saved before this
+        teacher had state, or by a teacher without any). Default: nothing to restore."""
 
     def close(self) -> None:
         """Let go of what the teacher holds for the run (connections, worker threads, a store's

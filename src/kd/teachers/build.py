@@ -1,29 +1,14 @@
 """The one place a config's teacher is chosen, and each kind's lifecycle before it teaches.
 
-:func:`teacher_source` reads the config once and returns what the run's teacher is made from:
-
-* ``teacher_logits:`` set -> :class:`StoredTeacherSource` (kd's store, or an axolotl / DistillKit
-  file; ``teacher_model``, if set, only identifies the teacher the store came from), or with
-  ``cross_tokenizer:`` :class:`kd.teachers.cross_stored.CrossStoredSource` (the store of a
-  teacher with another tokenizer);
-* else ``teacher_server:`` set -> :class:`ServedTeacherSource` (a vLLM or SGLang server,
-  :mod:`kd.teachers.served`); beside ``teacher_logits`` it is the server that filled the store
-  (``kd run teacher_logits``), not asked by ``kd run kd``;
-* else ``self_teacher:`` set -> :class:`SelfTeacherSource` (the student teaches itself with a
-  privileged context, :mod:`kd.teachers.self_teacher`);
-* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend);
-* else ``teacher_model:`` set -> :class:`ModelTeacherSource` (a local model, either backend),
-  or with ``cross_tokenizer:`` :class:`kd.teachers.cross.CrossTokenizerSource` (a Hugging Face
-  teacher with its own tokenizer);
-* else ``teachers:`` set -> :class:`kd.teachers.multi.MultiTeacherSource`: several named
-  teachers, each built by this function from its own one-teacher config (validation refuses
-  the top-level teacher keys beside it);
-* else None: plain fine-tuning.
+:func:`teacher_source` asks the teacher-kind registry (:mod:`kd.config.teacher_kinds`) which kind
+the config names, and that kind builds its source: the sources here (a local model, kd's store or
+another tool's file, a served teacher, the student itself), or another module's (several
+teachers, a teacher with another tokenizer); None: plain fine-tuning.
 
 A source has the recipe's phases: :meth:`TeacherSource.check` runs every weight-free check
 (``kd validate`` and ``kd run`` before any weight loads), :meth:`TeacherSource.load` returns the
-:class:`kd.teachers.Teacher`. A new kind of teacher is a new source and teacher here, plus its
-config keys; the recipe does not change.
+:class:`kd.teachers.Teacher`. A new kind of teacher is its kind module in :mod:`kd.config.teacher_kinds`, its
+source and its teacher; the recipe does not change (``docs/teachers.md``).
 """
 
 from __future__ import annotations
@@ -35,18 +20,16 @@ from typing import Any, Protocol
 import torch
 
 from kd import data, models
+from kd.config import teacher_kinds
 from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.runtime.prepare import prepare_teacher
 from kd.runtime.run_context import ModelFacts, RunContext
 from kd.teachers import foreign_logits, store_folder, stored_logits
 from kd.teachers.base import Teacher
-from kd.teachers.cross import CrossTokenizerSource
-from kd.teachers.cross_stored import CrossStoredSource
-from kd.teachers.files import FileTeacher, TeacherLogitsFile
-from kd.teachers.hidden import HiddenStateTeacher, check_layer_map
+from kd.teachers.files import StoreTeacher, TeacherLogitsFile
+from kd.teachers.hidden_states import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
-from kd.teachers.multi import MultiTeacherSource
 from kd.teachers.parking import ParkedWeights
 from kd.teachers.placement import HeadOnStudentDevice, check_teacher_device, same_device
 from kd.teachers.privileged import PrivilegedRows
@@ -93,46 +76,24 @@ class TeacherSource(Protocol):
 
 
 def teacher_source(run: RunConfig) -> TeacherSource | None:
-    """The run's teacher source (see the module docstring), or None without a teacher."""
-    served = run.teacher_server
-    if run.teacher_logits is not None and served is not None and served.store is not None:
-        raise KDUserError(
-            f"teacher_server.store: {served.store} beside teacher_logits.path "
-            f"{run.teacher_logits.path}: train from one store; set teacher_server.store=null "
-            "(train from teacher_logits.path), or teacher_logits=null (write through the server)"
-        )
-    if run.teacher_logits is not None:  # also beside teacher_server: the store it filled
-        _check_no_quantization(run, "this run reads stored teacher logits (teacher_logits)")
-        if run.cross_tokenizer is not None:  # the teacher's own tokens and offsets, stored
-            return CrossStoredSource(run)
-        return StoredTeacherSource(run)
-    if run.teacher_server is not None:
-        _check_no_quantization(run, "this run's teacher is served (teacher_server)")
-        return ServedTeacherSource(run)
-    if run.self_teacher is not None:
-        _check_no_quantization(run, "this run's teacher is the student itself (self_teacher)")
-        return SelfTeacherSource(run)
-    if run.components["teacher_model"] is not None:
-        if run.cross_tokenizer is not None:  # its own tokenizer
-            _check_no_quantization(run, "this run's teacher has another tokenizer")
-            return CrossTokenizerSource(run)
-        return ModelTeacherSource(run)
-    # Several teachers (no top-level one), each built here.
-    if run.teachers is not None:
-        _check_no_quantization(run, "the members of teachers: are not quantized")
-        return MultiTeacherSource(run, teacher_source)
-    _check_no_quantization(run, "this run has no teacher_model")
-    return None
+    """The run's teacher source: the source of the kind the registry selects
+    (:func:`kd.config.teacher_kinds.selected`), or None without a teacher (plain fine-tuning).
 
-
-def _check_no_quantization(run: RunConfig, why: str) -> None:
-    """``teacher_quantization`` applies to a local ``teacher_model`` only."""
-    quantization = run.teacher_quantization
-    if quantization != "none":
-        raise KDUserError(
-            f"teacher_quantization: {quantization} quantizes a local teacher_model, "
-            f"and {why}; set teacher_quantization=none"
-        )
+    Raises:
+        KDUserError: the kind refuses this run (``TeacherKind.refuse``).
+    """
+    kind = teacher_kinds.selected(run)
+    if kind is None:
+        teacher_kinds.no_quantization(run, "this run has no teacher_model")
+        return None
+    if kind.refuse is not None:
+        kind.refuse(run)
+    source = kind.source
+    if callable(source) and not isinstance(source, type):
+        source = source(run)  # a function of the run choosing the reference
+    cls = teacher_kinds.resolve(source)
+    # A kind holding one-teacher configs (teachers:' members) builds them with this function.
+    return cls(run, teacher_source) if kind.nested is not None else cls(run)
 
 
 class ModelTeacherSource:
@@ -255,9 +216,9 @@ class StoredTeacherSource:
         # The student's KD softmax runs over the shared vocabulary, as with a teacher model.
         self.reader, self.vocab = store, int(store.manifest["vocab"])
 
-    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> FileTeacher:
+    def load(self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None) -> StoreTeacher:
         assert self.reader is not None, "check() opens the file"
-        return FileTeacher(
+        return StoreTeacher(
             self.reader,
             k=self.settings.k,
             vocab=self.vocab,
@@ -339,14 +300,14 @@ class ServedTeacherSource:
 
     def load(
         self, ctx: RunContext, facts: ModelFacts, *, run_dir: Any = None
-    ) -> ServedTeacher | FileTeacher:
+    ) -> ServedTeacher | StoreTeacher:
         s = self.settings
         store: store_folder.WriteThroughStore | None = None
         if s.store is not None:
             assert self.spec is not None, "check() opens the store"
             if self.manifest is not None and self.manifest.get("complete"):
                 reader = stored_logits.TeacherLogitsReader(s.store, key=_STORE)
-                return FileTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
+                return StoreTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
             lock = store_folder.start_store_folder(s.store, self.spec, self.manifest, key=_STORE)
             store = store_folder.WriteThroughStore(
                 s.store, self.spec, self.hashes, key=_STORE, lock=lock

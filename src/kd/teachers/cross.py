@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kd import models
+from kd import losses, models
 from kd.config.run import LossSettings, RunConfig
 from kd.cross_tokenizer import VocabMatch, sequence_loss, vocab_match
 from kd.errors import KDUserError, one_line
@@ -432,7 +432,7 @@ class CrossTokenizerSignal:
         scale = t * t / max(groups, 1)
         kd = kd_sum * scale
         self.terms = {"kd_loss/matched": matched * scale, "kd_loss/unmatched": unmatched * scale}
-        loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+        loss = losses.mix_ce_kd(ce, kd, settings.kd_ratio)
         return loss, ce.detach(), kd.detach()
 
     def labelled_hidden(self, index: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Both readers (:class:`kd.teachers.stored_logits.TeacherLogitsReader`, kd's Parquet store;
 :class:`kd.teachers.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
-:class:`TeacherLogitsFile`, the one reader interface; :class:`FileTeacher` turns either into a
+:class:`TeacherLogitsFile`, the one reader interface; :class:`StoreTeacher` turns either into a
 :class:`kd.teachers.Teacher`.
 """
 
@@ -16,7 +16,7 @@ import torch
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.signals import TopKSignal
 
-__all__ = ["FileTeacher", "FixedTopKTeacher", "TeacherLogitsFile"]
+__all__ = ["StoreTeacher", "FixedTopKTeacher", "TeacherLogitsFile"]
 
 
 class TeacherLogitsFile(Protocol):
@@ -43,7 +43,7 @@ class TeacherLogitsFile(Protocol):
         ...
 
 
-class FileTeacher(Teacher):
+class StoreTeacher(Teacher):
     """The teacher of a :class:`TeacherLogitsFile`: no model, no weights in memory.
 
     Args:

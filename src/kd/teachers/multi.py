@@ -247,6 +247,19 @@ class MultiTeacher(Teacher):
         for t in self.teachers:
             t.release()
 
+    def after_step(self, step: int) -> None:
+        for t in self.teachers:
+            t.after_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The members' own states, by name (members without state are left out)."""
+        states = {n: t.state_dict() for n, t in zip(self.names, self.teachers, strict=True)}
+        return {n: state for n, state in states.items() if state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, t in zip(self.names, self.teachers, strict=True):
+            t.load_state_dict(dict(state.get(name, {})))
+
     def close(self) -> None:
         for t in self.teachers:
             t.close()
@@ -407,7 +420,7 @@ class MultiSignal:
         ce, kd = ce_sum / n, kd_sum / n * t2
         for name, s in zip(self.owner.names, member_sums, strict=True):
             self.terms[f"kd_loss/{name}"] = (s / n * t2).detach()
-        loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+        loss = losses.mix_ce_kd(ce, kd, settings.kd_ratio)
         return loss, ce.detach(), kd.detach()
 
     def _member_logprobs(

@@ -57,7 +57,6 @@ __all__ = [
     "TeacherStopped",
     "TeacherUnavailable",
     "check_server",
-    "prefetch_bytes",
     "served_identity",
 ]
 
@@ -579,10 +578,3 @@ def served_identity(settings: TeacherServerSettings) -> dict[str, Any]:
         "files": [],
         "config_sha256": None,
     }
-
-
-def prefetch_bytes(settings: TeacherServerSettings, *, batch_size: int, seq_len: int) -> int:
-    """Host memory of the answers asked ahead: ``prefetch + 1`` micro-batches of ``[b, s, k]``
-    int64 ids and float32 log-probs (the parsed rows) plus the float16 signal."""
-    per = batch_size * seq_len * settings.top_k * (8 + 4 + 8 + 2)
-    return (settings.prefetch + 1) * per

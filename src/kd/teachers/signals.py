@@ -75,7 +75,7 @@ class LogitsSignal:
             beta=settings.beta,
             skew_alpha=settings.skew_alpha,
         )
-        loss = (1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd
+        loss = losses.mix_ce_kd(ce, kd, settings.kd_ratio)
         return loss, ce, kd
 
     def labelled_hidden(self, index: torch.Tensor | None) -> torch.Tensor:

@@ -327,7 +327,7 @@ def evaluate(
     ce, kd = ce / n, kd / n * settings.temperature**2
     terms = {name: extra[2 * i] / max(extra[2 * i + 1], 1.0) for i, name in enumerate(names)}
     return ValStats(
-        loss=(1.0 - settings.kd_ratio) * ce + settings.kd_ratio * kd,
+        loss=losses.mix_ce_kd(ce, kd, settings.kd_ratio),
         ce_loss=ce,
         kd_loss=kd,
         top1_agreement=agree / n if teacher is not None else None,

@@ -43,7 +43,7 @@ HIDDEN_TERM = "hidden_loss"
 __all__ = [
     "HIDDEN_LOSSES",
     "HIDDEN_TERM",
-    "HiddenSignal",
+    "HiddenStateSignal",
     "HiddenStateTeacher",
     "Point",
     "check_layer_map",
@@ -184,7 +184,7 @@ def hidden_state_loss(
 
 
 @dataclass
-class HiddenSignal:
+class HiddenStateSignal:
     """A :class:`LogitsSignal` plus the mapped hidden states of both models.
 
     Attributes:
@@ -301,7 +301,7 @@ class HiddenStateTeacher(Teacher):
         self.projections = projections
         return projections
 
-    def signal(self, batch: TeacherInput) -> HiddenSignal:
+    def signal(self, batch: TeacherInput) -> HiddenStateSignal:
         if not self.pairs:
             raise RuntimeError("HiddenStateTeacher.bind_student must run before signal")
         self._teacher.clear()
@@ -309,7 +309,7 @@ class HiddenStateTeacher(Teacher):
         missing = [s for s, _ in self.pairs if s not in self._student]
         if missing:
             raise RuntimeError(f"the student's forward did not reach the mapped points {missing}")
-        signal = HiddenSignal(
+        signal = HiddenStateSignal(
             base=logits,
             student_states=[self._student[s] for s, _ in self.pairs],
             teacher_states=[self._teacher[t] for _, t in self.pairs],
@@ -327,6 +327,15 @@ class HiddenStateTeacher(Teacher):
 
     def check_loaded(self) -> None:
         self.inner.check_loaded()
+
+    def after_step(self, step: int) -> None:
+        self.inner.after_step(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
 
     def generator_for(self, route: str | None) -> nn.Module | None:
         return self.inner.generator_for(route)
