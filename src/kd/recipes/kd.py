@@ -40,8 +40,7 @@ from kd.errors import brief
 from kd.memory.plan import MemoryPlan
 from kd.memory.run_check import check_run_memory
 from kd.metrics import PhaseTimer, progress_bar
-from kd.rollouts.base import RolloutStopped, Sampler
-from kd.rollouts.build import sampler_for
+from kd.rollouts.base import RolloutStopped
 from kd.runtime import distributed
 from kd.runtime.checkpoints import Progress, check_loaded_weights_finite
 from kd.runtime.distributed import WorldInfo
@@ -59,13 +58,10 @@ log = logging.getLogger("kd")
 class KDRecipe:
     """Distil the teacher into ``model`` (the student). See the module docstring for knobs.
 
-    Phases: :meth:`preload` (checks, no weight, nothing written), :meth:`load` (weights, optimizer,
-    resume state, outputs), :meth:`train` (the loop; one optimizer step is :meth:`train_step`).
-    It holds a teacher (:mod:`kd.teachers`: a model, a file of top-k log-probs...), a student, a
-    validator (:class:`kd.training.evaluate.Validator`), an on-policy sampler
-    (:class:`kd.training.on_policy.OnPolicyBatches`) and a checkpointer
-    (:class:`kd.runtime.run_checkpointer.RunCheckpointer`), and never asks which kind of
-    teacher it holds.
+    Phases: :meth:`preload` (checks, no weight), :meth:`load` (weights, optimizer, resume state,
+    outputs), :meth:`train` (the loop; one optimizer step is :meth:`train_step`). It holds a
+    teacher, a student, a validator, an on-policy component (its sampler inside) and a
+    checkpointer, and never asks which kind of teacher or sampler it holds.
     """
 
     def __init__(self, run: RunConfig, *, world: WorldInfo, config_name: str = ""):
@@ -93,19 +89,11 @@ class KDRecipe:
 
     # ------------------------------------------------------------ 1. before any weight
     def preload(self) -> None:
-        """Every check that needs no weight, cheapest first; reads inputs, writes nothing.
-
-        ``kd validate`` runs exactly this. Fails on: the device, the tokenizer (its files, a test
-        encoding, its ids against both models' vocabularies from meta-device shapes), each
-        checkpoint's config.json against its safetensors headers, the memory plan against the
-        budget, output_dir (in use by another run, or holding another run's outputs without resume
-        or overwrite), the resume state, the data (readable, non-empty, labelled, long enough
-        for one optimizer step per rank; the validation data readable, non-empty and labelled),
-        and the teacher's own checks (a store of top-k log-probs against the data).
-        """
+        """Every check that needs no weight, cheapest first (``kd validate`` runs exactly this):
+        device, memory plan, tokenizer and both models' shapes, output_dir and the resume state,
+        the data, the teacher's and the sampler's own checks, the schedule. Writes nothing."""
         run, ctx = self.run, self.ctx
         ctx.check_device()
-        # before anything is built
         self.plan = check_run_memory(run, ctx.world, config_name=self.config_name)
         self.tokenizer = ctx.tokenizer()
         teacher_reads = self.teacher_source.reads if self.teacher_source is not None else ()
@@ -122,7 +110,7 @@ class KDRecipe:
         if self.teacher_source is not None:
             self.teacher_source.check(ctx, self.facts, self.dataset)
         if run.on_policy is not None:  # a server probed, settings the sampler cannot honour
-            self._sampler(run).check()
+            on_policy.run_sampler(run, ctx, self.facts, self.tokenizer, self.output_dir).check()
         if run.validation is not None:
             self.val_dataset = ctx.dataset(
                 run.validation.dataset, self.tokenizer, key=VALIDATION_DATASET
@@ -202,41 +190,20 @@ class KDRecipe:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         if run.on_policy is not None:
-            self.on_policy = on_policy.OnPolicyBatches(
-                run.on_policy,
-                sampler=self._sampler(self.run),
-                tokenizer=self.tokenizer,
-                seed=int(self.run.seed or 0),
-                max_seq_len=run.max_seq_len,
-                vocab_limit=self._vocab_limit(),
-                world=self.world,
-                device=self.device,
+            self.on_policy = on_policy.OnPolicyBatches.for_run(
+                self.run,
+                self.ctx,
+                self.facts,
+                self.tokenizer,
+                self.output_dir,
+                state=self.rollout_state,
             )
-            self.on_policy.load_state_dict(self.rollout_state)
             self.on_policy.start(self.student, self.global_step)
         if self.world.is_rank_zero:
             resume_step = self.global_step if self.resume_from is not None else None
             self.log = RunLog(
                 self.ctx, self.output_dir, config_yaml=self.run.yaml, resume_step=resume_step
             )
-
-    def _vocab_limit(self) -> int:
-        """On-policy sampling draws only ids every model and the tokenizer know."""
-        return min(self.facts.tokenizer_max + 1, self.facts.shared_vocab)
-
-    def _sampler(self, run: RunConfig) -> Sampler:
-        """The run's sampler of the student's completions (``on_policy.sampler``)."""
-        return sampler_for(
-            run,
-            tokenizer=self.tokenizer,
-            seed=int(run.seed or 0),
-            vocab_limit=self._vocab_limit(),
-            world=self.world,
-            device=self.device,
-            output_dir=self.output_dir,
-            student=self.ctx.student_source(self.facts),
-            student_vocab=self.facts.student_vocab,
-        )
 
     def _route_field(self) -> str | None:
         """The data field batches carry for the teacher (``TeacherInput.route``), if any."""
@@ -301,17 +268,7 @@ class KDRecipe:
                     bar.update(1)
                     self._after_step(bar)  # the teacher and the sampler follow the step's weights
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
-                        lr = float(self.optimizer.param_groups[0]["lr"])
-                        plan = self.plan.peak_gib if self.plan is not None else None
-                        rollouts = self.on_policy.step_metrics(step) if self.on_policy else {}
-                        self.log.write_step(
-                            stats,
-                            step=step,
-                            epoch=self.epoch,
-                            lr=lr,
-                            planned_peak_gib=plan,
-                            extra=rollouts,
-                        )
+                        self._log_step(stats, step)
                     # Before the step save: its resume state holds this evaluation.
                     evaluated = self.validator is not None and self.validator.due(step)
                     if evaluated:
@@ -319,9 +276,9 @@ class KDRecipe:
                     if every is not None and step % every == 0:
                         saved = (step, self.save(final=False))
                     last = step == self.total_steps  # then final/ is the save
-                    if evaluated and not last and self._should_stop_early():
+                    if evaluated and not last and self.validator.tracker.should_stop:
                         bar.close()
-                        self._stop_early(stop)
+                        self._finish(stop, early=True)
                         return
                     if distributed.any_rank(stop.requested, device=self.device) and not last:
                         bar.close()
@@ -330,18 +287,7 @@ class KDRecipe:
                         )
                         return
             bar.close()
-            # Inside GracefulStop: a signal now waits for final/ to be complete.
-            stop.action = "finishing the final save"
-            if self.validator is not None and self.validator.tracker.last_step != self.global_step:
-                self.validate()  # the end of training (unless this step was just evaluated)
-            final = self.save(final=True)
-            self._evaluate(final)
-            if stop.requested and self.world.is_rank_zero:
-                print(
-                    f"kd: received {stop.signal_name} at the end of training; saved {final} "
-                    "(the run is complete)",
-                    file=sys.stderr,
-                )
+            self._finish(stop, early=False)
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> train.StepStats:
         """One optimizer step over ``batches`` (the micro-batches of this rank), each as the step
@@ -401,10 +347,18 @@ class KDRecipe:
             batches = self.on_policy.look_ahead(batches, per_step=self.run.optimizer.grad_accum)
         return batches
 
+    def _log_step(self, stats: train.StepStats, step: int) -> None:
+        """Rank 0's row of optimizer step ``step`` (with the sampler's wait and lag)."""
+        plan = self.plan.peak_gib if self.plan is not None else None
+        extra = self.on_policy.step_metrics(step) if self.on_policy is not None else {}
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.log.write_step(
+            stats, step=step, epoch=self.epoch, lr=lr, planned_peak_gib=plan, extra=extra
+        )
+
     def _after_step(self, bar: Any) -> None:
-        """After the step just counted: the teacher's ``after_step``; the on-policy sampler takes
-        the weights (a served sampler pushes them), and one that cannot stops the run with this
-        step saved."""
+        """After the step just counted: the teacher's ``after_step``; the sampler takes the weights
+        (a served one pushes them); one that cannot stops the run with this step saved."""
         if self.teacher is not None:
             self.teacher.after_step(self.global_step)
         if self.on_policy is None:
@@ -426,51 +380,48 @@ class KDRecipe:
 
     def validate(self) -> evaluate.ValStats:
         """Evaluate on the validation set (all ranks), log the row, and keep ``best/`` when the
-        followed metric improved. Collective when distributed."""
-        validator = self.validator
-        assert validator is not None
-        stats, best_due = validator.evaluate(self.student, self.teacher, step=self.global_step)
-        if self.world.is_rank_zero:
-            row = {"step": self.global_step, "epoch": self.epoch, **stats.metrics()}
-            self.log.write(row)
-        tracker = validator.tracker
-        if best_due and tracker.best is not None:
-            self.checkpointer.save_best(
-                self.student,
-                self._progress(),
-                metric=tracker.metric,
-                value=tracker.best,
-                mode=tracker.mode,
-            )
-        return stats
-
-    def _should_stop_early(self) -> bool:
-        return self.validator is not None and self.validator.tracker.should_stop
-
-    def _stop_early(self, stop: GracefulStop) -> None:
-        """Early stopping: save final/ and say why training stopped."""
+        followed metric improved (:meth:`kd.training.evaluate.Validator.run`)."""
         assert self.validator is not None
+        return self.validator.run(
+            self.student,
+            self.teacher,
+            step=self.global_step,
+            epoch=self.epoch,
+            write=self.log.write if self.log is not None else None,
+            save_best=lambda **best: self.checkpointer.save_best(
+                self.student, self._progress(), **best
+            ),
+        )
+
+    def _finish(self, stop: GracefulStop, *, early: bool) -> None:
+        """The end of training (inside GracefulStop: a signal now waits for final/ to be
+        complete): the last validation (unless this step was just evaluated), final/, ``eval:``,
+        then why training stopped (early stopping, or a signal during the final save)."""
         stop.action = "finishing the final save"
+        validator = self.validator
+        if not early and validator is not None and validator.tracker.last_step != self.global_step:
+            self.validate()
         final = self.save(final=True)
         self._evaluate(final)
-        if self.world.is_rank_zero:
-            print(
-                self.validator.stop_message(
-                    step=self.global_step,
-                    total_steps=self.total_steps,
-                    best_dir=self.output_dir / checkpoint.BEST_DIRNAME,
-                    final=final,
-                ),
-                file=sys.stderr,
+        if not self.world.is_rank_zero or not (early or stop.requested):
+            return
+        if early:
+            assert validator is not None
+            best = self.output_dir / checkpoint.BEST_DIRNAME
+            why = validator.stop_message(
+                step=self.global_step, total_steps=self.total_steps, best_dir=best, final=final
             )
+        else:
+            why = f"kd: received {stop.signal_name} at the end of training; saved {final} "
+            why += "(the run is complete)"
+        print(why, file=sys.stderr)
 
     def _evaluate(self, final: Path | None) -> None:
         """``eval:``: rank 0 scores ``final/`` on lm-eval's tasks (table, eval.json, a metrics
         row at the last step)."""
         if self.final_eval is None or final is None or not self.world.is_rank_zero:
             return
-        # The run is saved: the trained models and the optimizer leave the device before final/
-        # loads, so the evaluation holds one model (not planned by kd plan: docs/eval.md).
+        # The run is saved: the models and the optimizer leave the device before final/ loads.
         if self.teacher is not None:
             self.teacher.close()
             self.teacher = None
@@ -482,9 +433,7 @@ class KDRecipe:
     # ------------------------------------------------------------ checkpoints and exit
     def save(self, *, final: bool) -> Path | None:
         """Write the student in HF format (and, for step checkpoints, the full resume state).
-
-        Collective when distributed: every rank calls it; rank 0 writes.
-        """
+        Collective when distributed: every rank calls it; rank 0 writes."""
         return self.checkpointer.save(
             self.student, self.optimizer, self.lr_scheduler, self._progress(), final=final
         )
@@ -510,15 +459,9 @@ class KDRecipe:
             )
 
     def cleanup(self, *, failing: bool = False) -> None:
-        """Close the metric sinks and the teacher, and leave the process group.
-
-        Args:
-            failing: an error is on its way out; a logger's failure to close is then only logged,
-                so the first error is the one reported.
-
-        Raises:
-            KDUserError: the metric logger's ``close()`` failed (when not ``failing``).
-        """
+        """Close the metric sinks, the sampler and the teacher, and leave the process group;
+        while an error is on its way out (``failing``) a logger's failure to close is only logged,
+        so the first error is the one reported (else it raises KDUserError)."""
         try:
             if self.log is not None:
                 self.log.close(failing=failing)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -466,6 +466,27 @@ class Validator:
         (said on the ``kd`` logger when ``say``)."""
         if not self.tracker.load_state_dict(state) and say:
             log.info("%s holds no best %s: it starts over", ckpt, self.tracker.metric)
+
+    def run(
+        self,
+        student: nn.Module,
+        teacher: Teacher | None,
+        *,
+        step: int,
+        epoch: int,
+        write: Callable[[dict[str, Any]], None] | None,
+        save_best: Callable[..., Any],
+    ) -> ValStats:
+        """:meth:`evaluate` at optimizer step ``step`` (all ranks), its row written by ``write``
+        (rank 0's metric sinks; None on the other ranks), and ``save_best(metric=, value=,
+        mode=)`` called when the followed metric improved. Collective when distributed."""
+        stats, best_due = self.evaluate(student, teacher, step=step)
+        if write is not None:
+            write({"step": step, "epoch": epoch, **stats.metrics()})
+        tracker = self.tracker
+        if best_due and tracker.best is not None:
+            save_best(metric=tracker.metric, value=tracker.best, mode=tracker.mode)
+        return stats
 
     def due(self, step: int) -> bool:
         """Whether ``validation.every_n_steps`` evaluates after optimizer step ``step``."""

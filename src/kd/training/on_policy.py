@@ -32,20 +32,23 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from kd import models
-from kd.config.run import OnPolicySettings
+from kd.config.run import OnPolicySettings, RunConfig
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
 from kd.rollouts import sampling
 from kd.rollouts.base import Completions, Prompts, Sampler
+from kd.rollouts.build import sampler_for
 from kd.rollouts.sampling import derive_seed, row_generators, stop_token_ids
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
+from kd.runtime.run_context import ModelFacts, RunContext
 from kd.teachers import Teacher
 
 log = logging.getLogger("kd")
@@ -222,6 +225,30 @@ class _Ahead:
     done: dict[int, Completions] | None = None
 
 
+def run_sampler(
+    run: RunConfig, ctx: RunContext, facts: ModelFacts, tokenizer: object, output_dir: Path
+) -> Sampler:
+    """The run's sampler of the student's completions (``on_policy.sampler``,
+    :func:`kd.rollouts.build.sampler_for`): it draws only ids every model and the tokenizer know,
+    and a served one writes the student as :meth:`RunContext.student_source` says."""
+    return sampler_for(
+        run,
+        tokenizer=tokenizer,
+        seed=int(run.seed or 0),
+        vocab_limit=vocab_limit(facts),
+        world=ctx.world,
+        device=ctx.device,
+        output_dir=output_dir,
+        student=ctx.student_source(facts),
+        student_vocab=facts.student_vocab,
+    )
+
+
+def vocab_limit(facts: ModelFacts) -> int:
+    """On-policy sampling draws only ids every model and the tokenizer know."""
+    return min(facts.tokenizer_max + 1, facts.shared_vocab)
+
+
 class OnPolicyBatches:
     """The on-policy component of a run: per optimizer step, for each micro-batch the dataset's
     ``(tokens, labels)`` or a model's completions of its prompts. The student's completions come
@@ -277,6 +304,34 @@ class OnPolicyBatches:
         self._versions: list[int] = []  # the weight versions this step's completions came from
         # The step's own row: the sampler's lag and wait (asynchronous or served sampling).
         self.reports_lag = settings.async_steps > 0 or sampler.kind != "local"
+
+    @classmethod
+    def for_run(
+        cls,
+        run: RunConfig,
+        ctx: RunContext,
+        facts: ModelFacts,
+        tokenizer: object,
+        output_dir: Path,
+        *,
+        state: dict[str, Any],
+    ) -> OnPolicyBatches:
+        """The run's component (``run.on_policy`` set), its sampler built by :func:`run_sampler`
+        and its resume ``state`` (:meth:`state_dict` of the checkpoint; empty on a fresh run)
+        restored."""
+        assert run.on_policy is not None
+        made = cls(
+            run.on_policy,
+            sampler=run_sampler(run, ctx, facts, tokenizer, output_dir),
+            tokenizer=tokenizer,
+            seed=int(run.seed or 0),
+            max_seq_len=run.max_seq_len,
+            vocab_limit=vocab_limit(facts),
+            world=ctx.world,
+            device=ctx.device,
+        )
+        made.load_state_dict(state)
+        return made
 
     # ---------------------------------------------------------------- the recipe's calls
     def start(self, student: nn.Module, step: int) -> None:
