@@ -14,10 +14,11 @@ from kd import _torchtune as tt
 from kd import models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
+from kd.rollouts import prompts as prompt_rows
 from kd.rollouts import sampling
 from kd.runtime.prepare import prepare_student
 from kd.testing import TinyModel, write_tiny_model
-from kd.training import on_policy, train
+from kd.training import train
 from kd.training.on_policy import Completions, Prompts
 
 IGN = -100
@@ -111,7 +112,7 @@ def sampled() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, torch.Ten
         vocab_limit=None,
         generators=sampling.row_generators(0, 0, [0, 1, 2, 3], device=CPU),
     )
-    tokens, labels = on_policy.training_batch(prompts, done, pad_id=PAD)
+    tokens, labels = prompt_rows.training_batch(prompts, done, pad_id=PAD)
     labels = train.shift_labels(labels)
     # The batch has prompts and right padding of different lengths.
     assert len(set(done.lengths.tolist())) > 1 or len(set(prompts.lengths.tolist())) > 1
@@ -249,7 +250,7 @@ def test_prompt_starts_single_and_multi_turn():
             [3, 4, IGN, IGN, IGN, IGN, IGN, IGN],  # labelled from the first token: no prompt
         ]
     )
-    assert on_policy.prompt_starts(labels).tolist() == [3, 6, 1, 8, 0]
+    assert prompt_rows.prompt_starts(labels).tolist() == [3, 6, 1, 8, 0]
 
 
 def test_prompts_of_left_pads_the_last_answers_prompt():
@@ -265,7 +266,7 @@ def test_prompts_of_left_pads_the_last_answers_prompt():
             [IGN, IGN, 23, 24, IGN, IGN, 27, 28],
         ]
     )
-    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
+    p = prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
     assert p.tokens.tolist() == [[0, 0, 0, 11, 12, 13], [21, 22, 23, 24, 25, 26]]
     assert p.mask.tolist() == [[False] * 3 + [True] * 3, [True] * 6]
     assert p.lengths.tolist() == [3, 6]
@@ -283,7 +284,7 @@ def test_prompts_of_truncation_keeps_the_last_tokens_and_counts():
             [IGN, IGN, 33, IGN, IGN, IGN],
         ]
     )
-    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=3, rows=[0, 1, 2])
+    p = prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=3, rows=[0, 1, 2])
     assert p.tokens.tolist() == [[12, 13, 14], [21, 22, 23], [0, 31, 32]]
     assert p.lengths.tolist() == [3, 3, 2]
     assert p.truncated == 1
@@ -293,7 +294,7 @@ def test_prompts_of_refuses_a_row_without_prompt_naming_it():
     tokens = torch.tensor([[11, 12, 13], [21, 22, 23]])
     labels = torch.tensor([[IGN, 12, 13], [21, 22, 23]])
     with pytest.raises(KDUserError, match=r"^dataset: row 42 has no prompt.*train_on_input"):
-        on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[7, 42])
+        prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[7, 42])
 
 
 def test_prompts_of_a_row_without_labels_drops_the_batch_padding():
@@ -301,7 +302,7 @@ def test_prompts_of_a_row_without_labels_drops_the_batch_padding():
     batch's longer rows added on its right."""
     tokens = torch.tensor([[11, 12, 13, PAD, PAD], [21, 22, 23, 24, 25]])
     labels = torch.tensor([[IGN] * 5, [IGN, IGN, 23, 24, IGN]])
-    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
+    p = prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
     assert p.lengths.tolist() == [3, 2]
     assert p.tokens[0].tolist() == [11, 12, 13]
     assert p.tokens[1, 1:].tolist() == [21, 22]
@@ -330,21 +331,21 @@ def test_a_labelled_assistant_header_belongs_to_the_prompt(assets, tmp_path):
     row = [1, 2, 3, *header, *answer, 5]
     tokens = torch.tensor([row, [1, 2, 3, 4, *answer, 5, *([PAD] * (h - 1))]])
     labels = torch.tensor([[IGN] * 3 + row[3:], [IGN] * 4 + answer + [5] + [IGN] * (h - 1)])
-    p = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1], header=header)
+    p = prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1], header=header)
     assert p.lengths.tolist() == [3 + h, 4]
     assert p.tokens[0].tolist() == [1, 2, 3, *header]
-    without = on_policy.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
+    without = prompt_rows.prompts_of(tokens, labels, pad_id=PAD, max_len=None, rows=[0, 1])
     assert without.lengths.tolist() == [3, 4]
 
 
 def test_check_prompts_checks_a_spread_sample_including_the_last_row():
     good = {"tokens": [1, 2, 3], "labels": [IGN, 2, 3]}
     bad = {"tokens": [1, 2, 3], "labels": [1, 2, 3]}
-    on_policy.check_prompts([good] * 100)
+    prompt_rows.check_prompts([good] * 100)
     with pytest.raises(KDUserError, match=r"^val: row 99 has no prompt"):
-        on_policy.check_prompts([good] * 99 + [bad], key="val")
+        prompt_rows.check_prompts([good] * 99 + [bad], key="val")
     with pytest.raises(KDUserError, match=r"^dataset: row 0 has no prompt"):
-        on_policy.check_prompts([bad] + [good] * 99)
+        prompt_rows.check_prompts([bad] + [good] * 99)
 
 
 # ------------------------------------------------------------------------------------- sampler
@@ -628,7 +629,7 @@ def test_training_batch_labels_the_completion_only():
         lengths=torch.tensor([3, 4, 2]),
         steps=4,
     )
-    tokens, labels = on_policy.training_batch(prompts, completions, pad_id=PAD)
+    tokens, labels = prompt_rows.training_batch(prompts, completions, pad_id=PAD)
     assert tokens.tolist() == [
         [11, 12, 13, 41, 42, 7],
         [21, 51, 52, 53, 54, 0],

@@ -21,11 +21,8 @@ ALLOWED = {
     "kd/teachers/stored_logits.py",
     "kd/config/run.py",
     "kd/memory/fake_step.py",
-    "kd/memory/plan.py",
-    "kd/memory/fake_step.py::build_fake_step",
     "kd/memory/plan.py::table",
     # the rollout interface reshapes the on-policy batches (issue 37)
-    "kd/training/on_policy.py::inputs",
 }
 
 

@@ -40,6 +40,7 @@ from kd.errors import brief
 from kd.memory.plan import MemoryPlan
 from kd.memory.run_check import check_run_memory
 from kd.metrics import PhaseTimer, progress_bar
+from kd.rollouts import prompts
 from kd.rollouts.base import RolloutStopped
 from kd.runtime import distributed
 from kd.runtime.checkpoints import Progress, check_loaded_weights_finite
@@ -106,7 +107,7 @@ class KDRecipe:
         self.resume_from = found.checkpoint if found is not None else None
         self.dataset = ctx.dataset(run.components["dataset"], self.tokenizer, key="dataset")
         if run.on_policy is not None:
-            on_policy.check_prompts(self.dataset, key="dataset")
+            prompts.check_prompts(self.dataset, key="dataset")
         if self.teacher_source is not None:
             self.teacher_source.check(ctx, self.facts, self.dataset)
         if run.on_policy is not None:  # a server probed, settings the sampler cannot honour
