@@ -16,7 +16,7 @@ temperature and top-p, SmolLM2's end-of-turn / end-of-text ids as stop ids:
   preallocated cache, finished rows leaving).
 
 Tokens counted: completion tokens up to and including the stop (what training uses). Medians
-over ``--repeats``; the methods alternate within each repeat. Float32, ``--threads`` threads.
+over ``--repeats``; the methods alternate within each repeat, their order rotating. Float32, ``--threads`` threads.
 
     python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --doc
 """
@@ -238,11 +238,14 @@ def tt_setup(folder: Path, args):
 
 def measure(methods: dict, repeats: int) -> dict[str, float]:
     rates: dict[str, list[float]] = {k: [] for k in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
+    names = list(methods)
+    for rep in range(repeats):  # the order rotates: a first call's warm-up is not one method's
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            fn = methods[name]
             t0 = time.perf_counter()
             n = fn()
             rates[name].append(n / (time.perf_counter() - t0))
+            print(f"  {name}: {n} tokens, {rates[name][-1]:.1f} tok/s", flush=True)
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
