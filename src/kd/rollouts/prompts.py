@@ -159,12 +159,12 @@ def training_batch(
 def select_rows(prompts: Prompts, sel: Sequence[int]) -> Prompts:
     """The prompts of rows ``sel``, their common left padding removed."""
     index = torch.tensor(list(sel), dtype=torch.long)
-    lengths = prompts.lengths.indexselect_rows(0, index.to(prompts.lengths.device))
+    lengths = prompts.lengths.index_select(0, index.to(prompts.lengths.device))
     width = int(lengths.max())
     index = index.to(prompts.tokens.device)
     return Prompts(
-        tokens=prompts.tokens.indexselect_rows(0, index)[:, -width:],
-        mask=prompts.mask.indexselect_rows(0, index)[:, -width:],
+        tokens=prompts.tokens.index_select(0, index)[:, -width:],
+        mask=prompts.mask.index_select(0, index)[:, -width:],
         lengths=lengths,
         truncated=prompts.truncated,
     )
