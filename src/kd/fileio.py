@@ -1,5 +1,5 @@
 """Durable file primitives shared by checkpoints (:mod:`kd.checkpoint.store`) and stored teacher
-logits (:mod:`kd.teachers.stored_logits`): content hashes and fsync."""
+logits (:mod:`kd.teachers.store_writer`): content hashes and fsync."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from conftest import make_config, read_metrics, write_config
 from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
 
 from kd import cli
-from kd.teachers import stored_logits
+from kd.teachers import store_format
 from kd.teachers.cross_stored import dense_logprobs
 
 TEACHER_SIZE = 378  # the letter-pair tokenizer's ids (its model has 384 embedding rows)
@@ -81,7 +81,7 @@ def test_store_keeps_the_teachers_tokens_offsets_and_vocabulary(stores):
 
     store = stores[8]
     manifest = json.loads((store / "manifest.json").read_text())
-    assert manifest["version"] == stored_logits.CROSS_VERSION
+    assert manifest["version"] == store_format.CROSS_VERSION
     cross = manifest["cross_tokenizer"]
     assert cross["teacher_size"] == manifest["vocab"] == TEACHER_SIZE
     assert cross["teacher_vocab"]["ab"] == 279  # the teacher's own letter pair

@@ -28,7 +28,7 @@ from conftest import (
 
 from kd import cli
 from kd.errors import KDUserError
-from kd.teachers import stored_logits
+from kd.teachers import store_reader, store_writer
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,7 +163,7 @@ def test_foreign_reader_aligns_with_kds_store(assets, foreign, kd_store):
     rows = _rows(assets)
     picked = [0, 5, 33, 63]
     batch = tt.padded_collate_sft([rows[r] for r in picked], padding_idx=0, ignore_idx=-100)
-    ids, lp = stored_logits.TeacherLogitsReader(kd_store).batch(
+    ids, lp = store_reader.TeacherLogitsReader(kd_store).batch(
         picked, batch["tokens"], batch["labels"], k=K
     )
     for fmt, alpha, alignment in (("axolotl", T_GEN, "next"), ("distillkit", 1.0, "auto")):
@@ -223,12 +223,12 @@ def test_store_with_smaller_teacher_vocab_matches_online(assets, tmp_path):
 def test_precompute_lock(tmp_path):
     folder = tmp_path / "logits"
     folder.mkdir()
-    lock = stored_logits.acquire_lock(folder)
+    lock = store_writer.acquire_lock(folder)
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     # Held by a live process (this one): refused, one line.
     with pytest.raises(KDUserError, match="is being written by another kd run"):
-        stored_logits.acquire_lock(folder)
-    stored_logits.release_lock(lock)
+        store_writer.acquire_lock(folder)
+    store_writer.release_lock(lock)
     assert not lock.exists()
     # Left by a killed precompute on this host: taken over.
     import socket
@@ -242,9 +242,9 @@ def test_precompute_lock(tmp_path):
         text=True,
     )
     lock.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
-    assert stored_logits.acquire_lock(folder) == lock
+    assert store_writer.acquire_lock(folder) == lock
     assert json.loads(lock.read_text())["pid"] == os.getpid()
-    stored_logits.release_lock(lock)
+    store_writer.release_lock(lock)
 
 
 # ----------------------------------------------------------------- alignment (issue 23 item 6)

@@ -41,7 +41,7 @@ from test_teacher_logits import store as kd_store  # noqa: F401 - fixture
 from kd import cli
 from kd.errors import KDUserError
 from kd.fileio import sha256_file
-from kd.teachers import stored_logits
+from kd.teachers import store_format
 from kd.teachers.answer_checks import ZERO_LOGPROB
 from kd.teachers.served import TeacherClient
 from kd.testing_server import TeacherTestServer
@@ -211,7 +211,7 @@ def test_teacher_logits_stores_nothing_of_a_poisoned_answer(
     line = _one_line(capsys)
     assert "adding up to" in line and SERVED_FIX in line, line
     assert not list(store.glob("*.parquet"))
-    assert not json.loads((store / stored_logits.MANIFEST_FILE).read_text())["complete"]
+    assert not json.loads((store / store_format.MANIFEST_FILE).read_text())["complete"]
 
 
 # ------------------------------------------------------------------------- kd's store, read
@@ -219,7 +219,7 @@ def _rewrite(store: Path, dest: Path, names: list[str], edit) -> Path:
     """A copy of ``store`` whose shards ``names`` are rewritten with ``edit(rows)`` applied (the
     manifest's sizes follow, as a store written by another tool or edited with care would)."""
     shutil.copytree(store, dest)
-    manifest_path = dest / stored_logits.MANIFEST_FILE
+    manifest_path = dest / store_format.MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text())
     for name in names:
         shard = dest / name
@@ -229,7 +229,7 @@ def _rewrite(store: Path, dest: Path, names: list[str], edit) -> Path:
         pq.write_table(
             pa.Table.from_pylist(rows, schema=schema),
             shard,
-            row_group_size=stored_logits.ROWS_PER_GROUP,
+            row_group_size=store_format.ROWS_PER_GROUP,
             compression="zstd",
             write_page_checksum=True,
         )
@@ -276,7 +276,7 @@ def test_a_poisoned_store_row_saves_stops_and_names_the_shard_row_and_position(
 ):
     """Shard 1 (rows 16..31, first read at step 3) holds a poisoned row 16: steps 1 and 2 are
     saved, then one line names the shard, the row, the position and the fix."""
-    name = stored_logits.shard_name(0, 1)
+    name = store_format.shard_name(0, 1)
     store = _rewrite(kd_store, tmp_path / "logits", [name], _poison_row(kind, K, STUDENT["vocab"]))
     capsys.readouterr()
     assert _train_from(assets, tmp_path, store) == 2
@@ -303,7 +303,7 @@ def test_a_shard_rewritten_behind_its_manifest_is_named(
     tmp_path,
     capsys,
 ):
-    name = stored_logits.shard_name(0, 0)
+    name = store_format.shard_name(0, 0)
     store = _rewrite(kd_store, tmp_path / "logits", [name], edit)
     capsys.readouterr()
     assert _train_from(assets, tmp_path, store) == 2
@@ -323,7 +323,7 @@ def test_teacher_logits_refuses_to_store_a_poisoned_row(
 ):
     """A teacher whose forward gives NaN (or a top-k with a repeat) at row 17: the shards
     before it are written as they would be, its shard is not, and the store stays incomplete."""
-    original = stored_logits.topk_logprobs
+    original = store_format.topk_logprobs
     calls = []
 
     def poisoned(logits, **kw):
@@ -336,7 +336,7 @@ def test_teacher_logits_refuses_to_store_a_poisoned_row(
                 ids[1, 1] = ids[1, 0]
         return ids, values
 
-    monkeypatch.setattr(stored_logits, "topk_logprobs", poisoned)
+    monkeypatch.setattr(store_format, "topk_logprobs", poisoned)
     folder = tmp_path / "logits"
     config = precompute_config(assets, tmp_path, folder)
     capsys.readouterr()
@@ -346,10 +346,10 @@ def test_teacher_logits_refuses_to_store_a_poisoned_row(
         "teacher_logits.path: the teacher's answer for dataset row 17, labelled position 1" in line
     )
     assert SAID[kind] in line and "nothing of shard rank00000-00001.parquet was written" in line
-    first = stored_logits.shard_name(0, 0)
+    first = store_format.shard_name(0, 0)
     assert sorted(p.name for p in folder.glob("*.parquet")) == [first]
     assert (folder / first).read_bytes() == (kd_store / first).read_bytes()
-    assert not json.loads((folder / stored_logits.MANIFEST_FILE).read_text())["complete"]
+    assert not json.loads((folder / store_format.MANIFEST_FILE).read_text())["complete"]
 
 
 # ------------------------------------------------------------------------- other tools' files
@@ -485,7 +485,7 @@ def test_a_damaged_cross_tokenizer_store_is_one_line(
     tmp_path,
     capsys,
 ):
-    name = stored_logits.shard_name(0, 0)
+    name = store_format.shard_name(0, 0)
     store = _rewrite(x_store, tmp_path / "logits", [name], _cross_edit(kind))
     cfg = cross_cfg(
         assets,

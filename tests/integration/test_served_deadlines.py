@@ -220,7 +220,7 @@ def test_kd_run_against_a_server_turning_slow_saves_and_stops_with_one_line(
 def test_teacher_logits_against_a_server_turning_slow_keeps_its_shards_and_resumes(
     assets, teacher_fn, tokenizer, tmp_path, capsys
 ):
-    from kd.teachers import stored_logits
+    from kd.teachers import store_format, store_manifest
 
     store = tmp_path / "store"
     fill = [f"teacher_logits.path={store}", f"teacher_logits.k={K}"]
@@ -235,13 +235,13 @@ def test_teacher_logits_against_a_server_turning_slow_keeps_its_shards_and_resum
         err = errors(captured.err)
         assert len(err) == 1 and "teacher_server.timeout" in err[0], err
         assert PASSWORD not in captured.out + captured.err
-        first = stored_logits.shard_name(0, 0)
+        first = store_format.shard_name(0, 0)
         assert (store / first).is_file()  # the whole shard is kept
         s.faults.clear()
         asked = s.requests
         assert cli.main(["run", "teacher_logits", "--config", str(config), *fill]) == 0
         assert s.requests - asked == 1 + 64 - 8  # the probe and the rows not kept
-    manifest = stored_logits.read_manifest(store)
+    manifest = store_manifest.read_manifest(store)
     assert manifest["complete"]
     assert PASSWORD not in (store / "manifest.json").read_text()
     assert "***@" in manifest["teacher"]["folder"]

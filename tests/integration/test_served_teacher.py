@@ -306,14 +306,14 @@ def test_teacher_logits_fills_a_store_from_the_server(
     without asking the server."""
     import pyarrow.parquet as pq
 
-    from kd.teachers import stored_logits
+    from kd.teachers import store_manifest
 
     config = served_config(assets, tmp_path, "fill", server.url)
     store = tmp_path / "served_logits"
     fill = [f"teacher_logits.path={store}", f"teacher_logits.k={K}"]
     assert cli.main(["run", "teacher_logits", "--config", str(config), *fill]) == 0
     local = stored_run.parent / "logits"
-    ours, theirs = stored_logits.read_manifest(store), stored_logits.read_manifest(local)
+    ours, theirs = store_manifest.read_manifest(store), store_manifest.read_manifest(local)
     assert ours["complete"] and ours["teacher"]["component"] == "teacher_server vllm tiny-teacher"
     for key in ("num_rows", "k", "vocab", "dataset_fingerprint", "tokenizer_sha256"):
         assert ours[key] == theirs[key], key
@@ -369,7 +369,7 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
     rows were all answered are written, a rerun reads them instead of asking, kd run
     teacher_logits finishes the store (only the missing shards), and then a run needs no
     server at all. Every run equals training from the local teacher's store."""
-    from kd.teachers import stored_logits
+    from kd.teachers import store_format, store_manifest
 
     store = tmp_path / "kept"
     through = {"store": str(store), "store_rows_per_shard": 8}
@@ -379,10 +379,10 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
         asked_first = s.requests
         assert asked_first == 1 + 24  # the probe, then the rows of 3 steps (none asked ahead)
         # 3 steps of 8 rows in order (shuffle false): rows 0..23, shards 0..2 are whole.
-        manifest = stored_logits.read_manifest(store)
+        manifest = store_manifest.read_manifest(store)
         assert manifest is not None and not manifest["complete"]
         written = sorted(p.name for p in store.glob("*.parquet"))
-        assert written == [stored_logits.shard_name(0, i) for i in range(3)]
+        assert written == [store_format.shard_name(0, i) for i in range(3)]
         again = served_config(assets, tmp_path, "again", s.url, **through)
         assert run_kd(again) == 0
         assert s.requests == asked_first + 1  # the probe only: the store answered every row
@@ -393,7 +393,7 @@ def test_write_through_keeps_every_answer_and_later_runs_read_it(
         ]
         assert cli.main(["run", "teacher_logits", "--config", str(again), *fill]) == 0
         assert s.requests == asked_first + 1 + 1 + (64 - 24)  # its probe, the 40 rows missing
-    assert stored_logits.read_manifest(store)["complete"]
+    assert store_manifest.read_manifest(store)["complete"]
     dead = served_config(assets, tmp_path, "serverless", "http://127.0.0.1:9", **through)
     assert run_kd(dead) == 0  # the complete store teaches; the server is neither asked nor needed
     for name in ("first", "again", "serverless"):

@@ -1,5 +1,5 @@
 """Stored teacher logits (issue 15): `kd run teacher_logits` writes the teacher's top-k log-probs
-(kd.teachers.stored_logits), resumes byte for byte after a failure, refuses another config's store; the
+(kd.teachers.store_writer), resumes byte for byte after a failure, refuses another config's store; the
 reader returns them aligned with the shifted labels and refuses damaged or foreign stores."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, write_conf
 from kd import _torchtune as tt
 from kd import cli
 from kd.errors import KDUserError
-from kd.teachers import stored_logits
+from kd.teachers import store_format, store_reader, store_writer
 from kd.training.train import shift_labels
 
 K = 8
@@ -63,19 +63,19 @@ def _dataset(assets):
 def test_store_holds_the_teachers_top_k(assets, store):
     from transformers import AutoModelForCausalLM
 
-    manifest = json.loads((store / stored_logits.MANIFEST_FILE).read_text())
+    manifest = json.loads((store / store_format.MANIFEST_FILE).read_text())
     assert manifest["complete"] and manifest["num_rows"] == 64 and manifest["k"] == K
     assert manifest["vocab"] == STUDENT["vocab"] and manifest["teacher_vocab"] == 320
     assert [s["name"] for s in manifest["shards"]] == [
-        stored_logits.shard_name(0, n) for n in range(4)
+        store_format.shard_name(0, n) for n in range(4)
     ]
-    table = pq.read_table(store / stored_logits.shard_name(0, 1))
+    table = pq.read_table(store / store_format.shard_name(0, 1))
     assert table.column("row").to_pylist() == list(range(16, 32))
     assert str(table.schema.field("logprobs").type) == "list<element: halffloat>"
 
     dataset = _dataset(assets)
     teacher = AutoModelForCausalLM.from_pretrained(assets["teacher"], dtype=torch.float32).eval()
-    reader = stored_logits.TeacherLogitsReader(store)
+    reader = store_reader.TeacherLogitsReader(store)
     rows = [0, 17, 63]
     batch = tt.padded_collate_sft([dataset[r] for r in rows], padding_idx=0, ignore_idx=-100)
     ids, logprobs = reader.batch(rows, batch["tokens"], batch["labels"], k=K)
@@ -102,7 +102,7 @@ def test_store_holds_the_teachers_top_k(assets, store):
 
 def test_killed_precompute_resumes_byte_identical(assets, store, tmp_path, monkeypatch):
     config = precompute_config(assets, tmp_path, tmp_path / "logits")
-    original, written = stored_logits.write_shard, []
+    original, written = store_writer.write_shard, []
 
     def dies_on_the_third(path, **kwargs):
         if len(written) == 2:  # killed while writing shard 3: half a temporary file left
@@ -111,7 +111,7 @@ def test_killed_precompute_resumes_byte_identical(assets, store, tmp_path, monke
         written.append(path.name)
         return original(path, **kwargs)
 
-    monkeypatch.setattr(stored_logits, "write_shard", dies_on_the_third)
+    monkeypatch.setattr(store_writer, "write_shard", dies_on_the_third)
     with pytest.raises(Killed):
         cli.main(["run", "teacher_logits", "--config", str(config)])
     monkeypatch.undo()
@@ -119,16 +119,16 @@ def test_killed_precompute_resumes_byte_identical(assets, store, tmp_path, monke
     assert not partial["complete"] and len(written) == 2
     # The reader refuses the unfinished store.
     with pytest.raises(KDUserError, match="is incomplete"):
-        stored_logits.TeacherLogitsReader(tmp_path / "logits")
+        store_reader.TeacherLogitsReader(tmp_path / "logits")
 
     calls = []
     monkeypatch.setattr(
-        stored_logits,
+        store_writer,
         "write_shard",
         lambda path, **kw: (calls.append(path.name), original(path, **kw)),
     )
     assert cli.main(["run", "teacher_logits", "--config", str(config)]) == 0
-    assert calls == [stored_logits.shard_name(0, 2), stored_logits.shard_name(0, 3)]
+    assert calls == [store_format.shard_name(0, 2), store_format.shard_name(0, 3)]
     assert snapshot(tmp_path / "logits") == snapshot(store)
     # A rerun of a complete store writes nothing and changes nothing.
     calls.clear()
@@ -153,18 +153,18 @@ def test_reader_refuses_damaged_shards_and_changed_rows(assets, store, tmp_path)
     rows = [0, 1]
     batch = tt.padded_collate_sft([dataset[r] for r in rows], padding_idx=0, ignore_idx=-100)
     # A row of other tokens than the stored row.
-    reader = stored_logits.TeacherLogitsReader(store)
+    reader = store_reader.TeacherLogitsReader(store)
     with pytest.raises(KDUserError, match="dataset row 2 differs from the row"):
         reader.batch([0, 2], batch["tokens"], batch["labels"], k=K)
     # Same size, flipped bytes inside the data pages: the page checksums catch it on read.
     damaged = tmp_path / "logits"
     shutil.copytree(store, damaged)
-    shard = damaged / stored_logits.shard_name(0, 0)
+    shard = damaged / store_format.shard_name(0, 0)
     raw = bytearray(shard.read_bytes())
     for i in range(200, 260):
         raw[i] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    reader = stored_logits.TeacherLogitsReader(damaged)
+    reader = store_reader.TeacherLogitsReader(damaged)
     with pytest.raises(KDUserError, match=r"teacher_logits.path: shard .* is damaged"):
         reader.batch(rows, batch["tokens"], batch["labels"], k=K)
     # A rerun of the precompute rewrites exactly the damaged shard.

@@ -16,7 +16,7 @@ from conftest import make_config, read_metrics, write_config
 from test_distributed import _RANK0_ONLY_GUARD, COMPARED, TOL, _assert_same_files
 
 from kd import cli
-from kd.teachers import stored_logits
+from kd.teachers import store_reader
 from kd.testing import run_launch
 
 K = 8
@@ -63,7 +63,7 @@ def test_two_ranks_store_what_one_process_stores(stores):
     assert {s["name"][:9] for s in m2["shards"]} == {"rank00000", "rank00001"}  # a writer per rank
     for key in ("dataset_fingerprint", "tokenizer_sha256", "num_rows", "k", "vocab", "teacher"):
         assert m1[key] == m2[key], key
-    r1, r2 = stored_logits.TeacherLogitsReader(one), stored_logits.TeacherLogitsReader(two)
+    r1, r2 = store_reader.TeacherLogitsReader(one), store_reader.TeacherLogitsReader(two)
     for row in range(r1.num_rows):
         a, b = r1.record(row), r2.record(row)
         assert a.row_hash == b.row_hash and a.num_tokens == b.num_tokens

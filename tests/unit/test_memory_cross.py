@@ -290,10 +290,10 @@ def test_a_cross_store_reads_its_teacher_size_from_the_manifest(pair, tmp_path):
     inputs = inputs_from_run(run_config(cfg))
     assert inputs.knobs.cross_vocab == 1000
     assert any("holds no cross-tokenizer store yet" in n for n in inputs.notes)
-    from kd.teachers import stored_logits
+    from kd.teachers import store_manifest, store_writer
 
     folder.mkdir()
-    spec = stored_logits.StoreSpec(
+    spec = store_manifest.StoreSpec(
         teacher={"component": "kd.hf.causal_lm", "folder": "t", "files": [], "config_sha256": None},
         config_sha256="0",
         tokenizer_sha256="0",
@@ -312,7 +312,7 @@ def test_a_cross_store_reads_its_teacher_size_from_the_manifest(pair, tmp_path):
             "teacher_vocab": {},
         },
     )
-    stored_logits.write_manifest(folder, spec, None)  # as the precompute writes it at its start
+    store_writer.write_manifest(folder, spec, None)  # as the precompute writes it at its start
     assert inputs_from_run(run_config(cfg)).knobs.cross_vocab == 1234
 
 

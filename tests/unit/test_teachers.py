@@ -318,7 +318,8 @@ def test_the_recipe_never_asks_which_teacher_it_holds():
     from kd.config import teacher_kinds as kinds
 
     recipe = (SRC / "recipes" / "kd.py").read_text()
-    names = {"stored_logits", "foreign_logits", "is_hf_model"}
+    names = {"store_format", "store_manifest", "store_reader", "store_writer", "store_folder"}
+    names |= {"foreign_logits", "is_hf_model"}
     for kind in kinds.kinds():
         names.add(kind.teacher.rpartition(".")[2])
         if kind.section is not None:

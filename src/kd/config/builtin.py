@@ -58,7 +58,7 @@ class Recipe:
 # `kd` is the one recipe (1..N ranks) and runs every config, so none is attached to it by name;
 # the other two are torchtune's names for it and list the configs of their scale.
 # `teacher_logits` runs the teacher of any KD config once and stores its top-k log-probs under
-# `teacher_logits.path` (kd.teachers.stored_logits), for `kd run kd` to train from without the teacher.
+# `teacher_logits.path` (kd.teachers.store_format), for `kd run kd` to train from without the teacher.
 _RECIPES: tuple[tuple[Any, ...], ...] = (
     (
         "kd",

@@ -533,7 +533,7 @@ def _own_device(run: RunConfig) -> bool:
 
 
 def _store_manifest(folder: Path) -> dict[str, Any] | None:
-    from kd.teachers.stored_logits import read_manifest
+    from kd.teachers.store_manifest import read_manifest
 
     return read_manifest(folder)
 

@@ -27,9 +27,9 @@ Features (each knob is a config key; defaults live in kd/config/schema.py):
       config aligns and takes GOLD's loss without the teacher.
     - Under torchrun rank r takes rows r, r + W, ... and writes its own shards; the teacher is
       sharded with FSDP2 as in ``kd run kd``.
-    - Atomic and resumable (:mod:`kd.teachers.stored_logits`): a killed run rerun with the same config
-      skips complete shards and writes byte-identical files; a folder holding the store of
-      another config is refused.
+    - Atomic and resumable (:mod:`kd.teachers.store_writer`): a killed run rerun with the same
+      config skips complete shards and writes byte-identical files; a folder holding the store
+      of another config is refused.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 from kd.runtime.prepare import prepare_teacher
 from kd.runtime.run_context import RunContext
-from kd.teachers import ModelTeacher, TeacherInput, store_folder, stored_logits
+from kd.teachers import ModelTeacher, TeacherInput, store_folder, store_format, store_writer
 from kd.teachers.cross import CrossTokenizerSource, CrossTokenizerTeacher
 from kd.teachers.cross_stored import cross_spec
 from kd.teachers.served import ServedTeacher, TeacherClient, check_server, probe_client
@@ -129,7 +129,7 @@ class TeacherLogitsRecipe:
                 f"vocabulary entries; set teacher_logits.k to {vocab} or less"
             )
         self.hashes = [
-            stored_logits.row_hash(ex["tokens"], ex["labels"])
+            store_format.row_hash(ex["tokens"], ex["labels"])
             for ex in (self.dataset[i] for i in range(len(self.dataset)))
         ]
         self.client: TeacherClient | None = None
@@ -201,7 +201,7 @@ class TeacherLogitsRecipe:
     def _todo(self) -> tuple[list[tuple[str, list[int]]], int]:
         """This rank's shards that are not in place and whole yet, and how many are."""
         entries = {e["name"]: e for e in (self.manifest or {}).get("shards", [])}
-        layout = stored_logits.rank_shards(
+        layout = store_format.rank_shards(
             len(self.dataset),
             world_size=self.world.world_size,
             rank=self.world.rank,
@@ -210,7 +210,7 @@ class TeacherLogitsRecipe:
         todo = [
             (name, rows)
             for name, rows in layout
-            if not stored_logits.shard_done(self.folder / name, rows, entries.get(name))
+            if not store_writer.shard_done(self.folder / name, rows, entries.get(name))
         ]
         return todo, len(layout) - len(todo)
 
@@ -243,7 +243,7 @@ class TeacherLogitsRecipe:
                 self._write(name, shard_rows[name], pending.pop(name))
         distributed.barrier()
         if self.world.is_rank_zero:
-            stored_logits.complete_manifest(self.folder, self.spec)
+            store_writer.complete_manifest(self.folder, self.spec)
             log.info(
                 "teacher_logits: %d rows, top-%d log-probs (T=%g) in %s",
                 self.spec.num_rows,
@@ -275,12 +275,12 @@ class TeacherLogitsRecipe:
         out = []
         for b, ex in enumerate(examples):
             n = len(ex["tokens"])
-            positions = stored_logits.labelled_positions(batch["labels"][b, :n]).to(self.device)
+            positions = store_format.labelled_positions(batch["labels"][b, :n]).to(self.device)
             h = signal.hidden[b, positions]  # [n_labelled, d]
             ids, lps = [], []
             for start in range(0, h.size(0), chunk):
                 logits = signal.logits(h[start : start + chunk])
-                i, lp = stored_logits.topk_logprobs(
+                i, lp = store_format.topk_logprobs(
                     logits, vocab=spec.vocab, temperature=spec.temperature, k=spec.k
                 )
                 ids.append(i.cpu())
@@ -307,7 +307,7 @@ class TeacherLogitsRecipe:
         return out
 
     def _write(self, name: str, rows: list[int], results: list[tuple[Any, ...]]) -> None:
-        stored_logits.write_shard(
+        store_writer.write_shard(
             self.folder / name,
             rows=rows,
             hashes=[self.hashes[r] for r in rows],
@@ -332,7 +332,7 @@ def recipe_main(cfg: DictConfig) -> None:
         recipe.compute()
     finally:
         if recipe is not None and recipe.lock is not None:
-            stored_logits.release_lock(recipe.lock)
+            store_writer.release_lock(recipe.lock)
         distributed.destroy()
 
 

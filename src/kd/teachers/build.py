@@ -25,7 +25,7 @@ from kd.config.run import RunConfig, TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.runtime.prepare import prepare_teacher
 from kd.runtime.run_context import ModelFacts, RunContext
-from kd.teachers import foreign_logits, store_folder, stored_logits
+from kd.teachers import foreign_logits, store_folder, store_format, store_manifest, store_reader
 from kd.teachers.base import Teacher
 from kd.teachers.files import StoreTeacher, TeacherLogitsFile
 from kd.teachers.hidden_states import HiddenStateTeacher, check_layer_map
@@ -182,8 +182,8 @@ class StoredTeacherSource:
         temperature and k."""
         settings, run = self.settings, self.run
         rows = (dataset[i] for i in range(len(dataset)))
-        fingerprint = stored_logits.dataset_fingerprint(
-            stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows
+        fingerprint = store_format.dataset_fingerprint(
+            store_format.row_hash(ex["tokens"], ex["labels"]) for ex in rows
         )
         if settings.format != "kd":
             source_t = settings.source_temperature
@@ -204,7 +204,7 @@ class StoredTeacherSource:
                 )
             self.reader = reader
             return
-        store = stored_logits.open_run_store(
+        store = store_reader.open_run_store(
             ctx,
             facts,
             run,
@@ -245,7 +245,7 @@ class ServedTeacherSource:
         self.settings = run.teacher_server
         self.client: TeacherClient | None = None
         self.needs_rows = self.settings.store is not None  # the store is indexed by row
-        self.spec: stored_logits.StoreSpec | None = None
+        self.spec: store_manifest.StoreSpec | None = None
         self.manifest: dict[str, Any] | None = None
         self.hashes: list[str] = []
         self.lengths: list[int] = []
@@ -285,7 +285,7 @@ class ServedTeacherSource:
                 f"{_STORE}=null"
             )
         rows = [dataset[i] for i in range(len(dataset))]
-        self.hashes = [stored_logits.row_hash(ex["tokens"], ex["labels"]) for ex in rows]
+        self.hashes = [store_format.row_hash(ex["tokens"], ex["labels"]) for ex in rows]
         self.lengths = [len(ex["tokens"]) for ex in rows]
         self.spec = store_folder.store_spec(
             run,
@@ -306,7 +306,7 @@ class ServedTeacherSource:
         if s.store is not None:
             assert self.spec is not None, "check() opens the store"
             if self.manifest is not None and self.manifest.get("complete"):
-                reader = stored_logits.TeacherLogitsReader(s.store, key=_STORE)
+                reader = store_reader.TeacherLogitsReader(s.store, key=_STORE)
                 return StoreTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
             lock = store_folder.start_store_folder(s.store, self.spec, self.manifest, key=_STORE)
             store = store_folder.WriteThroughStore(

@@ -328,7 +328,7 @@ class CrossTokenizerTeacher(Teacher):
         self, batch: TeacherInput, *, k: int, temperature: float, chunk: int
     ) -> list[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]]:
         """What a cross-tokenizer store keeps of each row of ``batch``
-        (:func:`kd.teachers.stored_logits.write_shard`): the top-``k`` ids and float32
+        (:func:`kd.teachers.store_writer.write_shard`): the top-``k`` ids and float32
         log-probs at the teacher's labelled tokens, and those tokens, their spans, each one's
         own log-prob, and the student's labelled tokens' spans (the alignment's coordinate)."""
         out = []

@@ -31,7 +31,7 @@ from kd import folders
 from kd.config.run import RunConfig
 from kd.cross_tokenizer import VocabMatch, vocab_match
 from kd.errors import KDUserError
-from kd.teachers import stored_logits
+from kd.teachers import store_format, store_manifest, store_reader
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.cross import (
     CrossTokenizerSignal,
@@ -43,14 +43,14 @@ from kd.teachers.cross import (
 
 __all__ = ["CrossStoredSource", "CrossStoredTeacher", "cross_spec", "dense_logprobs"]
 
-KEY = stored_logits.KEY
+KEY = store_format.KEY
 # The least tail mass kept when the stored entries sum to 1 (fp rounding): finite log-probs.
 _TINY = 1e-30
 
 
 def cross_spec(
-    spec: stored_logits.StoreSpec, source: CrossTokenizerSource, folder: Path
-) -> stored_logits.StoreSpec:
+    spec: store_manifest.StoreSpec, source: CrossTokenizerSource, folder: Path
+) -> store_manifest.StoreSpec:
     """A store's spec for a cross-tokenizer teacher: its own vocabulary and distribution size.
 
     Args:
@@ -71,7 +71,7 @@ def cross_spec(
         teacher_vocab=size,
         cross_tokenizer={
             "teacher_size": size,
-            "teacher_tokenizer_sha256": stored_logits.files_sha256(files),
+            "teacher_tokenizer_sha256": store_format.files_sha256(files),
             "teacher_vocab": vocab,
         },
     )
@@ -120,7 +120,7 @@ class CrossStoredSource:
         assert run.teacher_logits is not None and run.cross_tokenizer is not None
         self.run = run
         self.settings = run.teacher_logits
-        self.reader: stored_logits.TeacherLogitsReader | None = None
+        self.reader: store_reader.TeacherLogitsReader | None = None
         self.match: VocabMatch | None = None
         self.sizes = (0, 0)
 
@@ -129,11 +129,11 @@ class CrossStoredSource:
         max_seq_len, temperature, k, teacher when named; a store holding the teacher's tokens
         and offsets), then match both vocabularies."""
         settings, run = self.settings, self.run  # format: kd (kd.config.teachers)
-        fingerprint = stored_logits.dataset_fingerprint(
-            stored_logits.row_hash(dataset[i]["tokens"], dataset[i]["labels"])
+        fingerprint = store_format.dataset_fingerprint(
+            store_format.row_hash(dataset[i]["tokens"], dataset[i]["labels"])
             for i in range(len(dataset))
         )
-        store = stored_logits.open_run_store(
+        store = store_reader.open_run_store(
             ctx,
             facts,
             run,
@@ -171,7 +171,7 @@ class CrossStoredTeacher(Teacher):
 
     def __init__(
         self,
-        reader: stored_logits.TeacherLogitsReader,
+        reader: store_reader.TeacherLogitsReader,
         *,
         match: VocabMatch,
         sizes: tuple[int, int],

@@ -1,6 +1,6 @@
 """Teachers read from files of top-k log-probs: kd's own store and other tools' files.
 
-Both readers (:class:`kd.teachers.stored_logits.TeacherLogitsReader`, kd's Parquet store;
+Both readers (:class:`kd.teachers.store_reader.TeacherLogitsReader`, kd's Parquet store;
 :class:`kd.teachers.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
 :class:`TeacherLogitsFile`, the one reader interface; :class:`StoreTeacher` turns either into a
 :class:`kd.teachers.Teacher`.

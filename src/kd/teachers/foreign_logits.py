@@ -4,8 +4,8 @@
 without converting it: the file's own token ids are the training data
 (``dataset: {_component_: kd.data.pretokenized_dataset, data_files: FILE_OR_DIR}``, which reads
 the same rows through :func:`kd.row_files.read_rows`) and :class:`ForeignLogitsReader` returns each batch's
-top-k with the interface of :class:`kd.teachers.stored_logits.TeacherLogitsReader`, rows matched by
-:func:`kd.teachers.stored_logits.row_hash` as there.
+top-k with the interface of :class:`kd.teachers.store_reader.TeacherLogitsReader`, rows matched by
+:func:`kd.teachers.store_format.row_hash` as there.
 
 Files: Parquet (``*.parquet``), Arrow IPC as Hugging Face ``datasets.save_to_disk`` writes it
 (``*.arrow``), or JSON lines (``*.jsonl`` / ``*.json``, one object per line); a folder is every
@@ -54,7 +54,7 @@ import torch
 from kd import row_files
 from kd.errors import KDUserError, brief
 from kd.teachers import answer_checks, distillkit_compressed
-from kd.teachers.stored_logits import dataset_fingerprint, labelled_positions, row_hash
+from kd.teachers.store_format import dataset_fingerprint, labelled_positions, row_hash
 
 __all__ = [
     "FORMATS",
@@ -250,7 +250,7 @@ class ForeignLogitsReader:
     Attributes:
         num_rows: rows of the file.
         alignment: the alignment read (``"next"`` or ``"current"``).
-        fingerprint: :func:`kd.teachers.stored_logits.dataset_fingerprint` of its rows.
+        fingerprint: :func:`kd.teachers.store_format.dataset_fingerprint` of its rows.
 
     Raises:
         KDUserError: missing file or column, lengths that do not match, a labelled position
@@ -464,7 +464,7 @@ class ForeignLogitsReader:
         ignore_index: int = -100,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k of a batch aligned with its shifted labels, as
-        :meth:`kd.teachers.stored_logits.TeacherLogitsReader.batch` returns it.
+        :meth:`kd.teachers.store_reader.TeacherLogitsReader.batch` returns it.
 
         Raises:
             KDUserError: a row whose tokens or labels differ from the file's row.

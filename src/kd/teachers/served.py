@@ -570,7 +570,7 @@ def check_server(client: TeacherClient, tokenizer: Any, *, k: int) -> None:
 
 def served_identity(settings: TeacherServerSettings) -> dict[str, Any]:
     """A served teacher's identity in a store's manifest (as
-    :func:`kd.teachers.stored_logits.teacher_identity` gives a local one's): its protocol and model name;
+    :func:`kd.teachers.store_manifest.teacher_identity` gives a local one's): its protocol and model name;
     the URL stands where a local teacher's folder does (a moved server is the same teacher)."""
     return {
         "component": f"teacher_server {settings.api} {settings.model}",

@@ -1,10 +1,10 @@
-"""A folder of kd's store (:mod:`kd.teachers.stored_logits`) being written: what it must hold,
+"""A folder of kd's store (:mod:`kd.teachers.store_format`) being written: what it must hold,
 taking it, and filling it while training asks a served teacher (write-through).
 
 Two writers share this: ``kd run teacher_logits`` (every row, shard by shard, before training)
 and a served teacher with ``teacher_server.store`` (:class:`WriteThroughStore`: each answer the
 server gives during ``kd run kd`` is kept and written as soon as its shard is whole). Both
-identify the store by the same :class:`~kd.teachers.stored_logits.StoreSpec`
+identify the store by the same :class:`~kd.teachers.store_manifest.StoreSpec`
 (:func:`store_spec`), so a store the write-through left unfinished is finished by ``kd run
 teacher_logits`` with the same config (it writes only the missing shards), and a finished one is
 read by ``teacher_logits.path`` like any other.
@@ -27,7 +27,7 @@ from kd import models
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
 from kd.runtime.run_context import ModelFacts, RunContext
-from kd.teachers import stored_logits
+from kd.teachers import store_format, store_manifest, store_reader, store_writer
 from kd.teachers.served import served_identity
 
 __all__ = [
@@ -75,7 +75,7 @@ def store_spec(
     hashes: Sequence[str],
     world_size: int,
     rows_per_shard: int,
-) -> stored_logits.StoreSpec:
+) -> store_manifest.StoreSpec:
     """What a store of this run's teacher holds (a served teacher's ids are the student's).
 
     Args:
@@ -83,7 +83,7 @@ def store_spec(
         ctx: its context (tokenizer node, teacher identity).
         facts: the models' facts (vocabularies; the teacher's weights' source).
         k: top-k entries per labelled position.
-        hashes: :func:`~kd.teachers.stored_logits.row_hash` of every dataset row.
+        hashes: :func:`~kd.teachers.store_format.row_hash` of every dataset row.
         world_size: ranks that write it (rank r writes rows r, r + W, ...).
         rows_per_shard: rows per shard file.
     """
@@ -91,20 +91,20 @@ def store_spec(
     teacher_vocab = facts.student_vocab if served is not None else facts.teacher_vocab
     assert teacher_vocab is not None
     sections = json.dumps(output_sections(run), sort_keys=True, default=str)
-    return stored_logits.StoreSpec(
+    return store_manifest.StoreSpec(
         teacher=served_identity(served)
         if served is not None
-        else stored_logits.run_teacher_identity(
+        else store_manifest.run_teacher_identity(
             ctx, facts.sources.get("teacher_model") or facts.teacher_source
         ),
         config_sha256=hashlib.sha256(sections.encode()).hexdigest(),
-        tokenizer_sha256=stored_logits.files_sha256(models.tokenizer_files(ctx.node("tokenizer"))),
+        tokenizer_sha256=store_format.files_sha256(models.tokenizer_files(ctx.node("tokenizer"))),
         temperature=float(run.loss.temperature),
         k=k,
         vocab=facts.shared_vocab,
         teacher_vocab=teacher_vocab,
         max_seq_len=run.max_seq_len,
-        dataset_fingerprint=stored_logits.dataset_fingerprint(hashes),
+        dataset_fingerprint=store_format.dataset_fingerprint(hashes),
         num_rows=len(hashes),
         world_size=world_size,
         rows_per_shard=rows_per_shard,
@@ -112,7 +112,7 @@ def store_spec(
 
 
 def check_store_folder(
-    folder: Path, spec: stored_logits.StoreSpec, *, key: str
+    folder: Path, spec: store_manifest.StoreSpec, *, key: str
 ) -> dict[str, Any] | None:
     """The store already in ``folder`` (to go on with), or None when there is none yet.
 
@@ -121,13 +121,13 @@ def check_store_folder(
     """
     if folder.exists() and not folder.is_dir():
         raise KDUserError(f"{key}: {folder} is a file; set {key} to a folder")
-    manifest = stored_logits.read_manifest(folder)
+    manifest = store_manifest.read_manifest(folder)
     if manifest is None:
         others = (
             [
                 p.name
                 for p in folder.iterdir()
-                if not p.name.startswith(".tmp_") and p.name != stored_logits.LOCK_FILE
+                if not p.name.startswith(".tmp_") and p.name != store_format.LOCK_FILE
             ]
             if folder.is_dir()
             else []
@@ -138,7 +138,7 @@ def check_store_folder(
                 f"no teacher-logits manifest; set {key} to a new or empty folder"
             )
         return None
-    differ = stored_logits.spec_differences(manifest, spec)
+    differ = store_manifest.spec_differences(manifest, spec)
     if differ:
         what = "the teacher logits" if manifest.get("complete") else "an unfinished store"
         raise KDUserError(
@@ -150,13 +150,13 @@ def check_store_folder(
 
 
 def start_store_folder(
-    folder: Path, spec: stored_logits.StoreSpec, manifest: dict[str, Any] | None, *, key: str
+    folder: Path, spec: store_manifest.StoreSpec, manifest: dict[str, Any] | None, *, key: str
 ) -> Path:
     """Create ``folder``, take its lock (one writer at a time), drop a killed writer's half
     files, and write the incomplete manifest when there is none.
 
     Returns:
-        The lock (:func:`kd.teachers.stored_logits.release_lock` removes it).
+        The lock (:func:`kd.teachers.store_writer.release_lock` removes it).
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -166,11 +166,11 @@ def start_store_folder(
             "write to"
         ) from e
     # One writer per folder (before a stale temporary file of a live writer is removed).
-    lock = stored_logits.acquire_lock(folder, key=key)
+    lock = store_writer.acquire_lock(folder, key=key)
     for stale in folder.glob(".tmp_*"):  # a killed writer's half file
         stale.unlink()
     if manifest is None:
-        stored_logits.write_manifest(folder, spec, None)
+        store_writer.write_manifest(folder, spec, None)
     return lock
 
 
@@ -187,14 +187,14 @@ def row_entries(
     Returns:
         ``ids [n_labelled * k]`` int32 and ``logprobs [n_labelled * k]`` float16.
     """
-    positions = stored_logits.labelled_positions(labels, ignore_index)
+    positions = store_format.labelled_positions(labels, ignore_index)
     return (
         ids[positions].to(torch.int32).flatten().numpy(),
         logprobs[positions].to(torch.float16).flatten().numpy(),
     )
 
 
-class WriteThroughStore(stored_logits.TeacherLogitsReader):
+class WriteThroughStore(store_reader.TeacherLogitsReader):
     """A store filled while a served teacher answers training (one process).
 
     Rows answered wait in memory until every row of their shard has been answered; the shard is
@@ -213,7 +213,7 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
     def __init__(
         self,
         folder: Path,
-        spec: stored_logits.StoreSpec,
+        spec: store_manifest.StoreSpec,
         hashes: Sequence[str],
         *,
         key: str,
@@ -223,23 +223,23 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
         self.lock = lock
         self.spec = spec
         self.hashes = list(hashes)
-        layout = stored_logits.rank_shards(
+        layout = store_format.rank_shards(
             spec.num_rows, world_size=1, rank=0, rows_per_shard=spec.rows_per_shard
         )
         self.layout = dict(layout)
         self.done = {
-            name for name, rows in layout if stored_logits.shard_done(folder / name, rows, None)
+            name for name, rows in layout if store_writer.shard_done(folder / name, rows, None)
         }
-        self.pending: dict[int, stored_logits.Record] = {}
+        self.pending: dict[int, store_format.Record] = {}
 
     def _shard_of(self, row: int) -> str:
-        return stored_logits.shard_name(0, row // self.spec.rows_per_shard)
+        return store_format.shard_name(0, row // self.spec.rows_per_shard)
 
     def holds(self, rows: Sequence[int]) -> bool:
         """Whether every row of ``rows`` is answered here (written, or waiting in memory)."""
         return all(int(r) in self.pending or self._shard_of(int(r)) in self.done for r in rows)
 
-    def record(self, row: int) -> stored_logits.Record:
+    def record(self, row: int) -> store_format.Record:
         waiting = self.pending.get(row)
         return waiting if waiting is not None else super().record(row)
 
@@ -276,7 +276,7 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
             flat_ids, flat_lps = row_entries(
                 labels[i, :n].cpu(), ids[i].cpu(), logprobs[i].cpu(), ignore_index=ignore_index
             )
-            self.pending[row] = stored_logits.Record(
+            self.pending[row] = store_format.Record(
                 self.hashes[row], n, flat_ids.reshape(-1, k), flat_lps.reshape(-1, k)
             )
             if all(r in self.pending for r in self.layout[name]):
@@ -285,7 +285,7 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
     def _write(self, name: str) -> None:
         rows = self.layout[name]
         records = [self.pending.pop(r) for r in rows]
-        stored_logits.write_shard(
+        store_writer.write_shard(
             self.folder / name,
             rows=rows,
             hashes=[rec.row_hash for rec in records],
@@ -298,7 +298,7 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
         )
         self.done.add(name)
         if self.complete:
-            stored_logits.complete_manifest(self.folder, self.spec)
+            store_writer.complete_manifest(self.folder, self.spec)
             log.info(
                 "teacher_server.store: %s is complete (%d rows); later runs read it instead of "
                 "asking the server",
@@ -309,5 +309,5 @@ class WriteThroughStore(stored_logits.TeacherLogitsReader):
     def close(self) -> None:
         """Release the folder (rows answered whose shard is not whole are not kept)."""
         if self.lock is not None:
-            stored_logits.release_lock(self.lock)
+            store_writer.release_lock(self.lock)
             self.lock = None

@@ -2,7 +2,7 @@
 ``format: kd``), written by ``kd run teacher_logits`` or a served teacher's write-through.
 
 Its source is :class:`kd.teachers.build.StoredTeacherSource`; its teacher
-:class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.stored_logits.TeacherLogitsReader`.
+:class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.store_reader.TeacherLogitsReader`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,10 @@ KIND = TeacherKind(
     modules=(
         "teachers/build.py",
         "teachers/files.py",
-        "teachers/stored_logits.py",
+        "teachers/store_format.py",
+        "teachers/store_manifest.py",
+        "teachers/store_writer.py",
+        "teachers/store_reader.py",
         "teachers/store_folder.py",
         "config/checks/features.py",
         "recipes/teacher_logits.py",
