@@ -18,7 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config import teacher_kinds as kinds
-from kd.config.run import OnPolicySettings, RunConfig, run_config
+from kd.config.on_policy_settings import OnPolicySettings
+from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
 from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
