@@ -24,7 +24,7 @@ from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, tiny_model
 from conftest import write_config as write_yaml
 
 from kd import cli
-from kd.config.run import TeacherServerSettings
+from kd.config.teacher_settings import TeacherServerSettings
 from kd.teachers.served import TeacherClient, TeacherUnavailable
 from kd.testing_server import TeacherTestServer, model_logprobs
 

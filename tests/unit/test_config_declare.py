@@ -22,14 +22,10 @@ from kd.config.declare import (
     setting,
     settings,
 )
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.config.parse import fill_defaults
-from kd.config.run import (
-    LossSettings,
-    OnPolicySettings,
-    RunConfig,
-    TeacherLogitsSettings,
-    run_config,
-)
+from kd.config.run import LossSettings, RunConfig, run_config
+from kd.config.teacher_settings import TeacherLogitsSettings
 
 
 def test_each_declared_key_is_in_the_schema_tables():

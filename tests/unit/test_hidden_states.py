@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kd import models
-from kd.config.run import HiddenStateSettings, LossSettings
+from kd.config.run import LossSettings
+from kd.config.teacher_settings import HiddenStateSettings
 from kd.errors import KDUserError
 from kd.scaffold.layer_map import uniform_map
 from kd.teachers import ModelTeacher

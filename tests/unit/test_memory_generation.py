@@ -13,7 +13,7 @@ from test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run
 from test_memory_hf import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
 
 from kd.config import load_config
-from kd.config.run import OnPolicySettings
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.memory import estimate
 from kd.memory.estimate import GEN_PHASE, GIB, PHASES

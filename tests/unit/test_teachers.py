@@ -385,7 +385,7 @@ class _Counting(Teacher):
 def test_teachers_made_of_teachers_pass_the_step_and_the_state_on():
     """Several teachers and a hidden-state teacher hand after_step, state_dict and
     load_state_dict to the teachers they hold; a teacher without state saves {}."""
-    from kd.config.run import HiddenStateSettings
+    from kd.config.teacher_settings import HiddenStateSettings
     from kd.teachers.hidden_states import HiddenStateTeacher
     from kd.teachers.multi import MultiTeacher
 

@@ -5,7 +5,8 @@ resume policy and help text sit beside the attribute it lands in and that attrib
 :mod:`kd.config.schema` derives its key tables (what validation checks, what ``kd init``
 writes, what a resumed run compares) from these fields (:func:`declared_keys`), and
 :func:`kd.config.run.run_config` fills the dataclasses from a config by reading the same fields
-(:func:`build`), so adding a key is one declaration in :mod:`kd.config.run`.
+(:func:`build`), so adding a key is one declaration in :mod:`kd.config.run` or the settings
+module of its section (:mod:`kd.config.teacher_settings`, :mod:`kd.config.on_policy_settings`).
 
 Fields declared with :func:`derived` are computed from the config (``seq_len_source``,
 ``components``...) and fields declared with :func:`group` hold another settings dataclass.
@@ -217,6 +218,16 @@ def frozen_node(node: Any) -> DictConfig | ListConfig | None:
     copy = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
     OmegaConf.set_readonly(copy, True)
     return copy
+
+
+def base_url(cfg: DictConfig, raw: Any) -> str:
+    """Reader of a server's base URL key (``setting(read=...)``): without a trailing ``/``."""
+    return str(raw).rstrip("/")
+
+
+def optional_base_url(cfg: DictConfig, raw: Any) -> str | None:
+    """Reader of a nullable server base URL key: null stays None, else :func:`base_url`."""
+    return None if raw is None else base_url(cfg, raw)
 
 
 def _convert(value: Any, hint: Any) -> Any:

@@ -18,7 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config import teacher_kinds as kinds
-from kd.config.run import OnPolicySettings, RunConfig, run_config
+from kd.config.on_policy_settings import OnPolicySettings
+from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
 from kd.errors import KDUserError, brief
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
@@ -228,9 +229,8 @@ class MemoryPlan:
             "fits" if over <= 0 else f"DOES NOT FIT (over by {over:.2f} GiB)"
         )
 
-    def table(self) -> str:
-        """A readable table: components by phase, share of the budget, the peak and the verdict."""
-        # NOTE: ~80 lines of line formatting, kept in one place so the table reads as printed.
+    def _what_lines(self) -> list[str]:
+        """The table's first lines: the devices, the models, the micro-batch, what else is traced."""
         e, inp, k = self.estimate, self.inputs, self.inputs.knobs
         lines = []
         where = f"world size {k.world_size}, per device" if k.world_size > 1 else "one device"
@@ -268,7 +268,12 @@ class MemoryPlan:
             lines.append(
                 f"  evaluation batch {k.eval_batch} x {k.seq_len} tokens (validation.batch_size)"
             )
-        budget = self.budget_gib
+        return lines
+
+    def _component_lines(self) -> list[str]:
+        """The table's rows: each component by phase, its share of the budget, the totals (and the
+        traced peaks beside the estimate's)."""
+        e, budget, lines = self.estimate, self.budget_gib, []
         phases = e.phase_names
         head = f"  {'component':<18}" + "".join(f"{PHASE_LABELS[p]:>12}" for p in phases)
         head += f"{'% budget':>10}"
@@ -296,12 +301,11 @@ class MemoryPlan:
                 f"  {'estimate (alloc.)':<18}"
                 + "".join(f"{self._trace_est().allocated(p) / GIB:12.2f}" for p in phases)
             )
-        lines.append(
-            f"  peaks: allocated {e.allocated_peak_bytes / GIB:.2f} GiB (tensors), reserved "
-            f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
-            "(+ cuda_runtime); the budget is checked against the device peak"
-        )
-        lines += self._host_lines() + self._teacher_device_lines()
+        return lines
+
+    def _verdict_lines(self) -> list[str]:
+        """The table's last lines: the peak against the budget, the trace's peak, the notes."""
+        e, inp, budget, lines = self.estimate, self.inputs, self.budget_gib, []
         verdict = f"peak {self.peak_gib:.2f} GiB in {self.phase}"
         if budget is None:
             verdict += "; no budget known (set memory.budget_gib or --budget-gib)"
@@ -319,7 +323,19 @@ class MemoryPlan:
             )
         for note in list(inp.notes) + list(e.notes):
             lines.append(f"note: {note}")
-        return "\n".join(lines)
+        return lines
+
+    def table(self) -> str:
+        """A readable table: components by phase, share of the budget, the peak and the verdict."""
+        e = self.estimate
+        lines = self._what_lines() + self._component_lines()
+        lines.append(
+            f"  peaks: allocated {e.allocated_peak_bytes / GIB:.2f} GiB (tensors), reserved "
+            f"{self.reserved_peak_gib:.2f} GiB (+ allocator_slack), device {self.peak_gib:.2f} GiB "
+            "(+ cuda_runtime); the budget is checked against the device peak"
+        )
+        lines += self._host_lines() + self._teacher_device_lines()
+        return "\n".join(lines + self._verdict_lines())
 
 
 # --------------------------------------------------------------------------- run adapter

@@ -32,13 +32,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kd.config.run import RunConfig
 from kd.memory.fake_step import (
-    FrozenSafeMemTracker,
-    TraceResult,
     build_fake_step,
     check_traceable_optimizer,
     fake_friendly,
-    trace_step_phases,
 )
+from kd.memory.trace_phases import FrozenSafeMemTracker, TraceResult, trace_step_phases
 
 
 def trace_run(run: RunConfig, *, world_size: int = 1) -> TraceResult:

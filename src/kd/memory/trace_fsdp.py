@@ -35,12 +35,11 @@ from torch import nn
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
 from kd.memory.fake_step import (
-    TraceResult,
     build_fake_step,
     check_traceable_optimizer,
     fake_friendly,
-    trace_step_phases,
 )
+from kd.memory.trace_phases import TraceResult, trace_step_phases
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ def _served(run: RunConfig, *, student: Any, student_vocab: int | None, **kw: An
 
 # on_policy.sampler -> its builder, called as builder(run, tokenizer=..., seed=..., vocab_limit=...,
 # world=..., device=..., output_dir=...; served: student=, student_vocab=). Every value of
-# kd.config.run.SAMPLERS has one.
+# kd.config.on_policy_settings.SAMPLERS has one.
 SAMPLER_BUILDERS: dict[str, Callable[..., Sampler]] = {"local": _local, "served": _served}
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kd.config.run import OnPolicySettings
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts import sampling
 from kd.rollouts.base import Completions, Prompts

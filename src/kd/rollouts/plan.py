@@ -14,7 +14,7 @@ The teacher's samples (``on_policy.seq_kd``) are always local: the teacher model
 
 from __future__ import annotations
 
-from kd.config.run import OnPolicySettings
+from kd.config.on_policy_settings import OnPolicySettings
 
 __all__ = ["ON_DEVICE", "rollout_rows", "samples_on_device", "student_copy"]
 

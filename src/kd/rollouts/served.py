@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kd.config.run import OnPolicySettings
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped

@@ -14,7 +14,7 @@ from typing import Any
 
 import requests
 
-from kd.config.run import OnPolicySettings
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError, brief, one_line, redact
 from kd.rollouts.base import RolloutStopped
 from kd.teachers.transport import PastDeadline, deadline, deadline_session, request_budget

@@ -21,7 +21,8 @@ from typing import Any
 
 from kd import _torchtune as tt
 from kd.config.checks.self_teacher import template_fields
-from kd.config.run import IGNORE_INDEX, SelfTeacherSettings
+from kd.config.run import IGNORE_INDEX
+from kd.config.teacher_settings import SelfTeacherSettings
 from kd.data import filled_fields
 from kd.errors import KDUserError, one_line
 

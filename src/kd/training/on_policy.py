@@ -1,7 +1,7 @@
 """On-policy distillation (GKD): the student learns on its own completions, scored by the teacher.
 
 Generalised Knowledge Distillation (Agarwal et al. 2024), with TRL ``GKDTrainer``'s knobs
-(``on_policy:``, :class:`kd.config.run.OnPolicySettings`): for each micro-batch a coin with
+(``on_policy:``, :class:`kd.config.on_policy_settings.OnPolicySettings`): for each micro-batch a coin with
 probability ``lmbda`` decides whether the student samples completions of the batch's prompts; the
 teacher then scores those sequences in the ordinary training step and the loss covers the sampled
 tokens only. With ``seq_kd`` the other micro-batches train on the teacher's completions instead of
@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from kd import models
-from kd.config.run import OnPolicySettings, RunConfig
+from kd.config.on_policy_settings import OnPolicySettings
+from kd.config.run import RunConfig
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
 from kd.rollouts import sampling

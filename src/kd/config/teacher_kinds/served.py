@@ -16,7 +16,8 @@ from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantizati
 from kd.errors import redact
 
 if TYPE_CHECKING:
-    from kd.config.run import RunConfig, TeacherServerSettings
+    from kd.config.run import RunConfig
+    from kd.config.teacher_settings import TeacherServerSettings
 
 __all__ = ["KIND", "prefetch_bytes"]
 
