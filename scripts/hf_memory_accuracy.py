@@ -87,7 +87,7 @@ def section(rows: list[Row], command: str, total_s: float) -> str:
         "temporaries. Under FakeTensorMode transformers would build a packed-sequence mask (its",
         "test reads tensor values), which the real step never does; the trace answers that test as",
         "the real step does (`kd.memory.fake_step.fake_friendly_transformers`). The terms were read",
-        "off small models' traces (`tests/unit/test_memory_hf.py` checks them there); these rows",
+        "off small models' traces (`tests/unit/memory/test_hf_terms.py` checks them there); these rows",
         "check them at real size. Like the torchtune rows, they compare with fake CPU tensors, not",
         "a GPU's allocator (see the runtime reserve above).",
         END,

@@ -3,7 +3,11 @@
 
 A test file maps when its path under ``tests/unit`` (or ``tests/integration``), without the
 ``test_`` prefix, names a module or package of ``src/kd``: ``tests/unit/teachers/test_served.py``
--> ``kd/teachers/served.py``, ``tests/unit/test_losses.py`` -> ``kd/losses`` (a package).
+-> ``kd/teachers/served.py``, ``tests/unit/test_losses.py`` -> ``kd/losses`` (a package); or
+that name followed by ``_`` and an aspect (``tests/integration/teachers/test_served_teacher.py``
+-> ``kd/teachers/served.py``; file names stay unique across tests/, as pytest needs). Tests of
+the repository's own rules (``tests/guards``) and of ``scripts/`` (``tests/scripts``) map to no
+module.
 Prints one line per file that does not map (and, with ``--modules``, the modules no unit test
 file maps to); exits 1 when any file does not map.
 
@@ -33,6 +37,16 @@ def target(test: Path, tests: Path) -> tuple[str, ...]:
     return (*parts[:-1], parts[-1].removeprefix("test_"))
 
 
+def maps_to(parts: tuple[str, ...], modules: set[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """The module ``parts`` names: itself, or the longest module of its folder its name starts
+    with followed by ``_`` (an aspect of that module's tests); None when none."""
+    if parts in modules:
+        return parts
+    folder, name = parts[:-1], parts[-1]
+    found = [m for m in modules if m[:-1] == folder and m and name.startswith(m[-1] + "_")]
+    return max(found, key=lambda m: len(m[-1])) if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
@@ -44,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("unit", "integration"):
         for test in sorted((tests / kind).rglob("test_*.py")):
             parts = target(test, tests)
-            if parts in modules:
-                mapped.add(parts)
+            hit = maps_to(parts, modules)
+            if hit is not None:
+                mapped.add(hit)
             else:
                 unmapped.append(test.relative_to(args.root))
     for test in unmapped:

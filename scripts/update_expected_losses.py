@@ -1,7 +1,7 @@
 """Regenerate tests/assets/expected_losses.json, the golden losses of the tiny fixed runs.
 
 The file is the reference every change to the training path must reproduce
-(tests/integration/test_golden_losses.py). Regenerate it only for a change that is meant to alter
+(tests/integration/test_losses_golden.py). Regenerate it only for a change that is meant to alter
 the numbers, and say why in the commit message:
 
     OMP_NUM_THREADS=1 python scripts/update_expected_losses.py

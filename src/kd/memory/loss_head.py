@@ -158,7 +158,7 @@ def unfused_loss_bytes(
 # one side has no unmatched id left and only the divergence on the shared columns runs.
 # Coefficients per divergence (m = M): the forward peak's and the saved part's coefficient of M,
 # and the backward's first-row candidates max(c * M, 12 Vs - c' * M). Derived from the
-# operations and checked against MemTracker on the real code (tests/unit/test_memory_cross.py).
+# operations and checked against MemTracker on the real code (tests/unit/memory/test_loss_head_cross.py).
 _CROSS_MATCHED: dict[str, tuple[int, int, int, int]] = {
     "forward_kl": (20, 4, 8, 4),
     "reverse_kl": (20, 8, 8, 8),

@@ -5,5 +5,5 @@ save and restore at any world size (``checkpoints``, ``run_checkpointer``), SIGT
 (``interrupts``) and a recipe's process entry (``launch``).
 
 Nothing here imports :mod:`kd.teachers`, :mod:`kd.training`, :mod:`kd.memory`'s tracers or
-:mod:`kd.recipes` (``tests/unit/test_layers.py``). Importing this package imports no torch.
+:mod:`kd.recipes` (``tests/guards/test_layers.py``). Importing this package imports no torch.
 """

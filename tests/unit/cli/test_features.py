@@ -11,7 +11,7 @@ from kd.cli import main
 from kd.cli.features import FEATURES, doc_of
 from kd.config.schema import SECTIONS, TOP_LEVEL
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _out(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

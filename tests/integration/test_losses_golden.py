@@ -127,7 +127,7 @@ def _versions() -> dict[str, str]:
 def _write_golden(run: str, rows: list[dict[str, Any]], fingerprint: dict[str, str]) -> None:
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
     golden["about"] = (
-        f"First {STEPS} metric rows of the tiny runs in tests/integration/test_golden_losses.py "
+        f"First {STEPS} metric rows of the tiny runs in tests/integration/test_losses_golden.py "
         f"(compared with rtol {RTOL}, atol {ATOL}); written by {REGENERATE}. A change to these "
         "numbers must be justified in the commit that regenerates them."
     )

@@ -371,7 +371,7 @@ def test_only_omegaconf_builtin_resolvers_are_registered():
 
 def test_kd_never_unpickles():
     """Every torch.load in kd reads with weights_only=True; nothing imports pickle or evals."""
-    src = Path(__file__).parents[2] / "src" / "kd"
+    src = Path(__file__).parents[3] / "src" / "kd"
     for path in src.rglob("*.py"):
         text = path.read_text()
         for match in re.finditer(r"torch\.load\(([^)]*)\)", text):
@@ -422,7 +422,7 @@ def test_torchtune_checkpointer_reads_pickle_formats_weights_only(tmp_path):
 
 def _loader_calls() -> list[tuple[Path, ast.Call]]:
     """Every ``X.from_pretrained(...)`` / ``X.from_config(...)`` call in src/kd."""
-    src = Path(__file__).parents[2] / "src" / "kd"
+    src = Path(__file__).parents[3] / "src" / "kd"
     calls = []
     for path in src.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -451,7 +451,7 @@ def test_every_transformers_and_peft_load_refuses_remote_code():
 def test_config_json_is_read_by_one_function():
     """kd.folders.read_config_json is the one reader of a folder's config.json, and the file name
     is defined once (kd.folders.CONFIG_JSON)."""
-    src = Path(__file__).parents[2] / "src" / "kd"
+    src = Path(__file__).parents[3] / "src" / "kd"
     for path in src.rglob("*.py"):
         if path.name == "folders.py":
             continue

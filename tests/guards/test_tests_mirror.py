@@ -40,3 +40,21 @@ def test_it_names_each_test_file_without_a_module(
         "tests/integration/test_resume.py: no module kd/resume",
         "kd/models: no test file maps to it",
     ]
+
+
+def test_an_aspect_of_a_module_maps_to_it(tmp_path: Path) -> None:
+    """``test_<module>_<aspect>.py`` in the module's folder maps to it; another folder does not."""
+    for name in ("src/kd/__init__.py", "src/kd/teachers/served.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "tests/unit").mkdir(parents=True)
+    (tmp_path / "tests/integration/teachers").mkdir(parents=True)
+    (tmp_path / "tests/integration/teachers/test_served_teacher.py").write_text("")
+    assert _load().main(["--root", str(tmp_path)]) == 0
+    (tmp_path / "tests/integration/test_served_teacher.py").write_text("")
+    assert _load().main(["--root", str(tmp_path)]) == 1
+
+
+def test_tests_mirror_src() -> None:
+    """Every unit and integration test file of this repository maps to a module of src/kd."""
+    assert _load().main([]) == 0

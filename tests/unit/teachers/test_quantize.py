@@ -21,7 +21,7 @@ from kd.memory.shapes import int8_teacher_bytes_per_param
 from kd.recipes.kd import KDRecipe
 from kd.runtime.distributed import WorldInfo
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
 
 
