@@ -312,7 +312,7 @@ def train(
     steps = [r for r in rows if "loss" in r]
     return {
         "folder": out / "final",
-        "steps": len(steps),
+        "steps": max((r["step"] for r in steps), default=0),
         "final_loss": steps[-1]["loss"] if steps else None,
         **json.loads(timing.read_text()),
     }
