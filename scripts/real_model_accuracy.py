@@ -319,22 +319,27 @@ def train(
 
 
 def evaluate(
-    work: Path, models: dict[str, Path], tasks: Path, split: str
+    work: Path, models: dict[str, Path], tasks: Path, split: str, parallel: int = 1
 ) -> dict[str, dict[str, float]]:
     """``kd eval`` of ``models`` on one split's task: ``{model: {value, stderr}}``.
 
-    Each model is scored in its own ``kd eval`` call whose JSON is kept, so reruns reuse it.
+    Each model is scored in its own ``kd eval`` call whose JSON is kept, so reruns reuse it;
+    ``parallel`` calls at a time (one thread each when more than one).
     """
-    scores: dict[str, dict[str, float]] = {}
-    for name, folder in models.items():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def score(name: str, folder: Path) -> dict[str, float]:
         out = work / "eval" / split / f"{slug(name)}.json"
         if not out.is_file():
             args = ["eval", "--model", f"{slug(name)}={folder}", "--tasks", str(tasks)]
             args += ["--batch-size", "32", "--output", str(out), "--force"]
-            kd(args, out.with_suffix(".log"))
+            kd(args, out.with_suffix(".log"), one_thread=parallel > 1)
         result = json.loads(out.read_text())["results"][f"add2_{split}"]["exact_match"][slug(name)]
-        scores[name] = {"value": result["value"], "stderr": result["stderr"]}
-    return scores
+        return {"value": result["value"], "stderr": result["stderr"]}
+
+    with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:
+        futures = {name: pool.submit(score, name, folder) for name, folder in models.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def prepare(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
@@ -436,14 +441,16 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             ],
             args.jobs,
         )
+        dev_of = {s.name: run["folder"] for s, run in zip(settings, done, strict=True)}
+        devs = evaluate(args.work, dev_of, paths["tasks_dev"], "dev", args.jobs)
         for setting, run in zip(settings, done, strict=True):
-            dev = evaluate(args.work, {setting.name: run["folder"]}, paths["tasks_dev"], "dev")
+            dev = {setting.name: devs[setting.name]}
             runs.append({"round": r, "setting": asdict(setting), **run, "dev": dev[setting.name]})
             print(f"{setting.name:32s} dev {dev[setting.name]}", flush=True)
     best = best_per_mode(runs)
     models = {"teacher": teacher, "untrained student": paths["student"]}
     models |= {run["setting"]["name"]: run["folder"] for run in best.values()}
-    test = evaluate(args.work, models, paths["tasks_test"], "test")
+    test = evaluate(args.work, models, paths["tasks_test"], "test", args.jobs)
     dev_untrained = evaluate(
         args.work, {"untrained student": paths["student"]}, paths["tasks_dev"], "dev"
     )
