@@ -55,6 +55,7 @@ KEEP_LAYERS = tuple(range(19)) + (29,)  # the block student: layers 19-28 droppe
 TEACHER_GOAL = 0.70
 WARMUP_STEPS = 5
 SAVE_EVERY = 10
+NEW_TOKENS = 24  # generated tokens at most (a worked answer is about 17)
 
 
 def problems(sizes: dict[str, int], seed: int = SEED) -> dict[str, list[dict[str, str]]]:
@@ -113,7 +114,7 @@ def task_yaml(name: str) -> str:
         "reference: answer\n"
         f"extract: '{EXTRACT}'\n"
         'until: ["\\n"]\n'
-        "max_new_tokens: 24\n"
+        f"max_new_tokens: {NEW_TOKENS}\n"
     )
 
 
@@ -223,12 +224,12 @@ class Setting:
             },
         }
         if self.mode == "gkd":  # GKD: every micro-batch on the student's own completions
-            keys["on_policy"] = {"lmbda": 1.0, "max_new_tokens": 24, "temperature": 1.0}
+            keys["on_policy"] = {"lmbda": 1.0, "max_new_tokens": NEW_TOKENS, "temperature": 1.0}
         if self.mode == "seq_kd":  # every micro-batch on the teacher's own (greedy) answers
             keys["on_policy"] = {
                 "lmbda": 0.0,
                 "seq_kd": True,
-                "max_new_tokens": 24,
+                "max_new_tokens": NEW_TOKENS,
                 "temperature": 0.0,
             }
         keys.update(self.extra)
@@ -504,7 +505,7 @@ def pct(score: dict[str, float]) -> str:
 def doc_section(results: dict[str, Any]) -> str:
     """The doc section of the results (every number from the JSON)."""
     task, test, best = results["task"], results["test"], results["best"]
-    closed = gap_closed(results)
+    closed = {m: v for m, v in gap_closed(results).items() if not math.isnan(v)}
     top = max(closed, key=lambda m: closed[m]) if closed else None
     sizes = task["sizes"]
     lines = [
@@ -527,10 +528,11 @@ def doc_section(results: dict[str, Any]) -> str:
         f"(choose settings) and {sizes['test']} test problems (reported only), no problem in two "
         "splits. Rows are plain text (the model folders are SmolLM2's without its chat template, "
         "so no 20-token system prompt per row): kd's tokenizer writes bos, the question, the "
-        "answer and eos, the loss on the answer and eos only; the task's prompt "
+        "worked answer and eos, the loss on the worked answer and eos only; the task's prompt "
         f"`{task['prompt']}` gives `kd eval` the same tokens.",
         "- **Teacher**: SmolLM2-135M-Instruct fine-tuned with CE only "
-        f"({results['teacher']['setting']['name'].split(': ')[1]}, batch "
+        f"(lr {results['teacher']['setting']['lr']:g}, "
+        f"{results['teacher']['setting']['epochs']} epoch, batch "
         f"{results['batch_size']}, {results['teacher']['steps']} steps, cosine schedule): "
         f"dev {pct(results['teacher']['dev'])} (goal >= 70%).",
         f"- **Student**: SmolLM2 with layers 19-28 of 30 dropped ({len(results['student_layers'])}"
@@ -548,15 +550,17 @@ def doc_section(results: dict[str, Any]) -> str:
     runs = {run["setting"]["name"]: run for run in results["runs"]}
     for mode, name in best.items():
         lines.append(f"| {MODES[mode]}: {name} | {pct(runs[name]['dev'])} | {pct(test[name])} |")
-    lines += [
-        "",
-        "Share of the test accuracy gap between CE only and the teacher that each KD mode closes "
-        "(`(KD - CE) / (teacher - CE)`): "
-        + ", ".join(f"{MODES[m]} **{100 * v:.0f}%**" for m, v in closed.items())
-        + ".",
-        "",
-    ]
-    if top is not None and closed[top] >= 0.5:
+    lines.append("")
+    if closed:
+        shares = ", ".join(f"{MODES[m]} **{100 * v:.0f}%**" for m, v in closed.items())
+        lines += [
+            "Share of the test accuracy gap between CE only and the teacher that each KD mode "
+            f"closes (`(KD - CE) / (teacher - CE)`): {shares}.",
+            "",
+        ]
+    if top is None:
+        lines.append("**No gap to close**: the teacher is not ahead of CE only on test.")
+    elif closed[top] >= 0.5:
         lines.append(f"**Goal reached**: {MODES[top]} closes {100 * closed[top]:.0f}% (>= 50%).")
     elif top is not None:
         lines.append(
@@ -565,7 +569,9 @@ def doc_section(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Every student run (dev exact match; the settings were chosen on dev, round by round):",
+        "Every student run (dev exact match; the settings were chosen on dev, round by round; "
+        "wall s is the last `kd run` of the setting: a run resumed from a step checkpoint counts "
+        "its resumed part only):",
         "",
         "| round | setting | mode | kd_ratio | T | divergence | lr | epochs | steps | dev | "
         "wall s |",
@@ -580,7 +586,8 @@ def doc_section(results: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "GKD samples each row's completion from the student (temperature 1, at most 8 tokens) "
+        f"GKD samples each row's completion from the student (temperature 1, at most {NEW_TOKENS} "
+        "tokens) "
         "and trains on it with the teacher's distribution as the target; sequence-level KD "
         "trains with CE on the teacher's greedy answers to the same prompts "
         "(`on_policy: {lmbda: 0, seq_kd: true}`).",
