@@ -102,7 +102,7 @@ def _results(ce: float, kd: float, teacher: float) -> dict:
         "student_layers": list(range(20)),
         "batch_size": 16,
         "teacher": {
-            "setting": {"name": "teacher: ce lr=2e-4 1ep"},
+            "setting": {"name": "teacher", "lr": 2e-4, "epochs": 1},
             "steps": 9,
             "dev": score(teacher),
         },
