@@ -241,6 +241,7 @@ TEACHER = Setting("teacher: ce lr=2e-4 1ep", "teacher", 2e-4, 1)
 ROUNDS: tuple[tuple[Setting, ...], ...] = (
     (
         Setting("ce lr=3e-4", "ce", 3e-4, 2),
+        Setting("ce lr=1e-4", "ce", 1e-4, 2),
         Setting("kd fkl r=0.5 T=1 lr=3e-4", "kd", 3e-4, 2, 0.5),
         Setting("gkd jsd r=1 T=1 lr=3e-4", "gkd", 3e-4, 2, 1.0, divergence="jsd"),
         Setting("seq_kd r=0 lr=3e-4", "seq_kd", 3e-4, 2, 0.0),
@@ -358,6 +359,8 @@ def prepare(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
     smol = plain_folder(smol, work / "smollm2_plain")
     paths["smollm2"] = smol
     student = work / "student_block"
+    if (student / "chat_template.jinja").is_file():  # made from a folder with the template
+        shutil.rmtree(student)
     if not (student / "model.safetensors").is_file():
         drop_layers(smol, student, KEEP_LAYERS)
     paths["student"] = student
