@@ -1,0 +1,133 @@
+"""scripts/real_model_accuracy.py: its generated task (splits, answers, extraction pattern) is what
+kd's task reader accepts and what the study claims, and its doc section comes from the JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from kd.harness.tasks import read_task_folder
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "real_model_accuracy.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("real_model_accuracy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_splits_are_disjoint_correct_and_deterministic(study) -> None:
+    splits = study.problems(study.SIZES)
+    assert {k: len(v) for k, v in splits.items()} == study.SIZES
+    held_out = {r["question"] for s in ("dev", "test") for r in splits[s]}
+    assert len(held_out) == study.SIZES["dev"] + study.SIZES["test"]
+    assert not held_out & {r["question"] for r in splits["teacher_train"]}
+    assert splits["train"] == splits["teacher_train"][: study.SIZES["train"]]
+    for rows in splits.values():
+        for row in rows:
+            a, b = map(int, re.fullmatch(r"(\d\d)\+(\d\d)=", row["question"]).groups())
+            assert row["answer"] == str(a + b)
+            assert study.extract(row["worked"]) == row["answer"]
+    assert study.problems(study.SIZES) == splits
+    assert study.problems(study.SIZES, seed=1) != splits
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "worked"),
+    [(47, 38, "7+8=15,4+3+1=8,85"), (21, 34, "1+4=5,2+3=5,55"), (97, 38, "7+8=15,9+3+1=13,135")],
+)
+def test_worked_answers(study, a: int, b: int, worked: str) -> None:
+    assert study.worked(a, b) == worked
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [("7+8=15,4+3+1=8,85", "85"), ("85", "85"), ("7+8=15,4+3+1=8,", None), ("no", None)],
+)
+def test_extraction_takes_the_integer_that_ends_the_completion(
+    study, completion: str, expected
+) -> None:
+    assert study.extract(completion) == expected
+
+
+def test_task_folders_pass_kd_task_reader(study, tmp_path: Path) -> None:
+    paths = study.write_data(tmp_path, study.SMOKE_SIZES)
+    for split in ("dev", "test"):
+        (spec,) = read_task_folder(paths[f"tasks_{split}"])
+        assert spec.name == f"add2_{split}"
+        rows = [json.loads(x) for x in (paths[f"tasks_{split}"] / f"add2_{split}.jsonl").open()]
+        assert len(rows) == study.SMOKE_SIZES[split]
+    train = [json.loads(x) for x in paths["train"].open()]
+    assert set(train[0]) == {"input", "output"}  # kd init's input/output (instruct) format
+
+
+def _results(ce: float, kd: float, teacher: float) -> dict:
+    score = lambda v: {"value": v, "stderr": 0.01}  # noqa: E731
+    run = lambda name, mode, v: {  # noqa: E731
+        "round": 1,
+        "setting": {
+            "name": name,
+            "mode": mode,
+            "lr": 3e-4,
+            "epochs": 3,
+            "kd_ratio": 0.5 if mode != "ce" else 0.0,
+            "temperature": 1.0,
+            "divergence": "forward_kl",
+        },
+        "steps": 57,
+        "wall_s": 1.0,
+        "dev": score(v),
+    }
+    return {
+        "date": "2026-11-27",
+        "command": "python scripts/real_model_accuracy.py",
+        "task": {
+            "skill": "two-digit addition",
+            "example": {"question": "47+38=", "answer": "85", "worked": "7+8=15,4+3+1=8,85"},
+            "prompt": "<|im_start|>{question}",
+            "extract": r"(-?[0-9]+)$",
+            "sizes": {"teacher_train": 10, "train": 5, "dev": 2, "test": 2},
+            "seed": 0,
+        },
+        "student_layers": list(range(20)),
+        "batch_size": 16,
+        "teacher": {
+            "setting": {"name": "teacher", "lr": 2e-4, "epochs": 1},
+            "steps": 9,
+            "dev": score(teacher),
+        },
+        "untrained_student": {"dev": score(0.0)},
+        "runs": [run("ce a", "ce", ce), run("kd a", "kd", kd)],
+        "best": {"ce": "ce a", "kd": "kd a"},
+        "test": {
+            "teacher": score(teacher),
+            "untrained student": score(0.0),
+            "ce a": score(ce),
+            "kd a": score(kd),
+        },
+    }
+
+
+@pytest.mark.parametrize(("kd", "closed", "verdict"), [(0.7, 60, "Goal reached"), (0.5, 20, "not")])
+def test_doc_section_from_results(study, tmp_path: Path, kd: float, closed: int, verdict) -> None:
+    results = _results(ce=0.4, kd=kd, teacher=0.9)
+    assert study.gap_closed(results)["kd"] == pytest.approx((kd - 0.4) / 0.5)
+    doc = tmp_path / "real_model.md"
+    doc.write_text("# kept\n\nearlier text\n")
+    study.write_doc(results, doc)
+    study.write_doc(results, doc)  # the section is replaced, not appended twice
+    text = doc.read_text()
+    assert text.startswith("# kept\n\nearlier text\n")
+    assert text.count(study.DOC_BEGIN) == 1 == text.count(study.DOC_END)
+    assert f"**{closed}%**" in text and verdict in text
+    assert f"| {100 * kd:.1f}% ± 1.0 |" in text
