@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 
 from kd import cli
+from tests.conftest import make_config, read_metrics, write_config
 
 pytestmark = [
     pytest.mark.gpu,

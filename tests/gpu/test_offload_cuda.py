@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 
 from kd import cli
 from kd.runtime import offload
 from kd.teachers import parking
+from tests.conftest import make_config, read_metrics, write_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -133,9 +133,8 @@ def test_streamed_teacher_prefetch_is_stream_safe():
     read a half-copied layer; a missing record_stream would let the next copy overwrite a layer
     still being read), and at most the layer computing and the one prefetched are on the device
     beside the kept projection."""
-    from conftest import tiny_hidden_decoder
-
     from kd import models
+    from tests.conftest import tiny_hidden_decoder
 
     torch.manual_seed(0)
     resident = tiny_hidden_decoder(vocab=512, dim=256).cuda().eval()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import make_config, read_metrics, write_config
 from omegaconf import ListConfig
 
 from kd import cli, data
@@ -17,6 +16,7 @@ from kd.config import load_config, validate_config
 from kd.config.instantiate import build_component
 from kd.config.run import run_config
 from kd.testing import write_jsonl
+from tests.conftest import make_config, read_metrics, write_config
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")

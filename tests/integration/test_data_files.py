@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_config, write_config
 
 from kd import cli
 from kd.data import MAX_LINE_BYTES, check_line_lengths
 from kd.errors import KDUserError
+from tests.conftest import make_config, write_config
 
 
 def _one_error(cfg: dict, tmp_path: Path, capsys) -> str:

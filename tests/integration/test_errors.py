@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import STUDENT, builder, make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 import kd.checkpoint
 import kd.training.train
 from kd import checkpoint, cli
+from tests.conftest import STUDENT, builder, make_config, read_metrics, write_config
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")

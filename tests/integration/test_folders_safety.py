@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import STUDENT, TEACHER, make_config, tiny_model, write_config, write_data
 from safetensors.torch import load_file, save_file
 
 from kd import cli
 from kd.testing import hf_tokenizer_node, write_hf_tokenizer, write_tiny_model, write_tokenizer
+from tests.conftest import STUDENT, TEACHER, make_config, tiny_model, write_config, write_data
 
 YES = "y\n" * 200
 REFUSAL = (

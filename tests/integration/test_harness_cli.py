@@ -390,7 +390,7 @@ def test_lm_eval_task_names(models, tmp_path, capsys):
 def test_eval_block_scores_final_at_the_end_of_training(assets, tmp_path, capsys):
     """`eval:` in a run config: final/ scored by lm-eval after training; the same numbers in the
     table, output_dir/eval.json and the last metrics.jsonl row; final/ scores as `kd eval` says."""
-    from conftest import make_config, read_metrics, write_config
+    from tests.conftest import make_config, read_metrics, write_config
 
     tasks = write_mc_task(tmp_path / "tasks")
     out = tmp_path / "run"
@@ -425,7 +425,7 @@ def test_eval_block_scores_final_at_the_end_of_training(assets, tmp_path, capsys
 
 
 def test_eval_block_refuses_a_planted_task_file_before_any_weight(assets, tmp_path, capsys):
-    from conftest import make_config, write_config
+    from tests.conftest import make_config, write_config
 
     folder = _planted(tmp_path / "tasks", BASE + "process_docs: !function utils.f\n")
     out = tmp_path / "run"
@@ -446,7 +446,7 @@ def test_eval_block_refuses_a_planted_task_file_before_any_weight(assets, tmp_pa
 def test_eval_block_scores_a_lora_students_merged_weights(assets, tmp_path, capsys):
     """A LoRA run's final/ (merged weights, the adapter in final/adapter/) scores as transformers
     scores those merged weights: the adapter is not applied a second time."""
-    from conftest import make_config, write_config
+    from tests.conftest import make_config, write_config
 
     tasks = write_mc_task(tmp_path / "tasks")
     out = tmp_path / "run"

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from safetensors.torch import load_file
+
+from kd import cli
+from kd.testing import TinyModel, hf_tokenizer_node, write_tiny_model
+from tests.conftest import (
     MAX_SEQ_LEN,
     TEACHER,
     make_config,
@@ -22,10 +26,6 @@ from conftest import (
     tiny_model,
     write_config,
 )
-from safetensors.torch import load_file
-
-from kd import cli
-from kd.testing import TinyModel, hf_tokenizer_node, write_tiny_model
 
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
 VAL_COMPARED = ("val_loss", "val_ce_loss", "val_kd_loss", "val_top1_agreement", "val_num_tokens")
@@ -321,7 +321,7 @@ def test_teacher_with_padded_vocab_and_tied_student(assets, tmp_path, tied):
 def _pair_hf(assets: dict, root: Path, name: str, *, lora: bool, **top) -> tuple[Path, Path]:
     """One device with batch 8 vs 2 ranks with batch 4 each, accumulation 2: the same global
     batch, launched as a user would (``kd run --nproc_per_node 2``)."""
-    from test_distributed import _launch
+    from tests.integration.runtime.test_distributed_run import _launch
 
     one, two = root / f"{name}_1", root / f"{name}_2"
     common = dict(gradient_accumulation_steps=2, lora=lora, save_every_n_steps=2, **top)
@@ -335,7 +335,7 @@ def _pair_hf(assets: dict, root: Path, name: str, *, lora: bool, **top) -> tuple
 def test_fsdp2_two_ranks_match_one_device(assets, tmp_path, lora):
     """Per-decoder-layer FSDP2 of transformers models: the losses and the saved weights of 2
     ranks equal one device's (tied student with activation checkpointing, untied teacher)."""
-    from test_distributed import _assert_same_files
+    from tests.integration.runtime.test_distributed_run import _assert_same_files
 
     one, two = _pair_hf(assets, tmp_path, "hf", lora=lora, enable_activation_checkpointing=True)
     assert_same_metrics(one, two)
@@ -350,7 +350,7 @@ def test_teacher_with_another_tokenizer_is_refused(assets, tmp_path, capsys):
     is refused before loading (KD would compare ids that mean different text)."""
     import shutil
 
-    from test_init_cli import write_hf_tokenizer as write_variant_tokenizer
+    from tests.integration.test_scaffold_cli import write_hf_tokenizer as write_variant_tokenizer
 
     teacher = tmp_path / "teacher"
     shutil.copytree(assets["teacher"], teacher)

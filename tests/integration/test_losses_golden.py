@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 
 from kd import cli
+from tests.conftest import make_config, read_metrics, write_config
 
 GOLDEN = Path(__file__).resolve().parent.parent / "assets" / "expected_losses.json"
 UPDATE_ENV = "KD_UPDATE_EXPECTED_LOSSES"

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import STUDENT, TEACHER, read_metrics, tiny_model, write_hf_qwen2
 
 from kd import cli
 from kd.config import load_config, validate_config
 from kd.folders import read_config_json
 from kd.scaffold.render import GLIBC_MMAP_THRESHOLD_MAX, cpu_loss_chunk_size
 from kd.testing import write_tiny_model
+from tests.conftest import STUDENT, TEACHER, read_metrics, tiny_model, write_hf_qwen2
 
 CHATML = (
     "{% for message in messages %}"

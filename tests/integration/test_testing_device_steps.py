@@ -15,7 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
+
+from kd.memory.fake_device import FAKE_DEVICE
+from kd.testing import hf_tokenizer_node, write_jsonl
+from kd.testing_device import fake_device_step
+from kd.testing_server import TeacherTestServer
+from tests.conftest import (
     MAX_SEQ_LEN,
     TEACHER,
     builder,
@@ -24,14 +29,9 @@ from conftest import (
     write_config,
     write_hf_qwen2,
 )
-from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 (fixtures)
-from test_foreign_logits import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
-from test_served_teacher import teacher_fn, tokenizer  # noqa: F401 (fixtures)
-
-from kd.memory.fake_device import FAKE_DEVICE
-from kd.testing import hf_tokenizer_node, write_jsonl
-from kd.testing_device import fake_device_step
-from kd.testing_server import TeacherTestServer
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 (fixtures)
+from tests.integration.teachers.test_foreign_logits_run import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
+from tests.integration.teachers.test_served_teacher import teacher_fn, tokenizer  # noqa: F401 (fixtures)
 
 COSINE = {
     "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",

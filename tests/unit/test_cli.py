@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_config, write_config
-from test_config import tiny_config, write
 
 import kd
 from kd.cli import main, run_recipe
 from kd.config import builtin as registry
 from kd.errors import KDUserError
+from tests.conftest import make_config, write_config
+from tests.unit.test_config import tiny_config, write
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, write_tokenizer
 from torch.utils.data import Dataset
 
 from kd import data
 from kd.errors import KDUserError
+from tests.conftest import MAX_SEQ_LEN, write_tokenizer
 
 
 class Rows(Dataset):

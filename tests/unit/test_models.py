@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, write_tokenizer
 from torch import nn
 
 from kd import _torchtune as tt
 from kd import models
 from kd.errors import KDUserError
+from tests.conftest import MAX_SEQ_LEN, write_tokenizer
 
 VOCAB = 96
 SHAPE = dict(

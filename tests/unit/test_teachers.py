@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_hidden_decoder
 
 from kd import backends, models
 from kd.teachers import (
@@ -24,6 +23,7 @@ from kd.teachers import (
     as_teacher,
 )
 from kd.training import train
+from tests.conftest import tiny_hidden_decoder
 
 IGN = -100
 SRC = Path(__file__).resolve().parents[2] / "src" / "kd"

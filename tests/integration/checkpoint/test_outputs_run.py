@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 import kd.runtime.checkpoints
 from kd import checkpoint, cli
 from kd.checkpoint import outputs
+from tests.conftest import make_config, read_metrics, write_config
 
 RUN = ["run", "kd_single_device"]
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
+from tests.conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
@@ -24,6 +23,7 @@ from kd.config.declare import MUST_MATCH, setting, settings
 from kd.config.schema import Section
 from kd.config.teacher_kinds import StandIn, TeacherKind, TeacherPlan
 from kd.teachers import Teacher, TeacherInput, TopKSignal
+from tests.conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 
 SECTION = "counting_teacher"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from conftest import checkpointer_node, make_config, write_config
 
 from kd import cli
+from tests.conftest import checkpointer_node, make_config, write_config
 
 RUN = ["run", "kd"]
 

@@ -32,9 +32,9 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import make_config
 
 from kd import cli
+from tests.conftest import make_config
 
 FAST_CONFIG = range(0, 20)
 FAST_CLI = range(0, 10)

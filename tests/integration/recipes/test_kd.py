@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 from omegaconf import OmegaConf
 
 from kd import cli, models
@@ -18,6 +17,7 @@ from kd.config import load_config, validate_config
 from kd.config.run import run_config
 from kd.recipes.kd import KDRecipe
 from kd.runtime.distributed import WorldInfo
+from tests.conftest import make_config, read_metrics, write_config
 
 REQUIRED_METRICS = {
     "step",
@@ -139,7 +139,7 @@ def test_torchtune_kd_config_runs(assets, tmp_path):
             f"{prefix}.tie_word_embeddings={spec['tied']}",
         ]
 
-    from conftest import STUDENT, TEACHER
+    from tests.conftest import STUDENT, TEACHER
 
     overrides = [
         f"output_dir={out}",

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 import kd.rollouts.local
 from kd import checkpoint, cli
 from kd.rollouts.base import RolloutStopped
+from tests.conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 
 RECIPE = ["run", "kd"]
 TIMED = UNTIMED | {"time_wait_rollout_s"}

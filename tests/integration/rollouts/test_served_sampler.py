@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, tiny_model, write_config
 from safetensors.torch import load_file
 
 import kd.rollouts.local
@@ -31,6 +30,7 @@ import kd.rollouts.served
 from kd import cli
 from kd.testing import hf_tokenizer_node, write_tiny_model
 from kd.testing_rollout_server import RolloutTestServer
+from tests.conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, tiny_model, write_config
 
 SERVED_NAME = "tiny-student"
 CASES = [("vllm", False), ("vllm", True), ("sglang", False), ("sglang", True)]

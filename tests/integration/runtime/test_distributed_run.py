@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 from kd import cli
 from kd.testing import run_launch
+from tests.conftest import STUDENT, TEACHER, builder, make_config, read_metrics, write_config
 
 TOL = 1e-5
 COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")

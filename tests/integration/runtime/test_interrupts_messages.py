@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 import signal
 
-from conftest import make_config, write_config
-
 from kd import checkpoint, cli
+from tests.conftest import make_config, write_config
 
 
 def test_ctrl_c_reports_the_checkpoint_once(assets, tmp_path, monkeypatch, capfd):

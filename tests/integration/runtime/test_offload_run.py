@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
 
 from kd import cli
 from kd.memory import fake_device
 from kd.runtime import offload
 from kd.teachers import parking
+from tests.conftest import make_config, read_metrics, write_config
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
 
@@ -146,7 +146,7 @@ def test_activation_offloading_device_step(assets, tmp_path, managers, ac, world
     """The device step with offloading: every activation goes to a host copy and comes back to
     the device it was saved from (one left on the host would be a device mismatch), one device
     and FSDP2."""
-    from test_fake_device_steps import gpu_config, step
+    from tests.integration.test_testing_device_steps import gpu_config, step
 
     cfg = gpu_config(
         assets,
@@ -163,7 +163,12 @@ def test_activation_offloading_device_step(assets, tmp_path, managers, ac, world
 def test_activation_offloading_other_steps(assets, tmp_path, managers, case):
     """A transformers LoRA student, and a student that samples its own completions (no autograd
     in the rollout: nothing is offloaded there) before its offloaded training forward."""
-    from test_fake_device_steps import gpu_config, heldout, on_transformers, step
+    from tests.integration.test_testing_device_steps import (
+        gpu_config,
+        heldout,
+        on_transformers,
+        step,
+    )
 
     if case == "transformers-lora":
         cfg = gpu_config(
@@ -226,7 +231,7 @@ def test_compute_stream_is_read_live():
 def test_parked_teacher_device_step(assets, tmp_path, parked, mode, backend):
     """The device step with the teacher parked: its forward, the validation's and its sampling
     (seq_kd) run on device copies; a weight left in host memory would be a device mismatch."""
-    from test_fake_device_steps import gpu_config, heldout, on_transformers
+    from tests.integration.test_testing_device_steps import gpu_config, heldout, on_transformers
 
     cfg = gpu_config(
         assets,
@@ -245,7 +250,11 @@ def test_parked_teacher_device_step(assets, tmp_path, parked, mode, backend):
 
 def test_several_parked_teachers_device_step(assets, tmp_path, parked):
     """teachers: each member parked and brought in in turn."""
-    from test_fake_device_steps import gpu_config, no_teacher_nodes, two_model_members
+    from tests.integration.test_testing_device_steps import (
+        gpu_config,
+        no_teacher_nodes,
+        two_model_members,
+    )
 
     out = tmp_path / "out"
     members = two_model_members(assets, tmp_path, out)
@@ -300,7 +309,7 @@ def test_hidden_state_teacher_streamed_is_exact(assets, tmp_path, parked):
 
 @pytest.mark.parametrize("mode", ["park", "stream"])
 def test_hidden_state_teacher_parked_device_step(assets, tmp_path, parked, mode):
-    from test_fake_device_steps import gpu_config, heldout
+    from tests.integration.test_testing_device_steps import gpu_config, heldout
 
     cfg = gpu_config(
         assets,
@@ -316,10 +325,9 @@ def test_hidden_state_teacher_parked_device_step(assets, tmp_path, parked, mode)
 def test_parked_teacher_refused_under_fsdp2(assets, tmp_path):
     """Over several ranks the teacher is sharded: parking is refused before any weight loads,
     naming fsdp.cpu_offload."""
-    from test_fake_device_steps import gpu_config
-
     from kd.errors import KDUserError
     from kd.testing_device import fake_device_step
+    from tests.integration.test_testing_device_steps import gpu_config
 
     cfg = gpu_config(assets, tmp_path / "out", teacher_offload="park")
     with pytest.raises(KDUserError, match=r"teacher_offload: park runs on one device.*fsdp\.cpu"):
@@ -330,9 +338,8 @@ def test_streamed_teacher_prefetches_the_next_layer(monkeypatch):
     """stream: when a unit's forward starts, the next unit's copy is started (off CUDA at once,
     on one stream): at most the unit computing and the next are on the device; after the
     forward none is, and none is left pending."""
-    from conftest import tiny_hidden_decoder
-
     from kd import models
+    from tests.conftest import tiny_hidden_decoder
 
     model = tiny_hidden_decoder()
     models.freeze(model)

@@ -19,13 +19,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import STUDENT, make_config, write_config
-from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
-from test_cross_tokenizer_store import TEACHER_SIZE
-from test_cross_tokenizer_store import _cfg as cross_cfg
-from test_cross_tokenizer_store import _store as cross_store
-from test_foreign_logits import _bad_file, foreign  # noqa: F401 - fixture
-from test_served_teacher import (  # noqa: F401 - fixtures
+
+from kd import cli
+from kd.errors import KDUserError
+from kd.fileio import sha256_file
+from kd.teachers import store_format
+from kd.teachers.answer_checks import ZERO_LOGPROB
+from kd.teachers.served import TeacherClient
+from kd.testing_server import TeacherTestServer
+from tests.conftest import STUDENT, make_config, write_config
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
+from tests.integration.teachers.test_cross_stored_run import TEACHER_SIZE
+from tests.integration.teachers.test_cross_stored_run import _cfg as cross_cfg
+from tests.integration.teachers.test_cross_stored_run import _store as cross_store
+from tests.integration.teachers.test_foreign_logits_run import _bad_file, foreign  # noqa: F401 - fixture
+from tests.integration.teachers.test_served_teacher import (  # noqa: F401 - fixtures
     K,
     _settings,
     assert_same_steps,
@@ -35,16 +43,8 @@ from test_served_teacher import (  # noqa: F401 - fixtures
     teacher_fn,
     tokenizer,
 )
-from test_teacher_logits import ROWS_PER_SHARD, precompute_config
-from test_teacher_logits import store as kd_store  # noqa: F401 - fixture
-
-from kd import cli
-from kd.errors import KDUserError
-from kd.fileio import sha256_file
-from kd.teachers import store_format
-from kd.teachers.answer_checks import ZERO_LOGPROB
-from kd.teachers.served import TeacherClient
-from kd.testing_server import TeacherTestServer
+from tests.integration.teachers.test_store_reader_run import ROWS_PER_SHARD, precompute_config
+from tests.integration.teachers.test_store_reader_run import store as kd_store  # noqa: F401 - fixture
 
 SERVED_FIX = "serve the teacher's own log-probs"
 SAID = {
@@ -418,7 +418,7 @@ def test_a_poisoned_distillkit_compressed_row_is_refused(
 ):
     """DistillKit's compressed rows: a repeated id, or exact values adding up to more than 1
     (its first exact_k = 2 entries, float32; the rest are a lossy fit and not summed)."""
-    from test_distillkit_compressed import _compressed
+    from tests.integration.teachers.test_distillkit_compressed_run import _compressed
 
     def edit(row: dict[str, Any]) -> None:
         ids, values = _at(row)

@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import STUDENT, TEACHER, make_config, read_metrics, write_config, write_hf_qwen2
-from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
 
 from kd import cli
 from kd.cross_tokenizer import align_spans
 from kd.testing import hf_tokenizer_node, write_hf_tokenizer
+from tests.conftest import STUDENT, TEACHER, make_config, read_metrics, write_config, write_hf_qwen2
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
 
 GEMMA_LIKE = (
     "{% for message in messages %}"

@@ -10,7 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kd import cli
+from kd.testing import write_hf_tokenizer, write_jsonl
+from tests.conftest import (
     STUDENT,
     TEACHER,
     make_config,
@@ -19,9 +22,6 @@ from conftest import (
     write_config,
     write_hf_qwen2,
 )
-
-from kd import cli
-from kd.testing import write_hf_tokenizer, write_jsonl
 
 LETTERS = "abcdefghij"
 

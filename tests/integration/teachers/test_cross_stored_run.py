@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
-from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
 
 from kd import cli
 from kd.teachers import store_format
 from kd.teachers.cross_stored import dense_logprobs
+from tests.conftest import make_config, read_metrics, write_config
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 - fixtures
 
 TEACHER_SIZE = 378  # the letter-pair tokenizer's ids (its model has 384 embedding rows)
 
@@ -155,7 +155,7 @@ def test_dense_logprobs_keeps_the_stored_entries_and_spreads_the_rest():
 
 
 def test_a_plain_store_with_cross_tokenizer_is_one_line(assets, tmp_path, capsys):
-    from test_errors import _teacher_logits
+    from tests.integration.test_errors import _teacher_logits
 
     cfg = make_config(assets, tmp_path / "run", cross_tokenizer={})
     _teacher_logits(assets, tmp_path, cfg)

@@ -14,12 +14,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import STUDENT, make_config, write_config
-from test_foreign_logits import K, _assert_same_losses, _train, foreign  # noqa: F401
 
 from kd import cli
 from kd.errors import KDUserError
 from kd.teachers import distillkit_compressed as dc
+from tests.conftest import STUDENT, make_config, write_config
+from tests.integration.teachers.test_foreign_logits_run import (  # noqa: F401
+    K,
+    _assert_same_losses,
+    _train,
+    foreign,
+)
 
 _NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
 

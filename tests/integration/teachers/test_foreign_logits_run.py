@@ -16,7 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import safetensors.torch
 import torch
-from conftest import (
+
+from kd import cli
+from kd.errors import KDUserError
+from kd.teachers import store_reader, store_writer
+from tests.conftest import (
     STUDENT,
     TEACHER,
     builder,
@@ -25,10 +29,6 @@ from conftest import (
     read_metrics,
     write_config,
 )
-
-from kd import cli
-from kd.errors import KDUserError
-from kd.teachers import store_reader, store_writer
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,7 +40,7 @@ T_GEN = 2.0  # the axolotl file's generation temperature, re-tempered to T = 1
 
 def _rows(assets) -> list[dict]:
     """The 64 training rows as make_config's dataset tokenizes them."""
-    from test_teacher_logits import _dataset
+    from tests.integration.teachers.test_store_reader_run import _dataset
 
     dataset = _dataset(assets)
     return [

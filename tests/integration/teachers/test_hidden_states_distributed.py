@@ -7,13 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file
-from test_distributed import COMPARED, TOL, _assert_same_tensors, _launch
-from test_hidden_states_recipe import HIDDEN
 
 from kd import cli
 from kd.checkpoint.recipe_state import load_recipe_state
+from tests.conftest import make_config, read_metrics, write_config
+from tests.integration.runtime.test_distributed_run import (
+    COMPARED,
+    TOL,
+    _assert_same_tensors,
+    _launch,
+)
+from tests.integration.teachers.test_hidden_states_run import HIDDEN
 
 PAIRS = ("0_to_0", "1_to_1", "embed_to_embed", "norm_to_norm")
 

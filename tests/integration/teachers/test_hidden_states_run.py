@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_config, read_metrics, run_kd, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import checkpoint, cli
 from kd.checkpoint.recipe_state import load_recipe_state
+from tests.conftest import make_config, read_metrics, run_kd, sigterm_at_step, write_config
 
 HIDDEN = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine", "weight": 1.0}
 
@@ -134,9 +134,10 @@ def test_layer_map_beyond_the_models_refused_before_loading(assets, tmp_path, ca
 
 
 def test_kd_init_maps_a_pruned_student_to_its_kept_layers(tmp_path):
-    from conftest import TEACHER, write_hf_qwen2
-    from test_init_cli import write_hf_tokenizer
     from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TEACHER, write_hf_qwen2
+    from tests.integration.test_scaffold_cli import write_hf_tokenizer
 
     teacher = write_hf_qwen2(tmp_path / "teacher", {**TEACHER, "layers": 4}, seed=2)
     write_hf_tokenizer(teacher)
@@ -187,7 +188,7 @@ def test_both_backends_agree_and_lora_students_train(assets, tmp_path):
     """The same models on torchtune and transformers give the same hidden loss (the hooks find
     the embedding, the layers and the final norm of both), and LoRA students of both backends
     train with it (only the adapters and projections change)."""
-    from test_hf_backend import hf_config
+    from tests.integration.test_hf_backend import hf_config
 
     tt_out, hf_out = tmp_path / "tt", tmp_path / "hf"
     cfg = hf_config(

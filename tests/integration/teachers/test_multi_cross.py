@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_config, read_metrics, write_config
-from test_cross_tokenizer_chat import _cfg as _chat_cfg
-from test_cross_tokenizer_chat import folders  # noqa: F401 - fixture
-from test_cross_tokenizer_run import letter_data, other_tok_teacher  # noqa: F401
-from test_multi_teacher import _member
 
 from kd import cli
 from kd.testing import write_jsonl
+from tests.conftest import make_config, read_metrics, write_config
+from tests.integration.teachers.test_cross_chat_run import _cfg as _chat_cfg
+from tests.integration.teachers.test_cross_chat_run import folders  # noqa: F401 - fixture
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401
+from tests.integration.teachers.test_multi_run import _member
 
 # One step per row, the weights never move (lr 0): every step's loss is its row's loss under
 # the same student, in every run below.

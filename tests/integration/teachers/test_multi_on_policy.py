@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
 
 import kd.rollouts.sampling
 from kd import cli
 from kd.testing import checkpointer_node, write_jsonl
+from tests.conftest import TEACHER, builder, make_config, read_metrics, write_config, write_hf_qwen2
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -206,8 +206,8 @@ def test_routed_seq_kd_on_two_ranks_where_each_rank_sees_one_teacher(
     name b: with seq_kd every rank samples with both teachers (the sharded sampling runs
     collectives; the other rank's teacher on all its rows, unused), so the run ends, and each
     step equals the one-device run of the same global batches (greedy sampling)."""
-    from test_distributed import TOL
-    from test_teacher_logits_distributed import _launch
+    from tests.integration.runtime.test_distributed_run import TOL
+    from tests.integration.teachers.test_store_reader_distributed import _launch
 
     rows = [
         {"input": f"{i}+{i}", "output": str(2 * i), "domain": "a" if i % 2 == 0 else "b"}

@@ -8,7 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kd import cli
+from kd.testing import checkpointer_node, write_jsonl
+from tests.conftest import (
     TEACHER,
     builder,
     make_config,
@@ -17,9 +20,6 @@ from conftest import (
     write_config,
     write_hf_qwen2,
 )
-
-from kd import cli
-from kd.testing import checkpointer_node, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -409,8 +409,8 @@ def test_route_on_two_ranks_where_each_rank_sees_one_teacher(
     """Under torchrun (2 gloo ranks, FSDP2) rank 0's rows all name teacher a and rank 1's all
     name b: every rank still runs every member for each micro-batch (the sharded forwards are
     collectives), so the run ends and each teacher teaches its own rows."""
-    from test_distributed import TOL
-    from test_teacher_logits_distributed import _launch
+    from tests.integration.runtime.test_distributed_run import TOL
+    from tests.integration.teachers.test_store_reader_distributed import _launch
 
     rows = [
         {"input": f"{i}+{i}", "output": str(2 * i), "domain": "a" if i % 2 == 0 else "b"}

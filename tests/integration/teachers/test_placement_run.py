@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STUDENT, builder, checkpointer_node, make_config, write_config
-from test_offload import _assert_same, _kd_run
 
 from kd import cli, models
 from kd.memory import fake_device
 from kd.teachers import build, placement
 from kd.teachers.model import ModelTeacher
+from tests.conftest import STUDENT, builder, checkpointer_node, make_config, write_config
+from tests.integration.runtime.test_offload_run import _assert_same, _kd_run
 
 fake_device.register()
 
@@ -70,7 +70,7 @@ def test_teacher_device_is_exact(assets, tmp_path, monkeypatch, placed, tied):
 
 def test_transformers_teacher_device_is_exact(assets, tmp_path, monkeypatch, placed):
     """The same with a transformers (kd.hf) teacher: its lm_head's copy on the student's side."""
-    from test_fake_device_steps import hf_node
+    from tests.integration.test_testing_device_steps import hf_node
 
     top = {"teacher_model": hf_node(assets["teacher"]), "teacher_checkpointer": None}
     base = _kd_run(assets, tmp_path / "resident", **top)
@@ -90,9 +90,8 @@ def test_teacher_device_same_as_student_places_nothing(assets, tmp_path, placed)
 
 
 def _step(assets, tmp_path, **top):
-    from test_fake_device_steps import gpu_config
-
     from kd.testing_device import fake_device_step
+    from tests.integration.test_testing_device_steps import gpu_config
 
     cfg = gpu_config(assets, tmp_path / "out", device="cuda:0", teacher_device="cuda:1", **top)
     return fake_device_step(write_config(tmp_path / "c.yaml", cfg))

@@ -13,11 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, make_config, read_metrics, run_kd, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 from kd import cli, models
 from kd.testing import hf_tokenizer_node, write_jsonl
+from tests.conftest import (
+    MAX_SEQ_LEN,
+    make_config,
+    read_metrics,
+    run_kd,
+    sigterm_at_step,
+    write_config,
+)
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")

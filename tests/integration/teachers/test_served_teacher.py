@@ -11,14 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, read_metrics, run_kd, tiny_model
-from conftest import write_config as write_yaml
 
 from kd import cli
 from kd.config.teacher_settings import TeacherServerSettings
 from kd.errors import KDUserError
 from kd.teachers.served import TeacherClient, TeacherUnavailable
 from kd.testing_server import TeacherTestServer, model_logprobs
+from tests.conftest import (
+    MAX_SEQ_LEN,
+    STUDENT,
+    TEACHER,
+    make_config,
+    read_metrics,
+    run_kd,
+    tiny_model,
+)
+from tests.conftest import write_config as write_yaml
 
 K = 8
 LOSSES = ("loss", "ce_loss", "kd_loss")

@@ -12,12 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, write_config
-from test_distributed import _RANK0_ONLY_GUARD, COMPARED, TOL, _assert_same_files
 
 from kd import cli
 from kd.teachers import store_reader
 from kd.testing import run_launch
+from tests.conftest import make_config, read_metrics, write_config
+from tests.integration.runtime.test_distributed_run import (
+    _RANK0_ONLY_GUARD,
+    COMPARED,
+    TOL,
+    _assert_same_files,
+)
 
 K = 8
 
@@ -106,12 +111,12 @@ def test_a_server_failing_one_rank_stops_every_rank_with_a_save(assets, tmp_path
     """Under torchrun the server fails for one rank's rows only: every rank stops at the same
     micro-batch, they save step 1 together, the line names the failing rank; with the server
     answering again, resume finishes the run."""
-    from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, tiny_model
     from torchtune.datasets import instruct_dataset
 
     from kd.config.instantiate import instantiate
     from kd.testing import tokenizer_node
     from kd.testing_server import TeacherTestServer, model_logprobs
+    from tests.conftest import MAX_SEQ_LEN, STUDENT, TEACHER, tiny_model
 
     tok = instantiate(tokenizer_node(assets["tokenizer"], MAX_SEQ_LEN), key="tokenizer")
     fn = model_logprobs(assets["teacher"], tiny_model(TEACHER), tmp_path, vocab=STUDENT["vocab"])

@@ -11,13 +11,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, write_config
 
 from kd import _torchtune as tt
 from kd import cli
 from kd.errors import KDUserError
 from kd.teachers import store_format, store_reader, store_writer
 from kd.training.train import shift_labels
+from tests.conftest import MAX_SEQ_LEN, STUDENT, make_config, read_metrics, write_config
 
 K = 8
 ROWS_PER_SHARD = 16  # 64 rows: 4 shards
@@ -232,7 +232,10 @@ def test_training_from_full_store_matches_the_online_teacher(
 def test_training_from_store_without_teacher_nodes_resumes_exactly(
     assets, store, tmp_path, monkeypatch
 ):
-    from test_resume import assert_bit_identical, sigterm_at_step
+    from tests.integration.checkpoint.test_resume_point_run import (
+        assert_bit_identical,
+        sigterm_at_step,
+    )
 
     top = dict(
         teacher_logits={"path": str(store), "k": 4, "tail": "renorm"},

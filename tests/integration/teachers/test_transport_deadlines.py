@@ -20,13 +20,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, tiny_model
-from conftest import write_config as write_yaml
 
 from kd import cli
 from kd.config.teacher_settings import TeacherServerSettings
 from kd.teachers.served import TeacherClient, TeacherUnavailable
 from kd.testing_server import TeacherTestServer, model_logprobs
+from tests.conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, tiny_model
+from tests.conftest import write_config as write_yaml
 
 K = 8
 PASSWORD = "pw-Zq81"  # noqa: S105 - a test credential

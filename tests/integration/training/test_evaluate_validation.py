@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_config, read_metrics, run_kd, write_config, write_data
 from safetensors.torch import load_file
 
 from kd import cli
 from kd.checkpoint import read_checkpoint_marker
+from tests.conftest import make_config, read_metrics, run_kd, write_config, write_data
 
 VAL_KEYS = {"val_loss", "val_ce_loss", "val_kd_loss", "val_top1_agreement", "val_num_tokens"}
 # AdamW at this lr: the validation loss falls, then rises (the best step is neither the first nor
@@ -170,7 +170,7 @@ def test_resume_restores_the_best_value_and_the_patience_count(assets, heldout, 
 
 @pytest.mark.slow
 def test_two_ranks_give_the_validation_metrics_of_one_device(assets, heldout, tmp_path):
-    from test_distributed import _launch
+    from tests.integration.runtime.test_distributed_run import _launch
 
     rows = {}
     for world, batch, val_batch in ((1, 8, 5), (2, 4, 3)):

@@ -20,18 +20,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import make_config, read_metrics, write_config
 from safetensors.torch import load_file, save_file
-from test_distributed import (
+
+from kd import cli
+from kd.rollouts import sampling
+from kd.testing import run_launch
+from tests.conftest import make_config, read_metrics, write_config
+from tests.integration.runtime.test_distributed_run import (
     _RANK0_ONLY_GUARD,
     COMPARED,
     TOL,
     _assert_same_files,
 )
-
-from kd import cli
-from kd.rollouts import sampling
-from kd.testing import run_launch
 
 STEPS = 3
 ON_POLICY = {"lmbda": 1.0, "max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 from safetensors.torch import load_file
 
 import kd.rollouts.sampling
 from kd import checkpoint, cli, models
+from tests.conftest import UNTIMED, make_config, read_metrics, sigterm_at_step, write_config
 
 # One intra-op thread (tests/conftest.py): the same float reductions in every run.
 pytestmark = pytest.mark.usefixtures("one_thread")

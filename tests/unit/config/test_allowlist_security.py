@@ -26,7 +26,6 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
-from test_config import tiny_config, write
 
 from kd import folders
 from kd.cli import main
@@ -34,6 +33,7 @@ from kd.config import allowlist, instantiate, load_config, validate_config
 from kd.config.instantiate import build_component
 from kd.config.run import COMPONENT_KEYS
 from kd.errors import ConfigError, KDUserError
+from tests.unit.test_config import tiny_config, write
 
 # Every key a config may hold a component in: the top-level ones and the nested ones.
 KEYS = (*COMPONENT_KEYS, "dataset.message_transform", "dataset.model_transform")
@@ -149,7 +149,7 @@ def test_hostile_targets_refused_by_kd_validate(key, tmp_path, capsys):
 
 
 def test_refusal_answers_before_torch_is_imported(tmp_path):
-    from test_fast_errors import kd_main_subprocess
+    from tests.unit.config.test_validate_speed import kd_main_subprocess
 
     cfg = tiny_config(tmp_path, lr_scheduler={"_component_": "torch.hub.load"})
     config = write(tmp_path / "c.yaml", cfg)

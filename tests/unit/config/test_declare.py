@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_config import tiny_config, write
 
 from kd.config import load_config, schema, validate_config
 from kd.config.declare import (
@@ -26,6 +25,7 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.config.parse import fill_defaults
 from kd.config.run import LossSettings, RunConfig, run_config
 from kd.config.teacher_settings import TeacherLogitsSettings
+from tests.unit.test_config import tiny_config, write
 
 
 def test_each_declared_key_is_in_the_schema_tables():

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_config import problems_of, tiny_config, write
 
 from kd.config import load_config, validate_config
 from kd.config.validate import component_problems
 from kd.errors import ConfigError
+from tests.unit.test_config import problems_of, tiny_config, write
 
 HEAVY = ("torch", "torchtune", "transformers")
 

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_config, write_config
-from test_config import tiny_config, write
-from test_fast_errors import kd_main_subprocess
 
 from kd.cli import main
 from kd.config import builtin as registry
+from tests.conftest import make_config, write_config
+from tests.unit.config.test_validate_speed import kd_main_subprocess
+from tests.unit.test_config import tiny_config, write
 
 
 @pytest.fixture

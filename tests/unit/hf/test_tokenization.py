@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MAX_SEQ_LEN, make_config, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -39,6 +38,7 @@ from kd.testing import (
     write_jsonl,
     write_tokenizer,
 )
+from tests.conftest import MAX_SEQ_LEN, make_config, write_config
 
 Message = tt.Message
 TEXTS = ["Hello, world! 1+2=3.", "caf\u00e9 na\u00efve \u65e5\u672c", "  two\n\nlines\t", ""]

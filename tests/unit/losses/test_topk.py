@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hidden_decoder
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kd import models
@@ -18,6 +17,7 @@ from kd.losses import (
 )
 from kd.losses import fused as fused_module
 from kd.training import train
+from tests.conftest import tiny_hidden_decoder
 
 IGN = -100
 FORWARD_TYPES = ("forward_kl", "jsd", "tvd", "skew_forward_kl", "skew_reverse_kl")

@@ -8,8 +8,6 @@ from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
-from test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run, _run_cli
-from test_memory_hf import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
 
 from kd.config import load_config
 from kd.memory import estimate
@@ -17,6 +15,8 @@ from kd.memory.compare import compare, stored_label
 from kd.memory.estimate import GIB, PHASES
 from kd.memory.loss_head import STORED_TOPK_BYTES
 from kd.memory.plan import inputs_from_run, make_plan
+from tests.unit.memory.test_hf_terms import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
+from tests.unit.test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run, _run_cli
 
 K = 16
 STORE = {"path": "/nonexistent/store", "k": K}

@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
-from test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run
-from test_memory_hf import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
 
 from kd.config import load_config
 from kd.errors import KDUserError
 from kd.memory import estimate
 from kd.memory.estimate import EVAL_PHASE, PHASES
+from tests.unit.memory.test_hf_terms import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
+from tests.unit.test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run
 
 VALIDATION = {"dataset": {"_component_": "torchtune.datasets.alpaca_dataset"}, "batch_size": 5}
 

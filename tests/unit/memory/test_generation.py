@@ -9,14 +9,14 @@ from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
-from test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run
-from test_memory_hf import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
 
 from kd.config import load_config
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.memory import estimate
 from kd.memory.estimate import GEN_PHASE, GIB, PHASES
+from tests.unit.memory.test_hf_terms import LORA, _hf_cfg, tiny_dirs  # noqa: F401 (fixture)
+from tests.unit.test_memory import FULL_14B_3B, TINY_STUDENT, TINY_TEACHER, _run
 
 TT_LORA = {
     "_component_": "torchtune.models.qwen2.lora_qwen2",
@@ -308,9 +308,8 @@ def test_generation_over_budget_is_refused_before_loading(capsys):
 
 def test_validate_plans_the_generation(assets, tmp_path, capsys):
     """`kd validate` (kd run's pre-load phase) plans the generation of an on-policy config."""
-    from conftest import make_config, write_config
-
     from kd.cli import main
+    from tests.conftest import make_config, write_config
 
     cfg = make_config(assets, tmp_path / "out", on_policy={"max_new_tokens": 16})
     path = str(write_config(tmp_path / "c.yaml", cfg))

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 from omegaconf import OmegaConf
-from test_memory import TINY_STUDENT, TINY_TEACHER, _run
 
 from kd.config import load_config
 from kd.config.run import run_config
@@ -16,6 +15,7 @@ from kd.memory.estimate import estimate
 from kd.memory.plan import inputs_from_run
 from kd.memory.trace import trace_run
 from kd.scaffold.layer_map import uniform_map
+from tests.unit.test_memory import TINY_STUDENT, TINY_TEACHER, _run
 
 PHASES = ("forward", "backward", "optimizer_step")
 
@@ -106,9 +106,8 @@ def test_fsdp_trace_counts_the_replicated_projections(assets, tmp_path, capsys):
     and gradients (a for-loop step, ``foreach: false``, as the FSDP2 trace steps) within 3%."""
     import json
 
-    from conftest import make_config, write_config
-
     from kd import cli
+    from tests.conftest import make_config, write_config
 
     optimizer = {"_component_": "torch.optim.AdamW", "lr": 1e-4, "foreach": False}
     hidden = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine"}

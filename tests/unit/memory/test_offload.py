@@ -7,7 +7,6 @@ import json
 from dataclasses import replace
 
 import pytest
-from test_memory_terms import LLAMA, TEACHER
 
 from kd import cli
 from kd.memory.activations import student_activations
@@ -20,6 +19,7 @@ from kd.memory.offload import (
     parked_teacher_bytes,
     teacher_forward_in_bytes,
 )
+from tests.unit.memory.test_estimate_terms import LLAMA, TEACHER
 
 K = TrainKnobs(batch_size=2, seq_len=16, grad_accum=3, dtype_bytes=2)
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
@@ -153,7 +153,7 @@ def test_trace_runs_the_offloaded_step(assets, tmp_path, capsys):
     the traced device memory shows the teacher's weights absent between its forwards (streamed:
     during its forward too, but two layers) and the saved activations moved; each traced peak
     is its own estimate's."""
-    from conftest import make_config, write_config
+    from tests.conftest import make_config, write_config
 
     path = str(write_config(tmp_path / "c.yaml", make_config(assets, tmp_path / "out")))
     traced, ratios = {}, {}
@@ -169,8 +169,9 @@ def test_trace_runs_the_offloaded_step(assets, tmp_path, capsys):
         traced[name] = out["traced_allocated_gib"]
         ratios[name] = out["trace_vs_estimate"]
         assert not any("traces the step without" in n for n in out["notes"])
-    from conftest import TEACHER as SPEC
     from safetensors.torch import load_file
+
+    from tests.conftest import TEACHER as SPEC
 
     gib = float(1 << 30)
     weights = {}

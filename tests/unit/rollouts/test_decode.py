@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import STUDENT, tiny_hidden_decoder, write_hf_qwen2
 
 from kd import models
 from kd.rollouts.base import Prompts
 from kd.rollouts.decode import fast_rollout, length_groups
 from kd.rollouts.sampling import rollout, row_generators
+from tests.conftest import STUDENT, tiny_hidden_decoder, write_hf_qwen2
 
 
 def hf_model(tmp_path) -> torch.nn.Module:

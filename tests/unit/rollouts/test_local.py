@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_memory import FULL_14B_3B
 
 from kd.config import load_config
 from kd.errors import KDUserError
@@ -14,6 +13,7 @@ from kd.memory.estimate import GEN_PHASE
 from kd.rollouts.base import Sampler
 from kd.rollouts.local import LocalSampler, frozen_copy
 from kd.runtime.distributed import WorldInfo
+from tests.unit.test_memory import FULL_14B_3B
 
 
 def components(*overrides: str) -> dict[str, dict[str, float]]:

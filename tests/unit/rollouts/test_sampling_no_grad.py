@@ -4,10 +4,10 @@ step's graph stays alive through the KV cache (written in place) until the rollo
 from __future__ import annotations
 
 import torch
-from conftest import tiny_hidden_decoder
 
 from kd.rollouts.base import Prompts
 from kd.rollouts.sampling import rollout
+from tests.conftest import tiny_hidden_decoder
 
 
 def test_rollout_builds_no_graph_for_a_trainable_student():

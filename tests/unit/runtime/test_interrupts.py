@@ -75,7 +75,7 @@ def test_resume_hint_replaces_resume_override() -> None:
 def test_the_suite_guard_names_a_test_that_leaves_a_handler_and_puts_it_back():
     """conftest's guard (every test runs inside it): a handler left behind fails the test that
     left it, and the next test starts with the handler from before."""
-    from conftest import signal_state_kept
+    from tests.conftest import signal_state_kept
 
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(pytest.fail.Exception, match="leaky left the signal state changed: SIGINT"):

@@ -16,9 +16,9 @@ import sys
 import time
 
 import pytest
-from test_config import tiny_config, write
 
 from kd import cli
+from tests.unit.test_config import tiny_config, write
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 

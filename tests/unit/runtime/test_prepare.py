@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import STUDENT, TEACHER, builder
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -14,6 +13,7 @@ from kd import _torchtune as tt
 from kd import models
 from kd.config import instantiate
 from kd.runtime.prepare import ShardSpec, prepare_student, prepare_teacher, shard_spec
+from tests.conftest import STUDENT, TEACHER, builder
 
 
 def _build(spec: dict, *, lora: bool = False, device: str = "cpu") -> torch.nn.Module:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_config, read_metrics, write_config
 
 from kd import cli
 from kd.config import load_config, validate_config
@@ -20,6 +19,7 @@ from kd.memory.plan import GIB, plan_from_config
 from kd.memory.shapes import int8_teacher_bytes_per_param
 from kd.recipes.kd import KDRecipe
 from kd.runtime.distributed import WorldInfo
+from tests.conftest import make_config, read_metrics, write_config
 
 REPO = Path(__file__).resolve().parents[3]
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"

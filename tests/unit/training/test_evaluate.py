@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_hidden_decoder
 
 from kd import _torchtune as tt
 from kd import data, losses, models
 from kd.config.run import LossSettings
 from kd.training import evaluate, train
+from tests.conftest import tiny_hidden_decoder
 
 VOCAB_S, VOCAB_T = 64, 80  # the teacher's padded vocab is larger, as Qwen2.5-14B vs 3B
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_hidden_decoder
 
 from kd import _torchtune as tt
 from kd import models
@@ -20,6 +19,7 @@ from kd.runtime.prepare import prepare_student
 from kd.testing import TinyModel, write_tiny_model
 from kd.training import train
 from kd.training.on_policy import Completions, Prompts
+from tests.conftest import tiny_hidden_decoder
 
 IGN = -100
 PAD = 0
@@ -312,12 +312,12 @@ def test_a_labelled_assistant_header_belongs_to_the_prompt(assets, tmp_path):
     """torchtune's chat format labels ``<|im_start|>assistant\\n``: the prompt takes it (as a chat
     template's generation prompt), so the student samples the answer, not its turn header. A
     tokenizer that labels the answer alone has no header."""
-    from conftest import tokenizer_node
     from omegaconf import OmegaConf
 
     from kd import testing
     from kd.config.instantiate import instantiate
     from kd.hf.tokenization import tokenizer as hf_tokenizer
+    from tests.conftest import tokenizer_node
 
     node = OmegaConf.create(tokenizer_node(assets["tokenizer"], 64))
     tok = instantiate(node, key="tokenizer")

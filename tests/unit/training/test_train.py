@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_hidden_decoder
 
 from kd import models
 from kd.training import train
+from tests.conftest import tiny_hidden_decoder
 
 
 def _batch(b: int = 2, s: int = 10, vocab: int = 60, seed: int = 1):
