@@ -108,7 +108,7 @@ def existing_rows(doc: str) -> dict[str, str]:
 
 
 def _row(name: str, outcome: Any, shown: str, normal: Any, number: int | None) -> str:
-    import test_errors
+    from tests.integration import test_errors
 
     if outcome.code != 2 or not outcome.errors:
         raise SystemExit(f"{name}: exit {outcome.code}, stderr:\n{outcome.stderr}")
@@ -123,12 +123,12 @@ def _row(name: str, outcome: Any, shown: str, normal: Any, number: int | None) -
 
 def build_rows(doc: str) -> dict[str, list[str]]:
     """Run every case of both tables; returns the rows of each generated block."""
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration"), str(ROOT / "src")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tests/ is a package: tests.integration...
     import pytest
-    import test_errors
-    from conftest import make_config, write_assets, write_config
 
     from kd import cli
+    from tests.conftest import make_config, write_assets, write_config
+    from tests.integration import test_errors
 
     kept = existing_rows(doc)
     rows: dict[str, list[str]] = {name: [] for name in BLOCKS}
