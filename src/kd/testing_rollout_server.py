@@ -57,7 +57,7 @@ import torch
 
 from kd.testing_rollout_engine import RolloutEngine, poison
 from kd.testing_rollout_sglang import SGLangAnswers
-from kd.testing_server import _Handler, _HTTPServer
+from kd.testing_server import ServerLifecycle, _Handler
 
 __all__ = ["RolloutTestServer", "main"]
 
@@ -89,7 +89,7 @@ class _RequestError(Exception):
         self.raw = raw
 
 
-class RolloutTestServer(SGLangAnswers):
+class RolloutTestServer(SGLangAnswers, ServerLifecycle):
     """A vLLM- or SGLang-protocol generation server of a Hugging Face folder on 127.0.0.1.
 
     Args:
@@ -169,42 +169,7 @@ class RolloutTestServer(SGLangAnswers):
         self.requests = 0
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._httpd = _HTTPServer(("127.0.0.1", port), _RolloutHandler)
-        self._httpd.owner = self  # type: ignore[assignment]
-        self._httpd.timeout = 0.1
-        self.port = int(self._httpd.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._serve, name="kd-rollout-server", daemon=True)
-
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> RolloutTestServer:
-        self._thread.start()
-        return self
-
-    def _serve(self) -> None:
-        deadline = time.monotonic() + self.lifetime_s
-        served = 0
-        try:
-            while not self._stopped.is_set() and time.monotonic() < deadline:
-                if served >= self.max_requests:
-                    break
-                self._httpd.handle_request()
-                served += 1
-        finally:
-            self._httpd.server_close()
-
-    def kill(self) -> None:
-        """Stop serving at once, as a crashed server (new connections are refused)."""
-        self._stopped.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> RolloutTestServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.kill()
+        self._bind(_RolloutHandler, port, "kd-rollout-server")
 
     # ------------------------------------------------------------ shared answers
     def authorized(self, path: str, header: str | None) -> bool:

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -266,7 +266,53 @@ class _HTTPServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class TeacherTestServer:
+class ServerLifecycle:
+    """How both test servers serve on 127.0.0.1: bound by :meth:`_bind`, one request at a time on
+    a daemon thread until :meth:`kill` (as a crashed server: new connections are refused), at most
+    ``max_requests`` requests or ``lifetime_s`` seconds; a context manager."""
+
+    max_requests: int
+    lifetime_s: float
+
+    def _bind(self, handler: type[BaseHTTPRequestHandler], port: int, name: str) -> None:
+        self._stopped = threading.Event()
+        self._httpd = _HTTPServer(("127.0.0.1", port), handler)
+        self._httpd.owner = self  # type: ignore[attr-defined]
+        self._httpd.timeout = 0.1
+        self.port = int(self._httpd.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        deadline = time.monotonic() + self.lifetime_s
+        served = 0
+        try:
+            while not self._stopped.is_set() and time.monotonic() < deadline:
+                if served >= self.max_requests:
+                    break
+                self._httpd.handle_request()
+                served += 1
+        finally:
+            self._httpd.server_close()
+
+    def kill(self) -> None:
+        """Stop serving at once, as a crashed server (new connections are refused)."""
+        self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+
+class TeacherTestServer(ServerLifecycle):
     """A vLLM- or SGLang-protocol server of ``logprobs_fn``'s log-probs on 127.0.0.1.
 
     Args:
@@ -331,42 +377,7 @@ class TeacherTestServer:
         self.prompts: list[list[int]] = []  # every prompt asked, in order of arrival
         self._lock = threading.Lock()
         self._model_lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._httpd = _HTTPServer(("127.0.0.1", port), _Handler)
-        self._httpd.owner = self
-        self._httpd.timeout = 0.1
-        self.port = int(self._httpd.server_address[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._serve, name="kd-test-server", daemon=True)
-
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> TeacherTestServer:
-        self._thread.start()
-        return self
-
-    def _serve(self) -> None:
-        deadline = time.monotonic() + self.lifetime_s
-        served = 0
-        try:
-            while not self._stopped.is_set() and time.monotonic() < deadline:
-                if served >= self.max_requests:
-                    break
-                self._httpd.handle_request()
-                served += 1
-        finally:
-            self._httpd.server_close()
-
-    def kill(self) -> None:
-        """Stop serving at once, as a crashed server (new connections are refused)."""
-        self._stopped.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> TeacherTestServer:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.kill()
+        self._bind(_Handler, port, "kd-test-server")
 
     # ------------------------------------------------------------ requests
     def authorized(self, path: str, header: str | None) -> bool:
