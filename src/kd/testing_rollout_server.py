@@ -431,17 +431,6 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
 
 
 class _RolloutHandler(_Handler):
-    def _route(self, method: str) -> bool:
-        owner = self.server.owner
-        routes = owner.routes
-        if self.path not in routes.get(method, ()):
-            if any(self.path in paths for paths in routes.values()):
-                self._send(405, {"detail": "Method Not Allowed"})
-            else:
-                self._send(404, {"detail": "Not Found"})
-            return False
-        return True
-
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         owner = self.server.owner
         if not self._route("GET"):

@@ -176,7 +176,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Whether the path exists for ``method``; else answer FastAPI's 404 or 405, or the
         server's 401 when the token guards the path and is missing."""
         owner = self.server.owner
-        routes = _ROUTES[owner.api]
+        routes = owner.routes
         if self.path not in routes.get(method, ()):
             if any(self.path in paths for paths in routes.values()):
                 self._send(405, {"detail": "Method Not Allowed"})
@@ -360,6 +360,7 @@ class TeacherTestServer(ServerLifecycle):
         assert api in ("vllm", "sglang"), api
         self.logprobs_fn = logprobs_fn
         self.api = api
+        self.routes = _ROUTES[api]  # method -> the paths the real server answers
         self.model_name = model_name
         self.model_path = model_path if model_path is not None else model_name
         self.decode = decode
