@@ -212,7 +212,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     """``kd plan --compare-stored-logits K``: the online-teacher and stored-logits plans side by
     side and the budgets each fits (:mod:`kd.memory.compare`); exit status 0."""
     from kd.memory.compare import DEFAULT_BUDGETS_GIB, compare
-    from kd.memory.plan import dataset_size, inputs_from_run
+    from kd.memory.data_size import run_dataset_size
+    from kd.memory.plan import inputs_from_run
 
     for flag, used in (("--trace", args.trace), ("--fit", args.fit), ("--plot", args.plot)):
         if used:
@@ -237,7 +238,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         )
     inputs = inputs_from_run(online, world_size=1, config_name=args.config)
     budgets = (float(args.budget_gib),) if args.budget_gib is not None else DEFAULT_BUDGETS_GIB
-    result = compare(inputs, k, budgets, device=run.device, dataset_size=dataset_size(run))
+    result = compare(inputs, k, budgets, device=run.device, dataset_size=run_dataset_size(run))
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

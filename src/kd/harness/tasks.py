@@ -106,6 +106,10 @@ class TaskSpec:
         max_new_tokens: the most tokens generated (generate).
         ignore_case: compare without case (generate).
         rows: the number of rows of the data file.
+        target_delimiter: lm-eval's text between the prompt and the answer (a choice, or a
+            few-shot example's reference).
+        fewshot_delimiter: lm-eval's text after each few-shot example.
+        num_fewshot: the task's own few-shot examples (None: lm-eval's default, none).
     """
 
     name: str
@@ -121,6 +125,9 @@ class TaskSpec:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     ignore_case: bool = False
     rows: int = 0
+    target_delimiter: str = " "
+    fewshot_delimiter: str = "\n\n"
+    num_fewshot: int | None = None
 
     def fields(self) -> tuple[str, ...]:
         """The data fields every row must hold."""
@@ -327,6 +334,31 @@ def _check_rows(spec: TaskSpec) -> int:
     return count
 
 
+def prompt_text(spec: TaskSpec, row: Mapping[str, Any]) -> str:
+    """The prompt of ``row`` as lm-eval renders ``spec``'s template (fields as text)."""
+    return "".join(lit + (str(row[f]) if f is not None else "") for lit, f in spec.prompt)
+
+
+def row_texts(spec: TaskSpec, *, limit: int | None = None) -> list[tuple[str, list[str]]]:
+    """The first ``limit`` rows of a checked task (:func:`read_task_file`) as text: each row's
+    prompt and its answers (the choices; the reference)."""
+    out: list[tuple[str, list[str]]] = []
+    with spec.data_file.open(encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            row = json.loads(line)
+            answers = (
+                [str(c) for c in row[spec.choices]]
+                if spec.type == "multiple_choice"
+                else [str(row[spec.reference])]
+            )
+            out.append((prompt_text(spec, row), answers))
+    return out
+
+
 def read_task_file(path: Path, folder: Path, *, key: str = "--tasks") -> TaskSpec:
     """One task file of ``folder``, checked with its data file.
 
@@ -366,7 +398,7 @@ def read_task_file(path: Path, folder: Path, *, key: str = "--tasks") -> TaskSpe
             "answer": _field(data, "answer", path, "answer"),
         }
     else:
-        options = _generate_options(data, path)
+        options = _generate_options(data, path) | {"target_delimiter": ""}
     spec = TaskSpec(
         name=name, type=kind, spec_file=path, data_file=data_file, prompt=prompt, **options
     )
@@ -422,8 +454,12 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
         "dataset_kwargs": {"data_files": {"test": str(spec.data_file)}},
         "test_split": "test",
         "doc_to_text": _jinja_prompt(spec.prompt),
+        "target_delimiter": spec.target_delimiter,
+        "fewshot_delimiter": spec.fewshot_delimiter,
         "metadata": {"version": 1, "kd_task_file": str(spec.spec_file)},
     }
+    if spec.num_fewshot is not None:
+        config["num_fewshot"] = spec.num_fewshot
     if spec.type == "multiple_choice":
         return config | {
             "output_type": "multiple_choice",
@@ -441,7 +477,6 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     return config | {
         "output_type": "generate_until",
         "doc_to_target": f"{{{{{spec.reference}}}}}",
-        "target_delimiter": "",
         "generation_kwargs": {
             "until": list(spec.until),
             "max_gen_toks": spec.max_new_tokens,

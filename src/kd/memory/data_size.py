@@ -118,3 +118,19 @@ def dataset_examples(node: Any) -> int | None:
         counts = [dataset_examples(sub) for sub in node]
         return None if any(c is None for c in counts) else sum(c for c in counts if c)
     return None
+
+
+def run_dataset_size(run: Any) -> int | None:
+    """Examples of a run's dataset (its ``RunConfig``) when its local files tell cheaply (None
+    otherwise)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = run.components["dataset"]
+    if node is None:
+        return None
+    try:
+        data = OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException:  # an interpolation the config check reports
+        return None
+    return dataset_examples(data)

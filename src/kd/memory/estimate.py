@@ -12,7 +12,9 @@ What one optimizer step of ``kd.training.train`` allocates on one device, phase 
 * **evaluation** (only with ``validation``; :mod:`kd.memory.evaluation`): one validation batch
   between steps;
 * **generation** (only with ``on_policy``; :mod:`kd.memory.generation`): the rollout at the start
-  of a step.
+  of a step;
+* **final_eval** (only with ``eval:``; :mod:`kd.memory.eval_phase`): ``final/`` scored by lm-eval
+  after training, the training state freed.
 
 Every byte term is derived from the tensors torchtune's modules and ``kd.losses`` save or
 allocate (transformers' layers, for ``kd.hf`` models: :mod:`kd.memory.hf_terms`) (see
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kd.memory.activations import student_activations
+from kd.memory.eval_phase import final_eval_phase
 from kd.memory.evaluation import evaluation_phase
 from kd.memory.generation import generation_phase
 from kd.memory.hidden import hidden_terms
@@ -59,6 +62,8 @@ GIB = 1 << 30
 PHASES = ("forward", "backward", "optimizer_step")
 GEN_PHASE = "generation"
 EVAL_PHASE = "evaluation"
+# ``eval:``: final/ scored by lm-eval after training (kd.memory.eval_phase).
+FINAL_EVAL_PHASE = "final_eval"
 
 # Component names, in table order.
 COMPONENTS = (
@@ -123,8 +128,10 @@ class Estimate:
     @property
     def phase_names(self) -> tuple[str, ...]:
         """The phases estimated, in order: ``generation`` with ``on_policy``, :data:`PHASES`, then
-        ``evaluation`` with validation."""
-        return tuple(p for p in (GEN_PHASE, *PHASES, EVAL_PHASE) if p in self.phases)
+        ``evaluation`` with validation, ``final_eval`` with ``eval:``."""
+        return tuple(
+            p for p in (GEN_PHASE, *PHASES, EVAL_PHASE, FINAL_EVAL_PHASE) if p in self.phases
+        )
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -180,7 +187,7 @@ def _with_reserve(
             ph.setdefault(c, 0)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     terms = runtime_of(sum(phases[peak_phase].values()), k)
-    for name in ("backward", "optimizer_step", EVAL_PHASE, GEN_PHASE):
+    for name in ("backward", "optimizer_step", EVAL_PHASE, GEN_PHASE, FINAL_EVAL_PHASE):
         if name in phases:
             subphases[name] = sum(phases[name].values())
     for ph in phases.values():
@@ -236,6 +243,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         phases[GEN_PHASE] = generation_phase(
             student, teacher, k, sampler, model_buffers=res.model_buffers
         )
+    phases |= {FINAL_EVAL_PHASE: final_eval_phase(student, k)} if k.final_eval else {}
     notes = []
     if k.num_ranks > 1:
         ws = k.num_ranks

@@ -58,6 +58,48 @@ class GenerationKnobs:
 
 
 @dataclass(frozen=True)
+class EvalBatch:
+    """The largest batches of one ``eval:`` task as lm-eval's HFLM runs them
+    (:mod:`kd.harness.requests`).
+
+    Attributes:
+        task: the task's name.
+        kind: ``loglikelihood`` (full logits of every position) or ``generate`` (a KV cache).
+        rows: requests in the batch (``eval.batch_size``, or fewer when the task has fewer).
+        tokens: the longest request's input tokens (a generation's context).
+        next_tokens: the second batch's longest (loglikelihood: its logits are computed while the
+            first batch's log-probs are still referenced); 0 when there is one batch.
+        next_rows: the second batch's requests.
+        new_tokens: tokens a generation samples at most (0 for loglikelihood).
+        measured: the lengths come from the task's rows (False: lm-eval's task by name, planned
+            at the run's sequence length).
+    """
+
+    task: str
+    kind: str
+    rows: int
+    tokens: int
+    next_tokens: int = 0
+    next_rows: int = 0
+    new_tokens: int = 0
+    measured: bool = True
+
+
+@dataclass(frozen=True)
+class FinalEvalKnobs:
+    """The end-of-training evaluation (``eval:``): ``final/`` scored by lm-eval on the training
+    device once the run's models and optimizer are freed (:mod:`kd.memory.eval_phase`).
+
+    Attributes:
+        batches: each task's largest batches.
+        batch_size: ``eval.batch_size``.
+    """
+
+    batches: tuple[EvalBatch, ...]
+    batch_size: int
+
+
+@dataclass(frozen=True)
 class TrainKnobs:
     """The config knobs that change memory.
 
@@ -110,6 +152,7 @@ class TrainKnobs:
             the planned ``teacher``: a cross-tokenizer store's teacher (no teacher model), or a
             member of ``teachers:`` beside a larger one (the members' losses run one after
             another; the largest's forward is planned). None: the planned teacher's.
+        final_eval: the end-of-training evaluation (``eval:``); None: no such phase.
     """
 
     batch_size: int
@@ -143,6 +186,7 @@ class TrainKnobs:
     teacher_offload: str = "none"
     other_teacher_head_params: int = 0
     teacher_own_device: bool = False
+    final_eval: FinalEvalKnobs | None = None
 
     @property
     def tokens(self) -> int:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from kd import folders
 from kd.config import teacher_kinds as kinds
@@ -22,6 +21,7 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
 from kd.errors import KDUserError, brief
+from kd.memory import eval_phase
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
 from kd.memory.hf_config import shape_of_folder
 from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
@@ -41,6 +41,7 @@ PHASE_LABELS = {
     "backward": "backward",
     "optimizer_step": "optim step",
     "evaluation": "evaluation",
+    "final_eval": "eval:",
 }
 
 
@@ -178,6 +179,7 @@ class MemoryPlan:
                 else None
             ),
             "world_size": k.world_size,
+            "final_eval": eval_phase.final_eval_json(k),
             "notes": list(self.inputs.notes) + list(e.notes),
         }
         if self.traced:
@@ -268,7 +270,7 @@ class MemoryPlan:
             lines.append(
                 f"  evaluation batch {k.eval_batch} x {k.seq_len} tokens (validation.batch_size)"
             )
-        return lines
+        return lines + eval_phase.final_eval_lines(k)
 
     def _component_lines(self) -> list[str]:
         """The table's rows: each component by phase, its share of the budget, the totals (and the
@@ -476,6 +478,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
             "set tokenizer.max_seq_len (or memory.seq_len)"
         )
     reserve = run.memory.reserve_gib
+    final_eval, eval_notes = eval_phase.final_eval_knobs(run, student, seq_len=int(seq))
     knobs = TrainKnobs(
         batch_size=run.batch_size,
         seq_len=int(seq),
@@ -512,7 +515,9 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         teacher_offload=tp.offload if tp.teacher is not None else "none",
         other_teacher_head_params=tp.other_head_params,
         teacher_own_device=tp.teacher is not None and _own_device(run),
+        final_eval=final_eval,
     )
+    notes += eval_notes
     if student.lora is not None and student.lora.use_dora:
         notes.append(
             "use_dora: DoRA's weight-norm temporaries are not in the closed form; check with --trace"
@@ -607,20 +612,6 @@ def plan_from_config(
     return make_plan(inputs_from_run(run, world_size=world_size), budget)
 
 
-def dataset_size(run: RunConfig) -> int | None:
-    """Examples of the run's dataset when its local files tell cheaply (None otherwise)."""
-    from kd.memory.data_size import dataset_examples
-
-    node = run.components["dataset"]
-    if node is None:
-        return None
-    try:
-        data = OmegaConf.to_container(node, resolve=True)
-    except OmegaConfBaseException:  # an interpolation the config check reports
-        return None
-    return dataset_examples(data)
-
-
 def attach_fit(plan: MemoryPlan, run: RunConfig, *, quantized_teacher: bool = True) -> str | None:
     """Search the knobs for ``plan`` (:func:`kd.memory.fit.fit_options`) with the recipe's limits
     for the run's device and the dataset's size; sets ``plan.fit``. ``quantized_teacher``: also
@@ -629,9 +620,10 @@ def attach_fit(plan: MemoryPlan, run: RunConfig, *, quantized_teacher: bool = Tr
     Returns:
         A note for the options when the data's size had to be guessed, else None.
     """
+    from kd.memory.data_size import run_dataset_size
     from kd.memory.fit import examples_bound, fit_options
 
-    size = dataset_size(run)
+    size = run_dataset_size(run)
     plan.fit = fit_options(
         plan.inputs.student,
         plan.inputs.teacher,

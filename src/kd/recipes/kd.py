@@ -418,14 +418,14 @@ class KDRecipe:
         print(why, file=sys.stderr)
 
     def _evaluate(self, final: Path | None) -> None:
-        """``eval:``: rank 0 scores ``final/`` on lm-eval's tasks (table, eval.json, a metrics
-        row at the last step)."""
+        """``eval:``: rank 0 scores ``final/`` (lm-eval's table, eval.json, a metrics row)."""
         if self.final_eval is None or final is None or not self.world.is_rank_zero:
             return
-        # The run is saved: the models and the optimizer leave the device before final/ loads.
-        if self.teacher is not None:
-            self.teacher.close()
-            self.teacher = None
+        # Saved: models, optimizer, sampler (an async copy) go first (kd.memory.eval_phase).
+        for part in (self.teacher, self.on_policy):
+            if part is not None:
+                part.close()
+        self.teacher = self.on_policy = self.checkpointer.extra = None
         self.student = self.optimizer = self.lr_scheduler = self.extra = None  # type: ignore[assignment]
         row = self.final_eval.run(final, output_dir=self.output_dir)
         assert self.log is not None
