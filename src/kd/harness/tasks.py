@@ -34,6 +34,7 @@ import yaml
 
 from kd import folders
 from kd.errors import KDUserError, brief, one_line
+from kd.harness import lm_eval_format
 
 TASK_TYPES = ("multiple_choice", "generate")
 DEFAULT_PROMPT = "{question}"
@@ -57,12 +58,7 @@ KEYS: dict[str, str] = {
 }
 # lm-eval task keys that run Python, render unsandboxed Jinja or read other files: each gets its
 # own refusal rather than "unknown key".
-CODE_KEYS: dict[str, str] = {
-    "include": "reads another YAML file",
-    "class": "names a Python class",
-    "process_docs": "names Python code",
-    "process_results": "names Python code",
-    "custom_dataset": "names Python code",
+CODE_KEYS: dict[str, str] = lm_eval_format.CODE_KEYS | {
     "metric_list": "may name Python metric functions",
     "filter_list": "may name Python filters",
     "doc_to_text": "is a Jinja template, which lm-eval renders unsandboxed",
@@ -70,7 +66,6 @@ CODE_KEYS: dict[str, str] = {
     "doc_to_choice": "is a Jinja template, which lm-eval renders unsandboxed",
     "dataset_path": "may name a dataset loading script",
     "dataset_kwargs": "may name a dataset loading script",
-    "unsafe_code": "runs generated code",
 }
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,99}")
 _FIELD = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,99}")
@@ -110,6 +105,7 @@ class TaskSpec:
             few-shot example's reference).
         fewshot_delimiter: lm-eval's text after each few-shot example.
         num_fewshot: the task's own few-shot examples (None: lm-eval's default, none).
+        ignore_punctuation: compare without punctuation (generate; lm-eval's exact_match option).
     """
 
     name: str
@@ -128,6 +124,7 @@ class TaskSpec:
     target_delimiter: str = " "
     fewshot_delimiter: str = "\n\n"
     num_fewshot: int | None = None
+    ignore_punctuation: bool = False
 
     def fields(self) -> tuple[str, ...]:
         """The data fields every row must hold."""
@@ -366,6 +363,11 @@ def read_task_file(path: Path, folder: Path, *, key: str = "--tasks") -> TaskSpe
         KDUserError: one line naming the key and the file, and the fix.
     """
     data = _read_yaml(path, key)
+    extra: dict[str, Any] = {}
+    if lm_eval_format.is_lm_eval_format(
+        data
+    ):  # lm-eval's own keys, in the subset that runs nothing
+        data, extra = lm_eval_format.to_kd_keys(data, path, folder)
     _check_keys(data, path)
     where = _where(path)
     name = _text(data, "task", path)
@@ -400,7 +402,7 @@ def read_task_file(path: Path, folder: Path, *, key: str = "--tasks") -> TaskSpe
     else:
         options = _generate_options(data, path) | {"target_delimiter": ""}
     spec = TaskSpec(
-        name=name, type=kind, spec_file=path, data_file=data_file, prompt=prompt, **options
+        name=name, type=kind, spec_file=path, data_file=data_file, prompt=prompt, **options | extra
     )
     return TaskSpec(**{**spec.__dict__, "rows": _check_rows(spec)})
 
@@ -489,7 +491,7 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
                 "aggregation": "mean",
                 "higher_is_better": True,
                 "ignore_case": spec.ignore_case,
-                "ignore_punctuation": False,
+                "ignore_punctuation": spec.ignore_punctuation,
             }
         ],
     }
