@@ -296,6 +296,8 @@ def _generate_keys(
     kind = "generate"
     if target is not None:
         out["reference"] = target
+    # lm-eval's defaults: until the few-shot delimiter, HFLM's 256 new tokens at most.
+    out |= {"until": [extra.get("fewshot_delimiter", "\n\n")], "max_new_tokens": 256}
     out |= _generation(data, path)
     extract = _extract(data, path)
     if extract is not None:
