@@ -102,3 +102,20 @@ def test_a_task_by_name_is_planned_at_the_sequence_length(assets, tmp_path):
     (batch,) = p.inputs.knobs.final_eval.batches
     assert (batch.tokens, batch.rows, batch.measured) == (p.inputs.knobs.seq_len, 2, False)
     assert any("arc_easy" in n for n in p.inputs.notes)
+
+
+def test_planning_the_eval_phase_imports_no_torch(assets, tmp_path):
+    """The task rows are read and counted (tokenizers, PyYAML) without torch: kd plan stays fast."""
+    import subprocess
+    import sys
+
+    tasks = mc_task(tmp_path / "tasks")
+    cfg = make_config(assets, tmp_path / "run", eval={"tasks": [str(tasks)]})
+    config = write_config(tmp_path / "c.yaml", cfg)
+    code = (
+        "import sys; from kd.cli import main; "
+        f"assert main(['plan', '--config', {str(config)!r}]) == 0; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "evaluation (eval:)" in out.stdout and out.stdout.strip().endswith("False")
