@@ -1138,6 +1138,75 @@ def eval_task_file_names_python(assets, tmp, cfg):
     return _validate(), "t.yaml"
 
 
+# ------------------------------------------------------------ teacher_device, served sampler, eval
+def teacher_device_not_a_device(assets, tmp, cfg):
+    """`teacher_device: gpu9`"""
+    cfg["teacher_device"] = "gpu9"
+    return _validate(), "teacher_device"
+
+
+def teacher_device_with_teacher_offload(assets, tmp, cfg):
+    """`teacher_device: cuda:1` with `teacher_offload: park`"""
+    cfg["teacher_device"] = "cuda:1"
+    cfg["teacher_offload"] = "park"
+    return _validate(), "teacher_device"
+
+
+def teacher_device_with_seq_kd(assets, tmp, cfg):
+    """`teacher_device: cuda:1` with `on_policy.seq_kd: true`"""
+    cfg["teacher_device"] = "cuda:1"
+    cfg["on_policy"] = {"lmbda": 0.5, "seq_kd": True, "max_new_tokens": 4}
+    return _validate(), "teacher_device"
+
+
+def teacher_device_not_on_this_machine(assets, tmp, cfg):
+    """`teacher_device: cuda:1` on a machine without it"""
+    cfg["teacher_device"] = "cuda:1"
+    return _validate(), "teacher_device: cuda:1 is not on this machine"
+
+
+def served_sampler_unreachable(assets, tmp, cfg):
+    """`on_policy.sampler: served`, nothing listening at `server_url`"""
+    cfg["on_policy"] = {
+        "lmbda": 1.0,
+        "max_new_tokens": 4,
+        "sampler": "served",
+        "server_url": "http://127.0.0.1:9",
+        "server_model": "m",
+        "server_timeout": 1,
+    }
+    return _validate(), "on_policy.server_url"
+
+
+def _lm_eval_task(tmp: Path, cfg: dict, body: str) -> None:
+    tasks = tmp / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.jsonl").write_text('{"question": "1+1=", "choices": ["2", "3"], "answer": 0}\n')
+    head = "task: t\ndataset_path: json\ndataset_kwargs: {data_files: mc.jsonl}\n"
+    (tasks / "t.yaml").write_text(head + "output_type: multiple_choice\n" + body)
+    cfg["eval"] = {"tasks": [str(tasks)]}
+
+
+def eval_lm_eval_task_jinja_filter(assets, tmp, cfg):
+    """an lm-eval-format task with `doc_to_text: "{{question|upper}}"`"""
+    _lm_eval_task(tmp, cfg, 'doc_to_text: "{{question|upper}}"\n')
+    return _validate(), "doc_to_text"
+
+
+def eval_lm_eval_task_custom_metric(assets, tmp, cfg):
+    """an lm-eval-format task naming a metric function"""
+    _lm_eval_task(tmp, cfg, "metric_list:\n  - metric: utils.score\n")
+    return _validate(), "metric_list"
+
+
+def eval_lm_eval_task_hub_dataset(assets, tmp, cfg):
+    """an lm-eval-format task reading a Hub dataset"""
+    _lm_eval_task(tmp, cfg, "")
+    path = tmp / "tasks" / "t.yaml"
+    path.write_text(path.read_text().replace("dataset_path: json", "dataset_path: allenai/ai2_arc"))
+    return _validate(), "dataset_path"
+
+
 CASES: list[Case] = [
     malformed_yaml,
     missing_config_file,
@@ -1291,6 +1360,14 @@ CASES: list[Case] = [
     data_file_is_a_folder,
     teacher_offload_with_int8_teacher,
     eval_task_file_names_python,
+    teacher_device_not_a_device,
+    teacher_device_with_teacher_offload,
+    teacher_device_with_seq_kd,
+    teacher_device_not_on_this_machine,
+    served_sampler_unreachable,
+    eval_lm_eval_task_jinja_filter,
+    eval_lm_eval_task_custom_metric,
+    eval_lm_eval_task_hub_dataset,
 ]
 
 
