@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1178,6 +1179,51 @@ def served_sampler_unreachable(assets, tmp, cfg):
     return _validate(), "on_policy.server_url"
 
 
+# What a case starts for kd to meet (a test server): closed by run_case once kd has answered.
+AFTER_CASE = contextlib.ExitStack()
+
+
+def _rollout_server(assets: dict, cfg: dict, **server: Any) -> None:
+    """The served sampler pointed at kd's vLLM test server of the student, set up as ``server``."""
+    from kd.testing_rollout_server import RolloutTestServer
+
+    served = AFTER_CASE.enter_context(
+        RolloutTestServer(assets["student"], **{"model_name": "student", **server})
+    )
+    cfg["on_policy"] = {
+        "lmbda": 1.0,
+        "max_new_tokens": 4,
+        "sampler": "served",
+        "server_url": served.url,
+        "server_model": "student",
+    }
+
+
+def served_sampler_serves_another_model(assets, tmp, cfg):
+    """the server serves another model than `on_policy.server_model`"""
+    _rollout_server(assets, cfg, model_name="other")
+    return _validate(), "on_policy.server_model"
+
+
+def served_sampler_context_too_short(assets, tmp, cfg):
+    """the server's `--max-model-len` is below `tokenizer.max_seq_len`"""
+    _rollout_server(assets, cfg, max_model_len=16)
+    return _validate(), "--max-model-len"
+
+
+def served_sampler_lora_without_runtime_loading(assets, tmp, cfg):
+    """a LoRA student, the vLLM server without runtime LoRA loading"""
+    cfg["model"] = builder(STUDENT, lora=True)
+    _rollout_server(assets, cfg, runtime_lora=False)
+    return _validate(), "does not load LoRA adapters"
+
+
+def served_sampler_full_reload_without_dev_mode(assets, tmp, cfg):
+    """a full student, the vLLM server without `VLLM_SERVER_DEV_MODE=1`"""
+    _rollout_server(assets, cfg, dev_mode=False)
+    return _validate(), "/collective_rpc"
+
+
 def _lm_eval_task(tmp: Path, cfg: dict, body: str) -> None:
     tasks = tmp / "tasks"
     tasks.mkdir()
@@ -1365,6 +1411,10 @@ CASES: list[Case] = [
     teacher_device_with_seq_kd,
     teacher_device_not_on_this_machine,
     served_sampler_unreachable,
+    served_sampler_serves_another_model,
+    served_sampler_context_too_short,
+    served_sampler_lora_without_runtime_loading,
+    served_sampler_full_reload_without_dev_mode,
     eval_lm_eval_task_jinja_filter,
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,
@@ -1396,7 +1446,7 @@ def run_case(case: Case, assets: dict, tmp_path: Path) -> Outcome:
     config = write_config(tmp_path / "cfg.yaml", cfg)
     argv = [a.replace("{cfg}", str(config)) for a in argv]
     stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+    with AFTER_CASE, contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         code = cli.main(argv)
     err = stderr.getvalue()
     errors = [line for line in err.splitlines() if line.startswith("kd: error: ")]
@@ -1404,9 +1454,11 @@ def run_case(case: Case, assets: dict, tmp_path: Path) -> Outcome:
 
 
 def doc_text(text: str, tmp_path: Path, assets: dict) -> str:
-    """``text`` with this run's temporary folders replaced by ``<tmp>`` and ``<assets>``."""
+    """``text`` with this run's temporary folders replaced by ``<tmp>`` and ``<assets>``, and a
+    test server's free port by ``<port>``."""
     root = Path(assets["data"]).parent
-    return text.replace(str(tmp_path), "<tmp>").replace(str(root), "<assets>")
+    text = text.replace(str(tmp_path), "<tmp>").replace(str(root), "<assets>")
+    return re.sub(r"http://127\.0\.0\.1:[0-9]{4,5}", "http://127.0.0.1:<port>", text)
 
 
 def md_code(text: str) -> str:
