@@ -107,6 +107,12 @@ class MemoryPlan:
         # The estimate of the fake-tensor path the trace runs (no labelled-row gather).
         return self.trace_estimate or self.estimate
 
+    def _trace_ratio(self) -> float:
+        """Estimate over trace at the traced phases' peak (the eval: phase is not traced)."""
+        est, traced = self._trace_est(), self.traced or {}
+        peak = max((est.allocated(p) for p in est.phase_names if p in traced), default=0)
+        return peak / max(1, max(traced.values(), default=1))
+
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
@@ -186,9 +192,7 @@ class MemoryPlan:
             out["traced_peak_gib"] = round(self.traced_peak_gib or 0.0, 4)
             out["traced_allocated_gib"] = {p: round(b / GIB, 4) for p, b in self.traced.items()}
             out["traced_wall_s"] = round(self.traced_wall_s or 0.0, 2)
-            out["trace_vs_estimate"] = round(
-                self._trace_est().allocated_peak_bytes / max(1, max(self.traced.values())), 4
-            )
+            out["trace_vs_estimate"] = round(self._trace_ratio(), 4)
         if self.fit:
             out["fit"] = [opt.to_json() for opt in self.fit]
         return out
@@ -321,7 +325,7 @@ class MemoryPlan:
                 f"traced peak {self.traced_peak_gib:.2f} GiB (allocated "
                 f"{max(self.traced.values()) / GIB:.2f} + reserve {self.reserve_bytes / GIB:.2f}); "
                 "estimate/trace (same path) "
-                f"{self._trace_est().allocated_peak_bytes / max(1, max(self.traced.values())):.4f}"
+                f"{self._trace_ratio():.4f}"
             )
         for note in list(inp.notes) + list(e.notes):
             lines.append(f"note: {note}")

@@ -119,3 +119,19 @@ def test_planning_the_eval_phase_imports_no_torch(assets, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "evaluation (eval:)" in out.stdout and out.stdout.strip().endswith("False")
+
+
+def test_the_trace_ratio_leaves_out_the_untraced_eval_phase(assets, tmp_path):
+    """kd plan --trace traces the training step, not lm-eval: with the eval: phase the run's peak,
+    estimate/trace still compares the traced phases."""
+    from kd.config.run import run_config
+    from kd.memory.trace import trace_run
+
+    tasks = mc_task(tmp_path / "tasks", pad=200, rows=40)
+    cfg = make_config(assets, tmp_path / "run", eval={"tasks": [str(tasks)], "batch_size": 32})
+    loaded = load_config(str(write_config(tmp_path / "c.yaml", cfg)), [])
+    p = plan_from_config(loaded)
+    assert p.phase == FINAL_EVAL_PHASE
+    p.traced = trace_run(run_config(loaded)).phase_peaks
+    assert FINAL_EVAL_PHASE not in p.traced
+    assert p.to_json()["trace_vs_estimate"] == pytest.approx(1.0, abs=0.03)
