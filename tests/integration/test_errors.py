@@ -1166,6 +1166,18 @@ def teacher_device_not_on_this_machine(assets, tmp, cfg):
     return _validate(), "teacher_device: cuda:1 is not on this machine"
 
 
+def teacher_device_under_torchrun(assets, tmp, cfg):
+    """`teacher_device: cpu`, `--world-size 2`"""
+    cfg["teacher_device"] = "cpu"
+    return _validate("--world-size", "2"), "teacher_device: cpu puts the teacher"
+
+
+def async_sampler_under_torchrun(assets, tmp, cfg):
+    """`on_policy.async_steps: 1`, `--world-size 2`"""
+    cfg["on_policy"] = {"lmbda": 1.0, "max_new_tokens": 4, "async_steps": 1}
+    return _validate("--world-size", "2"), "on_policy.async_steps"
+
+
 def served_sampler_unreachable(assets, tmp, cfg):
     """`on_policy.sampler: served`, nothing listening at `server_url`"""
     cfg["on_policy"] = {
@@ -1410,6 +1422,8 @@ CASES: list[Case] = [
     teacher_device_with_teacher_offload,
     teacher_device_with_seq_kd,
     teacher_device_not_on_this_machine,
+    teacher_device_under_torchrun,
+    async_sampler_under_torchrun,
     served_sampler_unreachable,
     served_sampler_serves_another_model,
     served_sampler_context_too_short,
