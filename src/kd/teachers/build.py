@@ -22,7 +22,7 @@ import torch
 from kd import data, models
 from kd.config import teacher_kinds
 from kd.config.run import RunConfig
-from kd.config.teacher_settings import TeacherLogitsSettings
+from kd.config.teacher_kinds.store import TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.runtime.prepare import prepare_teacher
 from kd.runtime.run_context import ModelFacts, RunContext
