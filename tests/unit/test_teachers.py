@@ -72,7 +72,7 @@ def test_signals_implement_the_protocol():
 
 
 class _Reader:
-    """A TeacherLogitsFile of one model's top-k, computed on demand (rows are ignored)."""
+    """A StoreFile of one model's top-k, computed on demand (rows are ignored)."""
 
     def __init__(self, teacher, k):
         self.teacher, self.k, self.num_rows = teacher, k, 2
@@ -341,7 +341,7 @@ def test_the_recipe_never_asks_which_teacher_it_holds():
 
     recipe = (SRC / "recipes" / "kd.py").read_text()
     names = {"store_format", "store_manifest", "store_reader", "store_writer", "store_folder"}
-    names |= {"foreign_logits", "is_hf_model"}
+    names |= {"foreign_store", "is_hf_model"}
     for kind in kinds.kinds():
         names.add(kind.teacher.rpartition(".")[2])
         if kind.section is not None:
@@ -351,6 +351,22 @@ def test_the_recipe_never_asks_which_teacher_it_holds():
     assert (
         _kind_reads(SRC / "recipes" / "kd.py", {k.section for k in kinds.kinds()} - {None}) == set()
     )
+
+
+def test_the_store_has_one_name():
+    """The files of top-k log-probs are "the store" (kd's: StoreReader; axolotl / DistillKit
+    files: kd.teachers.foreign_store, ForeignStoreReader; either: StoreFile): the old "logits"
+    names of its reader classes and module are gone from the code and the docs (the config key
+    ``teacher_logits`` and the recipe of that name stay)."""
+    old = ("TeacherLogitsReader", "TeacherLogitsFile", "ForeignLogitsReader", "foreign_logits")
+    root = SRC.parents[1]
+    found = [
+        f"{path.relative_to(root)}: {name}"
+        for path in [*SRC.rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
+        for name in old
+        if name in path.read_text()
+    ]
+    assert found == []
 
 
 def test_the_ce_kd_mix_is_written_once():

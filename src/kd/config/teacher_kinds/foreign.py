@@ -1,6 +1,6 @@
 """The foreign-files kind: another tool's stored top-k log-probs (``teacher_logits:`` with
 ``format: axolotl`` or ``distillkit``), read and aligned by
-:class:`kd.teachers.foreign_logits.ForeignLogitsReader`.
+:class:`kd.teachers.foreign_store.ForeignStoreReader`.
 
 It shares the store's section (declared in :mod:`kd.config.teacher_kinds.store`), source (:class:`kd.teachers.build.StoredTeacherSource`), teacher
 (:class:`kd.teachers.StoreTeacher`), planner inputs and stand-in.
@@ -40,7 +40,7 @@ KIND = TeacherKind(
     teacher="kd.teachers.files.StoreTeacher",
     modules=(
         "teachers/build.py",
-        "teachers/foreign_logits.py",
+        "teachers/foreign_store.py",
         "teachers/distillkit_compressed.py",
     ),
 )

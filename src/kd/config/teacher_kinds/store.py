@@ -2,7 +2,7 @@
 ``format: kd``), written by ``kd run teacher_logits`` or a served teacher's write-through.
 
 Its source is :class:`kd.teachers.build.StoredTeacherSource`; its teacher
-:class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.store_reader.TeacherLogitsReader`.
+:class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.store_reader.StoreReader`.
 """
 
 from __future__ import annotations
