@@ -1,7 +1,9 @@
 """The model kind: a local ``teacher_model`` (either backend), its weights optionally int8
 (``teacher_quantization``) or parked in host memory (``teacher_offload``).
 
-Selected by ``teacher_model`` when no other kind's section names the teacher. Its source is
+Selected by ``teacher_model`` when no other kind's section names the teacher. It has no section;
+its checks are ``teacher_model: null`` (plain fine-tuning), ``teacher_offload`` and
+``teacher_device`` (top-level keys of :class:`kd.config.run.RunConfig`). Its source is
 :class:`kd.teachers.build.ModelTeacherSource`; its teacher :class:`kd.teachers.ModelTeacher`.
 """
 

@@ -1,6 +1,10 @@
 """The store kind: kd's own store of a teacher's top-k log-probs (``teacher_logits:`` with
 ``format: kd``), written by ``kd run teacher_logits`` or a served teacher's write-through.
 
+This module declares the ``teacher_logits:`` section (its keys, help line and checks; the foreign
+kind shares it) and what a run reading stored log-probs refuses: on-policy distillation and
+validation, which need a teacher that runs.
+
 Its source is :class:`kd.teachers.build.StoredTeacherSource`; its teacher
 :class:`kd.teachers.StoreTeacher` over :class:`kd.teachers.store_reader.StoreReader`.
 """
