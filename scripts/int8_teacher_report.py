@@ -65,7 +65,7 @@ def _report(config: str, overrides: list[str], rows: int) -> object:
     data = getattr(recipe, "val_dataset", None) or recipe.dataset
     picked = [data[i] for i in range(min(rows, len(data)))]
     ctx, facts = recipe.ctx, recipe.facts
-    plain = dataclasses.replace(run, hidden_states=None)  # teacher_quantization=none above
+    plain = run.with_section("hidden_states", None)  # teacher_quantization=none above
     reference = ModelTeacherSource(plain).load(ctx, facts).model
     int8 = dataclasses.replace(plain, teacher_quantization="int8")
     quantized = ModelTeacherSource(int8).load(ctx, facts).model

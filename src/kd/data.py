@@ -362,7 +362,7 @@ def pretokenized_dataset(
     """A dataset of a file's own token ids: ``input_ids`` and, when present, ``labels``
     (``-100`` = unlabelled; every position is labelled without them), truncated to
     ``tokenizer.max_seq_len``. The training data of an axolotl or DistillKit teacher file
-    (``teacher_logits.format``, :mod:`kd.teachers.foreign_logits`), or of any pre-tokenized rows.
+    (``teacher_logits.format``, :mod:`kd.teachers.foreign_store`), or of any pre-tokenized rows.
 
     Args:
         tokenizer: the run's tokenizer (only its ``max_seq_len`` is read).

@@ -1,7 +1,7 @@
 """Files of pre-tokenized rows: Parquet, Arrow IPC (``datasets.save_to_disk``) or JSON lines.
 
 Read by :func:`kd.data.pretokenized_dataset` (a dataset of token ids) and by the foreign teacher
-files of :mod:`kd.teachers.foreign_logits` (axolotl's and DistillKit's rows, which carry the same
+files of :mod:`kd.teachers.foreign_store` (axolotl's and DistillKit's rows, which carry the same
 ``input_ids`` / ``labels`` columns beside the teacher's top-k). No torch.
 """
 

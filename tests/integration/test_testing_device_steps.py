@@ -30,7 +30,7 @@ from tests.conftest import (
     write_hf_qwen2,
 )
 from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 (fixtures)
-from tests.integration.teachers.test_foreign_logits_run import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
+from tests.integration.teachers.test_foreign_store_run import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
 from tests.integration.teachers.test_served_teacher import teacher_fn, tokenizer  # noqa: F401 (fixtures)
 
 COSINE = {

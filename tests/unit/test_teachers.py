@@ -72,7 +72,7 @@ def test_signals_implement_the_protocol():
 
 
 class _Reader:
-    """A TeacherLogitsFile of one model's top-k, computed on demand (rows are ignored)."""
+    """A StoreFile of one model's top-k, computed on demand (rows are ignored)."""
 
     def __init__(self, teacher, k):
         self.teacher, self.k, self.num_rows = teacher, k, 2
@@ -267,15 +267,18 @@ def test_every_registered_kind_is_complete():
 
     registered = kinds.kinds()
     assert len({k.name for k in registered}) == len(registered)
-    modules = {
-        p.stem for p in (SRC / "teachers" / "kinds").glob("*.py") if p.stem not in ("base",)
-    } - {"__init__"}
+    modules = {p.stem for p in (SRC / "config" / "teacher_kinds").glob("*.py")}
+    modules -= {"__init__", "base"}
+    assert modules, "the kind modules are in kd/config/teacher_kinds"
     declared = {k.selects.__module__.rsplit(".", 1)[-1] for k in registered}
     assert modules <= declared, f"kind modules not registered: {modules - declared}"
     root = SRC.parents[1]
     for kind in registered:
         if kind.section is not None:
             assert kind.section in schema.TOP_LEVEL, kind.name
+            # its section's keys and help are declared by a kind module, not by run.py/schema.py
+            assert kind.settings is not None and kind.section_help is not None, kind.name
+            assert kind.settings.__module__.startswith("kd.config.teacher_kinds."), kind.name
         module, _, cls = kind.teacher.rpartition(".")
         teacher = getattr(__import__(module, fromlist=[cls]), cls)
         assert Teacher in teacher.__mro__, kind.name
@@ -287,6 +290,22 @@ def test_every_registered_kind_is_complete():
             assert callable(source.check) and callable(source.load), kind.name
         if kind.stand_in is not None:
             assert callable(kinds.resolve(kind.stand_in)), kind.name
+
+
+def test_the_run_config_and_the_schema_name_no_kind():
+    """RunConfig's fields and the schema's own tables hold no kind's section: the registry adds
+    them (a built-in kind is its module and its registry line)."""
+    import dataclasses
+
+    from kd.config import teacher_kinds as kinds
+    from kd.config.run import RunConfig
+
+    sections = {k.section for k in kinds.kinds() if k.section is not None}
+    assert not sections & {f.name for f in dataclasses.fields(RunConfig)}
+    for module in ("config/run.py", "config/schema.py"):
+        tree = ast.parse((SRC / module).read_text())
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)} & sections
+        assert not named, f"{module} names {sorted(named)}"
 
 
 def test_no_module_outside_a_kinds_own_files_reads_its_section():
@@ -302,6 +321,9 @@ def test_no_module_outside_a_kinds_own_files_reads_its_section():
         by_ref = [r.partition(":")[0].removeprefix("kd.").replace(".", "/") + ".py" for r in refs]
         for module in (*kind.modules, *by_ref):
             owned.setdefault(module, set()).add(kind.name)
+    # The rules between features (on_policy, validation) read what kinds refuse from the
+    # registry (TeacherKind.on_policy / .validation), never a kind's section.
+    assert "config/checks/features.py" not in owned
     outside = []
     for path in SRC.rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()
@@ -319,7 +341,7 @@ def test_the_recipe_never_asks_which_teacher_it_holds():
 
     recipe = (SRC / "recipes" / "kd.py").read_text()
     names = {"store_format", "store_manifest", "store_reader", "store_writer", "store_folder"}
-    names |= {"foreign_logits", "is_hf_model"}
+    names |= {"foreign_store", "is_hf_model"}
     for kind in kinds.kinds():
         names.add(kind.teacher.rpartition(".")[2])
         if kind.section is not None:
@@ -329,6 +351,22 @@ def test_the_recipe_never_asks_which_teacher_it_holds():
     assert (
         _kind_reads(SRC / "recipes" / "kd.py", {k.section for k in kinds.kinds()} - {None}) == set()
     )
+
+
+def test_the_store_has_one_name():
+    """The files of top-k log-probs are "the store" (kd's: StoreReader; axolotl / DistillKit
+    files: kd.teachers.foreign_store, ForeignStoreReader; either: StoreFile): the old "logits"
+    names of its reader classes and module are gone from the code and the docs (the config key
+    ``teacher_logits`` and the recipe of that name stay)."""
+    old = ("TeacherLogitsReader", "TeacherLogitsFile", "ForeignLogitsReader", "foreign_logits")
+    root = SRC.parents[1]
+    found = [
+        f"{path.relative_to(root)}: {name}"
+        for path in [*SRC.rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
+        for name in old
+        if name in path.read_text()
+    ]
+    assert found == []
 
 
 def test_the_ce_kd_mix_is_written_once():
@@ -385,7 +423,7 @@ class _Counting(Teacher):
 def test_teachers_made_of_teachers_pass_the_step_and_the_state_on():
     """Several teachers and a hidden-state teacher hand after_step, state_dict and
     load_state_dict to the teachers they hold; a teacher without state saves {}."""
-    from kd.config.teacher_settings import HiddenStateSettings
+    from kd.config.teacher_kinds.hidden_states import HiddenStateSettings
     from kd.teachers.hidden_states import HiddenStateTeacher
     from kd.teachers.multi import MultiTeacher
 

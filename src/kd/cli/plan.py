@@ -80,9 +80,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _topk_flag(value: str) -> int:
     """``--compare-stored-logits K``: a whole number in ``teacher_logits.k``'s range."""
-    from kd.config.schema import TEACHER_LOGITS
+    from kd.config.schema import SECTIONS
 
-    key = TEACHER_LOGITS["k"]
+    key = SECTIONS["teacher_logits"]["k"]
     try:
         k = int(value)
     except ValueError:
@@ -224,7 +224,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     target = resolve_target(args, for_plan=True)
     run = target.run
     # the online plan needs the teacher model, whether or not the config trains from a store
-    online = dataclasses.replace(run, teacher_logits=None)
+    online = run.with_section("teacher_logits", None)
     if not online.has_teacher:
         raise KDUserError(
             "--compare-stored-logits: the config has no teacher_model; set teacher_model (the "

@@ -5,8 +5,9 @@ resume policy and help text sit beside the attribute it lands in and that attrib
 :mod:`kd.config.schema` derives its key tables (what validation checks, what ``kd init``
 writes, what a resumed run compares) from these fields (:func:`declared_keys`), and
 :func:`kd.config.run.run_config` fills the dataclasses from a config by reading the same fields
-(:func:`build`), so adding a key is one declaration in :mod:`kd.config.run` or the settings
-module of its section (:mod:`kd.config.teacher_settings`, :mod:`kd.config.on_policy_settings`).
+(:func:`build`), so adding a key is one declaration in :mod:`kd.config.run` or the module of its
+section (:mod:`kd.config.on_policy_settings`, a teacher kind's module in
+:mod:`kd.config.teacher_kinds`).
 
 Fields declared with :func:`derived` are computed from the config (``seq_len_source``,
 ``components``...) and fields declared with :func:`group` hold another settings dataclass.

@@ -4,8 +4,10 @@ Each field below declared with :func:`~kd.config.declare.setting` is a config ke
 default, range, resume policy and help sit beside the attribute it lands in (see
 :mod:`kd.config.declare`). :mod:`kd.config.schema` derives the key tables validation checks from
 these fields, and :func:`run_config` fills the dataclasses by reading the same fields: adding a key
-is one declaration here, or in the sibling module of its section's concept: the teacher sections in
-:mod:`kd.config.teacher_settings`, ``on_policy:`` in :mod:`kd.config.on_policy_settings`. Defaults
+is one declaration here, or in the module of its section's concept: ``on_policy:`` in
+:mod:`kd.config.on_policy_settings`, a teacher kind's section in its kind module
+(:mod:`kd.config.teacher_kinds`; :class:`RunConfig` reads the sections of the registered kinds,
+:data:`KIND_SECTIONS`, and knows no kind itself). Defaults
 live with the declarations (and, for the ``_component_`` nodes, in :mod:`kd.config.schema`);
 :func:`kd.config.load_config` merges them under the user's YAML.
 
@@ -36,14 +38,6 @@ from kd.config.declare import (
     settings,
 )
 from kd.config.on_policy_settings import OnPolicySettings
-from kd.config.teacher_settings import (
-    CrossTokenizerSettings,
-    HiddenStateSettings,
-    SelfTeacherSettings,
-    TeacherLogitsSettings,
-    TeacherServerSettings,
-    TeachersSettings,
-)
 
 # The checkpointer key of each model key (torchtune builders only: a Hugging Face model's folder
 # is its checkpoint).
@@ -79,6 +73,11 @@ DIVERGENCES: tuple[str, ...] = (
 
 # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
 IGNORE_INDEX = -100
+
+# What a top-k teacher's mass outside its k ids becomes (kd.losses.fused_linear_topk_kd_loss): one
+# tail bucket, or the top-k renormalised; TOPK_TAIL is the default (teacher_logits.tail's too).
+TOPK_TAILS: tuple[str, ...] = ("bucket", "renorm")
+TOPK_TAIL = "bucket"
 
 # The validation metrics (kd.training.evaluate.ValStats.metrics) and the direction that is better.
 VAL_METRICS: dict[str, str] = {
@@ -143,10 +142,9 @@ class LossSettings:
     # Label value of positions without a target (torchtune's CROSS_ENTROPY_IGNORE_IDX).
     ignore_index: int = derived(lambda cfg: IGNORE_INDEX, default=IGNORE_INDEX)
     # An offline (top-k) teacher's tail treatment (kd.losses.fused_linear_topk_kd_loss):
-    # teacher_logits.tail, declared in TeacherLogitsSettings.
+    # teacher_logits.tail, declared by the store kind (kd.config.teacher_kinds.store).
     topk_tail: str = derived(
-        lambda cfg: str(raw_value(cfg, "teacher_logits.tail", TeacherLogitsSettings.tail)),
-        default=TeacherLogitsSettings.tail,
+        lambda cfg: str(raw_value(cfg, "teacher_logits.tail", TOPK_TAIL)), default=TOPK_TAIL
     )
 
 
@@ -444,8 +442,9 @@ class EvalSettings:
     )
 
 
-# The settings dataclass of each section a teacher kind registered outside this module declares
-# (kd.config.teacher_kinds.register fills it; the kinds declared here are RunConfig's own fields).
+# The settings dataclass of each teacher kind's section, by section (kd.config.teacher_kinds.register
+# fills it: the built-in kinds when kd.config is imported, others at runtime). RunConfig reads each
+# present section into kind_settings and answers it as an attribute (run.teacher_logits).
 KIND_SECTIONS: dict[str, type] = {}
 
 
@@ -464,9 +463,11 @@ class RunConfig:
     """Every setting of a run, typed and read once (see :func:`run_config`).
 
     Groups: ``loss``, ``optimizer``, ``memory``, ``fsdp``, ``checkpoint``; ``lora`` (None for a
-    full fine-tune), ``validation`` (None without ``validation:``), ``teacher_logits`` (None:
-    the teacher runs online), ``teacher_server`` (None: no served teacher), ``self_teacher`` (None: no
-    self-distillation), ``on_policy`` (None: the dataset's completions only).
+    full fine-tune), ``validation`` (None without ``validation:``), ``on_policy`` (None: the
+    dataset's completions only). Each registered teacher kind's section reads as an attribute of
+    its name, its settings or None without the section (``teacher_logits``: None, the teacher
+    runs online; ``teacher_server``, ``self_teacher``, ``teachers``, ``cross_tokenizer``,
+    ``hidden_states``; :data:`KIND_SECTIONS`), held in ``kind_settings``.
     ``components``: the ``_component_`` nodes by key (read-only; ``None`` for an absent optional
     component such as ``teacher_model: null``; ``dataset`` may be a list of nodes, torchtune's
     concatenated datasets, see :func:`kd.data.build_dataset`). ``yaml``: the resolved config as
@@ -481,13 +482,7 @@ class RunConfig:
     components: dict[str, DictConfig | ListConfig | None] = derived(_components)
     lora: LoraSettings | None = group(_is_lora)
     validation: ValidationSettings | None = group(_has("validation"))
-    teacher_logits: TeacherLogitsSettings | None = group(_has("teacher_logits"))
-    teacher_server: TeacherServerSettings | None = group(_has("teacher_server"))
-    self_teacher: SelfTeacherSettings | None = group(_has("self_teacher"))
     on_policy: OnPolicySettings | None = group(_has("on_policy"))
-    teachers: TeachersSettings | None = group(_has("teachers"))
-    cross_tokenizer: CrossTokenizerSettings | None = group(_has("cross_tokenizer"))
-    hidden_states: HiddenStateSettings | None = group(_has("hidden_states"))
     eval: EvalSettings | None = group(_has("eval"))
     seed: int | None = setting(
         "seed", None, "random seed; null picks one and logs it", resume=MUST_MATCH
@@ -591,15 +586,31 @@ class RunConfig:
         "(docs/security.md)",
         resume=MAY_CHANGE,
     )
-    # The sections of teacher kinds registered outside this module (kd.config.teacher_kinds.register).
+    # The sections of the registered teacher kinds that the config sets, by section.
     kind_settings: dict[str, Any] = derived(_kind_settings, default={})
     yaml: str = derived(lambda cfg: OmegaConf.to_yaml(cfg, resolve=True))
+
+    def __getattr__(self, name: str) -> Any:
+        """A registered teacher kind's section: its settings, or None when the config has none
+        (called only for names that are not fields)."""
+        if name in KIND_SECTIONS:
+            return self.__dict__.get("kind_settings", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def has_teacher(self) -> bool:
         """Whether a teacher model runs during training (not with stored teacher logits: a
         ``teacher_model`` node then only identifies the teacher they came from)."""
         return self.components["teacher_model"] is not None and self.teacher_logits is None
+
+    def with_section(self, name: str, settings: Any) -> RunConfig:
+        """The same run with the teacher kind's section ``name`` set to ``settings`` (None:
+        without it), as ``dataclasses.replace`` sets a field."""
+        assert name in KIND_SECTIONS, name
+        sections = {k: v for k, v in self.kind_settings.items() if k != name}
+        if settings is not None:
+            sections[name] = settings
+        return dataclasses.replace(self, kind_settings=sections)
 
     def with_seed(self, seed: int) -> RunConfig:
         """The same run with ``seed`` set (the snapshot records the seed actually used)."""

@@ -2,7 +2,10 @@
 
 The keys that reach a run are declared once, as fields of the settings dataclasses in
 :mod:`kd.config.run` (:func:`kd.config.declare.setting`); the tables here are derived from those
-declarations, plus the ``_component_`` nodes and the sections, which are declared here. Recipes
+declarations, plus the ``_component_`` nodes and the sections, which are declared here. A teacher
+kind declares its own section in its module (:mod:`kd.config.teacher_kinds`), which adds it to
+these tables when the kind is registered (:func:`add_section`; importing :mod:`kd.config`
+registers the built-in kinds). Recipes
 read scalar knobs from the resolved config after :func:`kd.config.load_config` has merged these
 defaults under the user's YAML, so no recipe calls ``cfg.get(key, default)``.
 
@@ -105,7 +108,7 @@ _NODES: dict[str, Key] = {
 @dataclass(frozen=True)
 class Section:
     """A top-level mapping of keys (``memory:``, ``validation:``...), whose keys are declared in
-    :mod:`kd.config.run`.
+    :mod:`kd.config.run` (or, for a teacher kind's section, in its kind module).
 
     Attributes:
         help: one line for the docs.
@@ -114,12 +117,15 @@ class Section:
             present with its keys' defaults (``memory``).
         words: what users call the section in front of one of its keys (``eval_every_n_steps``
             is ``validation.every_n_steps``): an unknown key is matched against them.
+        after: a section added by :func:`add_section` goes after this one in the tables (so in
+            the checks' order and a run's config snapshot); None: last.
     """
 
     help: str
     resume: str
     optional: bool = False
     words: tuple[str, ...] = ()
+    after: str | None = None
 
 
 _SECTIONS: dict[str, Section] = {
@@ -140,30 +146,6 @@ _SECTIONS: dict[str, Section] = {
         optional=True,
         words=("validation", "eval", "evaluation", "val", "run_val", "valid"),
     ),
-    "teacher_logits": Section(
-        "stored teacher top-k log-probs: {path, k, tail, format, source_temperature, "
-        "rows_per_shard}; `kd run teacher_logits` writes them, `kd run kd` then trains from "
-        "them without the teacher; null = the teacher runs online",
-        MUST_MATCH,
-        optional=True,
-        words=("teacher_logits", "logits", "topk", "stored", "offline"),
-    ),
-    "teacher_server": Section(
-        "a served teacher (vLLM or SGLang) answering top-k log-probs over HTTP: {url, api, "
-        "model, top_k, tail, timeout, retries, backoff, concurrency, prefetch, store, store_rows_per_shard, token_env}; in "
-        "place of teacher_model and teacher_checkpointer; null = no served teacher",
-        MUST_MATCH,
-        optional=True,
-        words=("teacher_server", "server", "served", "vllm", "sglang"),
-    ),
-    "self_teacher": Section(
-        "self-distillation: the student is its own teacher with a privileged context: "
-        "{context, place, weights}; in place of teacher_model and teacher_checkpointer; "
-        "null = none",
-        MUST_MATCH,
-        optional=True,
-        words=("self_teacher", "self", "self_distillation", "opsd", "context"),
-    ),
     "on_policy": Section(
         "on-policy distillation (GKD): {lmbda, max_new_tokens, temperature, top_p, seq_kd}; "
         "with probability lmbda a micro-batch trains on the student's own completions of its "
@@ -171,29 +153,6 @@ _SECTIONS: dict[str, Section] = {
         MUST_MATCH,
         optional=True,
         words=("on_policy", "gkd", "generation", "gen"),
-    ),
-    "teachers": Section(
-        "several named teachers: {combine (weights | mix | route), route_field, members: "
-        "[{name, weight, teacher_model + teacher_checkpointer | teacher_logits | "
-        "teacher_server, cross_tokenizer}]}; in place of the top-level teacher keys; null = one "
-        "teacher",
-        MUST_MATCH,
-        optional=True,
-        words=("teachers", "multi", "multi_teacher"),
-    ),
-    "cross_tokenizer": Section(
-        "a teacher_model (kd.hf.*) with another tokenizer (its folder's): {matched_weight}; "
-        "GOLD's character-span alignment and hybrid ULD loss; null = one tokenizer",
-        MUST_MATCH,
-        optional=True,
-        words=("cross_tokenizer", "gold", "uld", "tokenizer"),
-    ),
-    "hidden_states": Section(
-        "hidden-state distillation: {layer_map, loss, weight}; needs a teacher model (not stored "
-        "or served logits); null = logits only",
-        MUST_MATCH,
-        optional=True,
-        words=("hidden_states", "hidden", "hs", "intermediate", "layer_map"),
     ),
     "eval": Section(
         "lm-evaluation-harness tasks scored on final/ at the end of training: {tasks, limit, "
@@ -235,13 +194,7 @@ KD_LOSS = SECTIONS["kd_loss"]
 VALIDATION = SECTIONS["validation"]
 KEEP_BEST = SECTIONS["keep_best"]
 EARLY_STOPPING = SECTIONS["early_stopping"]
-TEACHER_LOGITS = SECTIONS["teacher_logits"]
-TEACHER_SERVER = SECTIONS["teacher_server"]
 ON_POLICY = SECTIONS["on_policy"]
-SELF_TEACHER = SECTIONS["self_teacher"]
-TEACHERS = SECTIONS["teachers"]
-CROSS_TOKENIZER = SECTIONS["cross_tokenizer"]
-HIDDEN_STATES = SECTIONS["hidden_states"]
 
 # Words users put before a section's key, for suggestions (kd.config.checks.keys).
 SECTION_WORDS: dict[str, tuple[str, ...]] = {n: s.words for n, s in _SECTIONS.items()}
@@ -273,14 +226,26 @@ TOP_LEVEL: dict[str, Key] = {
 }
 
 
+def _insert(table: dict[str, Any], name: str, value: Any, after: str | None) -> None:
+    """Put ``name`` in ``table`` right after ``after`` (last when None), in place: modules hold
+    the tables by reference."""
+    items = [(k, v) for k, v in table.items() if k != name]
+    at = len(items) if after is None else [k for k, _ in items].index(after) + 1
+    items.insert(at, (name, value))
+    table.clear()
+    table.update(items)
+
+
 def add_section(name: str, section: Section, settings: type) -> None:
-    """Add the optional section ``name`` whose keys ``settings`` declares (a teacher kind
-    registered at runtime, :func:`kd.config.teacher_kinds.register`): every table above gains it."""
-    keys = declared_keys(settings)
-    _SECTIONS[name] = section
-    SECTIONS[name] = {dotted.split(".", 1)[1]: key for dotted, key in keys.items()}
-    SECTION_WORDS[name] = section.words
-    TOP_LEVEL[name] = _section_key(name, section)
+    """Add the optional section ``name`` whose keys ``settings`` declares (a teacher kind's,
+    :func:`kd.config.teacher_kinds.register`): every table above gains it, after
+    ``section.after``."""
+    keys = {dotted.split(".", 1)[1]: key for dotted, key in declared_keys(settings).items()}
+    after = section.after
+    _insert(_SECTIONS, name, section, after)
+    _insert(SECTIONS, name, keys, after)
+    _insert(SECTION_WORDS, name, section.words, after)
+    _insert(TOP_LEVEL, name, _section_key(name, section), after)
 
 
 def remove_section(name: str) -> None:

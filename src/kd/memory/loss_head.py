@@ -46,7 +46,7 @@ _CE_CHUNK_V = 8
 _TOPK_CHUNK_V = 12
 _TOPK_K_BYTES = 40
 # The stored top-k a micro-batch carries on the device, per token per entry: int64 ids and float16
-# log-probs (TeacherLogitsReader.batch, moved to the device by the recipe).
+# log-probs (StoreReader.batch, moved to the device by the recipe).
 STORED_TOPK_BYTES = 8 + 2
 
 

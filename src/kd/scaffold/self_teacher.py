@@ -3,7 +3,7 @@ folder: the student is its own teacher, seeing each row with a privileged contex
 
 from __future__ import annotations
 
-from kd.config.checks.self_teacher import template_fields
+from kd.config.teacher_kinds.self_teacher import template_fields
 from kd.errors import KDUserError, one_line
 from kd.scaffold.data import DataFormat
 

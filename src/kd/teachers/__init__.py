@@ -13,7 +13,7 @@ it holds.
 """
 
 from kd.teachers.base import Teacher, TeacherInput, TeacherSignal, TeacherStopped
-from kd.teachers.files import FixedTopKTeacher, StoreTeacher, TeacherLogitsFile
+from kd.teachers.files import FixedTopKTeacher, StoreFile, StoreTeacher
 from kd.teachers.model import ModelTeacher, as_teacher
 from kd.teachers.signals import LogitsSignal, TopKSignal
 
@@ -24,7 +24,7 @@ __all__ = [
     "StoreTeacher",
     "Teacher",
     "TeacherInput",
-    "TeacherLogitsFile",
+    "StoreFile",
     "TeacherSignal",
     "TeacherStopped",
     "TopKSignal",

@@ -22,13 +22,13 @@ import torch
 from kd import data, models
 from kd.config import teacher_kinds
 from kd.config.run import RunConfig
-from kd.config.teacher_settings import TeacherLogitsSettings
+from kd.config.teacher_kinds.store import TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.runtime.prepare import prepare_teacher
 from kd.runtime.run_context import ModelFacts, RunContext
-from kd.teachers import foreign_logits, store_folder, store_format, store_manifest, store_reader
+from kd.teachers import foreign_store, store_folder, store_format, store_manifest, store_reader
 from kd.teachers.base import Teacher
-from kd.teachers.files import StoreTeacher, TeacherLogitsFile
+from kd.teachers.files import StoreFile, StoreTeacher
 from kd.teachers.hidden_states import HiddenStateTeacher, check_layer_map
 from kd.teachers.model import ModelTeacher
 from kd.teachers.parking import ParkedWeights
@@ -174,7 +174,7 @@ class StoredTeacherSource:
         assert run.teacher_logits is not None
         self.run = run
         self.settings: TeacherLogitsSettings = run.teacher_logits
-        self.reader: TeacherLogitsFile | None = None
+        self.reader: StoreFile | None = None
         self.vocab: int | None = None
 
     def check(self, ctx: RunContext, facts: ModelFacts, dataset: Sequence[Any]) -> None:
@@ -188,7 +188,7 @@ class StoredTeacherSource:
         )
         if settings.format != "kd":
             source_t = settings.source_temperature
-            reader = foreign_logits.ForeignLogitsReader(
+            reader = foreign_store.ForeignStoreReader(
                 settings.path,
                 format=settings.format,
                 k=settings.k,
@@ -307,7 +307,7 @@ class ServedTeacherSource:
         if s.store is not None:
             assert self.spec is not None, "check() opens the store"
             if self.manifest is not None and self.manifest.get("complete"):
-                reader = store_reader.TeacherLogitsReader(s.store, key=_STORE)
+                reader = store_reader.StoreReader(s.store, key=_STORE)
                 return StoreTeacher(reader, k=s.top_k, vocab=None, tail=s.tail, device=ctx.device)
             lock = store_folder.start_store_folder(s.store, self.spec, self.manifest, key=_STORE)
             store = store_folder.WriteThroughStore(

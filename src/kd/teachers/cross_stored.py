@@ -120,7 +120,7 @@ class CrossStoredSource:
         assert run.teacher_logits is not None and run.cross_tokenizer is not None
         self.run = run
         self.settings = run.teacher_logits
-        self.reader: store_reader.TeacherLogitsReader | None = None
+        self.reader: store_reader.StoreReader | None = None
         self.match: VocabMatch | None = None
         self.sizes = (0, 0)
 
@@ -171,7 +171,7 @@ class CrossStoredTeacher(Teacher):
 
     def __init__(
         self,
-        reader: store_reader.TeacherLogitsReader,
+        reader: store_reader.StoreReader,
         *,
         match: VocabMatch,
         sizes: tuple[int, int],

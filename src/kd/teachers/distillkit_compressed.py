@@ -18,7 +18,7 @@ folder, the ``compression_config.yaml`` it compressed with (DistillKit's
   successive differences, summed back here.
 
 :func:`decode_rows` turns a sequence's byte lists into the ids and log-probs
-``decompress_to_sparse`` returns, which :class:`kd.teachers.foreign_logits.ForeignLogitsReader`
+``decompress_to_sparse`` returns, which :class:`kd.teachers.foreign_store.ForeignStoreReader`
 then reads as it reads DistillKit's raw ``token_ids`` / ``top_values`` rows.
 """
 

@@ -1,8 +1,8 @@
 """Teachers read from files of top-k log-probs: kd's own store and other tools' files.
 
-Both readers (:class:`kd.teachers.store_reader.TeacherLogitsReader`, kd's Parquet store;
-:class:`kd.teachers.foreign_logits.ForeignLogitsReader`, axolotl / DistillKit files) implement
-:class:`TeacherLogitsFile`, the one reader interface; :class:`StoreTeacher` turns either into a
+Both readers (:class:`kd.teachers.store_reader.StoreReader`, kd's Parquet store;
+:class:`kd.teachers.foreign_store.ForeignStoreReader`, axolotl / DistillKit files) implement
+:class:`StoreFile`, the one reader interface; :class:`StoreTeacher` turns either into a
 :class:`kd.teachers.Teacher`.
 """
 
@@ -16,10 +16,10 @@ import torch
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.signals import TopKSignal
 
-__all__ = ["StoreTeacher", "FixedTopKTeacher", "TeacherLogitsFile"]
+__all__ = ["StoreTeacher", "FixedTopKTeacher", "StoreFile"]
 
 
-class TeacherLogitsFile(Protocol):
+class StoreFile(Protocol):
     """A file (or folder) of the teacher's top-k log-probs per labelled position of each row.
 
     Attributes:
@@ -44,7 +44,7 @@ class TeacherLogitsFile(Protocol):
 
 
 class StoreTeacher(Teacher):
-    """The teacher of a :class:`TeacherLogitsFile`: no model, no weights in memory.
+    """The teacher of a :class:`StoreFile`: no model, no weights in memory.
 
     Args:
         reader: the opened, checked file.
@@ -57,7 +57,7 @@ class StoreTeacher(Teacher):
 
     def __init__(
         self,
-        reader: TeacherLogitsFile,
+        reader: StoreFile,
         *,
         k: int,
         vocab: int | None,

@@ -1,6 +1,6 @@
 """Hidden-state distillation: the student's mapped layer outputs are matched to the teacher's.
 
-``hidden_states:`` (:class:`kd.config.teacher_settings.HiddenStateSettings`) turns a local teacher model into a
+``hidden_states:`` (:class:`kd.config.teacher_kinds.hidden_states.HiddenStateSettings`) turns a local teacher model into a
 :class:`HiddenStateTeacher`: it wraps the :class:`kd.teachers.ModelTeacher` and adds, to the
 logits loss, ``weight * hidden_loss``, the mean over the mapped pairs of
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from kd import folders, models
 from kd.config.run import LossSettings
-from kd.config.teacher_settings import HiddenStateSettings
+from kd.config.teacher_kinds.hidden_states import HiddenStateSettings
 from kd.errors import KDUserError
 from kd.teachers.base import Teacher, TeacherInput
 from kd.teachers.model import ModelTeacher

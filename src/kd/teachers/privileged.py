@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kd import _torchtune as tt
-from kd.config.checks.self_teacher import template_fields
 from kd.config.run import IGNORE_INDEX
-from kd.config.teacher_settings import SelfTeacherSettings
+from kd.config.teacher_kinds.self_teacher import SelfTeacherSettings, template_fields
 from kd.data import filled_fields
 from kd.errors import KDUserError, one_line
 

@@ -42,7 +42,7 @@ import numpy as np
 import requests
 import torch
 
-from kd.config.teacher_settings import TeacherServerSettings
+from kd.config.teacher_kinds.served import TeacherServerSettings
 from kd.errors import KDUserError, brief, one_line, redact
 from kd.runtime import distributed
 from kd.teachers.answer_checks import check_answer

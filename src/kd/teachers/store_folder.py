@@ -194,7 +194,7 @@ def row_entries(
     )
 
 
-class WriteThroughStore(store_reader.TeacherLogitsReader):
+class WriteThroughStore(store_reader.StoreReader):
     """A store filled while a served teacher answers training (one process).
 
     Rows answered wait in memory until every row of their shard has been answered; the shard is

@@ -5,7 +5,7 @@
 The store's modules: this one (the format: constants, row hashes, shard layout, a row and its
 check), :mod:`kd.teachers.store_manifest` (what a store holds, read and checked against a run),
 :mod:`kd.teachers.store_writer` (shards, manifest and lock, written atomically),
-:mod:`kd.teachers.store_reader` (:class:`~kd.teachers.store_reader.TeacherLogitsReader`) and
+:mod:`kd.teachers.store_reader` (:class:`~kd.teachers.store_reader.StoreReader`) and
 :mod:`kd.teachers.store_folder` (a folder being written, read while it grows).
 
 Format: a folder of Parquet files (pyarrow) and a JSON manifest::

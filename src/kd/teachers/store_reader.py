@@ -1,4 +1,4 @@
-"""Reading kd's store (:mod:`kd.teachers.store_format`): :class:`TeacherLogitsReader`, a
+"""Reading kd's store (:mod:`kd.teachers.store_format`): :class:`StoreReader`, a
 complete store opened and checked, and :func:`open_run_store`, one opened for a run and checked
 against it.
 """
@@ -37,7 +37,7 @@ from kd.teachers.store_manifest import (
     run_teacher_identity,
 )
 
-__all__ = ["CACHE_BYTES", "TeacherLogitsReader", "open_run_store"]
+__all__ = ["CACHE_BYTES", "StoreReader", "open_run_store"]
 
 # Decoded rows the reader keeps (least recently used row groups go first). A store whose shards
 # fit (their file size x _DECODED_PER_FILE_BYTE) is read a whole shard at a time on first use, so
@@ -52,7 +52,7 @@ def _locate(row: int, *, world_size: int, rows_per_shard: int) -> tuple[str, int
     return shard_name(rank, j // rows_per_shard), j % rows_per_shard
 
 
-class TeacherLogitsReader:
+class StoreReader:
     """A complete store, opened and checked; :meth:`batch` returns a batch's aligned top-k.
 
     Opening reads the manifest and checks that every shard is in place with its recorded size
@@ -356,7 +356,7 @@ def open_run_store(
     dataset_fingerprint: str,
     student_vocab: int | None,
     cross_tokenizer: bool = False,
-) -> TeacherLogitsReader:
+) -> StoreReader:
     """Open kd's store at ``path`` and check it against this run
     (:func:`~kd.teachers.store_manifest.check_store_matches`): the run's tokenizer files,
     ``max_seq_len``, temperature, ``k``, data and, when the config names one, the teacher.
@@ -372,7 +372,7 @@ def open_run_store(
         student_vocab: the student's vocabulary size, or None (another tokenizer).
         cross_tokenizer: the run has ``cross_tokenizer:``.
     """
-    store = TeacherLogitsReader(path)
+    store = StoreReader(path)
     source = facts.teacher_source
     check_store_matches(
         store.manifest,

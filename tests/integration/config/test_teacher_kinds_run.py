@@ -194,3 +194,81 @@ def test_a_teacher_with_state_resumes_exactly(assets, tmp_path, monkeypatch, cou
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert rows(reference) == rows(out)
     assert json.dumps(rows(out)[-1]["kd_loss"]) == json.dumps(rows(reference)[-1]["kd_loss"])
+
+
+def test_a_kinds_section_reads_as_a_run_attribute_and_joins_the_tables_last(
+    assets, tmp_path, counting_kind
+):
+    """RunConfig and the schema know no kind: the registered section is ``run.<section>`` (None
+    without it), a key of the schema's tables (after the built-in sections), and gone again when
+    the kind is unregistered."""
+    from kd.config import load_config, schema
+    from kd.config.run import run_config
+
+    config = write_config(tmp_path / "cfg.yaml", counting_config(assets, tmp_path / "run"))
+    run = run_config(load_config(str(config), []))
+    assert run.counting_teacher == CountingSettings(k=4, rate=0.5)
+    assert run.counting_teacher is run.kind_settings[SECTION]
+    assert run.with_section(SECTION, None).counting_teacher is None
+    assert list(schema.SECTIONS)[-1] == SECTION and SECTION in schema.TOP_LEVEL
+    teacher_kinds.unregister(KIND.name)
+    try:
+        assert SECTION not in schema.SECTIONS and SECTION not in schema.TOP_LEVEL
+        with pytest.raises(AttributeError):
+            run.counting_teacher  # noqa: B018
+    finally:
+        teacher_kinds.register(KIND)
+
+
+def test_what_a_kind_refuses_of_on_policy_and_validation_is_its_declaration(
+    assets, tmp_path, capsys
+):
+    """kd.config.checks.features reads what each kind refuses from the registry: a kind that
+    declares a refusal gets it as the one problem line of kd validate, exit 2."""
+    import dataclasses
+
+    refusing = dataclasses.replace(
+        KIND,
+        on_policy="cannot score completions made during training; remove on_policy",
+        validation="holds no held-out distribution; remove validation",
+    )
+    teacher_kinds.register(refusing)
+    try:
+        cfg = counting_config(assets, tmp_path / "run")
+        config = write_config(tmp_path / "cfg.yaml", cfg)
+        assert cli.main(["validate", "--config", str(config)]) == 0
+        capsys.readouterr()
+        on_policy = {"lmbda": 1.0, "max_new_tokens": 4}
+        config = write_config(tmp_path / "on.yaml", {**cfg, "on_policy": on_policy})
+        assert cli.main(["validate", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "on_policy: cannot score completions made during training; remove on_policy" in err
+        validation = {"dataset": cfg["dataset"]}
+        config = write_config(tmp_path / "val.yaml", {**cfg, "validation": validation})
+        assert cli.main(["validate", "--config", str(config)]) == 2
+        assert "validation: holds no held-out distribution; remove validation" in (
+            capsys.readouterr().err
+        )
+    finally:
+        teacher_kinds.unregister(refusing.name)
+
+
+def test_several_teachers_beside_a_null_teacher_model_distil_on_policy(assets, tmp_path, capsys):
+    """``teachers:`` is the teacher when ``teacher_model: null``: on_policy is not refused as
+    plain fine-tuning (it was, with a fix, 'set teacher_model', that teachers: itself refuses)."""
+    cfg = make_config(assets, tmp_path / "run", on_policy={"lmbda": 1.0, "max_new_tokens": 4})
+    member = {
+        "name": "a",
+        "teacher_model": cfg.pop("teacher_model"),
+        "teacher_checkpointer": cfg.pop("teacher_checkpointer"),
+    }
+    cfg.update(teacher_model=None, teacher_checkpointer=None, teachers={"members": [member]})
+    config = write_config(tmp_path / "cfg.yaml", cfg)
+    assert cli.main(["validate", "--config", str(config)]) == 0, capsys.readouterr().err
+    # plain fine-tuning still is refused
+    plain = {k: v for k, v in cfg.items() if k != "teachers"}
+    config = write_config(tmp_path / "plain.yaml", plain)
+    assert cli.main(["validate", "--config", str(config)]) == 2
+    assert "on_policy: needs a teacher to score the completions, but teacher_model is null" in (
+        capsys.readouterr().err
+    )

@@ -32,7 +32,7 @@ from tests.integration.teachers.test_cross_run import letter_data, other_tok_tea
 from tests.integration.teachers.test_cross_stored_run import TEACHER_SIZE
 from tests.integration.teachers.test_cross_stored_run import _cfg as cross_cfg
 from tests.integration.teachers.test_cross_stored_run import _store as cross_store
-from tests.integration.teachers.test_foreign_logits_run import _bad_file, foreign  # noqa: F401 - fixture
+from tests.integration.teachers.test_foreign_store_run import _bad_file, foreign  # noqa: F401 - fixture
 from tests.integration.teachers.test_served_teacher import (  # noqa: F401 - fixtures
     K,
     _settings,

@@ -19,7 +19,7 @@ from kd import cli
 from kd.errors import KDUserError
 from kd.teachers import distillkit_compressed as dc
 from tests.conftest import STUDENT, make_config, write_config
-from tests.integration.teachers.test_foreign_logits_run import (  # noqa: F401
+from tests.integration.teachers.test_foreign_store_run import (  # noqa: F401
     K,
     _assert_same_losses,
     _train,
@@ -239,11 +239,11 @@ def _no_teacher(cfg):
 
 
 def test_compressed_file_trains_like_its_raw_rows(assets, foreign, tmp_path):  # noqa: F811
-    from kd.teachers.foreign_logits import ForeignLogitsReader
+    from kd.teachers.foreign_store import ForeignStoreReader
 
     packed = _compressed(foreign["distillkit"], tmp_path / "packed")
     readers = [
-        ForeignLogitsReader(
+        ForeignStoreReader(
             p, format="distillkit", k=K, alpha=1.0, max_seq_len=64, student_vocab=288
         )
         for p in (foreign["distillkit"], packed)

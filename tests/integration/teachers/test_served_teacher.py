@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kd import cli
-from kd.config.teacher_settings import TeacherServerSettings
+from kd.config.teacher_kinds.served import TeacherServerSettings
 from kd.errors import KDUserError
 from kd.teachers.served import TeacherClient, TeacherUnavailable
 from kd.testing_server import TeacherTestServer, model_logprobs

@@ -68,7 +68,7 @@ def test_two_ranks_store_what_one_process_stores(stores):
     assert {s["name"][:9] for s in m2["shards"]} == {"rank00000", "rank00001"}  # a writer per rank
     for key in ("dataset_fingerprint", "tokenizer_sha256", "num_rows", "k", "vocab", "teacher"):
         assert m1[key] == m2[key], key
-    r1, r2 = store_reader.TeacherLogitsReader(one), store_reader.TeacherLogitsReader(two)
+    r1, r2 = store_reader.StoreReader(one), store_reader.StoreReader(two)
     for row in range(r1.num_rows):
         a, b = r1.record(row), r2.record(row)
         assert a.row_hash == b.row_hash and a.num_tokens == b.num_tokens

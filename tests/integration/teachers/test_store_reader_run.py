@@ -75,7 +75,7 @@ def test_store_holds_the_teachers_top_k(assets, store):
 
     dataset = _dataset(assets)
     teacher = AutoModelForCausalLM.from_pretrained(assets["teacher"], dtype=torch.float32).eval()
-    reader = store_reader.TeacherLogitsReader(store)
+    reader = store_reader.StoreReader(store)
     rows = [0, 17, 63]
     batch = tt.padded_collate_sft([dataset[r] for r in rows], padding_idx=0, ignore_idx=-100)
     ids, logprobs = reader.batch(rows, batch["tokens"], batch["labels"], k=K)
@@ -119,7 +119,7 @@ def test_killed_precompute_resumes_byte_identical(assets, store, tmp_path, monke
     assert not partial["complete"] and len(written) == 2
     # The reader refuses the unfinished store.
     with pytest.raises(KDUserError, match="is incomplete"):
-        store_reader.TeacherLogitsReader(tmp_path / "logits")
+        store_reader.StoreReader(tmp_path / "logits")
 
     calls = []
     monkeypatch.setattr(
@@ -153,7 +153,7 @@ def test_reader_refuses_damaged_shards_and_changed_rows(assets, store, tmp_path)
     rows = [0, 1]
     batch = tt.padded_collate_sft([dataset[r] for r in rows], padding_idx=0, ignore_idx=-100)
     # A row of other tokens than the stored row.
-    reader = store_reader.TeacherLogitsReader(store)
+    reader = store_reader.StoreReader(store)
     with pytest.raises(KDUserError, match="dataset row 2 differs from the row"):
         reader.batch([0, 2], batch["tokens"], batch["labels"], k=K)
     # Same size, flipped bytes inside the data pages: the page checksums catch it on read.
@@ -164,7 +164,7 @@ def test_reader_refuses_damaged_shards_and_changed_rows(assets, store, tmp_path)
     for i in range(200, 260):
         raw[i] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    reader = store_reader.TeacherLogitsReader(damaged)
+    reader = store_reader.StoreReader(damaged)
     with pytest.raises(KDUserError, match=r"teacher_logits.path: shard .* is damaged"):
         reader.batch(rows, batch["tokens"], batch["labels"], k=K)
     # A rerun of the precompute rewrites exactly the damaged shard.

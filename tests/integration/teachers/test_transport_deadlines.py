@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kd import cli
-from kd.config.teacher_settings import TeacherServerSettings
+from kd.config.teacher_kinds.served import TeacherServerSettings
 from kd.teachers.served import TeacherClient, TeacherUnavailable
 from kd.testing_server import TeacherTestServer, model_logprobs
 from tests.conftest import MAX_SEQ_LEN, STUDENT, TEACHER, make_config, tiny_model

@@ -24,7 +24,7 @@ from kd.config.declare import (
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.config.parse import fill_defaults
 from kd.config.run import LossSettings, RunConfig, run_config
-from kd.config.teacher_settings import TeacherLogitsSettings
+from kd.config.teacher_kinds.store import TeacherLogitsSettings
 from tests.unit.test_config import tiny_config, write
 
 
@@ -44,7 +44,7 @@ def test_types_and_nullability_come_from_the_annotation():
     assert schema.TOP_LEVEL["kd_ratio"].types == (int, float)
     assert schema.TOP_LEVEL["batch_size"].types == (int,)
     assert schema.TOP_LEVEL["seed"].nullable and not schema.TOP_LEVEL["batch_size"].nullable
-    assert schema.TEACHER_LOGITS["path"].types == (str,)  # a Path field reads a string
+    assert schema.SECTIONS["teacher_logits"]["path"].types == (str,)  # a Path field reads a string
     assert schema.COMPONENT_ARGS["model.lora_attn_modules"].types == (list,)
     # required inside its section, None in the RunConfig without the section
     assert not schema.EARLY_STOPPING["patience"].nullable
@@ -71,7 +71,7 @@ def test_dataclass_defaults_are_the_key_defaults():
     assert loss.kd_ratio == schema.TOP_LEVEL["kd_ratio"].default
     assert loss.divergence == schema.KD_LOSS["divergence"].default
     assert loss.chunk_size == schema.TOP_LEVEL["loss_chunk_size"].default
-    assert loss.topk_tail == schema.TEACHER_LOGITS["tail"].default
+    assert loss.topk_tail == schema.SECTIONS["teacher_logits"]["tail"].default
     on_policy = OnPolicySettings()
     for name, key in schema.ON_POLICY.items():
         assert getattr(on_policy, name) == key.default

@@ -150,7 +150,7 @@ def test_stored_logits_plan_drops_the_teacher_and_adds_the_io_buffers():
     assert "stored top-64" in stored.table() and stored.to_json()["stored_topk"] == 64
     # a larger k costs more loss memory per chunk, and more I/O
     big = make_plan(
-        inputs_from_run(replace(run, teacher_logits=replace(run.teacher_logits, k=1024))), 80
+        inputs_from_run(run.with_section("teacher_logits", replace(run.teacher_logits, k=1024))), 80
     )
     assert big.estimate.phases["forward"]["logits_loss"] > fwd["logits_loss"]
     with pytest.raises(ValueError, match="no teacher"):

@@ -13,7 +13,7 @@ from torch import nn
 
 from kd import models
 from kd.config.run import LossSettings
-from kd.config.teacher_settings import HiddenStateSettings
+from kd.config.teacher_kinds.hidden_states import HiddenStateSettings
 from kd.errors import KDUserError
 from kd.scaffold.layer_map import uniform_map
 from kd.teachers import ModelTeacher

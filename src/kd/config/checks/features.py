@@ -1,112 +1,27 @@
-"""Rules between keys, one function per feature: stored teacher logits, on-policy distillation,
-validation (keep_best, early_stopping), outputs, the device, a parked teacher."""
+"""Rules between keys, one function per feature: on-policy distillation, validation (keep_best,
+early_stopping), outputs, the device.
+
+What a teacher kind says about on-policy distillation and validation is declared by the kind
+(:attr:`kd.config.teacher_kinds.TeacherKind.on_policy` and ``.validation``) and read here through
+the registry; this module reads no teacher kind's section itself (a guard test checks)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from kd.config import schema
-from kd.config.checks.values import fmt
+from kd.config import teacher_kinds as kinds
+from kd.config.checks.values import DEVICE_RE
 from kd.config.schema import Problem
-from kd.errors import redact
-
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
-def check_teacher_logits(data: dict[str, Any], problems: list[Problem]) -> None:
-    """A source temperature belongs to another tool's file, and re-tempering it leaves the
-    mass outside the top-k unknown, so only ``tail: renorm`` is exact then."""
-    node = data.get("teacher_logits")
-    if not isinstance(node, dict) or node.get("source_temperature") is None:
-        return
-    source = node["source_temperature"]
-    if node.get("format", schema.TEACHER_LOGITS["format"].default) == "kd":
-        problems.append(
-            Problem(
-                "teacher_logits.source_temperature",
-                "is for another tool's file (format axolotl or distillkit); kd's store records "
-                "its temperature itself: remove source_temperature",
-            )
-        )
-        return
-    temperature = data.get("temperature", schema.TOP_LEVEL["temperature"].default)
-    if (
-        node.get("tail", schema.TEACHER_LOGITS["tail"].default) == "bucket"
-        and isinstance(source, (int, float))
-        and isinstance(temperature, (int, float))
-        and float(source) != float(temperature)
-    ):
-        problems.append(
-            Problem(
-                "teacher_logits.tail",
-                f"bucket needs the teacher mass outside the top-k, which re-tempering from "
-                f"source_temperature {fmt(source)} to temperature {fmt(temperature)} leaves "
-                "unknown; set teacher_logits.tail=renorm",
-            )
-        )
-
-
-def check_teacher_server(data: dict[str, Any], problems: list[Problem]) -> None:
-    """A served teacher replaces the teacher's nodes and answers top-k log-probs at
-    temperature 1: what needs a local teacher's full distribution or its sampling is refused."""
-    node = data.get("teacher_server")
-    if not isinstance(node, dict):
-        return
-    drop = "remove teacher_model and teacher_checkpointer (the server is the teacher)"
-    if data.get("teacher_model") is not None:
-        problems.append(Problem("teacher_model", f"is set beside teacher_server; {drop}"))
-    url = node.get("url")
-    if isinstance(url, str) and not url.startswith(("http://", "https://")):
-        problems.append(
-            Problem(
-                "teacher_server.url",
-                f"{fmt(redact(url)[:80])} is not an http:// or https:// URL; set teacher_server.url to "
-                "the server's base URL, e.g. http://127.0.0.1:8000",
-            )
-        )
-    if isinstance(url, str) and redact(url) != url and node.get("token_env") is not None:
-        problems.append(
-            Problem(
-                "teacher_server.token_env",
-                "is set beside a user:password in teacher_server.url, and both would be sent as "
-                "the Authorization header; keep one (the token for vLLM's / SGLang's --api-key)",
-            )
-        )
-    if isinstance(data.get("validation"), dict) and not isinstance(
-        data.get("teacher_logits"), dict
-    ):
-        problems.append(
-            Problem(
-                "validation",
-                "needs a teacher's full distribution (val_kd_loss, val_top1_agreement), which a "
-                "served teacher's top-k does not give; remove validation, or use teacher_model",
-            )
-        )
-    on_policy = data.get("on_policy")
-    if isinstance(on_policy, dict) and on_policy.get("seq_kd"):
-        problems.append(
-            Problem(
-                "on_policy.seq_kd",
-                "samples the teacher's completions, but kd only scores with a served teacher; "
-                "set on_policy.seq_kd=false (the student's completions are scored by the server)",
-            )
-        )
-    temperature = data.get("temperature", 1.0)
-    if (
-        node.get("tail", "bucket") == "bucket"
-        and isinstance(temperature, (int, float))
-        and not isinstance(temperature, bool)
-        and float(temperature) != 1.0
-    ):
-        problems.append(
-            Problem(
-                "teacher_server.tail",
-                f"bucket needs the teacher mass outside the top-k at temperature "
-                f"{fmt(temperature)}, but the server answers at temperature 1 (kd re-tempers the "
-                "top-k); set teacher_server.tail=renorm, or temperature=1",
-            )
-        )
+def _no_teacher(data: dict[str, Any]) -> bool:
+    """``teacher_model: null`` and no kind's section teaching in its place: plain fine-tuning."""
+    return (
+        "teacher_model" in data
+        and data["teacher_model"] is None
+        and not kinds.replacing_sections(data)
+    )
 
 
 def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
@@ -115,20 +30,10 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
     node = data.get("on_policy")
     if not isinstance(node, dict):
         return
-    if isinstance(data.get("teacher_logits"), dict):
-        problems.append(
-            Problem(
-                "on_policy",
-                "needs the online teacher (it scores the student's own completions, which no "
-                "stored logits hold); remove on_policy, or set teacher_logits to null",
-            )
-        )
-    elif (
-        "teacher_model" in data
-        and data["teacher_model"] is None
-        and not isinstance(data.get("teacher_server"), dict)
-        and not isinstance(data.get("self_teacher"), dict)
-    ):
+    refused = kinds.refusal(data, "on_policy")
+    if refused is not None:
+        problems.append(Problem("on_policy", refused))
+    elif _no_teacher(data):
         problems.append(
             Problem(
                 "on_policy",
@@ -201,15 +106,9 @@ def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
                 "early_stopping",
             )
         )
-    if isinstance(validation, dict) and isinstance(data.get("teacher_logits"), dict):
-        problems.append(
-            Problem(
-                "validation",
-                "needs the online teacher (val_kd_loss and val_top1_agreement compare the "
-                "student with the teacher's full distribution on held-out rows, which "
-                "teacher_logits does not hold); remove validation, or set teacher_logits to null",
-            )
-        )
+    refused = kinds.refusal(data, "validation") if isinstance(validation, dict) else None
+    if refused is not None:
+        problems.append(Problem("validation", refused))
     best = data.get("keep_best")
     metric = best.get("metric") if isinstance(best, dict) else None
     if (
@@ -251,120 +150,10 @@ def check_output_dir(data: dict[str, Any], problems: list[Problem]) -> None:
 def check_device(data: dict[str, Any], problems: list[Problem]) -> None:
     """``device`` is one kd runs on (its availability is checked when the run starts)."""
     device = data.get("device")
-    if isinstance(device, str) and not _DEVICE_RE.match(device):
+    if isinstance(device, str) and not DEVICE_RE.match(device):
         problems.append(
             Problem(
                 "device",
                 f"{device!r} is not a device kd runs on; set device to cuda, cuda:N or cpu",
             )
         )
-
-
-def check_hidden_states(data: dict[str, Any], problems: list[Problem]) -> None:
-    """Hidden-state distillation reads the teacher's layers: it needs a teacher model that runs
-    (stored top-k log-probs and a served teacher hold no hidden states)."""
-    if not isinstance(data.get("hidden_states"), dict):
-        return
-    fix = "remove hidden_states, or distil from a local teacher_model"
-    if isinstance(data.get("teachers"), dict):
-        problems.append(
-            Problem(
-                "hidden_states",
-                "is not supported with teachers: (it matches one teacher's layers to the "
-                "student's); remove hidden_states, or distil from one teacher_model",
-            )
-        )
-    elif isinstance(data.get("teacher_logits"), dict):
-        problems.append(
-            Problem(
-                "hidden_states",
-                f"needs the teacher's hidden states, which teacher_logits "
-                f"(stored top-k log-probs) does not hold; {fix} (teacher_logits: null)",
-            )
-        )
-    elif isinstance(data.get("teacher_server"), dict):
-        problems.append(
-            Problem(
-                "hidden_states",
-                f"needs the teacher's hidden states, which a served teacher "
-                f"(teacher_server) does not answer; {fix}",
-            )
-        )
-    elif "teacher_model" in data and data["teacher_model"] is None:
-        problems.append(
-            Problem("hidden_states", f"needs a teacher, but teacher_model is null; {fix}")
-        )
-    elif isinstance(data.get("cross_tokenizer"), dict):
-        problems.append(
-            Problem(
-                "hidden_states",
-                "matches positions of one tokenization, but cross_tokenizer gives the teacher "
-                "another; remove hidden_states, or cross_tokenizer (a teacher sharing the "
-                "student's tokenizer)",
-            )
-        )
-
-
-def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None:
-    """``teacher_offload`` parks a local teacher model (``teacher_model``, or the members of
-    ``teachers:`` that have one) that is neither quantized, compiled, another tokenizer's, a
-    source of stored logits nor the student itself."""
-    mode = data.get("teacher_offload", "none")
-    if mode in (None, "none"):
-        return
-    fix = "set teacher_offload=none"
-    members = (
-        data.get("teachers", {}).get("members") if isinstance(data.get("teachers"), dict) else None
-    )
-    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
-    if isinstance(members, list):
-        local = local or any(
-            isinstance(m, dict)
-            and m.get("teacher_model") is not None
-            and m.get("teacher_logits") is None
-            for m in members
-        )
-    reasons = []
-    if not local or data.get("self_teacher") is not None:
-        reasons.append("needs a local teacher model (teacher_model) to park")
-    if data.get("teacher_quantization", "none") != "none":
-        reasons.append("does not park an int8 teacher (teacher_quantization)")
-    if data.get("compile"):
-        reasons.append("does not park compiled layers (compile)")
-    if data.get("cross_tokenizer") is not None:
-        reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
-    if reasons:
-        problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
-
-
-def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
-    """``teacher_device`` names a device and puts one local teacher model (``teacher_model``,
-    neither parked, nor the student itself, nor one of several) there: what it runs that is not a
-    plain forward (sampling, hidden-state hooks, another tokenizer) stays on one device."""
-    where = data.get("teacher_device")
-    if where is None:
-        return
-    fix = "remove teacher_device"
-    if not isinstance(where, str) or not _DEVICE_RE.match(where):
-        problems.append(
-            Problem(
-                "teacher_device",
-                f"{where!r} is not a device kd runs on; set it to cuda:N or cpu, or {fix}",
-            )
-        )
-        return
-    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
-    on_policy = data.get("on_policy")
-    reasons = []
-    if not local or data.get("self_teacher") is not None or data.get("teachers") is not None:
-        reasons.append("needs one local teacher model (teacher_model; not self_teacher, teachers:)")
-    if data.get("teacher_offload", "none") not in (None, "none"):
-        reasons.append("and teacher_offload both say where the teacher's weights wait; pick one")
-    if isinstance(on_policy, dict) and on_policy.get("seq_kd"):
-        reasons.append("does not sample from the teacher (on_policy.seq_kd)")
-    if data.get("hidden_states") is not None:
-        reasons.append("does not match hidden states across devices (hidden_states)")
-    if data.get("cross_tokenizer") is not None:
-        reasons.append("does not run a teacher with another tokenizer (cross_tokenizer)")
-    if reasons:
-        problems.append(Problem("teacher_device", f"{where} {reasons[0]}; {fix}"))

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from typing import Any
 
 from kd.config.schema import Key
+
+# The devices kd runs on (``device``, ``teacher_device``).
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 # Integers every key (and every argument torch receives) must fit in.
 

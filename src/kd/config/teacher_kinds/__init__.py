@@ -1,16 +1,20 @@
 """The teacher-kind registry: every kind of teacher kd knows, each declared in one module.
 
 Each module here declares one :class:`TeacherKind` (:mod:`kd.config.teacher_kinds.base`): its config
-section, its checks, whether it may be a member of ``teachers:``, its planner inputs, its tracer
-stand-in and its source (the last two by reference, imported by the layer that builds them).
+section (its settings dataclass and help line), its checks, what it refuses of on-policy
+distillation and validation, whether it may be a member of ``teachers:``, its planner inputs, its
+tracer stand-in and its source (the last two by reference, imported by the layer that builds them).
+Registering a kind adds its section to the schema tables (:func:`kd.config.schema.add_section`)
+and to :class:`kd.config.run.RunConfig` (:data:`kd.config.run.KIND_SECTIONS`); importing
+:mod:`kd.config` registers the built-in kinds below, so neither module names a kind.
 :func:`kd.teachers.build.teacher_source`,
 :mod:`kd.config.validate`, ``kd plan`` (:func:`kd.memory.plan.inputs_from_run`) and the memory
 tracer (:func:`kd.memory.fake_step.build_fake_step`) loop over :func:`kinds`; nothing outside
 these modules asks which teacher keys a config sets.
 
-Adding a kind: its module here (or :func:`register` at runtime, with its own section), its
-:class:`kd.teachers.Teacher`, its tests and a doc page (``docs/teachers.md``). No torch is
-imported here.
+Adding a built-in kind: its module here and its line in ``_BUILT_IN`` (or :func:`register` at
+runtime), its :class:`kd.teachers.Teacher` and source, its tests and a doc page
+(``docs/teachers.md``). No torch is imported here.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "kinds",
     "nested_problems",
     "no_quantization",
+    "refusal",
     "register",
     "replacing_sections",
     "resolve",
@@ -57,20 +62,18 @@ __all__ = [
     "unregister",
 ]
 
-# Registry order: the order of their config checks (and of kd's docs).
-_KINDS: dict[str, TeacherKind] = {
-    k.name: k
-    for k in (
-        store.KIND,
-        foreign.KIND,
-        served.KIND,
-        self_teacher.KIND,
-        several.KIND,
-        cross_tokenizer.KIND,
-        hidden_states.KIND,
-        model.KIND,
-    )
-}
+# The built-in kinds in registry order: the order of their config checks (and of kd's docs).
+_BUILT_IN: tuple[TeacherKind, ...] = (
+    store.KIND,
+    foreign.KIND,
+    served.KIND,
+    self_teacher.KIND,
+    several.KIND,
+    cross_tokenizer.KIND,
+    hidden_states.KIND,
+    model.KIND,
+)
+_KINDS: dict[str, TeacherKind] = {}
 
 
 def kinds() -> tuple[TeacherKind, ...]:
@@ -79,27 +82,38 @@ def kinds() -> tuple[TeacherKind, ...]:
 
 
 def register(kind: TeacherKind) -> None:
-    """Add ``kind`` (a kind defined outside kd, or a test's). A kind with its own
-    ``settings`` adds its section to the config schema.
+    """Add ``kind`` (a built-in kind, a kind defined outside kd, or a test's). A kind with
+    ``settings`` adds its section to the config schema and to the run config, unless a kind
+    registered before declared that section with the same settings.
 
     Raises:
-        ValueError: a kind of that name is registered already.
+        ValueError: a kind of that name is registered already, or its section is another
+            kind's with other settings.
     """
     if kind.name in _KINDS:
         raise ValueError(f"teacher kind {kind.name!r} is registered already")
     if kind.settings is not None:
         assert kind.section is not None and kind.section_help is not None, kind.name
-        schema.add_section(kind.section, kind.section_help, kind.settings)
-        KIND_SECTIONS[kind.section] = kind.settings
+        held = KIND_SECTIONS.get(kind.section)
+        if held is None:
+            schema.add_section(kind.section, kind.section_help, kind.settings)
+            KIND_SECTIONS[kind.section] = kind.settings
+        elif held is not kind.settings:
+            raise ValueError(f"section {kind.section!r} is declared already by other settings")
     _KINDS[kind.name] = kind
 
 
 def unregister(name: str) -> None:
-    """Remove the kind ``name`` (and the section it added)."""
+    """Remove the kind ``name`` (and the section it added, unless another kind shares it)."""
     kind = _KINDS.pop(name)
-    if kind.settings is not None and kind.section is not None:
+    shared = any(k.section == kind.section for k in _KINDS.values())
+    if kind.settings is not None and kind.section is not None and not shared:
         schema.remove_section(kind.section)
         KIND_SECTIONS.pop(kind.section, None)
+
+
+for _kind in _BUILT_IN:
+    register(_kind)
 
 
 def selected(run: RunConfig) -> TeacherKind | None:
@@ -130,6 +144,17 @@ def nested_problems(
         if kind.nested is not None:
             out += kind.nested(data, check)
     return out
+
+
+def refusal(data: dict[str, Any], feature: str) -> str | None:
+    """Why ``feature`` (``on_policy`` or ``validation``) cannot run beside the sections ``data``
+    (plain containers) sets: the first kind, in registry order, whose section is set and that
+    refuses it (:attr:`TeacherKind.on_policy`, :attr:`TeacherKind.validation`), or None."""
+    for kind in _KINDS.values():
+        reason = getattr(kind, feature)
+        if reason is not None and kind.section and isinstance(data.get(kind.section), dict):
+            return str(reason)
+    return None
 
 
 def replacing_sections(data: dict[str, Any]) -> list[str]:

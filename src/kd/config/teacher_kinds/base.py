@@ -1,7 +1,10 @@
 """What a teacher kind declares, in one module of :mod:`kd.config.teacher_kinds`.
 
 A :class:`TeacherKind` is everything kd knows about one kind of teacher outside its teacher
-class: the config section that names it, when a run selects it, its weight-free config checks,
+class: the config section that names it (its settings dataclass, each key declared once, and its
+help line: :mod:`kd.config.run` and :mod:`kd.config.schema` know no kind, the registry adds the
+section to both), when a run selects it, its weight-free config checks, what it refuses of
+on-policy distillation and validation,
 whether it may be a member of ``teachers:``, what it tells the memory planner
 (:class:`TeacherPlan`), its stand-in in the memory tracer (:class:`StandIn`) and its source (the
 :class:`kd.teachers.build.TeacherSource` that checks and loads it). The source and the stand-in are
@@ -139,10 +142,16 @@ class TeacherKind:
         plan: fills the :class:`TeacherPlan` of a run that selects it.
         stand_in: sets the tracer's :class:`StandIn` of a run that selects it: a reference
             ``"module:function"`` or (a kind defined outside kd) the function.
-        settings: the settings dataclass of a section not declared in
-            :class:`kd.config.run.RunConfig` (a kind added outside kd): read into
-            ``run.kind_settings[section]``.
-        section_help: the schema's :class:`kd.config.schema.Section` of such a section.
+        on_policy: why a run whose config sets ``section`` cannot distil on-policy (the rest of
+            the problem line on ``on_policy``; :func:`kd.config.checks.features.check_on_policy`),
+            or None.
+        validation: the same for ``validation``
+            (:func:`kd.config.checks.features.check_validation`), or None.
+        settings: the settings dataclass of ``section`` (its keys, each declared once with
+            :func:`kd.config.declare.setting`): read into ``run.kind_settings[section]``, and
+            answered as ``run.<section>``. Kinds sharing a section name the same class.
+        section_help: the schema's :class:`kd.config.schema.Section` of ``section`` (its help
+            line, words, and where it goes in the tables).
         teacher: the dotted path of its :class:`kd.teachers.Teacher` class.
         modules: its own implementation modules (paths under ``src/kd``): the only modules
             besides this package that may read its section (a guard test checks).
@@ -161,6 +170,8 @@ class TeacherKind:
     member: bool = False
     plan: Callable[[TeacherPlan], None] | None = None
     stand_in: str | Callable[[StandIn], None] | None = None
+    on_policy: str | None = None
+    validation: str | None = None
     settings: type | None = None
     section_help: Section | None = None
     teacher: str = ""

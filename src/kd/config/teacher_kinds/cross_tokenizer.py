@@ -11,17 +11,44 @@ Its sources are :class:`kd.teachers.cross.CrossTokenizerSource` (a model) and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from kd.config.declare import MUST_MATCH, setting, settings
+from kd.config.run import RunConfig
+from kd.config.schema import Section
 from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 from kd.config.teacher_kinds.model import plan_local_model
 from kd.config.teacher_kinds.store import refuse_stored
 from kd.config.teachers import check_cross_tokenizer
 
-if TYPE_CHECKING:
-    from kd.config.run import RunConfig
+__all__ = ["KIND", "SECTION", "SECTION_HELP", "CrossTokenizerSettings"]
 
-__all__ = ["KIND"]
+SECTION = "cross_tokenizer"
+
+
+@settings
+class CrossTokenizerSettings:
+    """A teacher with another tokenizer (``cross_tokenizer:``; :mod:`kd.teachers.cross`): GOLD's
+    character-span alignment and hybrid ULD loss (:mod:`kd.cross_tokenizer`)."""
+
+    matched_weight: float | None = setting(
+        "cross_tokenizer.matched_weight",
+        None,
+        "weight of the exact part over the token strings both vocabularies share (the rest, "
+        "1 - it, is ULD's sorted distance); null = the matched share of the teacher's vocabulary",
+        min=0.0,
+        max=1.0,
+        resume=MUST_MATCH,
+    )
+
+
+SECTION_HELP = Section(
+    "a teacher_model (kd.hf.*) with another tokenizer (its folder's): {matched_weight}; "
+    "GOLD's character-span alignment and hybrid ULD loss; null = one tokenizer",
+    MUST_MATCH,
+    optional=True,
+    words=("cross_tokenizer", "gold", "uld", "tokenizer"),
+    after="teachers",
+)
 
 
 def _selects(run: RunConfig) -> bool:
@@ -77,12 +104,14 @@ def _plan(p: TeacherPlan) -> None:
 
 KIND = TeacherKind(
     name="cross_tokenizer",
-    section="cross_tokenizer",
+    section=SECTION,
     selects=_selects,
     source=_source,
     refuse=_refuse,
     precedence=5,
     checks=(check_cross_tokenizer,),
+    settings=CrossTokenizerSettings,
+    section_help=SECTION_HELP,
     member=True,
     plan=_plan,
     stand_in="kd.memory.stand_ins:cross_tokenizer",

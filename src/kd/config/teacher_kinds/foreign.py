@@ -1,21 +1,16 @@
 """The foreign-files kind: another tool's stored top-k log-probs (``teacher_logits:`` with
 ``format: axolotl`` or ``distillkit``), read and aligned by
-:class:`kd.teachers.foreign_logits.ForeignLogitsReader`.
+:class:`kd.teachers.foreign_store.ForeignStoreReader`.
 
-It shares the store's section, source (:class:`kd.teachers.build.StoredTeacherSource`), teacher
+It shares the store's section (declared in :mod:`kd.config.teacher_kinds.store`), source (:class:`kd.teachers.build.StoredTeacherSource`), teacher
 (:class:`kd.teachers.StoreTeacher`), planner inputs and stand-in.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kd.config.checks.features import check_teacher_logits
+from kd.config.run import RunConfig
 from kd.config.teacher_kinds import store
 from kd.config.teacher_kinds.base import TeacherKind
-
-if TYPE_CHECKING:
-    from kd.config.run import RunConfig
 
 __all__ = ["KIND"]
 
@@ -33,7 +28,11 @@ KIND = TeacherKind(
     refuse=store.refuse_stored,
     precedence=11,
     replaces_teacher_model=True,
-    checks=(check_teacher_logits,),
+    checks=(store.check_teacher_logits,),
+    on_policy=store.NO_ON_POLICY,
+    validation=store.NO_VALIDATION,
+    settings=store.TeacherLogitsSettings,
+    section_help=store.SECTION_HELP,
     member=True,
     plan=store.plan_stored,
     stand_in="kd.memory.stand_ins:store",
@@ -41,8 +40,7 @@ KIND = TeacherKind(
     teacher="kd.teachers.files.StoreTeacher",
     modules=(
         "teachers/build.py",
-        "teachers/foreign_logits.py",
+        "teachers/foreign_store.py",
         "teachers/distillkit_compressed.py",
-        "config/checks/features.py",
     ),
 )

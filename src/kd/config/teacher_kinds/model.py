@@ -1,24 +1,29 @@
 """The model kind: a local ``teacher_model`` (either backend), its weights optionally int8
 (``teacher_quantization``) or parked in host memory (``teacher_offload``).
 
-Selected by ``teacher_model`` when no other kind's section names the teacher. Its source is
+Selected by ``teacher_model`` when no other kind's section names the teacher. It has no section;
+its checks are ``teacher_model: null`` (plain fine-tuning), ``teacher_offload`` and
+``teacher_device`` (top-level keys of :class:`kd.config.run.RunConfig`). Its source is
 :class:`kd.teachers.build.ModelTeacherSource`; its teacher :class:`kd.teachers.ModelTeacher`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kd.config.checks.features import check_teacher_device, check_teacher_offload
 from kd.config.checks.teacher import is_hf_model_node
-from kd.config.checks.values import fmt
+from kd.config.checks.values import DEVICE_RE, fmt
+from kd.config.run import RunConfig
 from kd.config.schema import Problem
 from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan
 
-if TYPE_CHECKING:
-    from kd.config.run import RunConfig
-
-__all__ = ["KIND", "check_teacher", "plan_local_model"]
+__all__ = [
+    "KIND",
+    "check_teacher",
+    "check_teacher_device",
+    "check_teacher_offload",
+    "plan_local_model",
+]
 
 
 def check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
@@ -52,6 +57,71 @@ def check_teacher(data: dict[str, Any], problems: list[Problem]) -> None:
         )
 
 
+def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teacher_offload`` parks a local teacher model (``teacher_model``, or the members of
+    ``teachers:`` that have one) that is neither quantized, compiled, another tokenizer's, a
+    source of stored logits nor the student itself."""
+    mode = data.get("teacher_offload", "none")
+    if mode in (None, "none"):
+        return
+    fix = "set teacher_offload=none"
+    members = (
+        data.get("teachers", {}).get("members") if isinstance(data.get("teachers"), dict) else None
+    )
+    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    if isinstance(members, list):
+        local = local or any(
+            isinstance(m, dict)
+            and m.get("teacher_model") is not None
+            and m.get("teacher_logits") is None
+            for m in members
+        )
+    reasons = []
+    if not local or data.get("self_teacher") is not None:
+        reasons.append("needs a local teacher model (teacher_model) to park")
+    if data.get("teacher_quantization", "none") != "none":
+        reasons.append("does not park an int8 teacher (teacher_quantization)")
+    if data.get("compile"):
+        reasons.append("does not park compiled layers (compile)")
+    if data.get("cross_tokenizer") is not None:
+        reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
+    if reasons:
+        problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
+
+
+def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
+    """``teacher_device`` names a device and puts one local teacher model (``teacher_model``,
+    neither parked, nor the student itself, nor one of several) there: what it runs that is not a
+    plain forward (sampling, hidden-state hooks, another tokenizer) stays on one device."""
+    where = data.get("teacher_device")
+    if where is None:
+        return
+    fix = "remove teacher_device"
+    if not isinstance(where, str) or not DEVICE_RE.match(where):
+        problems.append(
+            Problem(
+                "teacher_device",
+                f"{where!r} is not a device kd runs on; set it to cuda:N or cpu, or {fix}",
+            )
+        )
+        return
+    local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    on_policy = data.get("on_policy")
+    reasons = []
+    if not local or data.get("self_teacher") is not None or data.get("teachers") is not None:
+        reasons.append("needs one local teacher model (teacher_model; not self_teacher, teachers:)")
+    if data.get("teacher_offload", "none") not in (None, "none"):
+        reasons.append("and teacher_offload both say where the teacher's weights wait; pick one")
+    if isinstance(on_policy, dict) and on_policy.get("seq_kd"):
+        reasons.append("does not sample from the teacher (on_policy.seq_kd)")
+    if data.get("hidden_states") is not None:
+        reasons.append("does not match hidden states across devices (hidden_states)")
+    if data.get("cross_tokenizer") is not None:
+        reasons.append("does not run a teacher with another tokenizer (cross_tokenizer)")
+    if reasons:
+        problems.append(Problem("teacher_device", f"{where} {reasons[0]}; {fix}"))
+
+
 def _selects(run: RunConfig) -> bool:
     return run.has_teacher
 
@@ -83,6 +153,5 @@ KIND = TeacherKind(
         "teachers/quantize.py",
         "teachers/parking.py",
         "teachers/placement.py",
-        "config/checks/features.py",
     ),
 )

@@ -8,15 +8,69 @@ Its source is :class:`kd.teachers.multi.MultiTeacherSource`; its teacher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from omegaconf import DictConfig, ListConfig
+
+from kd.config.declare import MISSING, MUST_MATCH, frozen_node, setting, settings
+from kd.config.run import RunConfig
+from kd.config.schema import Section
 from kd.config.teacher_kinds.base import TeacherKind, TeacherPlan, no_quantization
 from kd.config.teachers import check_teachers, member_problems, members_of
 
-if TYPE_CHECKING:
-    from kd.config.run import RunConfig
+__all__ = ["COMBINES", "KIND", "SECTION", "SECTION_HELP", "TeachersSettings"]
 
-__all__ = ["KIND"]
+SECTION = "teachers"
+
+
+COMBINES: tuple[str, ...] = ("weights", "mix", "route")
+
+
+def _members(cfg: DictConfig, raw: Any) -> tuple[Any, ...]:
+    return tuple(frozen_node(m) for m in raw) if isinstance(raw, (list, ListConfig)) else ()
+
+
+@settings
+class TeachersSettings:
+    """Several named teachers (``teachers:``; :mod:`kd.teachers.multi`), each an ordinary teacher
+    (its own ``teacher_model`` + ``teacher_checkpointer``, ``teacher_logits`` or
+    ``teacher_server``), combined per example."""
+
+    combine: str = setting(
+        "teachers.combine",
+        "weights",
+        "weights: the weighted sum of per-teacher divergences; mix: one divergence to the "
+        "weighted mixture of the teachers' distributions; route: each row learns from the "
+        "teacher its route_field names (rows naming none: CE only)",
+        choices=COMBINES,
+        resume=MUST_MATCH,
+    )
+    route_field: str | None = setting(
+        "teachers.route_field",
+        None,
+        "the data row's field naming its teacher (combine: route)",
+        resume=MUST_MATCH,
+    )
+    members: tuple[Any, ...] = setting(
+        "teachers.members",
+        MISSING,
+        "the teachers: a list of {name, weight, teacher_model + teacher_checkpointer | "
+        "teacher_logits | teacher_server, cross_tokenizer (a teacher with another tokenizer)}",
+        read=_members,
+        resume=MUST_MATCH,
+    )
+
+
+SECTION_HELP = Section(
+    "several named teachers: {combine (weights | mix | route), route_field, members: "
+    "[{name, weight, teacher_model + teacher_checkpointer | teacher_logits | "
+    "teacher_server, cross_tokenizer}]}; in place of the top-level teacher keys; null = one "
+    "teacher",
+    MUST_MATCH,
+    optional=True,
+    words=("teachers", "multi", "multi_teacher"),
+    after="on_policy",
+)
 
 
 def _selects(run: RunConfig) -> bool:
@@ -74,7 +128,7 @@ def _plan(p: TeacherPlan) -> None:
 
 KIND = TeacherKind(
     name="several",
-    section="teachers",
+    section=SECTION,
     selects=_selects,
     source="kd.teachers.multi:MultiTeacherSource",
     refuse=_refuse,
@@ -82,6 +136,8 @@ KIND = TeacherKind(
     replaces_teacher_model=True,
     checks=(check_teachers,),
     nested=member_problems,
+    settings=TeachersSettings,
+    section_help=SECTION_HELP,
     plan=_plan,
     stand_in="kd.memory.stand_ins:several",
     doc="docs/multi_teacher.md",

@@ -1,4 +1,4 @@
-"""Other tools' top-k teacher files (issue 15 item 3, kd.teachers.foreign_logits): axolotl's KD dataset
+"""Other tools' top-k teacher files (issue 15 item 3, kd.teachers.foreign_store): axolotl's KD dataset
 fields and DistillKit's raw rows, written from the tiny teacher's real logits, train to the same
 losses as kd's own store of the same teacher (tail renorm); a store whose vocab is below the
 student's trains like the online teacher (the KD softmax over the shared entries); two
@@ -158,16 +158,16 @@ def test_foreign_file_trains_like_kds_store(assets, foreign, kd_store, tmp_path,
 def test_foreign_reader_aligns_with_kds_store(assets, foreign, kd_store):
     """Batch by batch: the same ids, and after renormalisation the same log-probs."""
     from kd import _torchtune as tt
-    from kd.teachers.foreign_logits import ForeignLogitsReader
+    from kd.teachers.foreign_store import ForeignStoreReader
 
     rows = _rows(assets)
     picked = [0, 5, 33, 63]
     batch = tt.padded_collate_sft([rows[r] for r in picked], padding_idx=0, ignore_idx=-100)
-    ids, lp = store_reader.TeacherLogitsReader(kd_store).batch(
+    ids, lp = store_reader.StoreReader(kd_store).batch(
         picked, batch["tokens"], batch["labels"], k=K
     )
     for fmt, alpha, alignment in (("axolotl", T_GEN, "next"), ("distillkit", 1.0, "auto")):
-        reader = ForeignLogitsReader(
+        reader = ForeignStoreReader(
             foreign[fmt],
             format=fmt,
             k=K,

@@ -3,8 +3,8 @@
 ``teacher_logits: {path: FILE_OR_DIR, format: axolotl | distillkit}`` trains from such a file
 without converting it: the file's own token ids are the training data
 (``dataset: {_component_: kd.data.pretokenized_dataset, data_files: FILE_OR_DIR}``, which reads
-the same rows through :func:`kd.row_files.read_rows`) and :class:`ForeignLogitsReader` returns each batch's
-top-k with the interface of :class:`kd.teachers.store_reader.TeacherLogitsReader`, rows matched by
+the same rows through :func:`kd.row_files.read_rows`) and :class:`ForeignStoreReader` returns each batch's
+top-k with the interface of :class:`kd.teachers.store_reader.StoreReader`, rows matched by
 :func:`kd.teachers.store_format.row_hash` as there.
 
 Files: Parquet (``*.parquet``), Arrow IPC as Hugging Face ``datasets.save_to_disk`` writes it
@@ -59,7 +59,7 @@ from kd.teachers.store_format import dataset_fingerprint, labelled_positions, ro
 __all__ = [
     "FORMATS",
     "Alignment",
-    "ForeignLogitsReader",
+    "ForeignStoreReader",
     "detect_alignment",
 ]
 
@@ -230,7 +230,7 @@ class _Row:
     logprobs: torch.Tensor  # [n_labelled, k] float16
 
 
-class ForeignLogitsReader:
+class ForeignStoreReader:
     """An axolotl or DistillKit top-k file, read, checked and converted once.
 
     Every row is read when it opens (the converted top-k of the labelled positions stay in
@@ -464,7 +464,7 @@ class ForeignLogitsReader:
         ignore_index: int = -100,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k of a batch aligned with its shifted labels, as
-        :meth:`kd.teachers.store_reader.TeacherLogitsReader.batch` returns it.
+        :meth:`kd.teachers.store_reader.StoreReader.batch` returns it.
 
         Raises:
             KDUserError: a row whose tokens or labels differ from the file's row.

@@ -1,4 +1,4 @@
-"""kd.teachers.foreign_logits.detect_alignment on synthetic rows: each signal alone decides, and a file
+"""kd.teachers.foreign_store.detect_alignment on synthetic rows: each signal alone decides, and a file
 that gives no evidence stays undecided (issue 23 item 6)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kd.teachers.foreign_logits import detect_alignment
+from kd.teachers.foreign_store import detect_alignment
 
 V = 50
 
