@@ -131,3 +131,57 @@ def test_doc_section_from_results(study, tmp_path: Path, kd: float, closed: int,
     assert text.count(study.DOC_BEGIN) == 1 == text.count(study.DOC_END)
     assert f"**{closed}%**" in text and verdict in text
     assert f"| {100 * kd:.1f}% ± 1.0 |" in text
+
+
+def test_students_drop_a_late_block_and_keep_the_last_layers(study) -> None:
+    for name, drop in (("block", "19-28"), ("block6", "22-27"), ("block8", "20-27")):
+        layers = list(study.STUDENTS[name])
+        assert layers == sorted(set(layers)) and layers[-1] == study.N_LAYERS - 1
+        assert study.dropped(layers) == drop
+
+
+def test_curve_run_validates_on_dev_and_keeps_each_epoch(study, tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    paths = study.write_data(tmp_path, study.SMOKE_SIZES)  # 8 train rows: 2 steps of 4 an epoch
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "output_dir: x\nteacher_model: {a: 1}\nteacher_checkpointer: {b: 2}\n"
+        "dataset: {_component_: torchtune.datasets.instruct_dataset, source: json, "
+        "data_files: t.jsonl, split: train}\n"
+    )
+    setting = study.Setting("probe", "ce", 3e-4, 3, student="block6", curve=True)
+    out = tmp_path / "runs" / "probe"
+    cfg = OmegaConf.load(
+        study.run_config(base, setting, out, paths["train"], 4, None, paths["dev_rows"])
+    )
+    assert cfg.validation.every_n_steps == cfg.save_every_n_steps == 2
+    assert cfg.keep_last_n == 3 and cfg.epochs == 3
+    assert cfg.validation.dataset.data_files == str(paths["dev_rows"])
+    assert cfg.dataset.data_files == str(paths["train"])
+    assert cfg.teacher_model is None  # CE only: no teacher loaded
+    dev = [json.loads(x) for x in paths["dev_rows"].open()]
+    assert len(dev) == study.SMOKE_SIZES["dev"] and set(dev[0]) == {"input", "output"}
+    plain = study.Setting("plain", "ce", 3e-4, 3)
+    cfg = OmegaConf.load(study.run_config(base, plain, out, paths["train"], 4, None))
+    assert "validation" not in cfg
+
+
+def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
+    study, tmp_path: Path
+) -> None:
+    round1 = _results(ce=0.015, kd=0.028, teacher=0.99)  # round 1's file: one round, top level
+    round2 = {**_results(ce=0.4, kd=0.8, teacher=0.9), "round": 2, "why": "less damage"}
+    round2["runs"][0]["setting"]["student"] = "block6"
+    merged = study.merge_round(round1, round2)
+    assert [r["round"] for r in merged["rounds"]] == [1, 2]
+    assert merged["rounds"][0]["test"] == round1["test"]
+    again = study.merge_round(merged, {**round2, "why": "rerun"})
+    assert [r["why"] for r in again["rounds"][1:]] == ["rerun"]  # replaced, not appended
+    text = study.doc_section(merged)
+    assert text.index("### Round 2") < text.index("### Round 1")
+    assert "**Result**: **Goal reached in round 2**: off-policy KD closes 80%" in text
+    assert "**Goal not reached in round 1**" in text
+    assert "| ce a | drop 22-27 | ce |" in text
+    in_progress = study.merge_round(round1, {**round2, "test": {}})
+    assert "**Result**: **Round 2 in progress**" in study.doc_section(in_progress)
