@@ -280,6 +280,7 @@ class Round:
     student: str  # the student the four ways are compared on (best of each mode on dev)
     why: str  # what the round tries and why (the doc prints it)
     stages: tuple[tuple[Setting, ...], ...]
+    untrained: bool = True  # score the untrained student too (round 1: 0.0% on dev and test)
 
 
 ROUND1 = Round(1, "block", "settings fixed before any student run", ROUNDS)
@@ -312,6 +313,7 @@ CURRENT = Round(
     "8-layers-dropped student (layers 20-27) was stopped after one epoch for the same reason "
     "(its validation CE then: 0.649, against 0.349 for layers 22-27)",
     (R2_STAGE1,),
+    untrained=False,  # each kd eval took 5-11 minutes on this machine; round 1's was 0.0%
 )
 MODES = {
     "ce": "CE only",
@@ -414,7 +416,7 @@ def train(
 
 
 def dev_curve(
-    work: Path, setting: Setting, tasks_dev: Path, every: int = 2
+    work: Path, setting: Setting, tasks_dev: Path, parallel: int = 1, every: int = 2
 ) -> list[dict[str, Any]]:
     """``kd eval`` on dev of every ``every``-th epoch's checkpoint of a ``curve`` run but the last
     (``final/``, scored as the run's dev): ``[{step, dev}]``, the plateau check."""
@@ -423,7 +425,7 @@ def dev_curve(
     last, epoch = max(folders, default=0), min(folders, default=1)  # saved once an epoch
     folders = {s: p for s, p in folders.items() if s != last and (s // epoch) % every == 0}
     names = {step: f"{setting.name} @{step}" for step in folders}
-    scores = evaluate(work, {names[s]: f for s, f in folders.items()}, tasks_dev, "dev")
+    scores = evaluate(work, {names[s]: f for s, f in folders.items()}, tasks_dev, "dev", parallel)
     return [{"step": step, "dev": scores[names[step]]} for step in sorted(folders)]
 
 
@@ -567,17 +569,18 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             entry = {"round": rnd.number, "setting": asdict(setting), **run}
             entry["dev"] = devs[setting.name]
             if setting.curve:
-                entry["curve"] = dev_curve(args.work, setting, paths["tasks_dev"])
+                entry["curve"] = dev_curve(args.work, setting, paths["tasks_dev"], args.jobs)
             runs.append(entry)
             print(f"{setting.name:40s} dev {entry['dev']}", flush=True)
     best = best_per_mode(runs, rnd.student)
     student = paths[f"student:{rnd.student}"]
-    dev_untrained = evaluate(
-        args.work, {f"untrained {rnd.student}": student}, paths["tasks_dev"], "dev"
-    )[f"untrained {rnd.student}"]
+    untrained = {}
+    if rnd.untrained:
+        name = f"untrained {rnd.student}"
+        untrained["dev"] = evaluate(args.work, {name: student}, paths["tasks_dev"], "dev")[name]
     test: dict[str, dict[str, float]] = {}
     if args.stage == "all":
-        models = {"teacher": teacher, "untrained student": student}
+        models = {"teacher": teacher} | ({"untrained student": student} if rnd.untrained else {})
         models |= {run["setting"]["name"]: run["folder"] for run in best.values()}
         test = evaluate(args.work, models, paths["tasks_test"], "test", args.jobs)
     for run in runs:
@@ -606,7 +609,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": teacher_run["wall_s"],
             "dev": dev_teacher,
         },
-        "untrained_student": {"dev": dev_untrained},
+        "untrained_student": untrained,
         "runs": runs,
         "best": {mode: run["setting"]["name"] for mode, run in best.items()},
         "test": test,
@@ -680,6 +683,8 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
     """One round's lines: its student, its picks on dev and test, every run, the dev curves."""
     test, best, sizes = rnd["test"], rnd["best"], rnd["task"]["sizes"]
     runs = {run["setting"]["name"]: run for run in rnd["runs"]}
+    untrained = rnd["untrained_student"]
+    untrained_dev = pct(untrained["dev"]) if untrained else "not scored"
     lines = [
         f"### Round {rnd['round']} ({rnd['date']})",
         "",
@@ -690,7 +695,7 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
         f"dev {pct(rnd['teacher']['dev'])} (goal >= 70%).",
         f"- **Student** compared: SmolLM2 with layers {dropped(rnd['student_layers'])} of "
         f"{N_LAYERS} dropped ({len(rnd['student_layers'])} layers), dev "
-        f"{pct(rnd['untrained_student']['dev'])} before training. Every student run trains on "
+        f"{untrained_dev} before training. Every student run trains on "
         f"the same {sizes['train']} rows in the same order (seed {rnd['task']['seed']}, batch "
         f"{rnd['batch_size']}), full fine-tuning, cosine schedule.",
         "",
@@ -700,9 +705,12 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
             "| model (best setting of its mode on dev) | dev exact match | test exact match |",
             "|---|---|---|",
             f"| teacher | {pct(rnd['teacher']['dev'])} | {pct(test['teacher'])} |",
-            f"| untrained student | {pct(rnd['untrained_student']['dev'])} | "
-            f"{pct(test['untrained student'])} |",
         ]
+        if untrained:
+            lines.append(
+                f"| untrained student | {pct(untrained['dev'])} | "
+                f"{pct(test['untrained student'])} |"
+            )
         for mode, name in best.items():
             lines.append(
                 f"| {MODES[mode]}: {name} | {pct(runs[name]['dev'])} | {pct(test[name])} |"

@@ -173,6 +173,8 @@ def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
     round1 = _results(ce=0.015, kd=0.028, teacher=0.99)  # round 1's file: one round, top level
     round2 = {**_results(ce=0.4, kd=0.8, teacher=0.9), "round": 2, "why": "less damage"}
     round2["runs"][0]["setting"]["student"] = "block6"
+    round2["untrained_student"] = {}  # round 2 does not score the untrained student
+    del round2["test"]["untrained student"]
     merged = study.merge_round(round1, round2)
     assert [r["round"] for r in merged["rounds"]] == [1, 2]
     assert merged["rounds"][0]["test"] == round1["test"]
@@ -183,5 +185,8 @@ def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
     assert "**Result**: **Goal reached in round 2**: off-policy KD closes 80%" in text
     assert "**Goal not reached in round 1**" in text
     assert "| ce a | drop 22-27 | ce |" in text
+    round2_text = text[text.index("### Round 2") : text.index("### Round 1")]
+    assert "dev not scored before training" in round2_text
+    assert "| untrained student |" not in round2_text
     in_progress = study.merge_round(round1, {**round2, "test": {}})
     assert "**Result**: **Round 2 in progress**" in study.doc_section(in_progress)
