@@ -287,7 +287,7 @@ ROUND1 = Round(1, "block", "settings fixed before any student run", ROUNDS)
 # Round 2 (after round 1: no student learned the skill in 36 steps, so no gap for KD to close).
 # Stage 1: the CE-only probe of the 6-layers-dropped student, 6 epochs with its dev curve; beside
 # it, CE and one setting per KD mode at 2 epochs (the KD modes at 6 epochs ran 50-100 s a step on
-# this shared machine: they were stopped after 4-9 steps), all fixed before any round-2 result.
+# this shared machine: they were stopped after 5-11 steps), all fixed before any round-2 result.
 R2_CE = Setting("r2 block6: ce lr=3e-4 6ep", "ce", 3e-4, 6, student="block6", curve=True)
 GKD_KEYS = {"on_policy.batch_rollouts": True}
 R2_STAGE1 = (
@@ -316,7 +316,7 @@ CURRENT = Round(
     "(off-policy KD at T=2 for the soft targets, GKD with forward KL on the student's samples, "
     "seq-KD as in round 1). The KD modes were started at 6 epochs too, but this shared 2-core "
     "machine (other jobs at a higher priority) ran them at 50-100 s a step, 10-12x slower than "
-    "idle: they were stopped after 4-9 steps and rerun at 2 epochs. At 2 epochs the machine was "
+    "idle: they were stopped after 5-11 steps and rerun at 2 epochs. At 2 epochs the machine was "
     "still slower (1-3 minutes a step with the runs side by side), so seq-KD was stopped after "
     "3 steps and is not scored in this round: the time went to CE, off-policy KD and GKD "
     "(seq-KD trains on the teacher's greedy answers to the same 300 prompts, which the teacher "
