@@ -428,6 +428,21 @@ def train(
     return result
 
 
+def finished(work: Path, setting: Setting) -> bool:
+    """Whether ``setting``'s run has its ``final/`` and its wall time (``train`` reuses it)."""
+    out = work / "runs" / slug(setting.name)
+    return (out / "final").is_dir() and (out / "study_time.json").is_file()
+
+
+def last_step(work: Path, setting: Setting) -> int:
+    """The last optimizer step an unfinished run logged (0 before its first)."""
+    metrics = work / "runs" / slug(setting.name) / "metrics.jsonl"
+    rows = (
+        [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.is_file() else []
+    )
+    return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
 def dev_curve(
     work: Path, setting: Setting, tasks_dev: Path, parallel: int = 1, every: int = 2
 ) -> list[dict[str, Any]]:
@@ -569,7 +584,16 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     if not args.smoke and dev_teacher["value"] < TEACHER_GOAL:
         sys.exit(f"the teacher scores {dev_teacher['value']:.3f} < {TEACHER_GOAL} on dev")
     runs: list[dict[str, Any]] = []
-    for settings in rnd.stages:
+    unfinished: list[dict[str, Any]] = []
+    for stage in rnd.stages:
+        settings = stage
+        if args.finished_only:  # collect what finished; list the rest with their last step
+            settings = tuple(s for s in stage if finished(args.work, s))
+            unfinished += [
+                {"round": rnd.number, "setting": asdict(s), "steps": last_step(args.work, s)}
+                for s in stage
+                if s not in settings
+            ]
         jobs = [
             (args.work, paths[f"student_base:{s.student}"], s, paths["train"], batch)
             + (teacher, paths["dev_rows"])
@@ -624,6 +648,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
         },
         "untrained_student": untrained,
         "runs": runs,
+        "unfinished": unfinished,
         "best": {mode: run["setting"]["name"] for mode, run in best.items()},
         "test": test,
         "script_wall_s": time.perf_counter() - start,
@@ -755,6 +780,15 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
             f"{st['temperature']} | {st['divergence'] if st['kd_ratio'] else '-'} | {st['lr']} | "
             f"{st['epochs']} | {run['steps']} | {pct(run['dev'])} | {run['wall_s']:.0f} |"
         )
+    for run in rnd.get("unfinished", []):
+        st = run["setting"]
+        total = st["epochs"] * (rnd["task"]["sizes"]["train"] // rnd["batch_size"])
+        lines.append(
+            f"| {st['name']} | drop {dropped(list(STUDENTS[st['student']]))} | {st['mode']} | "
+            f"{st['kd_ratio']} | {st['temperature']} | "
+            f"{st['divergence'] if st['kd_ratio'] else '-'} | {st['lr']} | {st['epochs']} | "
+            f"{run['steps']} of {total} | not finished | - |"
+        )
     curves = [run for run in rnd["runs"] if run.get("curve")]
     if curves:
         lines += [
@@ -850,6 +884,11 @@ def main() -> None:
         choices=("teacher", "dev", "all"),
         default="all",
         help="stop after the teacher, after the dev scores, or score the picks on test",
+    )
+    parser.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="collect the runs that finished; list the others as unfinished (nothing trains)",
     )
     parser.add_argument("--jobs", type=int, default=1, help="student runs at a time")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per kd command")

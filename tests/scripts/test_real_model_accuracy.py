@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,23 @@ def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
     assert "| untrained student |" not in round2_text
     in_progress = study.merge_round(round1, {**round2, "test": {}})
     assert "**Result**: **Round 2 in progress**" in study.doc_section(in_progress)
+
+
+def test_finished_only_lists_an_unfinished_run_with_its_last_step(study, tmp_path: Path) -> None:
+    setting = study.Setting("r2 block6: kd 6ep", "kd", 3e-4, 6, 0.5, 2.0, student="block6")
+    out = tmp_path / "runs" / study.slug(setting.name)
+    assert not study.finished(tmp_path, setting) and study.last_step(tmp_path, setting) == 0
+    out.mkdir(parents=True)
+    rows = [{"step": 1, "loss": 3.0}, {"step": 19, "val_ce_loss": 0.3}, {"step": 40, "loss": 1.0}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert study.last_step(tmp_path, setting) == 40
+    (out / "final").mkdir()
+    assert not study.finished(tmp_path, setting)  # no wall time yet: train() would rerun it
+    (out / "study_time.json").write_text('{"wall_s": 1.0, "resumed": false}')
+    assert study.finished(tmp_path, setting)
+    rnd = {**_results(ce=0.4, kd=0.5, teacher=0.9), "round": 2}
+    rnd["task"] = {**rnd["task"], "sizes": study.SIZES}
+    rnd["unfinished"] = [{"round": 2, "setting": asdict(setting), "steps": 40}]
+    text = "\n".join(study.round_section(rnd))
+    assert "| r2 block6: kd 6ep | drop 22-27 | kd | 0.5 | 2.0 | forward_kl | 0.0003 | 6 | " in text
+    assert "| 40 of 108 | not finished | - |" in text  # 300 rows at 16: 18 steps an epoch
