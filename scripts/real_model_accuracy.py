@@ -793,20 +793,51 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
     if curves:
         lines += [
             "",
-            "Dev curves (`kd eval` of each epoch's checkpoint; kd's in-training validation CE on "
-            "the dev rows' worked answers at the same steps):",
+            "Dev curves (`kd eval` of every other epoch's checkpoint and of `final/`; kd's "
+            "in-training validation CE on the dev rows' worked answers at each validation):",
             "",
         ]
         for run in curves:
-            val = {v["step"]: v["val_ce_loss"] for v in run.get("val", [])}
-            points = "; ".join(
-                f"step {c['step']}: {pct(c['dev'])}"
-                + (f" (val CE {val[c['step']]:.3f})" if c["step"] in val else "")
-                for c in [*run["curve"], {"step": run["steps"], "dev": run["dev"]}]
-            )
-            lines.append(f"- {run['setting']['name']}: {points}")
+            points = [*run["curve"], {"step": run["steps"], "dev": run["dev"]}]
+            acc = "; ".join(f"step {c['step']}: {pct(c['dev'])}" for c in points)
+            val = ", ".join(f"{v['step']}: {v['val_ce_loss']:.3f}" for v in run.get("val", []))
+            lines.append(f"- {run['setting']['name']}: {acc}; validation CE by step: {val}")
+            if len(points) >= 2:
+                rise = points[-1]["dev"]["value"] - points[-2]["dev"]["value"]
+                noise = 2 * math.hypot(points[-1]["dev"]["stderr"], points[-2]["dev"]["stderr"])
+                state = "still rising: not plateaued" if rise > noise else "flat: plateaued"
+                lines.append(
+                    f"  - over its last {points[-1]['step'] - points[-2]['step']} steps dev "
+                    f"moved {100 * rise:+.1f} points (2 stderr: {100 * noise:.1f}): {state}."
+                )
+    lines += same_length(rnd)
     lines.append("")
     return lines
+
+
+def same_length(rnd: dict[str, Any]) -> list[str]:
+    """The KD runs against the CE run of the same student and length, on dev (the test split
+    scores only each mode's pick)."""
+    ce = {
+        (r["setting"].get("student", "block"), r["setting"]["epochs"]): r
+        for r in rnd["runs"]
+        if r["setting"]["mode"] == "ce"
+    }
+    teacher = rnd["teacher"]["dev"]["value"]
+    shares = []
+    for run in rnd["runs"]:
+        st = run["setting"]
+        base = ce.get((st.get("student", "block"), st["epochs"]))
+        if st["mode"] == "ce" or base is None or teacher <= base["dev"]["value"]:
+            continue
+        share = (run["dev"]["value"] - base["dev"]["value"]) / (teacher - base["dev"]["value"])
+        shares.append(
+            f"{st['name']}: {pct(run['dev'])} against CE's {pct(base['dev'])}, "
+            f"**{100 * share:.0f}%** of the dev gap to the teacher"
+        )
+    if not shares:
+        return []
+    return ["", "Each KD run against CE at the same length, on dev: " + "; ".join(shares) + "."]
 
 
 def doc_section(results: dict[str, Any]) -> str:

@@ -211,3 +211,21 @@ def test_finished_only_lists_an_unfinished_run_with_its_last_step(study, tmp_pat
     text = "\n".join(study.round_section(rnd))
     assert "| r2 block6: kd 6ep | drop 22-27 | kd | 0.5 | 2.0 | forward_kl | 0.0003 | 6 | " in text
     assert "| 40 of 108 | not finished | - |" in text  # 300 rows at 16: 18 steps an epoch
+
+
+@pytest.mark.parametrize(("last", "state"), [(0.72, "still rising: not plateaued"), (0.53, "flat")])
+def test_round_section_compares_same_length_and_says_whether_ce_plateaued(
+    study, last: float, state: str
+) -> None:
+    rnd = {**_results(ce=0.4, kd=0.8, teacher=0.9), "round": 2}
+    ce_run = rnd["runs"][0]
+    ce_run["dev"] = {"value": last, "stderr": 0.03}
+    ce_run["curve"] = [{"step": 38, "dev": {"value": 0.17, "stderr": 0.03}}]
+    ce_run["curve"].append({"step": 76, "dev": {"value": 0.515, "stderr": 0.035}})
+    ce_run["val"] = [{"step": 19, "val_ce_loss": 0.349}, {"step": 38, "val_ce_loss": 0.186}]
+    text = "\n".join(study.round_section(rnd))
+    assert f"step 76: 51.5% ± 3.5; step 57: {100 * last:.1f}% ± 3.0" in text
+    assert "validation CE by step: 19: 0.349, 38: 0.186" in text
+    assert state in text
+    share = round(100 * (0.8 - last) / (0.9 - last))
+    assert f"kd a: 80.0% ± 1.0 against CE's {100 * last:.1f}% ± 3.0, **{share}%**" in text
