@@ -297,9 +297,8 @@ R2_STAGE1 = (
     Setting(
         "r2 block6: gkd fkl r=1 lr=3e-4 2ep", "gkd", 3e-4, 2, 1.0, extra=GKD_KEYS, student="block6"
     ),
+    Setting("r2 block6: seq_kd r=0 lr=3e-4 2ep", "seq_kd", 3e-4, 2, student="block6"),
 )
-# seq-KD at 2 epochs (r=0, lr 3e-4, as round 1) was stopped after 3 steps: the round's time went
-# to the other modes (it ran ~3 minutes a step beside them).
 # Stage 2, after stage 1's dev scores (off-policy KD 21.0% against CE's 9.5% at 2 epochs; CE at
 # 6 epochs 17.0% at epoch 2, 51.5% at epoch 4): off-policy KD at CE's 6 epochs (it resumed the
 # stopped 6-epoch run from its step-11 checkpoint; kd's resume is exact).
@@ -318,9 +317,7 @@ CURRENT = Round(
     "machine (other jobs at a higher priority) ran them at 50-100 s a step, 10-12x slower than "
     "idle: they were stopped after 5-11 steps and rerun at 2 epochs. At 2 epochs the machine was "
     "still slower (1-3 minutes a step with the runs side by side), so seq-KD was stopped after "
-    "3 steps and is not scored in this round: the time went to CE, off-policy KD and GKD "
-    "(seq-KD trains on the teacher's greedy answers to the same 300 prompts, which the teacher "
-    "was fine-tuned on and scores 99% on held-out problems: nearly the labels again). A CE "
+    "3 steps and resumed (exactly, from its checkpoint) once the others had finished. A CE "
     "probe of the "
     "8-layers-dropped student (layers 20-27) was stopped after one epoch for the same reason "
     "(its validation CE then: 0.649, against 0.349 for layers 22-27). Then, with off-policy KD "
