@@ -314,8 +314,9 @@ CURRENT = Round(
     "mode at 2 epochs (36 steps, round 1's length), fixed before any round-2 result "
     "(off-policy KD at T=2 for the soft targets, GKD with forward KL on the student's samples, "
     "seq-KD as in round 1). The KD modes were started at 6 epochs too, but this shared 2-core "
-    "machine (other jobs at a higher priority) ran them at 50-100 s a step, 10-12x slower than "
-    "idle: they were stopped after 5-11 steps and rerun at 2 epochs. At 2 epochs the machine was "
+    "machine (other jobs at a higher priority) ran them at 50-100 s a step (the teacher's CE "
+    "step took 2.2 s on the idle machine): they were stopped after 5-11 steps and rerun at 2 "
+    "epochs. At 2 epochs the machine was "
     "still slower (1-3 minutes a step with the runs side by side), so seq-KD was stopped after "
     "3 steps and resumed (exactly, from its checkpoint) once the others had finished. A CE "
     "probe of the "
@@ -737,18 +738,21 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
     ]
     if test:
         lines += [
-            "| model (best setting of its mode on dev) | dev exact match | test exact match |",
-            "|---|---|---|",
-            f"| teacher | {pct(rnd['teacher']['dev'])} | {pct(test['teacher'])} |",
+            "| model (best setting of its mode on dev) | steps | dev exact match | "
+            "test exact match |",
+            "|---|---|---|---|",
+            f"| teacher | {rnd['teacher']['steps']} | {pct(rnd['teacher']['dev'])} | "
+            f"{pct(test['teacher'])} |",
         ]
         if untrained:
             lines.append(
-                f"| untrained student | {pct(untrained['dev'])} | "
+                f"| untrained student | 0 | {pct(untrained['dev'])} | "
                 f"{pct(test['untrained student'])} |"
             )
         for mode, name in best.items():
             lines.append(
-                f"| {MODES[mode]}: {name} | {pct(runs[name]['dev'])} | {pct(test[name])} |"
+                f"| {MODES[mode]}: {name} | {runs[name]['steps']} | {pct(runs[name]['dev'])} | "
+                f"{pct(test[name])} |"
             )
         lines.append("")
         closed = {m: v for m, v in gap_closed(rnd).items() if not math.isnan(v)}
@@ -775,7 +779,8 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {st['name']} | drop {dropped(list(layers))} | {st['mode']} | {st['kd_ratio']} | "
             f"{st['temperature']} | {st['divergence'] if st['kd_ratio'] else '-'} | {st['lr']} | "
-            f"{st['epochs']} | {run['steps']} | {pct(run['dev'])} | {run['wall_s']:.0f} |"
+            f"{st['epochs']} | {run['steps']} | {pct(run['dev'])} | {run['wall_s']:.0f}"
+            f"{' (resumed)' if run.get('resumed') else ''} |"
         )
     for run in rnd.get("unfinished", []):
         st = run["setting"]

@@ -131,7 +131,7 @@ def test_doc_section_from_results(study, tmp_path: Path, kd: float, closed: int,
     assert text.startswith("# kept\n\nearlier text\n")
     assert text.count(study.DOC_BEGIN) == 1 == text.count(study.DOC_END)
     assert f"**{closed}%**" in text and verdict in text
-    assert f"| {100 * kd:.1f}% ± 1.0 |" in text
+    assert f"| 57 | {100 * kd:.1f}% ± 1.0 |" in text
 
 
 def test_students_drop_a_late_block_and_keep_the_last_layers(study) -> None:
