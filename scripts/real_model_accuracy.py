@@ -155,8 +155,8 @@ def write_data(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
 
 
 # torch's CPU threads per kd command (--threads). One by default: on a machine shared with other
-# jobs, two OpenMP threads that wait for each other at every barrier ran a step 13x slower
-# (30 s instead of 2.2 s) than one thread does.
+# jobs, two OpenMP threads that wait for each other at every barrier ran the teacher's step in
+# 30 s, one thread in 4-5 s (two threads on the idle machine: 2.2 s).
 THREADS = {"n": 1}
 
 
