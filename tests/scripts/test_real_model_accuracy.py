@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -130,4 +131,101 @@ def test_doc_section_from_results(study, tmp_path: Path, kd: float, closed: int,
     assert text.startswith("# kept\n\nearlier text\n")
     assert text.count(study.DOC_BEGIN) == 1 == text.count(study.DOC_END)
     assert f"**{closed}%**" in text and verdict in text
-    assert f"| {100 * kd:.1f}% ± 1.0 |" in text
+    assert f"| 57 | {100 * kd:.1f}% ± 1.0 |" in text
+
+
+def test_students_drop_a_late_block_and_keep_the_last_layers(study) -> None:
+    for name, drop in (("block", "19-28"), ("block6", "22-27"), ("block8", "20-27")):
+        layers = list(study.STUDENTS[name])
+        assert layers == sorted(set(layers)) and layers[-1] == study.N_LAYERS - 1
+        assert study.dropped(layers) == drop
+
+
+def test_curve_run_validates_on_dev_and_keeps_each_epoch(study, tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    paths = study.write_data(tmp_path, study.SMOKE_SIZES)  # 8 train rows: 2 steps of 4 an epoch
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "output_dir: x\nteacher_model: {a: 1}\nteacher_checkpointer: {b: 2}\n"
+        "dataset: {_component_: torchtune.datasets.instruct_dataset, source: json, "
+        "data_files: t.jsonl, split: train}\n"
+    )
+    setting = study.Setting("probe", "ce", 3e-4, 3, student="block6", curve=True)
+    out = tmp_path / "runs" / "probe"
+    cfg = OmegaConf.load(
+        study.run_config(base, setting, out, paths["train"], 4, None, paths["dev_rows"])
+    )
+    assert cfg.validation.every_n_steps == cfg.save_every_n_steps == 2
+    assert cfg.keep_last_n == 3 and cfg.epochs == 3
+    assert cfg.validation.dataset.data_files == str(paths["dev_rows"])
+    assert cfg.dataset.data_files == str(paths["train"])
+    assert cfg.teacher_model is None  # CE only: no teacher loaded
+    dev = [json.loads(x) for x in paths["dev_rows"].open()]
+    assert len(dev) == study.SMOKE_SIZES["dev"] and set(dev[0]) == {"input", "output"}
+    plain = study.Setting("plain", "ce", 3e-4, 3)
+    cfg = OmegaConf.load(study.run_config(base, plain, out, paths["train"], 4, None))
+    assert "validation" not in cfg
+
+
+def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
+    study, tmp_path: Path
+) -> None:
+    round1 = _results(ce=0.015, kd=0.028, teacher=0.99)  # round 1's file: one round, top level
+    round2 = {**_results(ce=0.4, kd=0.8, teacher=0.9), "round": 2, "why": "less damage"}
+    round2["runs"][0]["setting"]["student"] = "block6"
+    round2["untrained_student"] = {}  # round 2 does not score the untrained student
+    del round2["test"]["untrained student"]
+    merged = study.merge_round(round1, round2)
+    assert [r["round"] for r in merged["rounds"]] == [1, 2]
+    assert merged["rounds"][0]["test"] == round1["test"]
+    again = study.merge_round(merged, {**round2, "why": "rerun"})
+    assert [r["why"] for r in again["rounds"][1:]] == ["rerun"]  # replaced, not appended
+    text = study.doc_section(merged)
+    assert text.index("### Round 2") < text.index("### Round 1")
+    assert "**Result**: **Goal reached in round 2**: off-policy KD closes 80%" in text
+    assert "**Goal not reached in round 1**" in text
+    assert "| ce a | drop 22-27 | ce |" in text
+    round2_text = text[text.index("### Round 2") : text.index("### Round 1")]
+    assert "dev not scored before training" in round2_text
+    assert "| untrained student |" not in round2_text
+    in_progress = study.merge_round(round1, {**round2, "test": {}})
+    assert "**Result**: **Round 2 in progress**" in study.doc_section(in_progress)
+
+
+def test_finished_only_lists_an_unfinished_run_with_its_last_step(study, tmp_path: Path) -> None:
+    setting = study.Setting("r2 block6: kd 6ep", "kd", 3e-4, 6, 0.5, 2.0, student="block6")
+    out = tmp_path / "runs" / study.slug(setting.name)
+    assert not study.finished(tmp_path, setting) and study.last_step(tmp_path, setting) == 0
+    out.mkdir(parents=True)
+    rows = [{"step": 1, "loss": 3.0}, {"step": 19, "val_ce_loss": 0.3}, {"step": 40, "loss": 1.0}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert study.last_step(tmp_path, setting) == 40
+    (out / "final").mkdir()
+    assert not study.finished(tmp_path, setting)  # no wall time yet: train() would rerun it
+    (out / "study_time.json").write_text('{"wall_s": 1.0, "resumed": false}')
+    assert study.finished(tmp_path, setting)
+    rnd = {**_results(ce=0.4, kd=0.5, teacher=0.9), "round": 2}
+    rnd["task"] = {**rnd["task"], "sizes": study.SIZES}
+    rnd["unfinished"] = [{"round": 2, "setting": asdict(setting), "steps": 40}]
+    text = "\n".join(study.round_section(rnd))
+    assert "| r2 block6: kd 6ep | drop 22-27 | kd | 0.5 | 2.0 | forward_kl | 0.0003 | 6 | " in text
+    assert "| 40 of 108 | not finished | - |" in text  # 300 rows at 16: 18 steps an epoch
+
+
+@pytest.mark.parametrize(("last", "state"), [(0.72, "still rising: not plateaued"), (0.53, "flat")])
+def test_round_section_compares_same_length_and_says_whether_ce_plateaued(
+    study, last: float, state: str
+) -> None:
+    rnd = {**_results(ce=0.4, kd=0.8, teacher=0.9), "round": 2}
+    ce_run = rnd["runs"][0]
+    ce_run["dev"] = {"value": last, "stderr": 0.03}
+    ce_run["curve"] = [{"step": 38, "dev": {"value": 0.17, "stderr": 0.03}}]
+    ce_run["curve"].append({"step": 76, "dev": {"value": 0.515, "stderr": 0.035}})
+    ce_run["val"] = [{"step": 19, "val_ce_loss": 0.349}, {"step": 38, "val_ce_loss": 0.186}]
+    text = "\n".join(study.round_section(rnd))
+    assert f"step 76: 51.5% ± 3.5; step 57: {100 * last:.1f}% ± 3.0" in text
+    assert "validation CE by step: 19: 0.349, 38: 0.186" in text
+    assert state in text
+    share = round(100 * (0.8 - last) / (0.9 - last))
+    assert f"kd a: 80.0% ± 1.0 against CE's {100 * last:.1f}% ± 3.0, **{share}%**" in text
