@@ -363,13 +363,12 @@ def trl_child(spec_path: str) -> int:
 
 def _per_optimizer_step(micro: list[dict[str, float]], accum: int) -> list[dict[str, float]]:
     """TRL's per-micro-batch records summed per optimizer step (``accum`` micro-batches each):
-    tokens and phase seconds added, the loss their token-weighted mean."""
+    tokens, phase seconds and losses added (TRL divides each micro-batch's loss by the whole
+    step's token count, ``num_items_in_batch``, so the step's loss is their sum)."""
     out = []
     for i in range(0, len(micro), accum):
         group = micro[i : i + accum]
-        row = {k: sum(g[k] for g in group) for k in group[0] if k != "loss"}
-        row["loss"] = sum(g["loss"] * g["tokens"] for g in group) / max(row["tokens"], 1)
-        out.append(row)
+        out.append({k: sum(g[k] for g in group) for k in group[0]})
     return out
 
 

@@ -4,8 +4,6 @@ completions the uncompiled run samples."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -42,9 +40,7 @@ def test_compiled_decode_samples_the_uncompiled_greedy_tokens(assets, tmp_path, 
     }
     for compiled in (False, True):
         out = tmp_path / f"compile_{compiled}"
-        cfg = make_config(
-            assets, out, on_policy=on_policy, compile=compiled, max_steps_per_epoch=2
-        )
+        cfg = make_config(assets, out, on_policy=on_policy, compile=compiled, max_steps_per_epoch=2)
         config = write_config(tmp_path / f"compile_{compiled}.yaml", cfg)
         assert cli.main(["run", "kd", "--config", str(config)]) == 0
     torch._dynamo.reset()
