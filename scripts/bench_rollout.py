@@ -125,6 +125,8 @@ def kd_methods(model, prompts, stops, args, pad):
     rows = list(range(prompts.tokens.shape[0]))
 
     def gens():
+        if args.temperature == 0:
+            return None
         return row_generators(0, 0, rows, device=torch.device("cpu"))
 
     def slow():
@@ -134,7 +136,7 @@ def kd_methods(model, prompts, stops, args, pad):
         out, size = [], max(1, len(rows) // args.grad_accum)
         for start in range(0, len(rows), size):
             part = _rows(prompts, list(range(start, min(start + size, len(rows)))))
-            g = gens()[start : start + size]
+            g = None if args.temperature == 0 else gens()[start : start + size]
             out += rollout(model, part, generators=g, **common).lengths.tolist()
         return out
 
@@ -178,15 +180,16 @@ def hf_methods(model, tok, args):
         def run():
             models.set_hidden_output(model, False)
             extra = {"cache_implementation": "static"} if static else {}
+            if args.temperature > 0:  # else greedy: every method samples the same completions
+                extra.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+            else:
+                extra.update(do_sample=False, temperature=None, top_p=None)
             try:
                 with torch.no_grad():
                     out = model.generate(
                         prompts.tokens,
                         attention_mask=prompts.mask.long(),
-                        do_sample=True,
-                        temperature=args.temperature,
-                        top_p=args.top_p,
-                        top_k=0,
+                        top_k=0 if args.temperature > 0 else None,
                         max_new_tokens=args.new_tokens,
                         eos_token_id=stops,
                         pad_token_id=pad,
@@ -246,6 +249,8 @@ def tt_methods(model, tok, args):
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def generate():
+        if args.temperature == 0:
+            sys.exit("torchtune's generate divides by the temperature: use --temperature > 0")
         models.set_hidden_output(model, False)
         try:
             with tt.local_kv_cache(
@@ -409,7 +414,7 @@ def write_doc(runs: list[dict]) -> None:
 
 def _doc_table(table: list[dict], info: dict) -> list[str]:
     lines = [
-        f"Run {info['started']} ({info.get('model', 'student')}): : {info['threads']} thread(s), float32, {info['cpu']}, torch "
+        f"Run {info['started']} ({info.get('model', 'student')}): {info['threads']} thread(s), float32, {info['cpu']}, torch "
         f"{info['torch']}, temperature {info['temperature']}, top-p {info['top_p']}, medians of "
         f"{info['repeats']} repeats; load average {info['load_start']:.1f} at the start and "
         f"{info['load_end']:.1f} at the end (a load above the CPUs means other jobs shared "
