@@ -20,14 +20,7 @@ from kd import models
 from kd.backends import backend_of
 from kd.rollouts.base import Completions, Prompts
 
-__all__ = [
-    "derive_seed",
-    "draw_rows",
-    "rollout",
-    "row_generators",
-    "sample_next",
-    "stop_token_ids",
-]
+__all__ = ["derive_seed", "rollout", "row_generators", "sample_next", "stop_token_ids"]
 
 
 def derive_seed(*parts: int) -> int:
@@ -88,25 +81,8 @@ def sample_next(
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     probs = logits.softmax(dim=-1)
     assert generators is not None and len(generators) == probs.shape[0]
-    return draw_rows(probs, generators)
-
-
-def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """One index per row of ``probs`` ``[b, V]``, row ``i`` drawn with ``generators[i]``: what
-    ``torch.multinomial(probs[i], 1, generator=generators[i])`` draws, bit for bit, batched.
-
-    ``torch.multinomial`` draws one sample as ``argmax(p / q)`` with ``q ~ Exp(1)`` filled from
-    the generator (its one-sample fast path); here each row's ``q`` comes from its own generator
-    (the same values, in the same order), then one division and one ``argmax`` serve all rows,
-    and the distribution check is made once for the batch, not once (with a host sync) per row.
-    """
-    valid = torch.isfinite(probs).all() & (probs >= 0).all() & (probs.sum(dim=-1) > 0).all()
-    if not bool(valid):
-        raise RuntimeError("sampling: next-token probabilities with inf, nan, < 0 or all zero")
-    q = torch.empty_like(probs)
-    for row, gen in zip(q, generators, strict=True):
-        row.exponential_(1, generator=gen)
-    return (probs / q).argmax(dim=-1)
+    picks = [torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)]
+    return torch.cat(picks)
 
 
 def rollout(
