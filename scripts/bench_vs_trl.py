@@ -18,8 +18,11 @@ Two modes, each with JSD (beta 0.5) and forward KL (beta 0), the divergence alon
 Same rows in the same order (no shuffling in either tool; TRL's rows are kd's own tokenization
 of the same chat rows, so the tokens are identical), batch, sequence length, AdamW (lr, weight
 decay 0.01, default betas/eps; the fused kernel in both: TRL's default ``adamw_torch_fused``,
-and kd init's ``fused: True``), constant learning rate, no gradient clipping, no accumulation,
-no gradient checkpointing, fp32, ``--threads`` intra-op threads for both.
+and kd init's ``fused: True``), constant learning rate, no gradient clipping, the same
+``--grad-accum`` micro-batches per optimizer step (1: no accumulation; TRL's on-policy trainer
+then samples the prompts of all of a step's micro-batches in one ``generate``, as it does by
+default; kd does the same with ``--kd-set on_policy.batch_rollouts=true``), no gradient
+checkpointing, fp32, ``--threads`` intra-op threads for both.
 
 Each run is its own process (``kd run kd`` or this script's ``_trl`` child mode), kd and TRL
 alternating (which goes first flips each repeat) so load drift on the shared machine hits both.
@@ -153,7 +156,7 @@ def kd_config(
     cfg.seed = 0
     cfg.shuffle = False
     cfg.batch_size = spec["batch"]
-    cfg.gradient_accumulation_steps = 1
+    cfg.gradient_accumulation_steps = GRAD_ACCUM
     cfg.max_steps_per_epoch = spec["steps"][mode]
     cfg.log_every_n_steps = 1
     # fused, as kd init writes it and as TRL's default (transformers' ``adamw_torch_fused``)
@@ -204,6 +207,7 @@ def kd_tokenized_rows(base: Path, n: int) -> list[dict[str, list[int]]]:
 
 
 NEW_TOKENS = 32
+GRAD_ACCUM = 1  # micro-batches per optimizer step in both tools (--grad-accum)
 
 
 # --------------------------------------------------------------------------- TRL child process
@@ -236,7 +240,7 @@ def trl_child(spec_path: str) -> int:
     common = {
         "output_dir": spec["out"],
         "per_device_train_batch_size": spec["batch"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec.get("grad_accum", 1),
         "max_steps": spec["steps"],
         "learning_rate": LR,
         "weight_decay": 0.01,
@@ -350,10 +354,22 @@ def trl_child(spec_path: str) -> int:
         )
     trainer.train()
     seconds = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    steps = _per_optimizer_step(steps, spec.get("grad_accum", 1))
     for row, s in zip(steps, seconds, strict=False):
         row["seconds"] = s
     Path(spec["result"]).write_text(json.dumps(steps))
     return 0
+
+
+def _per_optimizer_step(micro: list[dict[str, float]], accum: int) -> list[dict[str, float]]:
+    """TRL's per-micro-batch records summed per optimizer step (``accum`` micro-batches each):
+    tokens, phase seconds and losses added (TRL divides each micro-batch's loss by the whole
+    step's token count, ``num_items_in_batch``, so the step's loss is their sum)."""
+    out = []
+    for i in range(0, len(micro), accum):
+        group = micro[i : i + accum]
+        out.append({k: sum(g[k] for g in group) for k in group[0]})
+    return out
 
 
 # -------------------------------------------------------------------------------------- runs
@@ -433,6 +449,7 @@ def run_trl(
         "steps": PAIRS[pair]["steps"][mode],
         "seq_len": PAIRS[pair]["seq_len"],
         "new_tokens": NEW_TOKENS,
+        "grad_accum": GRAD_ACCUM,
         "rows": rows,
         "prompts": prompts,
         **(extra or {}),
@@ -478,7 +495,7 @@ def bench(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
     work = Path(args.work)
     for pair in args.pairs.split(","):
         spec = PAIRS[pair]
-        n_rows = spec["batch"] * max(spec["steps"].values()) + spec["batch"]
+        n_rows = spec["batch"] * GRAD_ACCUM * (max(spec["steps"].values()) + 1)
         assets = write_assets(work, pair, n_rows)
         rows = kd_tokenized_rows(assets["base"], n_rows)
         chats = [json.loads(x) for x in assets["data"].read_text().splitlines()]
@@ -549,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats-fkl", type=int, default=1, help="runs per tool for forward KL")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="gradient_accumulation_steps in both tools (TRL samples a step's prompts at once)",
+    )
+    p.add_argument(
         "--kd-set",
         type=_key_value,
         action="append",
@@ -558,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=str(REPO / "scripts/bench_data/bench_vs_trl.json"))
     args = p.parse_args(argv)
     args.kd_set = dict(args.kd_set)
+    global GRAD_ACCUM
+    GRAD_ACCUM = args.grad_accum
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     env.update(HF_DATASETS_DISABLE_PROGRESS_BARS="1", TRL_EXPERIMENTAL_SILENCE="1")
@@ -591,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"sampling {ph['generate_s']:6.2f}  teacher {ph['teacher_s']:6.2f}  "
                     f"student {ph['student_s']:6.2f}"
                 )
-    out = {"argv": sys.argv, "threads": args.threads, "start": start, "end_load": end}
+    out = {"argv": sys.argv, "threads": args.threads, "grad_accum": args.grad_accum}
+    out.update(kd_set=args.kd_set, start=start, end_load=end)
     out.update(table=table, runs=results)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     pairs = args.pairs.split(",")

@@ -156,11 +156,11 @@ class _TransformersSteps:
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         end = start + x.shape[1]
         extra = {}
-        if self.static:  # the cache's write positions
+        if self.static:  # the cache's write positions; the whole mask (one shape every step)
             extra["cache_position"] = torch.arange(start, end, device=x.device)
         return self.model(
             x,
-            attention_mask=self.mask[:, :end],
+            attention_mask=self.mask if self.static else self.mask[:, :end],
             position_ids=self.positions[:, start:end],
             past_key_values=self.cache,
             use_cache=True,

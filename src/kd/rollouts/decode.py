@@ -10,7 +10,12 @@ token it samples) with three differences that save work:
   was) and transformers' ``StaticCache`` (in place of the growing ``DynamicCache``);
 - finished rows leave the batch: once a quarter of the rows still decoding have stopped, the
   cache, mask and positions keep only the live rows (one ``index_select``), so later steps run
-  on fewer rows.
+  on fewer rows;
+- with ``compile`` (``compile: true``), the one-token decode step (the model's forward over the
+  preallocated cache and the last position's logits) is one ``torch.compile`` graph with dynamic
+  shapes: compiled once per model, not again when rows leave the batch, a group is narrower or
+  the position moves on. The prompts' prefill and the sampling stay eager (the sampling draws from
+  each row's generator exactly as without it).
 
 A row's tokens are those :func:`~kd.rollouts.sampling.rollout` would sample from the same
 logits: its generator is asked once per token it samples, in the same order. Only float
@@ -20,7 +25,8 @@ sampled ones come from the same distribution.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,10 +36,12 @@ from kd.backends import backend_of
 from kd.rollouts.base import Completions, Prompts
 from kd.rollouts.sampling import sample_next
 
-__all__ = ["fast_rollout", "length_groups"]
+__all__ = ["compiled_step", "fast_rollout", "length_groups"]
 
 # Compact the batch once this share of its rows has finished.
 SHRINK_AT = 0.25
+# A compiled step keeps at least this many rows (a batch of one would be one more compile).
+MIN_ROWS = 2
 
 
 def length_groups(lengths: Sequence[int], group_size: int | None) -> list[list[int]]:
@@ -42,6 +50,43 @@ def length_groups(lengths: Sequence[int], group_size: int | None) -> list[list[i
     order = sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
     size = group_size or max(len(order), 1)
     return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def next_logits(
+    model: nn.Module,
+    forward: Callable[[torch.Tensor, int], torch.Tensor],
+    x: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """One decode step: ``forward(x, start)`` (the backend's cached forward), then the fp32
+    logits ``[b, V]`` of the last position."""
+    hidden = forward(x, start)
+    return models.logits_from_hidden(model, hidden[:, -1])
+
+
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def compiled_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """:func:`next_logits` under ``torch.compile`` (``backend``) with dynamic shapes, made once per
+    process.
+
+    The batch, the cache length and the position are symbolic, the KV cache's tensors included
+    (torchtune's are the model's buffers, which dynamo otherwise keeps static): a model compiles
+    once for its first batch, once for every other (rows leaving, narrower groups, other prompt
+    widths), and never for a single row (:func:`_decode_group` keeps two).
+    """
+    if backend not in _COMPILED:
+        compiled = torch.compile(next_logits, dynamic=True, backend=backend)
+
+        def step(*args: Any) -> torch.Tensor:
+            with torch._dynamo.config.patch(
+                force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False
+            ):
+                return compiled(*args)
+
+        _COMPILED[backend] = step
+    return _COMPILED[backend]
 
 
 def fast_rollout(
@@ -56,11 +101,13 @@ def fast_rollout(
     vocab_limit: int | None,
     generators: Sequence[torch.Generator] | None,
     group_size: int | None = None,
+    compile: bool = False,
 ) -> Completions:
     """Sample up to ``max_new_tokens`` tokens after each prompt, group by group (one device).
 
     Args: as :func:`kd.rollouts.sampling.rollout`, plus ``group_size``: rows per generation
-        (``on_policy.rollout_batch_size``; None: all of them at once).
+        (``on_policy.rollout_batch_size``; None: all of them at once), and ``compile``: the
+        decode step compiled (:func:`compiled_step`).
     """
     b = prompts.tokens.shape[0]
     device = prompts.tokens.device
@@ -89,6 +136,7 @@ def fast_rollout(
                     pad_id=pad_id,
                     vocab_limit=vocab_limit,
                     generators=None if generators is None else [generators[i] for i in group],
+                    step=compiled_step() if compile else next_logits,
                 )
                 out.index_copy_(0, index, tokens)
                 lengths.index_copy_(0, index, done_lengths)
@@ -109,8 +157,10 @@ def _decode_group(
     pad_id: int,
     vocab_limit: int | None,
     generators: Sequence[torch.Generator] | None,
+    step: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """One group's rollout with a preallocated cache; finished rows leave the batch."""
+    """One group's rollout with a preallocated cache; finished rows leave the batch; ``step``
+    (:func:`next_logits`, compiled or not) runs each decode step."""
     b, width = prompts.tokens.shape
     device = prompts.tokens.device
     total = width + max_new_tokens
@@ -127,10 +177,9 @@ def _decode_group(
     steps = 0
     with backend.kv_cache_steps(model, mask, width=width, total=total, **kwargs) as forward:
         cache = forward.__self__  # the steps object: select() drops rows
-        hidden = forward(prompts.tokens, 0)
+        logits = next_logits(model, forward, prompts.tokens, 0)  # the prefill, eager
         done = torch.zeros(b, dtype=torch.bool, device=device)  # of the rows in the batch
         for t in range(max_new_tokens):
-            logits = models.logits_from_hidden(model, hidden[:, -1])
             token = sample_next(
                 logits,
                 temperature=temperature,
@@ -147,10 +196,21 @@ def _decode_group(
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
             if int(done.sum()) >= SHRINK_AT * done.numel():  # finished rows leave
-                keep = (~done).nonzero().squeeze(1)
-                cache.select(keep)
-                live, token, done = live[keep], token[keep], done[keep]
-                if gens is not None:
-                    gens = [gens[i] for i in keep.tolist()]
-            hidden = forward(token[:, None], width + t)
+                keep = _kept_rows(done, at_least=MIN_ROWS if step is not next_logits else 1)
+                if keep.numel() < done.numel():
+                    cache.select(keep)
+                    live, token, done = live[keep], token[keep], done[keep]
+                    if gens is not None:
+                        gens = [gens[i] for i in keep.tolist()]
+            logits = step(model, forward, token[:, None], width + t)
     return out, lengths, steps
+
+
+def _kept_rows(done: torch.Tensor, *, at_least: int) -> torch.Tensor:
+    """Indices of the rows still decoding, topped up with finished ones to ``at_least`` rows
+    (a finished row's further tokens are written as padding and not counted)."""
+    keep = (~done).nonzero().squeeze(1)
+    if keep.numel() < at_least:
+        extra = done.nonzero().squeeze(1)[: at_least - keep.numel()]
+        keep = torch.cat([keep, extra]).sort().values
+    return keep

@@ -109,6 +109,7 @@ class LocalSampler:
                 vocab_limit=self.vocab_limit,
                 generators=generators,
                 group_size=op.rollout_batch_size,
+                compile=self.compile,
             )
             return replace(done, version=self.version)
         done = sampling.rollout(
