@@ -11,13 +11,7 @@ import kd.rollouts.local
 from kd import cli
 from tests.conftest import make_config, write_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 
 def test_compiled_decode_samples_the_uncompiled_greedy_tokens(assets, tmp_path, monkeypatch):

@@ -20,12 +20,7 @@ RECIPE = ["run", "kd"]
 TIMED = UNTIMED | {"time_wait_rollout_s"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def on_policy(**kw) -> dict:

@@ -37,12 +37,7 @@ CASES = [("vllm", False), ("vllm", True), ("sglang", False), ("sglang", True)]
 IDS = ["vllm-full", "vllm-lora", "sglang-full", "sglang-lora"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
