@@ -270,8 +270,18 @@ def test_planted_task_files_are_refused_before_anything_runs(tmp_path, capsys, b
     folder = _planted(tmp_path / "tasks", body)
     write_jsonl(tmp_path / "mc.jsonl", mc_rows())  # for data_outside: a real file, outside
     (folder / "other.yaml").write_text("process_docs: !function utils.f\n")  # no task: key
-    # No model folder: the task files are checked first, so the error is about them.
-    code, out, err = run_eval(
+    assert_refused_before_running(
+        capsys, tmp_path, folder, named, [folder / "mc.yaml", folder / "other.yaml"]
+    )
+
+
+def assert_refused_before_running(
+    capsys, tmp_path: Path, folder: Path, named: list[str], task_files: list[Path]
+) -> None:
+    """``kd eval`` on the task folder (no model folder: the task files are checked first)
+    answers one line naming each of ``named`` (and, unless it is about the data, one of
+    ``task_files``), exit 2, with nothing planted run and no output written."""
+    code, _, err = run_eval(
         capsys,
         "--model",
         str(tmp_path / "no-model"),
@@ -286,7 +296,7 @@ def test_planted_task_files_are_refused_before_anything_runs(tmp_path, capsys, b
     for word in named:
         assert word in lines[0], lines[0]
     if named[0] != "data":
-        assert str(folder / "mc.yaml") in lines[0] or str(folder / "other.yaml") in lines[0]
+        assert any(str(f) in lines[0] for f in task_files), lines[0]
     assert not (folder / MARKER).exists() and not Path(MARKER).exists()
     assert not (tmp_path / "e.json").exists()
 

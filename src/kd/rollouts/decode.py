@@ -25,6 +25,7 @@ sampled ones come from the same distribution.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,9 +65,7 @@ def next_logits(
     return models.logits_from_hidden(model, hidden[:, -1])
 
 
-_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
-
-
+@functools.cache
 def compiled_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """:func:`next_logits` under ``torch.compile`` (``backend``) with dynamic shapes, made once per
     process.
@@ -76,17 +75,15 @@ def compiled_step(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     once for its first batch, once for every other (rows leaving, narrower groups, other prompt
     widths), and never for a single row (:func:`_decode_group` keeps two).
     """
-    if backend not in _COMPILED:
-        compiled = torch.compile(next_logits, dynamic=True, backend=backend)
+    compiled = torch.compile(next_logits, dynamic=True, backend=backend)
 
-        def step(*args: Any) -> torch.Tensor:
-            with torch._dynamo.config.patch(
-                force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False
-            ):
-                return compiled(*args)
+    def step(*args: Any) -> torch.Tensor:
+        with torch._dynamo.config.patch(
+            force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False
+        ):
+            return compiled(*args)
 
-        _COMPILED[backend] = step
-    return _COMPILED[backend]
+    return step
 
 
 def fast_rollout(

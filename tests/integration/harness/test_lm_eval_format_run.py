@@ -12,8 +12,8 @@ import pytest
 
 from kd.testing import write_jsonl
 from tests.integration.test_harness_cli import (  # noqa: F401, F811 (models: a fixture)
-    MARKER,
     PLANTED_PY,
+    assert_refused_before_running,
     models,
     run_eval,
     write_mc_task,
@@ -203,21 +203,4 @@ def test_constructs_outside_the_subset_are_refused(tmp_path, capsys, body, named
     write_jsonl(tmp_path / "mc.jsonl", [{"question": "1", "choices": ["a", "b"], "answer": 0}])
     (folder / "utils.py").write_text(PLANTED_PY)
     (folder / "task.yaml").write_text(body)
-    code, _, err = run_eval(
-        capsys,
-        "--model",
-        str(tmp_path / "no-model"),
-        "--tasks",
-        str(folder),
-        "--output",
-        str(tmp_path / "e.json"),
-    )
-    assert code == 2
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kd: error: "), err
-    for word in named:
-        assert word in lines[0], lines[0]
-    if named[0] != "data":
-        assert str(folder / "task.yaml") in lines[0], lines[0]
-    assert not (folder / MARKER).exists() and not Path(MARKER).exists()
-    assert not (tmp_path / "e.json").exists()
+    assert_refused_before_running(capsys, tmp_path, folder, named, [folder / "task.yaml"])
