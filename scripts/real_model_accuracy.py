@@ -230,6 +230,9 @@ class Setting:
     student: str = "block"  # a key of STUDENTS
     # Validate on dev each epoch and keep each epoch's checkpoint for kd eval (the dev curve).
     curve: bool = False
+    # The name of a finished setting whose ``final/`` is this run's starting student (None: the
+    # student of ``student``): GKD from a CE-trained student, as the GKD paper starts from SFT.
+    start: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         keys: dict[str, Any] = {
@@ -304,7 +307,7 @@ R2_STAGE1 = (
 R2_STAGE2 = (
     Setting("r2 block6: kd fkl r=0.5 T=2 lr=3e-4 6ep", "kd", 3e-4, 6, 0.5, 2.0, student="block6"),
 )
-CURRENT = Round(
+R2 = Round(
     2,
     "block6",
     "a less damaged student (layers 22-27 dropped: 6 late layers instead of round 1's 10). CE "
@@ -324,6 +327,51 @@ CURRENT = Round(
     "ahead of CE at 2 epochs on dev, off-policy KD at CE's 6 epochs",
     (R2_STAGE1, R2_STAGE2),
     untrained=False,  # each kd eval took 5-11 minutes on this machine; round 1's was 0.0%
+)
+# Round 3 (after round 2: CE still rising at 6 epochs, off-policy KD 14% of the gap, GKD from
+# the untrained student 0%). Fixed before any round-3 result: round 2's runs carried over (cached,
+# nothing retrains), then twice the length (12 epochs, 216 steps) for CE and the round-2 KD
+# setting, each with its dev curve; pure KD (kd_ratio 1, T 1: the teacher's whole distribution,
+# no CE term); GKD (lmbda 1) started from round 2's CE-trained student (6 epochs), 6 more epochs at
+# a lower lr, so its total is 12 epochs like the others.
+R3_STAGE1 = (
+    Setting("r3 block6: ce lr=3e-4 12ep", "ce", 3e-4, 12, student="block6", curve=True),
+    Setting(
+        "r3 block6: kd fkl r=0.5 T=2 lr=3e-4 12ep",
+        "kd",
+        3e-4,
+        12,
+        0.5,
+        2.0,
+        student="block6",
+        curve=True,
+    ),
+    Setting("r3 block6: kd fkl r=1 T=1 lr=3e-4 12ep", "kd", 3e-4, 12, 1.0, 1.0, student="block6"),
+    Setting(
+        "r3 block6: gkd fkl r=1 lr=1e-4 6ep from ce 6ep",
+        "gkd",
+        1e-4,
+        6,
+        1.0,
+        extra=GKD_KEYS,
+        student="block6",
+        start=R2_CE.name,
+    ),
+)
+CURRENT = Round(
+    3,
+    "block6",
+    "CE and off-policy KD trained to a plateau. Round 2's CE was still rising at 6 epochs, so "
+    "CE and round 2's off-policy KD setting (forward KL, r 0.5, T 2) train twice as long "
+    "(12 epochs, 216 steps), each with its dev curve; beside them pure KD (kd_ratio 1, T 1: the "
+    "teacher's whole distribution as the only target) at 12 epochs, and GKD (lmbda 1) started "
+    "from round 2's CE-trained student (6 epochs of CE, then 6 epochs of GKD at lr 1e-4: 12 "
+    "epochs in all; GKD from the untrained student scored 0% in round 2, and the GKD paper "
+    "starts from a supervised student). Round 2's runs are carried over unchanged (cached; "
+    "nothing retrains), so every mode's pick is chosen on dev among both rounds' runs. All "
+    "settings were fixed before any round-3 result",
+    (R2_STAGE1 + R2_STAGE2, R3_STAGE1),
+    untrained=False,
 )
 MODES = {
     "ce": "CE only",
@@ -377,6 +425,11 @@ def run_config(
         cfg.teacher_checkpointer = None
     elif teacher is not None:
         cfg.teacher_checkpointer.checkpoint_dir = str(teacher)
+    if setting.start is not None:
+        begin = out.parent / slug(setting.start) / "final"
+        if not (begin / "model.safetensors").is_file():
+            raise ValueError(f"{setting.name}: starts from {begin}, which is not finished")
+        cfg.checkpointer.checkpoint_dir = str(begin)
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, path)
