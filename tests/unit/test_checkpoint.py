@@ -173,7 +173,8 @@ def test_lora_saved_merged_and_as_peft_adapter(kind: str, tmp_path: Path) -> Non
     )
 
     # PEFT: names, config, and W_merged = W_base + alpha / r * B @ A in HF layout for every module.
-    peft_cfg = json.loads((dest / ck.ADAPTER_CONFIG_FILE).read_text())
+    peft_cfg_text = (dest / ck.ADAPTER_CONFIG_FILE).read_text()
+    peft_cfg = json.loads(peft_cfg_text)
     assert peft_cfg["r"] == RANK and peft_cfg["lora_alpha"] == ALPHA
     assert set(peft_cfg["target_modules"]) == {
         "q_proj",
@@ -200,6 +201,26 @@ def test_lora_saved_merged_and_as_peft_adapter(kind: str, tmp_path: Path) -> Non
     assert back.keys() == adapter.keys()
     for k in adapter:
         assert torch.equal(back[k], adapter[k]), k
+
+    # adapter_only (a served sampler's LoRA push): the same adapter files, and nothing else.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    ck.save_hf_model(
+        alone,
+        state,
+        model_type=MODEL_TYPE[kind],
+        source_dir=src,
+        adapter_state_dict=adapter,
+        adapter_config=adapter_config,
+        adapter_only=True,
+    )
+    assert sorted(str(p.relative_to(alone)) for p in alone.rglob("*") if p.is_file()) == sorted(
+        [ck.ADAPTER_CONFIG_FILE, ck.ADAPTER_MODEL_FILE]
+    )
+    assert (alone / ck.ADAPTER_CONFIG_FILE).read_text() == peft_cfg_text
+    alone_peft = load_file(str(alone / ck.ADAPTER_MODEL_FILE))
+    assert alone_peft.keys() == peft.keys()
+    assert all(torch.equal(alone_peft[k], peft[k]) for k in peft)
 
 
 def test_save_hf_model_casts_dtype_and_records_it(tmp_path: Path) -> None:

@@ -114,10 +114,17 @@ class Backend(Protocol):
         ...
 
     def export_student(
-        self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
+        self,
+        dest: Path,
+        student: nn.Module,
+        full: dict[str, torch.Tensor],
+        source: Any,
+        *,
+        adapter_only: bool = False,
     ) -> None:
         """Write the student (``full``: its full state dict) as a Hugging Face folder ``dest``
-        that transformers loads (:class:`kd.runtime.checkpoints.StudentSource` says from what)."""
+        that transformers loads (:class:`kd.runtime.checkpoints.StudentSource` says from what);
+        ``adapter_only`` (a LoRA student): its PEFT adapter ``adapter/`` alone."""
         ...
 
     def saved_student_weights(

@@ -176,10 +176,17 @@ class TorchtuneBackend:
         load_checkpointer_weights(model, build_checkpointer, key=source.key, folder=source.folder)
 
     def export_student(
-        self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
+        self,
+        dest: Path,
+        student: nn.Module,
+        full: dict[str, torch.Tensor],
+        source: Any,
+        *,
+        adapter_only: bool = False,
     ) -> None:
         """Write the student as a Hugging Face folder: torchtune names converted, a LoRA student's
-        adapters merged into copies of the base weights and saved as a PEFT adapter too."""
+        adapters merged into copies of the base weights and saved as a PEFT adapter too
+        (``adapter_only``: the PEFT adapter alone)."""
         from kd.checkpoint.hf_folder import save_hf_model
 
         lora = source.lora
@@ -191,6 +198,7 @@ class TorchtuneBackend:
             adapter_state_dict=tt.get_adapter_state_dict(full) if lora else None,
             adapter_config=peft_adapter_config(lora) if lora else None,
             extra_files=source.tokenizer_files,
+            adapter_only=adapter_only,
         )
 
     def saved_student_weights(

@@ -76,9 +76,16 @@ class TransformersBackend:
         hf.load_folder_weights(model, source.folder, key=source.key)
 
     def export_student(
-        self, dest: Path, student: nn.Module, full: dict[str, torch.Tensor], source: Any
+        self,
+        dest: Path,
+        student: nn.Module,
+        full: dict[str, torch.Tensor],
+        source: Any,
+        *,
+        adapter_only: bool = False,
     ) -> None:
-        """Write the student's folder: merged weights, and its PEFT adapter when LoRA."""
+        """Write the student's folder: merged weights, and its PEFT adapter when LoRA
+        (``adapter_only``: the adapter alone, nothing merged)."""
         from kd.checkpoint.hf_folder import write_hf_folder
 
         lora = source.lora
@@ -88,7 +95,9 @@ class TransformersBackend:
             adapter_config = hf.peft_adapter_config(student, base=source.source_dir)
         write_hf_folder(
             dest,
-            hf.hf_state_dict(
+            {}
+            if adapter_only
+            else hf.hf_state_dict(
                 student,
                 full,
                 lora_alpha=lora.alpha if lora else None,
@@ -98,6 +107,7 @@ class TransformersBackend:
             adapter_state=adapter_state,
             adapter_config=adapter_config,
             extra_files=source.tokenizer_files,
+            adapter_only=adapter_only,
         )
 
     def saved_student_weights(

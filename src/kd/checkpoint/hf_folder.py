@@ -332,6 +332,7 @@ def save_hf_model(
     adapter_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     extra_files: dict[str, Path] | None = None,
+    adapter_only: bool = False,
 ) -> None:
     """Write a torchtune student as an HF model folder into the existing folder ``dest``.
 
@@ -348,6 +349,8 @@ def save_hf_model(
             form (target modules ``q_proj``, ``output_proj``, ``w1``...).
         dtype: cast floating tensors to this dtype (None keeps each tensor's dtype).
         extra_files: as in :func:`write_hf_folder`.
+        adapter_only: write the PEFT adapter alone (``adapter/``): no merge, no base weights
+            (a served sampler's LoRA push: the server holds the base model).
     """
     from kd import _torchtune as tt  # only writing a model needs torchtune (a multi-second import)
 
@@ -356,6 +359,8 @@ def save_hf_model(
 
     state_dict = dict(state_dict)
     lora_modules = [k[: -len(".lora_a.weight")] for k in state_dict if k.endswith(".lora_a.weight")]
+    if adapter_only:
+        lora_modules, state_dict = [], {}
     if lora_modules:
         if adapter_config is None:
             raise ValueError(
@@ -393,6 +398,7 @@ def save_hf_model(
         adapter_config=peft_config,
         dtype=dtype,
         extra_files=extra_files,
+        adapter_only=adapter_only,
     )
 
 
@@ -405,6 +411,7 @@ def write_hf_folder(
     adapter_config: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     extra_files: dict[str, Path] | None = None,
+    adapter_only: bool = False,
 ) -> None:
     """Write an HF model folder (either backend) into the existing folder ``dest``.
 
@@ -419,8 +426,15 @@ def write_hf_folder(
         dtype: cast floating tensors to this dtype (None keeps each tensor's dtype).
         extra_files: file name -> a tokenizer file to copy too when ``source_dir`` holds no
             tokenizer file (the files of a tokenizer kept outside the model folder).
+        adapter_only: write ``adapter_state`` alone (``hf_state`` is ignored): the PEFT adapter
+            folder ``adapter/`` and nothing else.
     """
     dest = Path(dest)
+    if adapter_only:
+        if adapter_state is None or adapter_config is None:
+            raise ValueError("adapter_only needs adapter_state and adapter_config")
+        _write_adapter(dest, adapter_state, adapter_config, dtype)
+        return
     source_dir = Path(source_dir)
     hf_config = read_hf_config(source_dir)
     hf_state = {k: _prepare(v, dtype) for k, v in hf_state.items()}
@@ -457,15 +471,25 @@ def write_hf_folder(
     if adapter_state is not None:
         if adapter_config is None:
             raise ValueError("adapter_state needs adapter_config")
-        (dest / ADAPTER_MODEL_FILE).parent.mkdir(exist_ok=True)
-        save_file(
-            {k: _prepare(v, dtype) for k, v in adapter_state.items()},
-            str(dest / ADAPTER_MODEL_FILE),
-            metadata={"format": "pt"},
-        )
-        (dest / ADAPTER_CONFIG_FILE).write_text(
-            json.dumps(adapter_config, indent=2, sort_keys=True, default=sorted) + "\n"
-        )
+        _write_adapter(dest, adapter_state, adapter_config, dtype)
+
+
+def _write_adapter(
+    dest: Path,
+    adapter_state: dict[str, torch.Tensor],
+    adapter_config: dict[str, Any],
+    dtype: torch.dtype | None,
+) -> None:
+    """The PEFT adapter folder (``adapter/``: weights and ``adapter_config.json``) in ``dest``."""
+    (dest / ADAPTER_MODEL_FILE).parent.mkdir(exist_ok=True)
+    save_file(
+        {k: _prepare(v, dtype) for k, v in adapter_state.items()},
+        str(dest / ADAPTER_MODEL_FILE),
+        metadata={"format": "pt"},
+    )
+    (dest / ADAPTER_CONFIG_FILE).write_text(
+        json.dumps(adapter_config, indent=2, sort_keys=True, default=sorted) + "\n"
+    )
 
 
 def load_hf_weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -103,8 +103,9 @@ class SyncSettings:
 
     Attributes:
         output_dir: the run's folder (step checkpoints, and the default sync folder).
-        exporter: ``(folder, student) -> None`` writes the student's HF folder (a LoRA student's
-            adapter in ``adapter/``) into an existing folder (None on ranks other than 0);
+        exporter: ``(folder, student) -> None`` writes the student as the server loads it (a
+            LoRA student: its adapter alone, in ``adapter/``) into an existing folder (None on
+            ranks other than 0);
             collective when distributed (it gathers a sharded student; rank 0 writes).
         lora: whether the student is a LoRA student (adapters are pushed, not whole weights).
         seed: the run's seed (row ``r`` of epoch ``e`` asks with seed ``(seed, e, r)``).
@@ -623,8 +624,9 @@ class ServedSampler:
 
 
 def exporter_of(source: Any, *, world: WorldInfo) -> Callable[[Path | None, nn.Module], None]:
-    """``(folder, student) -> None``: the student written into ``folder`` as a step checkpoint
-    holds it (an HF folder; a LoRA student's PEFT adapter in ``adapter/``). Collective when
+    """``(folder, student) -> None``: the student written into ``folder`` as the server loads it:
+    a full student as an HF folder; a LoRA student as its PEFT adapter ``adapter/`` alone (the
+    server holds the base weights, so nothing is merged or written beside it). Collective when
     distributed (the full state dict is gathered; rank 0 writes)."""
     from kd.backends import backend_named
 
@@ -632,7 +634,9 @@ def exporter_of(source: Any, *, world: WorldInfo) -> Callable[[Path | None, nn.M
         full = distributed.full_state_dict(student, world=world)
         if world.is_rank_zero:
             assert folder is not None
-            backend_named(source.backend).export_student(folder, student, full, source)
+            backend_named(source.backend).export_student(
+                folder, student, full, source, adapter_only=source.lora is not None
+            )
 
     return export
 

@@ -142,6 +142,14 @@ def test_greedy_rollouts_equal_the_local_samplers_after_every_sync(
     assert [r["rollout_version_lag"] for r in rows] == [0, 0, 0]
     # The weights changed what the student samples: not the same completions at every step.
     assert len({tuple(map(tuple, ids)) for _, _, ids, _ in remote}) > 1
+    # What a push writes: a LoRA student's adapter alone (the server holds the base weights),
+    # a full student's whole folder.
+    pushed = sorted(p.name for p in (tmp_path / "served").glob("*/v*/**/*") if p.is_file())
+    weights = [n for n in pushed if n.endswith(".safetensors")]
+    if lora:
+        assert weights and set(weights) == {"adapter_model.safetensors"}, pushed
+    else:
+        assert weights and set(weights) == {"model.safetensors"}, pushed
     # One push before step 1 and one after each step, in the protocol's requests.
     if lora:
         loads = [p for p in pushes if p.endswith("/load_lora_adapter")]
