@@ -27,7 +27,10 @@ after every section, so a run cut short keeps what it measured. Sections:
 3. **speed**: kd and TRL (``DistillationTrainer`` on-policy, ``GKDTrainer`` with ``lmbda=0``
    off-policy) on the same pair, rows, batch, sequence length, JSD loss and fused AdamW, bf16,
    through ``scripts/bench_vs_trl.py``'s runners: labelled tokens/s (median of steps 2..N), model
-   FLOPs utilisation, and for on-policy the step split into sampling / teacher / student.
+   FLOPs utilisation, and for on-policy the step split into sampling / teacher / student; then
+   kd's faster local samplers on-policy, once each (``KD_SAMPLERS``: ``kd-fast`` samples a
+   step's rollouts in one batch with a preallocated cache, ``kd-compiled`` adds the compiled
+   decode step).
 4. **tests**: ``python -m pytest -m gpu`` (what only CUDA shows).
 
 Needs, beyond torch / transformers / peft / safetensors / pyarrow: torchtune, torchao, omegaconf,
@@ -920,15 +923,54 @@ def speed(
                     f"{r.get('tokens_per_s', float('nan')):.1f} tok/s",
                     flush=True,
                 )
+    # kd's faster local samplers, on-policy, once each after both tools' core runs (issue 37):
+    # every step's rollouts in one batch with a preallocated cache, then its compiled step.
+    for tool, sets in KD_SAMPLERS.items():
+        if only is not None and f"{tool}:on_policy" not in only:
+            continue
+        if time.monotonic() > deadline:
+            out["runs"].append(
+                {"tool": tool, "mode": "on_policy", "repeat": 0, "status": "skipped: time budget"}
+            )
+            continue
+        try:
+            r = bvt.run_kd(assets, "gpu", "on_policy", "jsd", tool, env, {**kd_over, **sets})
+            r.update(tool=tool, mode="on_policy", repeat=0, status="ok", sets=sets)
+            per_tok = 8 * ns + 2 * nt
+            r["model_tflops"] = per_tok * r["tokens_per_s"] / 1e12
+            if peak_tflops:
+                r["mfu"] = r["model_tflops"] / peak_tflops
+        except BaseException as exc:  # noqa: BLE001 - a failed run is a result
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            r = {"tool": tool, "mode": "on_policy", "repeat": 0, **_error(exc)}
+            logs = sorted((root / "runs").glob(f"kd_on_policy_jsd_{tool}*.log"))
+            if logs:
+                r["log_tail"] = _tail(logs[-1])
+        out["runs"].append(r)
+        print(
+            f"speed on_policy  {tool}: {r.get('status')} "
+            f"{r.get('tokens_per_s', float('nan')):.1f} tok/s",
+            flush=True,
+        )
     out["table"] = speed_table(out["runs"])
     return out
 
 
+# kd's on-policy samplers beyond the default (``kd``: a ``generate``-like loop per micro-batch),
+# run once each by the speed section: the tool name -> the keys it sets.
+KD_SAMPLERS: dict[str, dict[str, Any]] = {
+    "kd-fast": {"on_policy.batch_rollouts": True},
+    "kd-compiled": {"on_policy.batch_rollouts": True, "compile": True},
+}
+
+
 def speed_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode, each tool's medians (and each kd sampler's ratio to TRL)."""
     table = []
     for mode in ("off_policy", "on_policy"):
         row: dict[str, Any] = {"mode": mode}
-        for tool in ("kd", "trl"):
+        for tool in ("kd", *KD_SAMPLERS, "trl"):
             ok = [
                 r
                 for r in runs
@@ -947,6 +989,9 @@ def speed_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{tool}_runs"] = len(ok)
         if "kd_tokens_per_s" in row and "trl_tokens_per_s" in row:
             row["ratio"] = row["kd_tokens_per_s"] / row["trl_tokens_per_s"]
+        for tool in KD_SAMPLERS:
+            if f"{tool}_tokens_per_s" in row and "trl_tokens_per_s" in row:
+                row[f"{tool}_ratio"] = row[f"{tool}_tokens_per_s"] / row["trl_tokens_per_s"]
         table.append(row)
     return table
 
@@ -1142,7 +1187,11 @@ def main(argv: list[str] | None = None) -> int:
         help="memory rows run at once (each row's allocator figures are its own process's; the "
         "device memory each uses is read per process through NVML)",
     )
-    ap.add_argument("--speed-runs", default=None, help="only these (kd:off_policy,trl:on_policy)")
+    ap.add_argument(
+        "--speed-runs",
+        default=None,
+        help="only these (kd:off_policy,trl:on_policy,kd-fast:on_policy,kd-compiled:on_policy)",
+    )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     import torch

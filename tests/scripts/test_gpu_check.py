@@ -46,7 +46,8 @@ def test_the_gpu_doc_is_the_report_of_the_committed_json():
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
     """--smoke: tiny shapes of the same pairs, a memory row, a served-teacher row, kd and TRL
-    off-policy, and pytest -m gpu (skipped without CUDA), written as the GPU run writes them."""
+    off-policy, kd's batched sampler on-policy, and pytest -m gpu (skipped without CUDA), written
+    as the GPU run writes them."""
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -61,7 +62,7 @@ def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
         "--jobs",
         "2",
         "--speed-runs",
-        "kd:off_policy,trl:off_policy",
+        "kd:off_policy,trl:off_policy,kd-fast:on_policy",
         "--budget-s",
         "900",
     ]
@@ -78,6 +79,11 @@ def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
         assert "allocator_slack" in r["plan"]["components"]
     (off,) = [t for t in s["speed"]["table"] if t["mode"] == "off_policy"]
     assert off["kd_tokens_per_s"] > 0 and off["trl_tokens_per_s"] > 0
+    # kd's batched local sampler on-policy: its own row, its keys recorded
+    (fast,) = [r for r in s["speed"]["runs"] if r["tool"] == "kd-fast"]
+    assert fast["status"] == "ok" and fast["tokens_per_s"] > 0, fast
+    assert fast["sets"] == {"on_policy.batch_rollouts": True}
+    assert fast["phases"]["generate_s"] > 0
     assert s["tests"]["status"] == "ok"
     assert (out / "gpu_check.md").read_text().startswith("Device: cpu")
 
