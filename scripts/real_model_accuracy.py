@@ -482,12 +482,12 @@ def run_config(
     if setting.curve:
         if dev_rows is None:
             raise ValueError(f"{setting.name}: a curve run needs the dev rows")
-        epoch = steps_per_epoch(sum(1 for _ in data.open()), batch)
+        saved = steps_per_epoch(sum(1 for _ in data.open()), batch) * saved_epochs(setting)
         val = OmegaConf.to_container(cfg.dataset)
         val["data_files"] = str(dev_rows)
-        cfg.validation = {"dataset": val, "every_n_steps": epoch}
-        cfg.save_every_n_steps = epoch
-        cfg.keep_last_n = setting.epochs
+        cfg.validation = {"dataset": val, "every_n_steps": saved}
+        cfg.save_every_n_steps = saved
+        cfg.keep_last_n = setting.epochs // saved_epochs(setting)
     if setting.kd_ratio == 0 and setting.mode in ("teacher", "ce"):
         cfg.teacher_model = None  # plain fine-tuning: no teacher in memory or in the step
         cfg.teacher_checkpointer = None
@@ -532,6 +532,10 @@ def train(
         log = out.parent / f"{out.name}{'.resumed' if resumed else ''}.log"
         wall = kd(args, log, one_thread=one_thread)
         timing.write_text(json.dumps({"wall_s": wall, "resumed": resumed}))
+    # A finished run resumes no more: its step checkpoints keep their weights (the dev curve)
+    # and drop their optimizer state (two thirds of each checkpoint's ~1.3 GB).
+    for state in out.glob("step_*/recipe_state.pt"):
+        state.unlink()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "loss" in r]
     result = {
@@ -561,14 +565,20 @@ def last_step(work: Path, setting: Setting) -> int:
     return max((r["step"] for r in rows if "loss" in r), default=0)
 
 
+def saved_epochs(setting: Setting) -> int:
+    """Epochs between a curve run's checkpoints (and validations): 1 up to 12 epochs, else
+    ``epochs // 6`` (about 6 checkpoints of ~1.3 GB each, weights and optimizer state)."""
+    return 1 if setting.epochs <= 12 else setting.epochs // 6
+
+
 def dev_curve(
     work: Path, setting: Setting, tasks_dev: Path, parallel: int = 1, every: int | None = None
 ) -> list[dict[str, Any]]:
-    """``kd eval`` on dev of every ``every``-th epoch's checkpoint of a ``curve`` run but the last
+    """``kd eval`` on dev of every ``every``-th checkpoint of a ``curve`` run but the last
     (``final/``, scored as the run's dev): ``[{step, dev}]``, the plateau check. ``every``
-    defaults to 2, or ``epochs // 6`` for a run of more than 12 epochs (about 6 points)."""
+    defaults to every other epoch for a run saved each epoch, else every checkpoint."""
     if every is None:
-        every = max(2, setting.epochs // 6)
+        every = 2 if saved_epochs(setting) == 1 else 1
     out = work / "runs" / slug(setting.name)
     folders = {int(p.name.split("_")[1]): p for p in sorted(out.glob("step_*"))}
     last, epoch = max(folders, default=0), min(folders, default=1)  # saved once an epoch

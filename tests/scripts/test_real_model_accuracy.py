@@ -166,6 +166,15 @@ def test_curve_run_validates_on_dev_and_keeps_each_epoch(study, tmp_path: Path) 
     plain = study.Setting("plain", "ce", 3e-4, 3)
     cfg = OmegaConf.load(study.run_config(base, plain, out, paths["train"], 4, None))
     assert "validation" not in cfg
+    # A long curve run (36 epochs) saves and validates every 6 epochs (disk: ~1.3 GB a
+    # checkpoint), on its own labelled rows (the first 4 of the teacher's).
+    long = study.Setting("long", "ce", 3e-4, 36, student="block6", curve=True, rows=4)
+    rows = study.train_rows(paths, long)
+    assert rows.read_text().splitlines() == paths["teacher_train"].read_text().splitlines()[:4]
+    cfg = OmegaConf.load(study.run_config(base, long, out, rows, 4, None, paths["dev_rows"]))
+    assert cfg.validation.every_n_steps == cfg.save_every_n_steps == 6  # 1 step an epoch
+    assert cfg.keep_last_n == 6
+    assert cfg.dataset.data_files == str(rows)
 
 
 def test_results_file_keeps_round_one_and_the_doc_puts_the_newest_round_first(
