@@ -212,13 +212,16 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         ValueError: stored teacher logits with a teacher, or generation by a missing model.
     """
     k = knobs
+    # What runs the teacher's forward on a training or validation batch: none without a KD term
+    # (kd_ratio 0), unless hidden-state pairs read its states; its weights stay (it may sample).
+    scorer = teacher if k.teacher_logits or k.hidden_map else None
     res = resident_bytes(student, teacher, k)
-    head = loss_head(student, teacher, k, output_grad=res.output_grad)
+    head = loss_head(student, teacher if k.teacher_logits else None, k, output_grad=res.output_grad)
     acts = student_activations(student, k)
     hidden = hidden_terms(student, teacher, k)
     resident = resident_components(res, k, hidden)
     forward, subphases = forward_phase(
-        student, teacher, k, resident, acts, head, res.in_flight_forward, hidden
+        student, scorer, k, resident, acts, head, res.in_flight_forward, hidden
     )
     phases = {
         "forward": forward,
@@ -227,12 +230,12 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     }
     # The evaluation runs the teacher's forward, its sampling holds every parked weight in.
     in_eval, sampling = dict(resident), dict(resident)
-    in_eval["teacher_weights"] += teacher_forward_in_bytes(teacher, k)
+    in_eval["teacher_weights"] += teacher_forward_in_bytes(scorer, k)
     sampling["teacher_weights"] += parked_teacher_bytes(teacher, k)
     if k.eval_batch is not None:
         phases[EVAL_PHASE] = evaluation_phase(
             student,
-            teacher,
+            scorer,
             k,
             in_eval,
             model_buffers=res.model_buffers,
