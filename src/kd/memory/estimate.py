@@ -204,6 +204,9 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         student: the trainable decoder (LoRA when ``student.lora`` is set).
         teacher: the frozen decoder, or None.
         knobs: batch, sequence, precision, checkpointing, optimizer, loss and sharding knobs.
+            Without a KD term (``knobs.teacher_logits`` false: ``kd_ratio: 0``) the teacher (the
+            ``scorer`` below) runs no forward on a training or validation batch, but for
+            hidden-state pairs; its weights stay, and its sampling when it samples.
 
     Returns:
         The estimate; ``peak_bytes`` includes the runtime reserve.
@@ -211,12 +214,9 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     Raises:
         ValueError: stored teacher logits with a teacher, or generation by a missing model.
     """
-    k = knobs
-    # What runs the teacher's forward on a training or validation batch: none without a KD term
-    # (kd_ratio 0), unless hidden-state pairs read its states; its weights stay (it may sample).
-    scorer = teacher if k.teacher_logits or k.hidden_map else None
+    k, scorer = knobs, teacher if knobs.teacher_logits or knobs.hidden_map else None
     res = resident_bytes(student, teacher, k)
-    head = loss_head(student, teacher if k.teacher_logits else None, k, output_grad=res.output_grad)
+    head = loss_head(student, teacher, k, output_grad=res.output_grad)
     acts = student_activations(student, k)
     hidden = hidden_terms(student, teacher, k)
     resident = resident_components(res, k, hidden)
