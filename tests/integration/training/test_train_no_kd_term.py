@@ -131,3 +131,22 @@ def test_kd_ratio_0_without_seq_kd_loads_no_teacher(assets, tmp_path, monkeypatc
     assert not KD_KEYS & {k for r in read_metrics(plain) for k in r}
     w_a, w_b = weights(with_teacher), weights(plain)
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
+def test_hidden_states_with_kd_ratio_0_run_the_teacher_for_their_term(
+    assets, tmp_path, monkeypatch
+):
+    """kd_ratio 0 with hidden-state targets: the teacher still runs (its states train the
+    student), its logits do not: the loss is CE + weight * hidden_loss, no kd_loss."""
+    seen = count_signals(monkeypatch)
+    hidden = {"layer_map": ["0:0", "norm:norm"], "loss": "cosine", "weight": 1.0}
+    out = run(tmp_path, "hs", assets, kd_ratio=0.0, max_steps_per_epoch=2, hidden_states=hidden)
+    assert len(seen) == 2 * 2 + 2 * 2  # every micro-batch and validation batch
+    rows = read_metrics(out)
+    assert not KD_KEYS & {k for r in rows for k in r}
+    train = [r for r in rows if "loss" in r]
+    assert len(train) == 2
+    for r in train:
+        assert r["loss"] == pytest.approx(r["ce_loss"] + r["hidden_loss"], rel=1e-6)
+        assert r["hidden_loss"] > 0
+    assert all("val_hidden_loss" in r for r in rows if "val_ce_loss" in r)
