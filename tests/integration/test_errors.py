@@ -610,6 +610,14 @@ def keep_best_teacher_metric_without_teacher(assets, tmp, cfg):
     return _run(), "keep_best.metric: val_top1_agreement compares the student with the teacher"
 
 
+def keep_best_teacher_metric_with_kd_ratio_0(assets, tmp, cfg):
+    """`keep_best: {metric: val_kd_loss}`, `kd_ratio: 0` with a teacher"""
+    cfg.update(kd_ratio=0)
+    cfg["validation"] = _validation(cfg)
+    cfg["keep_best"] = {"metric": "val_kd_loss"}
+    return _run(), "keep_best.metric: val_kd_loss compares the student with the teacher's logits"
+
+
 def early_stopping_without_validation(assets, tmp, cfg):
     """`early_stopping: {patience: 3}` without `validation`"""
     cfg["early_stopping"] = {"patience": 3}
@@ -1432,6 +1440,7 @@ CASES: list[Case] = [
     eval_lm_eval_task_jinja_filter,
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,
+    keep_best_teacher_metric_with_kd_ratio_0,
 ]
 
 

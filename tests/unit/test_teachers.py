@@ -167,8 +167,10 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
 
     from kd.teachers.build import ModelTeacherSource, StoredTeacherSource, teacher_source
 
-    def run(teacher_model, teacher_logits):
+    def run(teacher_model, teacher_logits, kd_ratio=0.5, teacher_samples=False):
         return SimpleNamespace(
+            loss=SimpleNamespace(needs_teacher_logits=kd_ratio > 0),
+            teacher_samples=teacher_samples,
             teacher_logits=teacher_logits,
             teacher_server=None,
             self_teacher=None,
@@ -185,6 +187,10 @@ def test_teacher_source_is_chosen_once_from_the_config(tmp_path):
     logits = SimpleNamespace(path=tmp_path, k=4, tail="bucket", format="kd")
     assert teacher_source(run(None, None)) is None
     assert isinstance(teacher_source(run({"_component_": "x"}, None)), ModelTeacherSource)
+    # kd_ratio 0: a teacher asked nothing is not loaded; one that samples seq_kd answers is
+    assert teacher_source(run({"_component_": "x"}, None, kd_ratio=0.0)) is None
+    sampler = run({"_component_": "x"}, None, kd_ratio=0.0, teacher_samples=True)
+    assert isinstance(teacher_source(sampler), ModelTeacherSource)
     stored = teacher_source(run({"_component_": "x"}, logits))
     assert isinstance(stored, StoredTeacherSource)
     assert stored.reads == () and stored.needs_rows

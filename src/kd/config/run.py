@@ -147,6 +147,13 @@ class LossSettings:
         lambda cfg: str(raw_value(cfg, "teacher_logits.tail", TOPK_TAIL)), default=TOPK_TAIL
     )
 
+    @property
+    def needs_teacher_logits(self) -> bool:
+        """Whether the loss has a KD term (``kd_ratio`` above 0): the one fact that decides
+        whether a step or an evaluation asks the teacher for logits, logs ``kd_loss`` /
+        ``val_kd_loss`` and plans the teacher's forward (``kd_ratio: 0`` trains on CE alone)."""
+        return self.kd_ratio > 0
+
 
 @settings
 class LoraSettings:
@@ -602,6 +609,13 @@ class RunConfig:
         """Whether a teacher model runs during training (not with stored teacher logits: a
         ``teacher_model`` node then only identifies the teacher they came from)."""
         return self.components["teacher_model"] is not None and self.teacher_logits is None
+
+    @property
+    def teacher_samples(self) -> bool:
+        """Whether the teacher may sample completions to train on (``on_policy.seq_kd`` with
+        ``lmbda`` below 1: the coin then sometimes comes out false)."""
+        op = self.on_policy
+        return op is not None and op.seq_kd and op.lmbda < 1
 
     def with_section(self, name: str, settings: Any) -> RunConfig:
         """The same run with the teacher kind's section ``name`` set to ``settings`` (None:

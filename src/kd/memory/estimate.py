@@ -204,6 +204,9 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
         student: the trainable decoder (LoRA when ``student.lora`` is set).
         teacher: the frozen decoder, or None.
         knobs: batch, sequence, precision, checkpointing, optimizer, loss and sharding knobs.
+            Without a KD term (``knobs.teacher_logits`` false: ``kd_ratio: 0``) the teacher (the
+            ``scorer`` below) runs no forward on a training or validation batch, but for
+            hidden-state pairs; its weights stay, and its sampling when it samples.
 
     Returns:
         The estimate; ``peak_bytes`` includes the runtime reserve.
@@ -211,14 +214,14 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     Raises:
         ValueError: stored teacher logits with a teacher, or generation by a missing model.
     """
-    k = knobs
+    k, scorer = knobs, teacher if knobs.teacher_logits or knobs.hidden_map else None
     res = resident_bytes(student, teacher, k)
     head = loss_head(student, teacher, k, output_grad=res.output_grad)
     acts = student_activations(student, k)
     hidden = hidden_terms(student, teacher, k)
     resident = resident_components(res, k, hidden)
     forward, subphases = forward_phase(
-        student, teacher, k, resident, acts, head, res.in_flight_forward, hidden
+        student, scorer, k, resident, acts, head, res.in_flight_forward, hidden
     )
     phases = {
         "forward": forward,
@@ -227,12 +230,12 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
     }
     # The evaluation runs the teacher's forward, its sampling holds every parked weight in.
     in_eval, sampling = dict(resident), dict(resident)
-    in_eval["teacher_weights"] += teacher_forward_in_bytes(teacher, k)
+    in_eval["teacher_weights"] += teacher_forward_in_bytes(scorer, k)
     sampling["teacher_weights"] += parked_teacher_bytes(teacher, k)
     if k.eval_batch is not None:
         phases[EVAL_PHASE] = evaluation_phase(
             student,
-            teacher,
+            scorer,
             k,
             in_eval,
             model_buffers=res.model_buffers,

@@ -222,8 +222,10 @@ class FakeStep:
 
 def teacher_node(run: RunConfig) -> Any:
     """The teacher's ``_component_`` node, or None: with stored teacher logits a
-    ``teacher_model`` node only names their teacher, and none is built."""
-    return run.components["teacher_model"] if run.has_teacher else None
+    ``teacher_model`` node only names their teacher, and none is built; nor is one the run asks
+    nothing of (:func:`kd.config.teacher_kinds.in_use`: ``kd_ratio: 0`` without ``seq_kd``)."""
+    asked = run.has_teacher and kinds.in_use(run) is not None
+    return run.components["teacher_model"] if asked else None
 
 
 @contextlib.contextmanager
@@ -311,7 +313,7 @@ def build_fake_step(
     # (hidden-state projections) join the student's before the optimizer is built.
     trainable = [p for p in student.parameters() if p.requires_grad]
     stand_in = StandIn(run, planned, student, teacher, shard, trainable)
-    kind = kinds.selected(run)
+    kind = kinds.in_use(run)
     if kind is not None and kind.stand_in is not None:
         kinds.resolve(kind.stand_in)(stand_in)
     _offload_as_run(run, student, teacher, shard)  # after the stand-in: the teacher as it runs

@@ -153,6 +153,11 @@ class TrainKnobs:
             member of ``teachers:`` beside a larger one (the members' losses run one after
             another; the largest's forward is planned). None: the planned teacher's.
         final_eval: the end-of-training evaluation (``eval:``); None: no such phase.
+        teacher_logits: the loss has a KD term (``kd_ratio`` above 0,
+            :attr:`kd.config.run.LossSettings.needs_teacher_logits`). False: the training step
+            and the evaluation run no teacher forward (unless :attr:`hidden_map` needs its
+            states) and the loss head is the student's CE; a teacher that samples ``seq_kd``
+            completions keeps its weights and its generation phase.
     """
 
     batch_size: int
@@ -187,6 +192,7 @@ class TrainKnobs:
     other_teacher_head_params: int = 0
     teacher_own_device: bool = False
     final_eval: FinalEvalKnobs | None = None
+    teacher_logits: bool = True
 
     @property
     def tokens(self) -> int:

@@ -277,13 +277,15 @@ def loss_head(
 
     Args:
         student: the trainable decoder.
-        teacher: the frozen decoder, or None.
+        teacher: the frozen decoder, or None (also without a KD term: ``k.teacher_logits``
+            false, ``kd_ratio: 0``, the head is the student's CE).
         k: the knobs.
         output_grad: the output weight gradient's bytes on this device (0 when it does not train).
 
     Raises:
         ValueError: stored teacher logits (``k.stored_topk``) with a teacher model.
     """
+    teacher = teacher if k.teacher_logits else None
     stored = k.stored_topk is not None
     crossed = cross_teacher(student, teacher, k)
     if crossed is not None:

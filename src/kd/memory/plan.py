@@ -513,13 +513,14 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         other_teacher_params=tp.other_params,
         hidden_map=tp.hidden_map,
         hidden_loss=tp.hidden_loss,
-        cross_tokenizer=tp.cross,
+        cross_tokenizer=tp.cross and run.loss.needs_teacher_logits,
         cross_vocab=tp.cross_vocab or None,
         activation_offloading=run.activation_offloading,
         teacher_offload=tp.offload if tp.teacher is not None else "none",
         other_teacher_head_params=tp.other_head_params,
         teacher_own_device=tp.teacher is not None and _own_device(run),
         final_eval=final_eval,
+        teacher_logits=run.loss.needs_teacher_logits,
     )
     notes += eval_notes
     if student.lora is not None and student.lora.use_dora:
@@ -568,7 +569,8 @@ def teacher_plan(
 ) -> TeacherPlan:
     """What the run's teacher kind (:func:`kd.config.teacher_kinds.selected`) adds to the plan: its
     forward's shape, a top-k signal, its weights' bytes, further teachers, hidden-state pairs, a
-    cross-tokenizer loss, the table's line. No teacher: all empty."""
+    cross-tokenizer loss, the table's line. No teacher, or one the run asks nothing of
+    (:func:`kd.config.teacher_kinds.in_use`: ``kd_ratio: 0`` without ``seq_kd``): all empty."""
     tp = TeacherPlan(
         run=run,
         student=student,
@@ -579,7 +581,7 @@ def teacher_plan(
         int8_bytes=int8_teacher_bytes_per_param,
         store_manifest=_store_manifest,
     )
-    kind = kinds.selected(run)
+    kind = kinds.in_use(run)
     if kind is not None and kind.plan is not None:
         kind.plan(tp)
     return tp

@@ -21,7 +21,7 @@ from torch import nn
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
 
-__all__ = ["Teacher", "TeacherInput", "TeacherSignal", "TeacherStopped"]
+__all__ = ["Teacher", "TeacherInput", "TeacherSignal", "TeacherStopped", "asks_signal"]
 
 
 class TeacherStopped(KDUserError):
@@ -117,10 +117,14 @@ class Teacher(Protocol):
             teacher is not a local model.
         terms: the names of the extra loss terms its signals report (``TeacherSignal`` terms),
             the same for every batch; logged as they are, validated as ``val_<name>``.
+        own_loss: its signal adds a loss term of its own whatever ``kd_ratio`` (hidden-state
+            targets), so a step with ``kd_ratio: 0`` still asks it (:func:`asks_signal`); the
+            kind declares the same (:attr:`kd.config.teacher_kinds.TeacherKind.own_loss`).
     """
 
     generator: nn.Module | None = None
     terms: tuple[str, ...] = ()
+    own_loss: bool = False
 
     def signal(self, batch: TeacherInput) -> TeacherSignal:
         """The teacher's signal for ``batch``, on the device the student trains on. Runs without
@@ -184,3 +188,14 @@ class Teacher(Protocol):
         answers slowly (a served model) starts on the next ones while the student trains on
         this one. Default: the batches as they are."""
         return batches
+
+
+def asks_signal(teacher: Teacher | None, settings: LossSettings) -> bool:
+    """Whether a training step or an evaluation asks ``teacher`` for its signal (runs its
+    forward on the batch): the loss has a KD term
+    (:attr:`kd.config.run.LossSettings.needs_teacher_logits`) or the teacher's signal adds a term
+    of its own (:attr:`Teacher.own_loss`). With ``kd_ratio: 0`` a teacher that only samples
+    ``seq_kd`` completions is never asked: the loss is the student's CE."""
+    if teacher is None:
+        return False
+    return settings.needs_teacher_logits or bool(getattr(teacher, "own_loss", False))

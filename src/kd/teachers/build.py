@@ -76,13 +76,33 @@ class TeacherSource(Protocol):
         ...
 
 
+NOT_ASKED = (
+    "kd_ratio is 0 and the teacher samples nothing (on_policy.seq_kd): the run trains on CE "
+    "alone and loads no teacher (no kd_loss); set kd_ratio above 0 to distil"
+)
+
+
 def teacher_source(run: RunConfig) -> TeacherSource | None:
     """The run's teacher source: the source of the kind the registry selects
-    (:func:`kd.config.teacher_kinds.selected`), or None without a teacher (plain fine-tuning).
+    (:func:`kd.config.teacher_kinds.selected`), or None without a teacher (plain fine-tuning),
+    and None when the run asks its teacher nothing (:func:`kd.config.teacher_kinds.in_use`:
+    ``kd_ratio: 0`` and no ``seq_kd``), said once on the ``kd`` logger.
 
     Raises:
         KDUserError: the kind refuses this run (``TeacherKind.refuse``).
     """
+    kind = teacher_kinds.selected(run)
+    if kind is not None and teacher_kinds.in_use(run) is None:
+        if kind.refuse is not None:
+            kind.refuse(run)
+        log.info(NOT_ASKED)
+        return None
+    return _source_of(run)
+
+
+def _source_of(run: RunConfig) -> TeacherSource | None:
+    """The source of the kind the registry selects for ``run`` (a whole run, or a member of
+    ``teachers:``, built when the whole is), or None."""
     kind = teacher_kinds.selected(run)
     if kind is None:
         teacher_kinds.no_quantization(run, "this run has no teacher_model")
@@ -94,7 +114,7 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
         source = source(run)  # a function of the run choosing the reference
     cls = teacher_kinds.resolve(source)
     # A kind holding one-teacher configs (teachers:' members) builds them with this function.
-    return cls(run, teacher_source) if kind.nested is not None else cls(run)
+    return cls(run, _source_of) if kind.nested is not None else cls(run)
 
 
 class ModelTeacherSource:

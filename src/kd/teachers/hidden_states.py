@@ -258,6 +258,8 @@ class HiddenStateTeacher(Teacher):
         settings: ``hidden_states:``.
     """
 
+    own_loss = True  # weight * hidden_loss trains whatever kd_ratio
+
     def __init__(self, inner: ModelTeacher, settings: HiddenStateSettings):
         self.inner = inner
         self.settings = settings

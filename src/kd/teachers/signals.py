@@ -18,7 +18,37 @@ from torch import nn
 from kd import losses, models
 from kd.config.run import LossSettings
 
-__all__ = ["LogitsSignal", "TopKSignal", "fused_kd_settings"]
+__all__ = ["LogitsSignal", "TopKSignal", "fused_kd_settings", "student_ce"]
+
+
+def student_ce(
+    student: nn.Module,
+    student_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    settings: LossSettings,
+) -> torch.Tensor:
+    """The student's mean CE over labelled positions, the loss of a step without a KD term
+    (no teacher, or ``kd_ratio: 0``): the fused CE head chunk by chunk
+    (:func:`kd.losses.fused_linear_ce_loss`), or full logits for an output projection that is
+    not a plain linear (a LoRA one) or with ``fused_loss: false``.
+
+    Args:
+        student: the student decoder (its output projection).
+        student_hidden: ``[b, s, d_s]`` its final-norm hidden states.
+        labels: ``[b, s]`` shifted labels.
+        settings: the loss settings.
+    """
+    if settings.fused and models.has_plain_output(student):
+        return losses.fused_linear_ce_loss(
+            student_hidden,
+            models.output_weight(student),
+            labels,
+            ignore_index=settings.ignore_index,
+            chunk_size=settings.chunk_size,
+        )
+    logits = models.logits_from_hidden(student, student_hidden)  # [b, s, v_s] fp32
+    return losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
 
 
 def fused_kd_settings(settings: LossSettings) -> dict[str, Any]:
@@ -52,6 +82,9 @@ class LogitsSignal:
         *,
         settings: LossSettings,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not settings.needs_teacher_logits:  # kd_ratio 0 (asked for hidden states): CE alone
+            ce = student_ce(student, student_hidden, labels, settings=settings)
+            return ce, ce.detach(), torch.zeros_like(ce).detach()
         if settings.fused and models.has_plain_output(student):
             return losses.fused_linear_kd_loss(
                 student_hidden,

@@ -9,7 +9,9 @@ loss's (:mod:`kd.losses`):
 * ``val_ce_loss``: cross-entropy of the student over its full vocabulary;
 * ``val_kd_loss``: ``T^2`` times the divergence (``kd_loss.divergence``, the true divergence as
   training logs it) between ``softmax(teacher / T)`` and ``softmax(student / T)`` over the shared
-  first ``min(Vs, Vt)`` vocab entries;
+  first ``min(Vs, Vt)`` vocab entries; absent, with ``val_top1_agreement``, when the loss has no
+  KD term (no teacher, or ``kd_ratio: 0``: the teacher's forward does not run on the validation
+  set, :attr:`kd.config.run.LossSettings.needs_teacher_logits`);
 * ``val_loss``: ``(1 - kd_ratio) * val_ce_loss + kd_ratio * val_kd_loss``;
 * ``val_top1_agreement``: the fraction of labelled positions where the student's and the
   teacher's argmax over the shared vocab agree;
@@ -50,6 +52,7 @@ from kd.config.schema import VAL_METRICS
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 from kd.teachers import Teacher, TeacherInput, TeacherSignal, as_teacher
+from kd.teachers.base import asks_signal
 from kd.training.train import shift_labels
 
 log = logging.getLogger("kd")
@@ -67,9 +70,10 @@ class ValStats:
     Attributes:
         loss: ``(1 - kd_ratio) * ce_loss + kd_ratio * kd_loss``.
         ce_loss: the student's cross-entropy per labelled token.
-        kd_loss: ``T^2`` times the divergence to the teacher per labelled token (0 without one).
+        kd_loss: ``T^2`` times the divergence to the teacher per labelled token; None without a
+            KD term (no teacher, or ``kd_ratio: 0``).
         top1_agreement: fraction of labelled positions where student and teacher argmax agree
-            over the shared vocab; None without a teacher.
+            over the shared vocab; None without a KD term.
         num_tokens: labelled positions evaluated.
         seconds: wall time of the evaluation.
         terms: the teacher's extra terms, by name (``val_`` is prepended in :meth:`metrics`).
@@ -77,15 +81,15 @@ class ValStats:
 
     loss: float
     ce_loss: float
-    kd_loss: float
+    kd_loss: float | None
     top1_agreement: float | None
     num_tokens: int
     seconds: float
     terms: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float | int]:
-        """The metric row: ``val_loss``, ``val_ce_loss``, ``val_kd_loss``, ``val_top1_agreement``
-        (with a teacher), ``val_num_tokens``, ``val_seconds``."""
+        """The metric row: ``val_loss``, ``val_ce_loss``, ``val_kd_loss`` and
+        ``val_top1_agreement`` (with a KD term), ``val_num_tokens``, ``val_seconds``."""
         row: dict[str, float | int] = {
             name: value
             for name in VAL_METRICS
@@ -128,7 +132,9 @@ def token_sums(
     Args:
         student: the student decoder.
         teacher: the teacher (a :class:`kd.teachers.Teacher` or a bare decoder), or None (then
-            the divergence and agreement sums are 0).
+            the divergence and agreement sums are 0). It is asked for its signal only as a
+            training step asks it (:func:`kd.teachers.base.asks_signal`), and its logits only
+            when the loss has a KD term (``settings.needs_teacher_logits``).
         tokens: ``[b, s]`` input ids.
         labels: ``[b, s]`` shifted labels (:func:`kd.training.train.shift_labels`).
         settings: the loss settings (divergence, temperature, chunk size, ignore index).
@@ -157,10 +163,12 @@ def token_sums(
     h_s = labelled(h_s.reshape(-1, h_s.size(-1)))  # [n, d_s]
     signal, h_t = None, None
     teacher = as_teacher(teacher)
-    names = teacher.terms if teacher is not None else ()
-    if teacher is not None:
+    asked = asks_signal(teacher, settings)
+    names = teacher.terms if asked else ()
+    if asked:
         signal = teacher.signal(TeacherInput(tokens, route=route))
-        h_t = signal.labelled_hidden(idx)  # [n, d_t]
+        if settings.needs_teacher_logits:
+            h_t = signal.labelled_hidden(idx)  # [n, d_t]
     target = labelled(flat)
     sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64, device=flat.device)
     sums[_COUNT] = rows if mask is None else mask.sum()
@@ -303,7 +311,7 @@ def evaluate(
 
     Args:
         student: the student decoder (put in eval mode for the evaluation, then back).
-        teacher: the frozen teacher, or None (plain fine-tuning: ``kd_loss`` 0, no agreement).
+        teacher: the frozen teacher, or None (plain fine-tuning: no ``kd_loss``, no agreement).
         batches: ``{"tokens", "labels"}`` batches ``[b, s]`` as collated (labels not shifted).
         settings: the training loss settings (``val_loss`` uses the same definition).
         device: where the models run.
@@ -314,7 +322,8 @@ def evaluate(
     t0 = time.perf_counter()
     was_training = student.training
     student.eval()
-    names = as_teacher(teacher).terms if teacher is not None else ()
+    names = as_teacher(teacher).terms if asks_signal(as_teacher(teacher), settings) else ()
+    scored = teacher is not None and settings.needs_teacher_logits  # a KD term: teacher logits
     sums = torch.zeros(4 + 2 * len(names), dtype=torch.float64, device=device)
     try:
         with torch.no_grad():
@@ -329,8 +338,8 @@ def evaluate(
     return ValStats(
         loss=losses.mix_ce_kd(ce, kd, settings.kd_ratio),
         ce_loss=ce,
-        kd_loss=kd,
-        top1_agreement=agree / n if teacher is not None else None,
+        kd_loss=kd if scored else None,
+        top1_agreement=agree / n if scored else None,
         num_tokens=int(count),
         seconds=time.perf_counter() - t0,
         terms=terms,

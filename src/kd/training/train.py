@@ -23,12 +23,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from kd import losses, models
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
 from kd.runtime import distributed
 from kd.teachers import FixedTopKTeacher, Teacher, TeacherInput, as_teacher
+from kd.teachers.base import asks_signal
+from kd.teachers.signals import student_ce
 
 __all__ = [
     "batch_input",
@@ -60,7 +61,8 @@ class StepStats:
     Attributes:
         loss: token-weighted mean loss of the step (all ranks).
         ce_loss: its cross-entropy part.
-        kd_loss: its divergence part (the true divergence, before ``kd_ratio``).
+        kd_loss: its divergence part (the true divergence, before ``kd_ratio``); None when the
+            loss has no KD term (``kd_ratio: 0``: no teacher logits were computed).
         grad_norm: total gradient norm before clipping.
         num_tokens: labelled tokens of the step (all ranks).
         stepped: False when the gradients were non-finite and the optimizer did not step.
@@ -75,7 +77,7 @@ class StepStats:
 
     loss: float
     ce_loss: float
-    kd_loss: float
+    kd_loss: float | None
     grad_norm: float
     num_tokens: int
     stepped: bool
@@ -86,15 +88,17 @@ class StepStats:
 
 
 def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
-    """One step's metrics: losses, gradient norm, tokens and their rate, and the step's time by
-    part (sampling on-policy, the teacher, and the rest: the student's forward + backward +
-    optimizer step); on-policy also the sampled micro-batches and tokens per sampling model."""
+    """One step's metrics: losses (``kd_loss`` only when the loss has a KD term), gradient norm,
+    tokens and their rate, and the step's time by part (sampling on-policy, the teacher, and the
+    rest: the student's forward + backward + optimizer step); on-policy also the sampled
+    micro-batches and tokens per sampling model."""
     generate_s = stats.phases.get("generate", 0.0)
     teacher_s = stats.phases.get("teacher", 0.0)
+    kd = {} if stats.kd_loss is None else {"kd_loss": stats.kd_loss}
     row: dict[str, Any] = {
         "loss": stats.loss,
         "ce_loss": stats.ce_loss,
-        "kd_loss": stats.kd_loss,
+        **kd,
         "grad_norm": stats.grad_norm,
         "num_tokens": stats.num_tokens,
         "tokens_per_second": stats.num_tokens / max(stats.seconds, 1e-9),
@@ -158,7 +162,10 @@ def compute_loss(
     The student runs first (its activations are what backward keeps), then the teacher answers
     the batch without autograd (:meth:`kd.teachers.Teacher.signal`) and its signal computes the
     loss (:meth:`kd.teachers.TeacherSignal.loss`): whatever the kind of teacher, this function
-    never asks. Without a teacher (plain fine-tuning) kd is 0. Models are in hidden-output mode
+    never asks. Without a teacher (plain fine-tuning), or when the step asks it nothing
+    (:func:`kd.teachers.base.asks_signal`: ``kd_ratio: 0``, a teacher that only samples
+    ``seq_kd`` completions), the teacher's forward does not run, the loss is the student's CE
+    (:func:`kd.teachers.signals.student_ce`) and kd is 0. Models are in hidden-output mode
     (:func:`kd.models.set_hidden_output`).
 
     Args:
@@ -186,18 +193,8 @@ def compute_loss(
         teacher = FixedTopKTeacher(*teacher_topk)
     teacher = as_teacher(teacher)
     s_hidden = student(tokens)  # [b, s, d_s]
-    if teacher is None:
-        if settings.fused and models.has_plain_output(student):
-            ce = losses.fused_linear_ce_loss(
-                s_hidden,
-                models.output_weight(student),
-                labels,
-                ignore_index=settings.ignore_index,
-                chunk_size=settings.chunk_size,
-            )
-        else:
-            logits = models.logits_from_hidden(student, s_hidden)
-            ce = losses.ce_loss(logits, labels, ignore_index=settings.ignore_index)
+    if not asks_signal(teacher, settings):  # no teacher, or kd_ratio 0: no teacher forward
+        ce = student_ce(student, s_hidden, labels, settings=settings)
         return ce, ce.detach(), torch.zeros_like(ce).detach()
     timing = timer.phase("teacher") if timer is not None else contextlib.nullcontext()
     with timing:
@@ -320,7 +317,7 @@ def train_step(
     """
     labels = [shift_labels(inp.labels) for inp in inputs]
     total = distributed.all_reduce_sum(count_tokens(labels).to(device))
-    names = teacher.terms if teacher is not None else ()
+    names = teacher.terms if asks_signal(teacher, settings) else ()
     sums = torch.zeros(3 + len(names), device=device)
     for inp, lab in zip(inputs, labels, strict=True):
         r = micro_step(
@@ -346,7 +343,7 @@ def train_step(
     return StepStats(
         loss=loss,
         ce_loss=ce,
-        kd_loss=kd,
+        kd_loss=kd if teacher is not None and settings.needs_teacher_logits else None,
         grad_norm=float(norm),
         num_tokens=int(total),
         stepped=stepped,

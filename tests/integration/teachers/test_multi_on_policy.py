@@ -156,6 +156,28 @@ def test_a_batch_samples_each_rows_teacher(
     assert row["num_tokens"] > row["sampled_tokens_teacher"]
 
 
+def test_routed_seq_kd_with_kd_ratio_0_asks_no_member_for_logits(
+    assets, second_teacher, routed_data, tmp_path, monkeypatch
+):
+    """Routed seq-KD with kd_ratio 0: each row's teacher samples its answer, then no member is
+    asked to score anything: no kd_loss nor kd_loss/<name> in the row."""
+    import kd.teachers.multi
+
+    asked = []
+    monkeypatch.setattr(
+        kd.teachers.multi.MultiTeacher, "signal", lambda self, batch: asked.append(1)
+    )
+    op = dict(_on_policy(True), lmbda=0.0)
+    cfg = _config(assets, tmp_path / "run", routed_data, None, on_policy=op, kd_ratio=0.0)
+    cfg.update(batch_size=4, max_steps_per_epoch=1, gradient_accumulation_steps=2)
+    cfg["teachers"] = _routed(assets, second_teacher, tmp_path / "run")
+    assert cli.main(["run", "kd", "--config", str(write_config(tmp_path / "c.yaml", cfg))]) == 0
+    assert asked == []
+    (row,) = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert row["sampled_batches_teacher"] == 2 and row["loss"] == row["ce_loss"]
+    assert not [k for k in row if k.startswith("kd_loss")]
+
+
 def _unknown(cfg: dict, data: Path, tmp: Path) -> str:
     bad = write_jsonl(tmp / "bad.jsonl", [{"input": "1+1", "output": "2", "domain": "c"}] * 8)
     cfg["dataset"]["data_files"] = str(bad)

@@ -211,6 +211,50 @@ def test_fsdp_hf_generation_trace_matches_estimate(tiny_dirs, world):  # noqa: F
     )
 
 
+SEQ_KD_ONLY = {"lmbda": 0.0, "seq_kd": True, "max_new_tokens": 16, "top_p": 0.9}
+
+
+def test_seq_kd_with_kd_ratio_0_trace_matches_estimate():
+    """seq-KD with kd_ratio 0: the teacher samples, then runs no forward on the training batch
+    (the trace runs the recipe's step, which asks it nothing); the plan counts the same."""
+    comps = _compare(_run(_tt_cfg(TINY_STUDENT, SEQ_KD_ONLY, kd_ratio=0.0)))
+    assert comps["teacher_weights"] > 0 and comps["kv_cache"] > 0
+
+
+def test_seq_kd_with_kd_ratio_0_plans_no_teacher_forward():
+    """kd_ratio 0 takes the teacher's forward and the KD head out of the training and validation
+    phases: what is left is plain fine-tuning's plan plus the teacher's resident weights, and the
+    same generation phase (the teacher still samples); kd_ratio 0.5 plans both."""
+    from kd.memory.plan import inputs_from_run
+
+    def plan(on_policy=SEQ_KD_ONLY, **top):
+        inputs = inputs_from_run(_run(_tt_cfg(TINY_STUDENT, on_policy, **top)))
+        return estimate(inputs.student, inputs.teacher, inputs.knobs)
+
+    val = {"validation": {"dataset": {"_component_": "x"}, "batch_size": 2}}
+    kd, ce = plan(kd_ratio=0.5, **val), plan(kd_ratio=0.0, **val)
+    plain = plan(None, kd_ratio=0.0, teacher_model=None, **val)
+
+    def tensors(est, phase, drop=()):  # the phase's tensors (the runtime reserve follows the peak)
+        skip = {"allocator_slack", "cuda_runtime", *drop}
+        return {c: b for c, b in est.phases[phase].items() if c not in skip}
+
+    assert tensors(ce, GEN_PHASE) == tensors(kd, GEN_PHASE)
+    for phase in (*PHASES, "evaluation"):
+        assert ce.allocated(phase) <= kd.allocated(phase), phase
+        assert ce.phases[phase]["teacher_forward"] == 0, phase
+        # the teacher is loaded (it samples): its weights and buffers (RoPE caches) stay
+        for resident in ("teacher_weights", "buffers"):
+            assert ce.phases[phase][resident] == kd.phases[phase][resident] > 0
+        drop = ("teacher_weights", "buffers")
+        assert tensors(ce, phase, drop) == tensors(plain, phase, drop), phase
+    for phase in ("forward", "evaluation"):  # where the teacher's forward and logits were
+        assert kd.phases[phase]["teacher_forward"] > 0, phase
+        assert ce.allocated(phase) < kd.allocated(phase), phase
+    # the forward's loss head: the student's CE chunks, not both models' logits
+    assert ce.phases["forward"]["logits_loss"] < kd.phases["forward"]["logits_loss"]
+
+
 def test_who_samples():
     from kd.memory.plan import generation_knobs
 

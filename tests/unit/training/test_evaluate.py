@@ -172,14 +172,38 @@ def test_max_batches_evaluates_the_first_examples(student, teacher):
 
 
 def test_without_a_teacher_only_ce(student, teacher):
+    """No KD term: val_kd_loss and val_top1_agreement are absent from the row (not 0)."""
     settings = LossSettings(kd_ratio=0.0, chunk_size=16)
     rows = _examples()
     got = _evaluate(student, None, rows, settings, batch_size=3)
-    assert "val_top1_agreement" not in got
-    assert got["val_kd_loss"] == 0.0
+    assert "val_top1_agreement" not in got and "val_kd_loss" not in got
     want = _reference(student, teacher, rows, settings)
     assert got["val_ce_loss"] == pytest.approx(want["val_ce_loss"], rel=1e-6)
     assert got["val_loss"] == got["val_ce_loss"]
+
+
+def test_kd_ratio_0_never_runs_the_teachers_forward(student, teacher):
+    """kd_ratio 0 with a teacher (one kept to sample seq_kd completions): the evaluation runs no
+    teacher forward and gives the row of an evaluation without a teacher, bit for bit."""
+    settings = LossSettings(kd_ratio=0.0, chunk_size=16)
+    calls = []
+    handle = teacher.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        got = _evaluate(student, teacher, _examples(), settings, batch_size=3)
+    finally:
+        handle.remove()
+    assert calls == []
+    alone = _evaluate(student, None, _examples(), settings, batch_size=3)
+    assert {k: v for k, v in got.items() if k != "val_seconds"} == {
+        k: v for k, v in alone.items() if k != "val_seconds"
+    }
+    # kd_ratio above 0: the same teacher is asked, and its metrics are in the row
+    handle = teacher.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        scored = _evaluate(student, teacher, _examples(), LossSettings(chunk_size=16), batch_size=3)
+    finally:
+        handle.remove()
+    assert calls and "val_kd_loss" in scored and "val_top1_agreement" in scored
 
 
 def test_eval_mode_during_no_autograd_and_training_mode_after(student, teacher):

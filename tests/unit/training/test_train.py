@@ -60,17 +60,28 @@ def test_teacher_equal_student_gives_zero_kd():
         assert float(ce) > 0
 
 
-def test_kd_ratio_zero_equals_plain_ce():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+def test_kd_ratio_zero_equals_plain_ce(fused):
+    """kd_ratio 0: the teacher's forward does not run, and the loss and the student's gradients
+    are those of plain fine-tuning (no teacher), bit for bit."""
     student, teacher = tiny_hidden_decoder(), models.freeze(tiny_hidden_decoder(seed=3))
+    calls = []
+    teacher.register_forward_hook(lambda *_: calls.append(1))
     tokens, labels = _batch()
-    loss, ce, _ = train.compute_loss(
-        student, teacher, tokens, labels, settings=train.LossSettings(kd_ratio=0.0)
-    )
-    plain, _, kd = train.compute_loss(
-        student, None, tokens, labels, settings=train.LossSettings(kd_ratio=0.0)
-    )
-    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-6)
-    assert float(kd) == 0.0
+    settings = train.LossSettings(kd_ratio=0.0, fused=fused, chunk_size=5)
+    out = []
+    for t in (teacher, None):
+        student.zero_grad()
+        loss, ce, kd = train.compute_loss(student, t, tokens, labels, settings=settings)
+        loss.backward()
+        out.append((loss.detach(), ce, kd, [p.grad.clone() for p in student.parameters()]))
+    assert calls == []
+    (loss, ce, kd, grads), (plain, plain_ce, _, plain_grads) = out
+    assert torch.equal(loss, plain) and torch.equal(ce, plain_ce) and float(kd) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    # kd_ratio above 0 asks the teacher
+    train.compute_loss(student, teacher, tokens, labels, settings=train.LossSettings(fused=fused))
+    assert calls == [1]
 
 
 def test_fused_and_unfused_paths_agree():

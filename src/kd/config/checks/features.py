@@ -84,7 +84,7 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
 
 def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
     """``keep_best`` and ``early_stopping`` need ``validation`` (and early stopping evaluations
-    during training); the teacher metrics need a teacher."""
+    during training); the teacher metrics need a teacher and a KD term (kd_ratio above 0)."""
     validation = data.get("validation")
     add = "add validation: {dataset: ..., every_n_steps: N}"
     for name, what in (
@@ -111,17 +111,26 @@ def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:
         problems.append(Problem("validation", refused))
     best = data.get("keep_best")
     metric = best.get("metric") if isinstance(best, dict) else None
-    if (
-        metric in schema.TEACHER_METRICS
-        and "teacher_model" in data
-        and data["teacher_model"] is None
-    ):
-        plain = [m for m in schema.VAL_METRICS if m not in schema.TEACHER_METRICS]
+    if metric not in schema.TEACHER_METRICS:
+        return
+    plain = " or ".join(m for m in schema.VAL_METRICS if m not in schema.TEACHER_METRICS)
+    ratio = data.get("kd_ratio")
+    if "teacher_model" in data and data["teacher_model"] is None:
         problems.append(
             Problem(
                 "keep_best.metric",
                 f"{metric} compares the student with the teacher, but teacher_model is null; "
-                f"set keep_best.metric to {' or '.join(plain)}",
+                f"set keep_best.metric to {plain}",
+            )
+        )
+    elif isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio == 0:
+        # kd_ratio 0: no KD term, so validation asks the teacher for no logits (no val_kd_loss)
+        problems.append(
+            Problem(
+                "keep_best.metric",
+                f"{metric} compares the student with the teacher's logits, but kd_ratio is 0 "
+                f"(no KD term: validation does not run the teacher); set keep_best.metric to "
+                f"{plain}, or kd_ratio above 0",
             )
         )
 

@@ -50,6 +50,7 @@ __all__ = [
     "StandIn",
     "TeacherKind",
     "TeacherPlan",
+    "in_use",
     "kinds",
     "nested_problems",
     "no_quantization",
@@ -121,6 +122,24 @@ def selected(run: RunConfig) -> TeacherKind | None:
     for kind in sorted(_KINDS.values(), key=lambda k: k.precedence):
         if kind.selects(run):
             return kind
+    return None
+
+
+def in_use(run: RunConfig) -> TeacherKind | None:
+    """The selected kind (:func:`selected`) when the run asks its teacher anything, else None.
+
+    A run asks its teacher when its loss has a KD term (``kd_ratio`` above 0:
+    :attr:`kd.config.run.LossSettings.needs_teacher_logits`), when the kind's signal adds a term
+    of its own (:attr:`TeacherKind.own_loss`: hidden-state targets), or when the teacher samples
+    the completions it trains on (:attr:`kd.config.run.RunConfig.teacher_samples`: ``seq_kd``).
+    Otherwise (``kd_ratio: 0``, nothing sampled by the teacher) the run is plain fine-tuning:
+    the recipe loads no teacher (:func:`kd.teachers.build.teacher_source`), the plan and the
+    tracer count none (:func:`kd.memory.plan.teacher_plan`,
+    :func:`kd.memory.fake_step.build_fake_step`).
+    """
+    kind = selected(run)
+    if kind is None or run.loss.needs_teacher_logits or kind.own_loss or run.teacher_samples:
+        return kind
     return None
 
 

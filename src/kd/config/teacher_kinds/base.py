@@ -156,6 +156,9 @@ class TeacherKind:
         modules: its own implementation modules (paths under ``src/kd``): the only modules
             besides this package that may read its section (a guard test checks).
         doc: the doc page of the kind.
+        own_loss: its signal adds a loss term of its own whatever ``kd_ratio`` (hidden-state
+            targets: ``weight * hidden_loss``), so the teacher runs with ``kd_ratio: 0`` too
+            (:func:`kd.config.teacher_kinds.in_use`).
     """
 
     name: str
@@ -177,6 +180,7 @@ class TeacherKind:
     teacher: str = ""
     modules: tuple[str, ...] = ()
     doc: str = "docs/teachers.md"
+    own_loss: bool = False
 
 
 def resolve(ref: str | Any) -> Any:

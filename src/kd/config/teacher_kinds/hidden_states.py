@@ -131,6 +131,7 @@ KIND = TeacherKind(
     plan=_plan,
     stand_in="kd.memory.stand_ins:hidden_states",
     doc="docs/hidden_states.md",
+    own_loss=True,
     teacher="kd.teachers.hidden_states.HiddenStateTeacher",
     modules=(
         "teachers/build.py",
