@@ -124,12 +124,10 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
     full = student.lora is None
     qbase = student.quantizable_params()
     student_w = int((student.base_params() - qbase) * a + qbase * NF4_BYTES_PER_PARAM)
-    copy_buffers = 0
     if k.generation is not None and k.generation.student_copy:
         # The local sampler's copy (on_policy.async_steps: 1, or on_policy.sampling_dtype): base
-        # and adapters in its dtype, and its own buffers (kept as the student's).
+        # and adapters in its dtype (its buffers are the student's).
         student_w += int(student.total_params() * (k.generation.copy_dtype_bytes or a))
-        copy_buffers = student.buffer_bytes(a)
     teacher_params = (teacher.total_params() if teacher is not None else 0) + (
         k.other_teacher_params
     )
@@ -152,7 +150,6 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
         lora_adapters=k.per_rank(a * student.lora_params()),
         teacher_weights=k.per_rank(int(k.teacher_dtype_bytes * _device_teacher_params(teacher, k))),
         model_buffers=student.buffer_bytes(a)
-        + copy_buffers
         + (teacher.buffer_bytes(a) if teacher and not k.teacher_own_device else 0),
         gradients=grads,
         optimizer_states=k.per_rank(states),

@@ -16,8 +16,8 @@ the draw (:func:`kd.rollouts.sampling.sample_next`) is in fp32. A LoRA student's
 adapters unmerged (base and adapters cast alike): the copy is the student's own module tree, so one
 path serves full and LoRA students of both backends, compiled layers stay compiled, each step
 copies only the trainable tensors (the adapters), and it computes the LoRA student's function
-``W x + s B A x`` at the copy's precision. Buffers (RoPE tables) stay as the student's, as in a
-student built in that dtype. Nothing of it is in the resume state: it is rebuilt from the weights.
+``W x + s B A x`` at the copy's precision. Buffers (RoPE tables) are the student's own,
+shared, as in a student built in that dtype. Nothing of it is in the resume state: it is rebuilt from the weights.
 """
 
 from __future__ import annotations
@@ -177,27 +177,46 @@ class LocalSampler:
         self._policy = None
 
 
+# What nn.Module keeps of the hooks registered on an instance (register_forward_(pre_)hook).
+_FORWARD_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` that trains nothing (the async sampler's weights); modules compiled
     in place (``compile: true``) stay compiled, on the copy's own weights (tested)."""
-    return copy.deepcopy(model).requires_grad_(False)
+    return sampling_copy(model, None)
 
 
 def sampling_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """A frozen copy of ``model`` (:func:`frozen_copy`) whose floating-point parameters are in
-    ``dtype`` (None: as they are); buffers stay as they are. Each parameter is cast straight
-    into the copy (no second full-precision copy on the way); tied parameters stay tied."""
-    if dtype is None:
-        return frozen_copy(model)
+    """A frozen copy of ``model`` (the sampler's own weights) whose floating-point parameters are
+    in ``dtype`` (None: as they are). Each parameter is cast straight into the copy (no second
+    full-precision copy on the way); tied parameters stay tied; the buffers (RoPE tables, which
+    nothing writes) are the model's own, shared, in the model's dtype as in a model built in
+    ``dtype``. The forward hooks registered on ``model`` are not the copy's: they serve the
+    training student (a hidden-state teacher's capture, activation offloading, a trace's marks),
+    and a copy's rollout firing them would write into the training step's state."""
     with torch.no_grad():
         memo: dict[int, Any] = {
             id(p): nn.Parameter(
-                p.detach().to(dtype, copy=True) if p.is_floating_point() else p.detach().clone(),
+                p.detach().to(dtype, copy=True)
+                if dtype is not None and p.is_floating_point()
+                else p.detach().clone(),
                 requires_grad=False,
             )
             for p in model.parameters()
         }
-        return copy.deepcopy(model, memo).requires_grad_(False)
+        memo.update({id(b): b for b in model.buffers()})
+        made = copy.deepcopy(model, memo).requires_grad_(False)
+    for module in made.modules():  # the training student's hooks (hidden-state capture...)
+        for hooks in _FORWARD_HOOKS:
+            getattr(module, hooks).clear()
+    return made
 
 
 def update_copy(mine: nn.Module, student: nn.Module) -> None:
