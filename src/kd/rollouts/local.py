@@ -9,15 +9,17 @@ of the student (made at the first :meth:`LocalSampler.after_step`, brought up to
 so the next step's completions can be sampled on a background thread while the student trains.
 
 With ``on_policy.sampling_dtype`` other than the student's ``dtype`` (bf16 for an fp32 student)
-it samples with a copy of the student's weights in that dtype (:func:`sampling_copy`): made
-by the first :meth:`LocalSampler.after_step` (before the first rollout), brought up to date by a cast copy at each :meth:`LocalSampler.after_step`;
-with ``async_steps: 1`` the same copy is the frozen one. Its KV cache and logits are in its dtype;
-the draw (:func:`kd.rollouts.sampling.sample_next`) is in fp32. A LoRA student's copy keeps its
-adapters unmerged (base and adapters cast alike): the copy is the student's own module tree, so one
-path serves full and LoRA students of both backends, compiled layers stay compiled, each step
-copies only the trainable tensors (the adapters), and it computes the LoRA student's function
-``W x + s B A x`` at the copy's precision. Buffers (RoPE tables) are the student's own,
-shared, as in a student built in that dtype. Nothing of it is in the resume state: it is rebuilt from the weights.
+it samples with a copy of the student's weights in that dtype (:func:`sampling_copy`), made by
+the first :meth:`LocalSampler.after_step` (before the first rollout) and brought up to date by a
+cast copy at each later one (:func:`update_copy`); with ``async_steps: 1`` the same copy is the
+frozen one. Its KV cache and logits are in its dtype; the draw
+(:func:`kd.rollouts.sampling.sample_next`) is in fp32. A LoRA student's copy keeps its adapters
+unmerged (base and adapters cast alike): the copy is the student's own module tree, so one path
+serves full and LoRA students of both backends, compiled layers stay compiled, each step copies
+only the trainable tensors (the adapters), and it computes the LoRA student's function
+``W x + s B A x`` at the copy's precision. Buffers (RoPE tables) are the student's own, shared,
+as in a student built in that dtype. Nothing of it is in the resume state: it is rebuilt from
+the weights.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kd.rollouts.decode import fast_rollout
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
-__all__ = ["LocalSampler", "frozen_copy", "sampling_copy"]
+__all__ = ["TORCH_DTYPES", "LocalSampler", "frozen_copy", "sampling_copy", "update_copy"]
 
 # on_policy.sampling_dtype -> torch dtype.
 TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
