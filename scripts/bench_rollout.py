@@ -18,6 +18,20 @@ end-of-turn / end-of-text ids as stop ids:
 - ``kd fast compiled``: the same with the decode step compiled (``compile: true``); its compile
   time is one untimed warm-up call, reported on its own.
 
+With ``--sampling-dtype bf16`` (``on_policy.sampling_dtype: bf16`` on an fp32 student) two more:
+
+- ``generate bf16``: the library's ``generate`` with the model cast to bf16 (``model.to``), its
+  cache in bf16: how much of a gain is the dtype alone;
+- ``kd fast bf16``: ``kd fast`` on the local sampler's own bf16 copy
+  (:func:`kd.rollouts.local.sampling_copy`), as the recipe samples with it; the copy's refresh
+  after each optimizer step (:func:`kd.rollouts.local.update_copy`, a cast copy of the weights)
+  is timed on its own (``copy_refresh_s``).
+
+``--quality`` measures what bf16 changes in the sampled distribution instead: on the pair's
+real rows (scripts/bench_data/python_reference.jsonl as scripts/bench_vs_trl.py turns them into
+chat rows, teacher-forced), the mean per-token KL(fp32 || bf16) of the next-token distribution
+and the share of positions whose greedy (argmax) token agrees.
+
 Tokens counted: completion tokens up to and including each row's first stop (what training
 uses), the same for every method; the completion lengths of each method's last repeat are
 reported beside its rate. Medians over ``--repeats``; the methods alternate within each repeat,
@@ -25,11 +39,16 @@ their order rotating. Float32, ``--threads`` threads.
 
     python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --batch 8,16 \
         --new-tokens 128,256 --doc
+    python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --batch 16 --new-tokens 128 \
+        --sampling-dtype bf16 --methods "generate,kd fast" --json /tmp/bf16.json
+    python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --quality --rows 64 \
+        --json /tmp/bf16_quality.json
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -47,6 +66,7 @@ sys.path.insert(0, str(REPO / "src"))
 from kd import models  # noqa: E402
 from kd.rollouts.base import Prompts  # noqa: E402
 from kd.rollouts.decode import fast_rollout  # noqa: E402
+from kd.rollouts.local import TORCH_DTYPES, sampling_copy, update_copy  # noqa: E402
 from kd.rollouts.sampling import rollout, row_generators  # noqa: E402
 from kd.testing import smollm2_folder  # noqa: E402
 
@@ -147,12 +167,20 @@ def kd_methods(model, prompts, stops, args, pad):
         done = fast_rollout(model, prompts, generators=gens(), compile=True, **common)
         return done.lengths.tolist()
 
-    return {
+    methods = {
         "kd per micro-batch": per_micro,
         "kd rollout": slow,
         "kd fast": fast,
         "kd fast compiled": compiled,
     }
+    if args.sampling_dtype:
+        copied = sampling_copy(model, TORCH_DTYPES[args.sampling_dtype])
+
+        def fast_copy():
+            return fast_rollout(copied, prompts, generators=gens(), **common).lengths.tolist()
+
+        methods[f"kd fast {args.sampling_dtype}"] = fast_copy
+    return methods
 
 
 def _rows(prompts: Prompts, sel: list[int]) -> Prompts:
@@ -176,7 +204,7 @@ def hf_methods(model, tok, args):
     prompts, stops = make_prompts(tok, args.batch)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def generate(static: bool):
+    def generate(static: bool, model=model):
         def run():
             models.set_hidden_output(model, False)
             extra = {"cache_implementation": "static"} if static else {}
@@ -202,6 +230,9 @@ def hf_methods(model, tok, args):
         return run
 
     methods = {"generate": generate(False), "generate static": generate(True)}
+    if args.sampling_dtype:  # the model cast, as a user of generate would
+        cast = copy.deepcopy(model).to(TORCH_DTYPES[args.sampling_dtype])
+        methods[f"generate {args.sampling_dtype}"] = generate(False, cast)
     return {**methods, **kd_methods(model, prompts, stops, args, pad)}
 
 
@@ -248,7 +279,7 @@ def tt_methods(model, tok, args):
     prompts, stops = make_prompts(tok, args.batch)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def generate():
+    def generate(model=model, dtype=torch.float32):
         if args.temperature == 0:
             sys.exit("torchtune's generate divides by the temperature: use --temperature > 0")
         models.set_hidden_output(model, False)
@@ -257,7 +288,7 @@ def tt_methods(model, tok, args):
                 model,
                 batch_size=args.batch,
                 device=torch.device("cpu"),
-                dtype=torch.float32,
+                dtype=dtype,
                 decoder_max_seq_len=prompts.tokens.shape[1] + args.new_tokens,
             ):
                 out, _ = tt_generate(
@@ -274,7 +305,67 @@ def tt_methods(model, tok, args):
             models.set_hidden_output(model, True)
         return row_lengths(out[:, prompts.tokens.shape[1] :], stops)
 
-    return {"generate": generate, **kd_methods(model, prompts, stops, args, pad)}
+    methods = {"generate": generate}
+    if args.sampling_dtype:
+        dtype = TORCH_DTYPES[args.sampling_dtype]
+        cast = copy.deepcopy(model).to(dtype)
+        methods[f"generate {args.sampling_dtype}"] = lambda: generate(cast, dtype)
+    return {**methods, **kd_methods(model, prompts, stops, args, pad)}
+
+
+def refresh_seconds(model, dtype: str, repeats: int = 3) -> float:
+    """Median seconds of the sampling copy's refresh after an optimizer step (a cast copy of
+    every trainable weight: :func:`kd.rollouts.local.update_copy`)."""
+    copied = sampling_copy(model, TORCH_DTYPES[dtype])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        update_copy(copied, model)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def quality(folder: Path, args: argparse.Namespace) -> dict:
+    """What sampling in ``args.sampling_dtype`` changes: per answer position of the pair's real
+    chat rows (teacher-forced, one row at a time), KL(fp32 || copy) of the next-token
+    distribution (temperature 1, the whole vocabulary) and whether the greedy tokens agree."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_vs_trl import _reference_rows
+
+    model, tok = hf_model(folder)
+    copied = sampling_copy(model, TORCH_DTYPES[args.sampling_dtype or "bf16"])
+    for m in (model, copied):
+        models.set_hidden_output(m, False)
+    kls: list[float] = []
+    agree = positions = 0
+    with torch.no_grad():
+        for row in _reference_rows(args.rows):
+            prompt = tok.encode(
+                tok.apply_chat_template(
+                    row["messages"][:1], add_generation_prompt=True, tokenize=False
+                ),
+                add_special_tokens=False,
+            )
+            text = tok.apply_chat_template(row["messages"], tokenize=False)
+            ids = torch.tensor([tok.encode(text, add_special_tokens=False)[: args.max_len]])
+            start = len(prompt) - 1  # the logits that predict the answer's tokens
+            if ids.shape[1] <= start + 1:
+                continue
+            full = model(input_ids=ids).logits[0, start:-1].double().log_softmax(-1)
+            low = copied(input_ids=ids).logits[0, start:-1].double().log_softmax(-1)
+            kls += (full.exp() * (full - low)).sum(-1).tolist()
+            agree += int((full.argmax(-1) == low.argmax(-1)).sum())
+            positions += full.shape[0]
+    return {
+        "rows": args.rows,
+        "max_len": args.max_len,
+        "positions": positions,
+        "dtype": args.sampling_dtype or "bf16",
+        "mean_kl": statistics.fmean(kls),
+        "median_kl": statistics.median(kls),
+        "max_kl": max(kls),
+        "greedy_agree": agree / positions,
+    }
 
 
 def measure(methods: dict, repeats: int) -> dict[str, dict]:
@@ -339,6 +430,19 @@ def main(argv: list[str] | None = None) -> int:
         help="of: generate, generate static, kd per micro-batch, kd rollout, kd fast, "
         "kd fast compiled",
     )
+    p.add_argument(
+        "--sampling-dtype",
+        choices=["bf16"],
+        help="add 'generate bf16' (the model cast) and 'kd fast bf16' (the sampler's bf16 copy "
+        "of the fp32 model, on_policy.sampling_dtype) to the methods",
+    )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="instead of rates: KL(fp32 || bf16) and greedy agreement on the pair's real rows",
+    )
+    p.add_argument("--rows", type=int, default=64, help="--quality: chat rows")
+    p.add_argument("--max-len", type=int, default=256, help="--quality: tokens per row at most")
     p.add_argument("--doc", action="store_true", help="write docs/benchmarks_rollout.md's table")
     p.add_argument("--json", type=Path, default=REPO / "scripts/bench_data/bench_rollout.json")
     p.add_argument(
@@ -353,13 +457,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     folder = student_folder(args.work, args.model)
+    if args.quality:
+        result = quality(folder, args)
+        result.update(model=args.model, threads=args.threads, torch=torch.__version__)
+        print(json.dumps(result, indent=1), flush=True)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     wanted = [m.strip() for m in args.methods.split(",")]
+    if args.sampling_dtype:
+        wanted += [f"generate {args.sampling_dtype}", f"kd fast {args.sampling_dtype}"]
+    refresh: dict[str, float] = {}
     load = [os.getloadavg()[0]]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     table = []
     for backend in args.backends.split(","):
         model, tok = (hf_model if backend == "transformers" else tt_model)(folder)
         build = hf_methods if backend == "transformers" else tt_methods
+        if args.sampling_dtype:
+            refresh[backend] = refresh_seconds(model, args.sampling_dtype)
         for batch in [int(b) for b in args.batch.split(",")]:
             for new in [int(n) for n in args.new_tokens.split(",")]:
                 run = argparse.Namespace(**{**vars(args), "batch": batch, "new_tokens": new})
@@ -390,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "torch": torch.__version__,
+        "sampling_dtype": args.sampling_dtype,
+        "copy_refresh_s": refresh,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"info": info, "table": table}, indent=1) + "\n")
@@ -419,6 +537,19 @@ def _doc_table(table: list[dict], info: dict) -> list[str]:
         f"{info['repeats']} repeats; load average {info['load_start']:.1f} at the start and "
         f"{info['load_end']:.1f} at the end (a load above the CPUs means other jobs shared "
         "them: compare the ratios, which come from interleaved runs, more than the rates).",
+        *(
+            [
+                "",
+                f"The `{info['sampling_dtype']}` rows sample in {info['sampling_dtype']}: `generate "
+                f"{info['sampling_dtype']}` with the fp32 model cast, `kd fast "
+                f"{info['sampling_dtype']}` with the local sampler's copy "
+                "(`on_policy.sampling_dtype`); refreshing that copy after an optimizer step took "
+                + ", ".join(f"{v:.3f} s ({k})" for k, v in info["copy_refresh_s"].items())
+                + ".",
+            ]
+            if info.get("sampling_dtype")
+            else []
+        ),
         "",
         "| model | backend | batch | max new | method | tokens/s | vs generate | completion lengths "
         "(min / median / max, rows stopped) | compile s |",

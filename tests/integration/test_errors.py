@@ -1186,6 +1186,25 @@ def async_sampler_under_torchrun(assets, tmp, cfg):
     return _validate("--world-size", "2"), "on_policy.async_steps"
 
 
+def sampling_dtype_under_torchrun(assets, tmp, cfg):
+    """`on_policy.sampling_dtype: bf16` on an fp32 student, `--world-size 2`"""
+    cfg["on_policy"] = {"lmbda": 1.0, "max_new_tokens": 4, "sampling_dtype": "bf16"}
+    return _validate("--world-size", "2"), "on_policy.sampling_dtype keeps a whole copy"
+
+
+def sampling_dtype_with_served_sampler(assets, tmp, cfg):
+    """`on_policy.sampling_dtype: bf16` with `on_policy.sampler: served`"""
+    cfg["on_policy"] = {
+        "lmbda": 1.0,
+        "max_new_tokens": 4,
+        "sampler": "served",
+        "server_url": "http://127.0.0.1:9",
+        "server_model": "m",
+        "sampling_dtype": "bf16",
+    }
+    return _validate(), "on_policy.sampling_dtype: applies to the local sampler"
+
+
 def served_sampler_unreachable(assets, tmp, cfg):
     """`on_policy.sampler: served`, nothing listening at `server_url`"""
     cfg["on_policy"] = {
@@ -1441,6 +1460,8 @@ CASES: list[Case] = [
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,
     keep_best_teacher_metric_with_kd_ratio_0,
+    sampling_dtype_under_torchrun,
+    sampling_dtype_with_served_sampler,
 ]
 
 

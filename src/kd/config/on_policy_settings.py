@@ -13,6 +13,8 @@ from kd.config.declare import MAY_CHANGE, MUST_MATCH, optional_base_url, setting
 
 # What may sample the student's on-policy completions (on_policy.sampler; kd.rollouts).
 SAMPLERS: tuple[str, ...] = ("local", "served")
+# What the local sampler may sample in (on_policy.sampling_dtype; null = the student's dtype).
+SAMPLING_DTYPES: tuple[str, ...] = ("bf16", "fp32")
 
 
 @settings
@@ -93,6 +95,15 @@ class OnPolicySettings:
         "optimizer step stale); 0: sampled at the start of their own step",
         min=0,
         max=1,
+        resume=MAY_CHANGE,
+    )
+    sampling_dtype: str | None = setting(
+        "on_policy.sampling_dtype",
+        None,
+        "local sampler: the dtype it samples in: null = the student's (dtype); bf16 on an fp32 "
+        "student keeps a bf16 copy of its weights (updated after each step; KV cache and logits "
+        "in bf16, the draw in fp32): faster decoding, slightly other probabilities",
+        choices=SAMPLING_DTYPES,
         resume=MAY_CHANGE,
     )
     # The served sampler (sampler: served; kd.rollouts.served, docs/served_sampler.md).

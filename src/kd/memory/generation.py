@@ -6,11 +6,15 @@ buffers). Derivation and trace check: ``docs/memory_accuracy.md``. Pure arithmet
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from kd.config.on_policy_settings import OnPolicySettings
 from kd.memory import hf_terms
 from kd.memory.activations import mlp_nograd_bytes
 from kd.memory.knobs import GenerationKnobs, TrainKnobs
 from kd.memory.shapes import ModelShape
 from kd.memory.training_step import Components, between_steps
+from kd.rollouts import plan as rollout_plan
 
 # kd.rollouts.sampling.rollout's own tensors besides the model's: the prompts (int64 ids, bool mask, int64
 # lengths), the [b, P + N] bool mask, the [b, N] int64 completions and the per-row state; the
@@ -237,10 +241,55 @@ def generation_phase(
         held = 0  # the student's root, gathered by its rollout of an earlier micro-batch
         if name == "teacher" and k.num_ranks > 1 and k.grad_accum > 1 and "student" in g.models:
             held = fsdp_gathered(student, k.dtype_bytes, HEAD)
-        for where, rollout in rollout_candidates(shape, k):
+        sampling = k
+        if name == "student" and g.copy_dtype_bytes is not None:
+            # The sampler's copy in on_policy.sampling_dtype: its cache, activations and logits.
+            sampling = replace(k, dtype_bytes=g.copy_dtype_bytes)
+        for where, rollout in rollout_candidates(shape, sampling):
             in_flight = held + fsdp_gathered(shape, per_param, where) if k.num_ranks > 1 else 0
             phase = between_steps(resident, in_flight=in_flight, buffers=model_buffers + batches)
             for comp, val in rollout.items():
                 phase[comp] = phase.get(comp, 0) + val
             phases.append(phase)
     return max(phases, key=lambda d: sum(d.values()), default={})
+
+
+def generation_knobs(
+    settings: OnPolicySettings | None,
+    *,
+    teacher: bool,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    dtype: str = "bf16",
+) -> GenerationKnobs | None:
+    """What samples on the training device at the start of a step (``on_policy:``): the student
+    when ``lmbda`` > 0 and its sampler runs here (:mod:`kd.rollouts.plan`: not a served one), the
+    teacher when ``seq_kd`` (and ``lmbda`` < 1: the coin then sometimes comes out false); None
+    when nothing samples here.
+
+    Args:
+        settings: the run's ``on_policy`` settings (None: no on-policy distillation).
+        teacher: the run has a teacher model.
+        batch_size: rows per micro-batch.
+        grad_accum: micro-batches per optimizer step (``batch_rollouts`` samples them together).
+        dtype: the student's ``dtype`` (``on_policy.sampling_dtype`` may sample in another).
+    """
+    if settings is None:
+        return None
+    models = []
+    if settings.lmbda > 0 and rollout_plan.samples_on_device(settings):
+        models.append("student")
+    if settings.seq_kd and settings.lmbda < 1 and teacher:
+        models.append("teacher")
+    if not models:
+        return None
+    rows = rollout_plan.rollout_rows(settings, batch_size=batch_size, grad_accum=grad_accum)
+    return GenerationKnobs(
+        new_tokens=settings.max_new_tokens,
+        models=tuple(models),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        rows=rows if rows != batch_size else None,
+        student_copy=rollout_plan.student_copy(settings, dtype=dtype),
+        copy_dtype_bytes=rollout_plan.copy_dtype_bytes(settings, dtype=dtype),
+    )

@@ -46,7 +46,11 @@ class GenerationKnobs:
         rows: prompts the student samples together (:func:`kd.rollouts.plan.rollout_rows`);
             None: ``TrainKnobs.batch_size``.
         student_copy: the sampler keeps a frozen copy of the student's weights on the device
-            (``on_policy.async_steps: 1``; :func:`kd.rollouts.plan.student_copy`).
+            (``on_policy.async_steps: 1``, or ``on_policy.sampling_dtype`` other than the
+            student's; :func:`kd.rollouts.plan.student_copy`).
+        copy_dtype_bytes: bytes per value of that copy, of its KV cache and of its logits when
+            they are not the student's (``on_policy.sampling_dtype``: 2 for bf16, 4 for fp32);
+            None: the student's ``TrainKnobs.dtype_bytes``.
     """
 
     new_tokens: int
@@ -55,6 +59,7 @@ class GenerationKnobs:
     top_p: float = 1.0
     rows: int | None = None
     student_copy: bool = False
+    copy_dtype_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from kd import folders
 from kd.config import teacher_kinds as kinds
-from kd.config.on_policy_settings import OnPolicySettings
 from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
 from kd.errors import KDUserError, brief
 from kd.memory import eval_phase
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
+from kd.memory.generation import generation_knobs
 from kd.memory.hf_config import shape_of_folder
-from kd.memory.knobs import GenerationKnobs, OptimizerSpec, TrainKnobs
+from kd.memory.knobs import OptimizerSpec, TrainKnobs
 from kd.memory.offload import PCIE_GB_PER_S
 from kd.memory.shapes import (
     LoraSpec,
@@ -33,7 +33,6 @@ from kd.memory.shapes import (
     int8_teacher_bytes_per_param,
     shape_from_component,
 )
-from kd.rollouts import plan as rollout_plan
 
 PHASE_LABELS = {
     "generation": "generation",
@@ -432,40 +431,6 @@ def optimizer_spec(run: RunConfig) -> OptimizerSpec:
     )
 
 
-def generation_knobs(
-    settings: OnPolicySettings | None, *, teacher: bool, batch_size: int = 1, grad_accum: int = 1
-) -> GenerationKnobs | None:
-    """What samples on the training device at the start of a step (``on_policy:``): the student
-    when ``lmbda`` > 0 and its sampler runs here (:mod:`kd.rollouts.plan`: not a served one), the
-    teacher when ``seq_kd`` (and ``lmbda`` < 1: the coin then sometimes comes out false); None
-    when nothing samples here.
-
-    Args:
-        settings: the run's ``on_policy`` settings (None: no on-policy distillation).
-        teacher: the run has a teacher model.
-        batch_size: rows per micro-batch.
-        grad_accum: micro-batches per optimizer step (``batch_rollouts`` samples them together).
-    """
-    if settings is None:
-        return None
-    models = []
-    if settings.lmbda > 0 and rollout_plan.samples_on_device(settings):
-        models.append("student")
-    if settings.seq_kd and settings.lmbda < 1 and teacher:
-        models.append("teacher")
-    if not models:
-        return None
-    rows = rollout_plan.rollout_rows(settings, batch_size=batch_size, grad_accum=grad_accum)
-    return GenerationKnobs(
-        new_tokens=settings.max_new_tokens,
-        models=tuple(models),
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        rows=rows if rows != batch_size else None,
-        student_copy=rollout_plan.student_copy(settings),
-    )
-
-
 def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "") -> PlanInputs:
     """Typed planner inputs of a run.
 
@@ -507,6 +472,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
             teacher=tp.teacher is not None and tp.teacher_samples,
             batch_size=run.batch_size,
             grad_accum=run.optimizer.grad_accum,
+            dtype=run.dtype,
         ),
         teacher_bytes_per_param=tp.bytes_per_param,
         self_teacher_copy=tp.self_copy,

@@ -125,8 +125,9 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
     qbase = student.quantizable_params()
     student_w = int((student.base_params() - qbase) * a + qbase * NF4_BYTES_PER_PARAM)
     if k.generation is not None and k.generation.student_copy:
-        # The local sampler's frozen copy (on_policy.async_steps: 1): base and adapters.
-        student_w += int(student.total_params() * a)
+        # The local sampler's copy (on_policy.async_steps: 1, or on_policy.sampling_dtype): base
+        # and adapters in its dtype (its buffers are the student's).
+        student_w += int(student.total_params() * (k.generation.copy_dtype_bytes or a))
     teacher_params = (teacher.total_params() if teacher is not None else 0) + (
         k.other_teacher_params
     )

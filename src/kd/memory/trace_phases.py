@@ -193,8 +193,27 @@ class _Rollout(nn.Module):
         return sampling.rollout(self.models[0], prompts, **kwargs)
 
 
+def sampler_copy(step: FakeStep) -> nn.Module | None:
+    """The local sampler's copy of the student (:func:`kd.rollouts.local.sampling_copy`), made
+    as the run makes it before its first rollout, so every phase holds it: the frozen copy of
+    ``async_steps: 1`` and / or the copy in ``on_policy.sampling_dtype``; None when the sampler
+    keeps none (or on several ranks, where the recipe refuses one)."""
+    g = step.knobs.generation
+    if g is None or not g.student_copy or step.knobs.world_size > 1:
+        return None
+    from kd.rollouts.local import TORCH_DTYPES, sampling_copy
+    from kd.rollouts.plan import DTYPE_BYTES
+
+    names = [n for n, size in DTYPE_BYTES.items() if size == g.copy_dtype_bytes]
+    return sampling_copy(step.student, TORCH_DTYPES[names[0]] if names else None)
+
+
 def trace_generation(
-    mt: Any, step: FakeStep, *, generation: GenerationKnobs
+    mt: Any,
+    step: FakeStep,
+    *,
+    generation: GenerationKnobs,
+    student_copy: nn.Module | None = None,
 ) -> dict[str, dict[str, int]]:
     """On-policy sampling as the recipe runs it at the start of a step, inside tracker ``mt``.
 
@@ -216,6 +235,8 @@ def trace_generation(
         mt: the tracker, entered, holding the step's models and optimizer.
         step: the traced step (:func:`kd.memory.fake_step.build_fake_step`).
         generation: what samples, how many rows and tokens.
+        student_copy: what samples for the student when the sampler keeps a copy of it
+            (:func:`sampler_copy`); None: the student.
 
     Returns:
         ``{model}_generation`` -> tracker category -> bytes at that model's sampling peak.
@@ -233,6 +254,8 @@ def trace_generation(
     with torch.no_grad(), fake_friendly_kv_cache():
         for name in g.models:
             model = step.student if name == "student" else step.teacher
+            if name == "student" and student_copy is not None:
+                model = student_copy
             if model is None:
                 raise ValueError(f"trace_generation: no {name} model to sample with")
             if name == "teacher" and step.knobs.grad_accum == 1:
@@ -324,7 +347,9 @@ class _PhaseRecorder:
         )
 
 
-def _after_the_step(rec: _PhaseRecorder, step: FakeStep, run: RunConfig) -> None:
+def _after_the_step(
+    rec: _PhaseRecorder, step: FakeStep, run: RunConfig, student_copy: nn.Module | None
+) -> None:
     """Between steps: on-policy sampling as at the start of the next step, then one validation
     batch, each when the run has it."""
     if step.knobs.generation is not None:
@@ -332,7 +357,9 @@ def _after_the_step(rec: _PhaseRecorder, step: FakeStep, run: RunConfig) -> None
             # A step samples all its micro-batches before the first micro-step asks the store or
             # the server: no top-k tensors exist during the rollouts.
             step.teacher_topk = step.signal_teacher = None
-        sampled = trace_generation(rec.mt, step, generation=step.knobs.generation)
+        sampled = trace_generation(
+            rec.mt, step, generation=step.knobs.generation, student_copy=student_copy
+        )
         rec.subphases.update(sampled)
         rec.phases["generation"] = max(sampled.values(), key=lambda d: d.get("Total", 0))
     if step.knobs.eval_batch is not None:
@@ -371,6 +398,7 @@ def trace_step_phases(
         hooks.append(step.teacher.register_forward_hook(rec.after_forward("teacher")))
     try:
         with mt:
+            copy = sampler_copy(step)  # made before the first step, kept throughout
             take_phase_peak(mt)
             with split_at_backward(rec.start_backward, rec.end_backward):
                 train.micro_step(
@@ -397,7 +425,7 @@ def trace_step_phases(
             rec.phases["optimizer_step"] = take_phase_peak(mt)
             if step.optimizer is not None:
                 step.optimizer.zero_grad(set_to_none=True)
-            _after_the_step(rec, step, run)
+            _after_the_step(rec, step, run, copy)
     finally:
         for h in hooks:
             h.remove()

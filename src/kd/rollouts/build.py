@@ -18,9 +18,15 @@ __all__ = ["SAMPLER_BUILDERS", "sampler_for"]
 
 def _local(run: RunConfig, **kw: Any) -> Sampler:
     from kd.rollouts.local import LocalSampler
+    from kd.rollouts.plan import copy_dtype
 
     assert run.on_policy is not None
-    return LocalSampler(run.on_policy, compile=run.compile, **kw)
+    return LocalSampler(
+        run.on_policy,
+        compile=run.compile,
+        copy_dtype=copy_dtype(run.on_policy, dtype=run.dtype),
+        **kw,
+    )
 
 
 def _served(run: RunConfig, *, student: Any, student_vocab: int | None, **kw: Any) -> Sampler:

@@ -7,6 +7,19 @@ switched on. With ``on_policy.batch_rollouts`` (on one device) it runs
 finished rows leaving the batch. With ``on_policy.async_steps: 1`` it samples with a frozen copy
 of the student (made at the first :meth:`LocalSampler.after_step`, brought up to date at each),
 so the next step's completions can be sampled on a background thread while the student trains.
+
+With ``on_policy.sampling_dtype`` other than the student's ``dtype`` (bf16 for an fp32 student)
+it samples with a copy of the student's weights in that dtype (:func:`sampling_copy`), made by
+the first :meth:`LocalSampler.after_step` (before the first rollout) and brought up to date by a
+cast copy at each later one (:func:`update_copy`); with ``async_steps: 1`` the same copy is the
+frozen one. Its KV cache and logits are in its dtype; the draw
+(:func:`kd.rollouts.sampling.sample_next`) is in fp32. A LoRA student's copy keeps its adapters
+unmerged (base and adapters cast alike): the copy is the student's own module tree, so one path
+serves full and LoRA students of both backends, compiled layers stay compiled, each step copies
+only the trainable tensors (the adapters), and it computes the LoRA student's function
+``W x + s B A x`` at the copy's precision. Buffers (RoPE tables) are the student's own, shared,
+as in a student built in that dtype. Nothing of it is in the resume state: it is rebuilt from
+the weights.
 """
 
 from __future__ import annotations
@@ -28,7 +41,10 @@ from kd.rollouts.decode import fast_rollout
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
-__all__ = ["LocalSampler"]
+__all__ = ["TORCH_DTYPES", "LocalSampler", "frozen_copy", "sampling_copy", "update_copy"]
+
+# on_policy.sampling_dtype -> torch dtype.
+TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class LocalSampler:
@@ -43,6 +59,8 @@ class LocalSampler:
         device: the training device.
         output_dir: the run's folder (unused: nothing is written).
         compile: ``compile: true`` (the decoding step is compiled with ``batch_rollouts``).
+        copy_dtype: the dtype of the sampling copy (``on_policy.sampling_dtype`` when it is not
+            the student's ``dtype``: :func:`kd.rollouts.plan.copy_dtype`); None: the student's.
     """
 
     kind = "local"
@@ -58,6 +76,7 @@ class LocalSampler:
         device: torch.device,
         output_dir: Path | None = None,
         compile: bool = False,
+        copy_dtype: str | None = None,
     ):
         from kd.data import pad_id_of
 
@@ -70,7 +89,9 @@ class LocalSampler:
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
-        self._policy: nn.Module | None = None  # the frozen copy (async_steps: 1)
+        self.copy_dtype = TORCH_DTYPES[copy_dtype] if copy_dtype is not None else None
+        # The frozen copy (async_steps: 1) and / or the copy in copy_dtype (sampling_dtype).
+        self._policy: nn.Module | None = None
 
     def check(self) -> None:
         """The settings this sampler cannot honour on this job."""
@@ -78,6 +99,11 @@ class LocalSampler:
             raise KDUserError(
                 "on_policy.async_steps: 1 samples from a background thread on one device; under "
                 "torchrun set on_policy.async_steps=0"
+            )
+        if self.copy_dtype is not None and self.world.distributed:
+            raise KDUserError(
+                "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
+                "kd does not shard; under torchrun set on_policy.sampling_dtype=null"
             )
 
     def sample(
@@ -131,18 +157,14 @@ class LocalSampler:
         return replace(done, version=self.version)
 
     def after_step(self, student: nn.Module, step: int) -> None:
-        """The weights are step ``step``'s now: the student samples itself, or (``async_steps``)
-        its frozen copy is made or takes the student's new weights (no sampling is in flight:
-        the on-policy component waited for it)."""
-        if self.settings.async_steps > 0:
-            with torch.no_grad():
-                if self._policy is None:
-                    self._policy = frozen_copy(student)
-                else:
-                    for mine, theirs in zip(
-                        self._policy.parameters(), student.parameters(), strict=True
-                    ):
-                        mine.copy_(theirs)
+        """The weights are step ``step``'s now: the student samples itself, or (``async_steps``,
+        ``sampling_dtype``) its copy is made or takes the student's new weights, cast to the
+        copy's dtype (no sampling is in flight: the on-policy component waited for it)."""
+        if self._policy is not None:
+            update_copy(self._policy, student)
+        elif self.settings.async_steps > 0 or self.copy_dtype is not None:
+            # The first call (OnPolicyBatches.start, before the first rollout): made here.
+            self._policy = sampling_copy(student, self.copy_dtype)
         self.version = step
 
     def state_dict(self) -> dict[str, Any]:
@@ -157,7 +179,52 @@ class LocalSampler:
         self._policy = None
 
 
+# What nn.Module keeps of the hooks registered on an instance (register_forward_(pre_)hook).
+_FORWARD_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` that trains nothing (the async sampler's weights); modules compiled
     in place (``compile: true``) stay compiled, on the copy's own weights (tested)."""
-    return copy.deepcopy(model).requires_grad_(False)
+    return sampling_copy(model, None)
+
+
+def sampling_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """A frozen copy of ``model`` (the sampler's own weights) whose floating-point parameters are
+    in ``dtype`` (None: as they are). Each parameter is cast straight into the copy (no second
+    full-precision copy on the way); tied parameters stay tied; the buffers (RoPE tables, which
+    nothing writes) are the model's own, shared, in the model's dtype as in a model built in
+    ``dtype``. The forward hooks registered on ``model`` are not the copy's: they serve the
+    training student (a hidden-state teacher's capture, activation offloading, a trace's marks),
+    and a copy's rollout firing them would write into the training step's state."""
+    with torch.no_grad():
+        memo: dict[int, Any] = {
+            id(p): nn.Parameter(
+                p.detach().to(dtype, copy=True)
+                if dtype is not None and p.is_floating_point()
+                else p.detach().clone(),
+                requires_grad=False,
+            )
+            for p in model.parameters()
+        }
+        memo.update({id(b): b for b in model.buffers()})
+        made = copy.deepcopy(model, memo).requires_grad_(False)
+    for module in made.modules():  # the training student's hooks (hidden-state capture...)
+        for hooks in _FORWARD_HOOKS:
+            getattr(module, hooks).clear()
+    return made
+
+
+def update_copy(mine: nn.Module, student: nn.Module) -> None:
+    """``mine`` (:func:`sampling_copy`) takes the student's trainable weights, cast to its dtype
+    (the frozen ones have not changed since the copy was made)."""
+    with torch.no_grad():
+        for own, theirs in zip(mine.parameters(), student.parameters(), strict=True):
+            if theirs.requires_grad:
+                own.copy_(theirs)

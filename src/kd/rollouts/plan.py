@@ -6,7 +6,9 @@ kind itself, what samples on the training device at the start of a step:
 - ``local``: the student samples there, with a KV cache over ``tokenizer.max_seq_len``
   positions for the rows of one generation (a micro-batch's, or with ``on_policy.batch_rollouts``
   the step's or ``on_policy.rollout_batch_size``'s), and with ``on_policy.async_steps: 1`` it
-  keeps a frozen copy of the student's weights to sample from while the student trains.
+  keeps a frozen copy of the student's weights to sample from while the student trains; with
+  ``on_policy.sampling_dtype`` other than the student's ``dtype`` that copy (one copy, async or
+  not) is in the sampling dtype, and so are its KV cache and logits.
 - ``served``: the server samples; nothing on the training device (no KV cache, no copy).
 
 The teacher's samples (``on_policy.seq_kd``) are always local: the teacher model samples them.
@@ -16,10 +18,20 @@ from __future__ import annotations
 
 from kd.config.on_policy_settings import OnPolicySettings
 
-__all__ = ["ON_DEVICE", "rollout_rows", "samples_on_device", "student_copy"]
+__all__ = [
+    "DTYPE_BYTES",
+    "ON_DEVICE",
+    "copy_dtype",
+    "copy_dtype_bytes",
+    "rollout_rows",
+    "samples_on_device",
+    "student_copy",
+]
 
 # Whether a sampler of each kind (on_policy.sampler) runs the student on the training device.
 ON_DEVICE: dict[str, bool] = {"local": True, "served": False}
+# Bytes per value of each sampling dtype (on_policy.sampling_dtype).
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp32": 4}
 
 
 def samples_on_device(settings: OnPolicySettings) -> bool:
@@ -38,7 +50,26 @@ def rollout_rows(settings: OnPolicySettings, *, batch_size: int, grad_accum: int
     return rows
 
 
-def student_copy(settings: OnPolicySettings) -> bool:
-    """Whether the local sampler keeps a frozen copy of the student's weights on the device (it
-    samples the next step with it while the student trains: ``async_steps: 1``)."""
-    return samples_on_device(settings) and settings.async_steps > 0
+def copy_dtype(settings: OnPolicySettings, *, dtype: str) -> str | None:
+    """The dtype the local sampler's own copy of the student is in when it is not the student's
+    ``dtype`` (``on_policy.sampling_dtype``), else None (it samples in the student's dtype)."""
+    wanted = settings.sampling_dtype
+    if not samples_on_device(settings) or wanted is None or wanted == dtype:
+        return None
+    return wanted
+
+
+def copy_dtype_bytes(settings: OnPolicySettings, *, dtype: str) -> int | None:
+    """Bytes per value of the sampler's copy when its dtype is not the student's
+    (:func:`copy_dtype`), else None."""
+    other = copy_dtype(settings, dtype=dtype)
+    return None if other is None else DTYPE_BYTES[other]
+
+
+def student_copy(settings: OnPolicySettings, *, dtype: str) -> bool:
+    """Whether the local sampler keeps a frozen copy of the student's weights on the device: it
+    samples the next step with it while the student trains (``async_steps: 1``), or it samples
+    in another dtype than the student's (:func:`copy_dtype`); one copy serves both."""
+    return samples_on_device(settings) and (
+        settings.async_steps > 0 or copy_dtype(settings, dtype=dtype) is not None
+    )

@@ -363,3 +363,61 @@ def test_validate_plans_the_generation(assets, tmp_path, capsys):
     assert main(["validate", "--config", path, "--budget-gib", "0.000001"]) == 2
     assert capsys.readouterr().err.startswith("kd: error: memory:")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "backend,lora,extra",
+    [
+        ("torchtune", False, {"sampling_dtype": "bf16"}),
+        ("torchtune", True, {"sampling_dtype": "bf16", "async_steps": 1}),
+        ("torchtune", False, {"async_steps": 1}),
+        ("transformers", False, {"sampling_dtype": "bf16"}),
+        ("transformers", True, {"sampling_dtype": "bf16"}),
+    ],
+    ids=["tt-bf16", "tt-lora-bf16-async", "tt-async", "hf-bf16", "hf-lora-bf16"],
+)
+def test_sampling_copy_trace_matches_estimate(tiny_dirs, backend, lora, extra):  # noqa: F811
+    """An fp32 student sampling through the local sampler's copy (``on_policy.sampling_dtype:
+    bf16``: the copy's parameters at 2 bytes, its KV cache, activations and logits in bf16; the
+    frozen copy of ``async_steps: 1`` at 4 bytes): the trace makes the copy as the run does,
+    before the first step, and samples with it. The generation phase is within 0.2% of the
+    trace, and in every phase the plan adds what the trace adds over the same run without the
+    copy (within 0.2% of the phase)."""
+    from kd.config.run import run_config
+    from kd.memory.plan import inputs_from_run
+    from kd.memory.trace import trace_run
+
+    on_policy = {"max_new_tokens": 16, "top_p": 0.9}
+    if backend == "torchtune":
+        student = dict(TINY_STUDENT, **TT_LORA) if lora else TINY_STUDENT
+        runs = [_run(_tt_cfg(student, {**on_policy, **e}, dtype="fp32")) for e in (extra, {})]
+    else:
+        over: dict = {"dtype": "fp32"}
+        if lora:
+            over["model"] = dict(LORA, path=str(tiny_dirs["qwen3"]))
+        runs = [
+            run_config(
+                _hf_cfg(
+                    tiny_dirs["qwen3"], tiny_dirs["llama"], on_policy={**on_policy, **e}, **over
+                )
+            )
+            for e in (extra, {})
+        ]
+    planned, traced = [], []
+    for run in runs:
+        inputs = inputs_from_run(run)
+        knobs = replace(inputs.knobs, select_labelled=False)
+        planned.append(estimate(inputs.student, inputs.teacher, knobs))
+        traced.append(trace_run(run).phase_peaks)
+    g = inputs_from_run(runs[0]).knobs.generation
+    assert g is not None and g.student_copy
+    assert g.copy_dtype_bytes == (2 if "sampling_dtype" in extra else None)
+    (est, plain), (trace, base) = planned, traced
+    assert est.allocated(GEN_PHASE) == pytest.approx(trace[GEN_PHASE], rel=0.002)
+    for phase in (GEN_PHASE, *PHASES):
+        added = est.allocated(phase) - plain.allocated(phase)
+        assert added > 0, phase
+        assert added == pytest.approx(trace[phase] - base[phase], abs=0.002 * trace[phase]), phase
+    if "sampling_dtype" in extra:  # the copy's keys and values in bf16 (int64 positions beside)
+        kv = est.phases[GEN_PHASE]["kv_cache"], plain.phases[GEN_PHASE]["kv_cache"]
+        assert kv[0] < 0.55 * kv[1]

@@ -39,6 +39,51 @@ def test_plan_counts_what_the_sampler_holds():
     assert GEN_PHASE not in served
 
 
+def test_plan_counts_the_sampling_copy():
+    """sampling_dtype: bf16 on an fp32 student adds a bf16 copy of its weights to every phase (half
+    of what the fp32 async copy adds) and plans the rollout's KV cache in bf16; on a bf16 student
+    it is a no-op, and with async_steps: 1 the one copy is the bf16 one."""
+    base = ["on_policy.lmbda=1", "dtype=fp32"]
+    fp32 = components(*base)
+    bf16 = components(*base, "on_policy.sampling_dtype=bf16")
+    frozen = components(*base, "on_policy.async_steps=1")
+    both = components(*base, "on_policy.sampling_dtype=bf16", "on_policy.async_steps=1")
+    for phase, comps in bf16.items():
+        added = comps["student_weights"] - fp32[phase]["student_weights"]
+        assert added == pytest.approx(
+            (frozen[phase]["student_weights"] - fp32[phase]["student_weights"]) / 2, rel=0.01
+        ), phase
+        assert both[phase]["student_weights"] == comps["student_weights"], phase
+    assert bf16[GEN_PHASE]["kv_cache"] == pytest.approx(fp32[GEN_PHASE]["kv_cache"] / 2, rel=0.01)
+    assert components("on_policy.lmbda=1", "dtype=bf16", "on_policy.sampling_dtype=bf16") == (
+        components("on_policy.lmbda=1", "dtype=bf16")
+    )
+
+
+def test_sampling_copy_casts_parameters_shares_buffers_and_drops_hooks():
+    """The copy's parameters are bf16 casts (tied ones stay tied), its buffers are the model's
+    own, the model's forward hooks do not fire on it, and update_copy casts the trainable
+    weights in."""
+    from kd.rollouts.local import sampling_copy, update_copy
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight  # tied
+    model.register_buffer("table", torch.arange(3.0))
+    fired: list[int] = []
+    model[1].register_forward_hook(lambda *_: fired.append(1))
+    copy = sampling_copy(model, torch.bfloat16)
+    assert copy[0].weight is copy[1].weight and copy[0].weight.dtype == torch.bfloat16
+    assert torch.equal(copy[0].weight, model[0].weight.detach().to(torch.bfloat16))
+    assert copy.table is model.table
+    copy(torch.tensor([1, 2]))
+    assert fired == []
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    update_copy(copy, model)
+    assert torch.equal(copy[0].weight, model[0].weight.detach().to(torch.bfloat16))
+    assert not any(p.requires_grad for p in copy.parameters())
+
+
 def sampler(world_size: int = 1, **kw) -> LocalSampler:
     overrides = [f"on_policy.{k}={v}" for k, v in {"lmbda": 1, **kw}.items()]
     run = load_config(FULL_14B_3B, overrides)

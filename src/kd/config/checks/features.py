@@ -67,6 +67,15 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                 "raise tokenizer.max_seq_len",
             )
         )
+    if node.get("sampler") == "served" and node.get("sampling_dtype") is not None:
+        problems.append(
+            Problem(
+                "on_policy.sampling_dtype",
+                "applies to the local sampler; with on_policy.sampler served the server's own "
+                "--dtype decides what it samples in (vllm serve / sglang.launch_server --dtype "
+                "bfloat16); set on_policy.sampling_dtype=null",
+            )
+        )
     if node.get("sampler") == "served":  # kd.rollouts.served
         for key, what in (
             ("server_url", "the server's base URL (http://host:port)"),
