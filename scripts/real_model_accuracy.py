@@ -1045,6 +1045,28 @@ def same_length(rnd: dict[str, Any]) -> list[str]:
     return ["", "Each KD run against CE at the same length, on dev: " + "; ".join(shares) + "."]
 
 
+def rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
+    """One line per round scored on test: its labelled rows, the teacher, CE only, the best KD
+    mode and the share of the gap it closes (the rounds side by side)."""
+    lines = [
+        "| round | labelled rows | teacher (test) | CE only (test) | best KD mode (test) | "
+        "share of the gap closed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rnd in rounds:
+        closed = {m: v for m, v in gap_closed(rnd).items() if not math.isnan(v)}
+        if not closed:
+            continue
+        top = max(closed, key=lambda m: closed[m])
+        test, best = rnd["test"], rnd["best"]
+        lines.append(
+            f"| {rnd['round']} | {labelled_rows(rnd)} | {pct(test['teacher'])} | "
+            f"{pct(test[best['ce']])} | {MODES[top]}: {pct(test[best[top]])} | "
+            f"{100 * closed[top]:.0f}% |"
+        )
+    return [*lines, ""] if len(lines) > 2 else []
+
+
 def doc_section(results: dict[str, Any]) -> str:
     """The doc section of the results (every number from the JSON), the newest round first."""
     rounds = rounds_of(results)
@@ -1084,6 +1106,7 @@ def doc_section(results: dict[str, Any]) -> str:
         "",
         f"**Result**: {verdict(last)}",
         "",
+        *rounds_table(rounds),
     ]
     for rnd in reversed(rounds):
         lines += round_section(rnd)
