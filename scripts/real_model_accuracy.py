@@ -682,6 +682,53 @@ def train_all(jobs: list[tuple[Any, ...]], parallel: int) -> list[dict[str, Any]
         return [f.result() for f in futures]
 
 
+def teacher_targets(teacher: Path, data: Path) -> dict[str, float]:
+    """How much the teacher's distribution says beyond the labels on the rows KD trains on: over
+    the worked-answer and eos tokens of ``data`` (the rows' labelled tokens), the teacher's mean
+    probability of the label, the share of tokens where it gives the label more than 0.99, its
+    mean entropy (nats) and the mean probability it puts on other tokens at temperature 2
+    (``kd_ratio``'s soft targets). Near-one-hot targets carry nothing CE's labels do not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher)
+    model = AutoModelForCausalLM.from_pretrained(
+        teacher, dtype=torch.float32, trust_remote_code=False
+    ).eval()
+    probs, entropies, off_t2 = [], [], []
+    with torch.no_grad():
+        for line in data.read_text().splitlines():
+            row = json.loads(line)
+            prompt = tok(BOS + row["input"], add_special_tokens=False)["input_ids"]
+            answer = tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = torch.tensor([prompt + answer])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            labels = torch.tensor(answer)
+            logp = logits.log_softmax(-1)
+            p = logp.gather(-1, labels[:, None])[:, 0].exp()
+            probs += p.tolist()
+            entropies += (-(logp.exp() * logp).sum(-1)).tolist()
+            soft = (logits / 2).softmax(-1).gather(-1, labels[:, None])[:, 0]
+            off_t2 += (1 - soft).tolist()
+    n = len(probs)
+    return {
+        "tokens": n,
+        "mean_p_label": sum(probs) / n,
+        "share_p_label_over_0.99": sum(x > 0.99 for x in probs) / n,
+        "mean_entropy_nats": sum(entropies) / n,
+        "mean_off_label_mass_T2": sum(off_t2) / n,
+    }
+
+
+def cached_teacher_targets(work: Path, teacher: Path, paths: dict[str, Path]) -> dict[str, float]:
+    """:func:`teacher_targets` on the student's labelled rows, computed once per teacher run."""
+    out = work / "eval" / "teacher_targets.json"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(teacher_targets(teacher, paths["train"]), indent=1) + "\n")
+    return json.loads(out.read_text())
+
+
 def best_per_mode(runs: list[dict[str, Any]], student: str) -> dict[str, dict[str, Any]]:
     """The run of each mode on ``student`` with the highest dev exact match (the earlier run on a
     tie)."""
@@ -780,6 +827,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             "dev": dev_teacher,
         },
         "untrained_student": untrained,
+        "teacher_targets": {} if args.smoke else cached_teacher_targets(args.work, teacher, paths),
         "runs": runs,
         "unfinished": unfinished,
         "best": {mode: run["setting"]["name"] for mode, run in best.items()},
@@ -906,6 +954,17 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
                 f"mode closes (`(KD - CE) / (teacher - CE)`): {shares}.",
                 "",
             ]
+    tt = rnd.get("teacher_targets")
+    if tt:
+        lines += [
+            f"What the teacher's distribution adds to the labels on the labelled rows' "
+            f"{tt['tokens']} answer tokens: it gives the label a mean probability of "
+            f"{tt['mean_p_label']:.4f} (more than 0.99 at {100 * tt['share_p_label_over_0.99']:.1f}% "
+            f"of the tokens), a mean entropy of {tt['mean_entropy_nats']:.4f} nats, and at "
+            f"temperature 2 (the soft targets of off-policy KD) {tt['mean_off_label_mass_T2']:.4f} "
+            "of its mass to other tokens.",
+            "",
+        ]
     lines += [
         verdict(rnd),
         "",
@@ -939,8 +998,9 @@ def round_section(rnd: dict[str, Any]) -> list[str]:
     if curves:
         lines += [
             "",
-            "Dev curves (`kd eval` of every other epoch's checkpoint and of `final/`; kd's "
-            "in-training validation CE on the dev rows' worked answers at each validation):",
+            "Dev curves (`kd eval` of every other epoch's checkpoint, or every sixth of a run "
+            "longer than 12 epochs, and of `final/`; kd's in-training validation CE on the dev "
+            "rows' worked answers at each validation):",
             "",
         ]
         for run in curves:
@@ -986,6 +1046,30 @@ def same_length(rnd: dict[str, Any]) -> list[str]:
     return ["", "Each KD run against CE at the same length, on dev: " + "; ".join(shares) + "."]
 
 
+def rounds_table(rounds: list[dict[str, Any]]) -> list[str]:
+    """One line per round scored on test: its labelled rows, the teacher, CE only, the best KD
+    mode and the share of the gap it closes (the rounds side by side)."""
+    lines = [
+        "| round | labelled rows | teacher (test) | CE only (test) | best KD mode (test) | "
+        "share of the gap closed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rnd in rounds:
+        test, best = rnd["test"], rnd["best"]
+        shares = gap_closed(rnd)
+        if not shares:
+            continue  # not scored on test
+        # the best KD mode on test (with no gap, every share is nan: the best test score)
+        top = max(shares, key=lambda m: test[best[m]]["value"])
+        share = shares[top]
+        said = "no gap: CE only is level with the teacher" if math.isnan(share) else f"{share:.0%}"
+        lines.append(
+            f"| {rnd['round']} | {labelled_rows(rnd)} | {pct(test['teacher'])} | "
+            f"{pct(test[best['ce']])} | {MODES[top]}: {pct(test[best[top]])} | {said} |"
+        )
+    return [*lines, ""] if len(lines) > 2 else []
+
+
 def doc_section(results: dict[str, Any]) -> str:
     """The doc section of the results (every number from the JSON), the newest round first."""
     rounds = rounds_of(results)
@@ -1025,6 +1109,7 @@ def doc_section(results: dict[str, Any]) -> str:
         "",
         f"**Result**: {verdict(last)}",
         "",
+        *rounds_table(rounds),
     ]
     for rnd in reversed(rounds):
         lines += round_section(rnd)

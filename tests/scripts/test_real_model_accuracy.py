@@ -132,6 +132,11 @@ def test_doc_section_from_results(study, tmp_path: Path, kd: float, closed: int,
     assert text.count(study.DOC_BEGIN) == 1 == text.count(study.DOC_END)
     assert f"**{closed}%**" in text and verdict in text
     assert f"| 57 | {100 * kd:.1f}% ± 1.0 |" in text
+    # the rounds side by side: labelled rows, teacher, CE, the best KD mode, the share closed
+    assert (
+        f"| 1 | 5 | 90.0% ± 1.0 | 40.0% ± 1.0 | off-policy KD: {100 * kd:.1f}% ± 1.0 | {closed}% |"
+        in text
+    )
 
 
 def test_students_drop_a_late_block_and_keep_the_last_layers(study) -> None:
