@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -879,6 +880,37 @@ def speed(
         "runs": [],
     }
     ns, nt = params.get(student, 0), params.get(teacher, 0)
+
+    def measure(tool: str, mode: str, rep: int, run: Any, logs: str, **extra: Any) -> None:
+        """``run()``'s result (or its error and log tail) as one row of ``out["runs"]``."""
+        if time.monotonic() > deadline:
+            out["runs"].append(
+                {"tool": tool, "mode": mode, "repeat": rep, "status": "skipped: time budget"}
+            )
+            return
+        try:
+            r = run()
+            r.update(tool=tool, mode=mode, repeat=rep, status="ok", **extra)
+            # model FLOPs per labelled token: student forward + backward (6N), teacher
+            # forward (2N), and on-policy the student's sampling (2N per sampled token)
+            per_tok = 6 * ns + 2 * nt + (2 * ns if mode == "on_policy" else 0)
+            r["model_tflops"] = per_tok * r["tokens_per_s"] / 1e12
+            if peak_tflops:
+                r["mfu"] = r["model_tflops"] / peak_tflops
+        except BaseException as exc:  # noqa: BLE001 - a failed run is a result
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            r = {"tool": tool, "mode": mode, "repeat": rep, **_error(exc)}
+            found = sorted((root / "runs").glob(logs))
+            if found:
+                r["log_tail"] = _tail(found[-1])
+        out["runs"].append(r)
+        print(
+            f"speed {mode:10s} {tool:3s} #{rep}: {r.get('status')} "
+            f"{r.get('tokens_per_s', float('nan')):.1f} tok/s",
+            flush=True,
+        )
+
     # repeat 0 of both modes first, so a run cut short by the budget still compares both
     orders = (("kd", "trl"),) if smoke else (("kd", "trl"), ("trl", "kd"))
     for rep, order in enumerate(orders):
@@ -886,73 +918,33 @@ def speed(
             for tool in order:
                 if only is not None and f"{tool}:{mode}" not in only:
                     continue
-                if time.monotonic() > deadline:
-                    out["runs"].append(
-                        {
-                            "tool": tool,
-                            "mode": mode,
-                            "repeat": rep,
-                            "status": "skipped: time budget",
-                        }
+                if tool == "kd":
+                    run = functools.partial(
+                        bvt.run_kd, assets, "gpu", mode, "jsd", str(rep), env, kd_over
                     )
-                    continue
-                try:
-                    if tool == "kd":
-                        r = bvt.run_kd(assets, "gpu", mode, "jsd", str(rep), env, kd_over)
-                    else:
-                        r = bvt.run_trl(
-                            assets, "gpu", mode, "jsd", str(rep), env, rows, prompts, trl_extra
-                        )
-                    r.update(mode=mode, repeat=rep, status="ok")
-                    # model FLOPs per labelled token: student forward + backward (6N), teacher
-                    # forward (2N), and on-policy the student's sampling (2N per sampled token)
-                    per_tok = 6 * ns + 2 * nt + (2 * ns if mode == "on_policy" else 0)
-                    r["model_tflops"] = per_tok * r["tokens_per_s"] / 1e12
-                    if peak_tflops:
-                        r["mfu"] = r["model_tflops"] / peak_tflops
-                except BaseException as exc:  # noqa: BLE001 - a failed run is a result
-                    if isinstance(exc, KeyboardInterrupt):
-                        raise
-                    r = {"tool": tool, "mode": mode, "repeat": rep, **_error(exc)}
-                    logs = sorted((root / "runs").glob(f"{tool}_{mode}_jsd_{rep}*.log"))
-                    if logs:
-                        r["log_tail"] = _tail(logs[-1])
-                out["runs"].append(r)
-                print(
-                    f"speed {mode:10s} {tool:3s} #{rep}: {r.get('status')} "
-                    f"{r.get('tokens_per_s', float('nan')):.1f} tok/s",
-                    flush=True,
-                )
+                else:
+                    run = functools.partial(
+                        bvt.run_trl,
+                        assets,
+                        "gpu",
+                        mode,
+                        "jsd",
+                        str(rep),
+                        env,
+                        rows,
+                        prompts,
+                        trl_extra,
+                    )
+                measure(tool, mode, rep, run, f"{tool}_{mode}_jsd_{rep}*.log")
     # kd's faster local samplers, on-policy, once each after both tools' core runs (issue 37):
     # every step's rollouts in one batch with a preallocated cache, then its compiled step.
     for tool, sets in KD_SAMPLERS.items():
         if only is not None and f"{tool}:on_policy" not in only:
             continue
-        if time.monotonic() > deadline:
-            out["runs"].append(
-                {"tool": tool, "mode": "on_policy", "repeat": 0, "status": "skipped: time budget"}
-            )
-            continue
-        try:
-            r = bvt.run_kd(assets, "gpu", "on_policy", "jsd", tool, env, {**kd_over, **sets})
-            r.update(tool=tool, mode="on_policy", repeat=0, status="ok", sets=sets)
-            per_tok = 8 * ns + 2 * nt
-            r["model_tflops"] = per_tok * r["tokens_per_s"] / 1e12
-            if peak_tflops:
-                r["mfu"] = r["model_tflops"] / peak_tflops
-        except BaseException as exc:  # noqa: BLE001 - a failed run is a result
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            r = {"tool": tool, "mode": "on_policy", "repeat": 0, **_error(exc)}
-            logs = sorted((root / "runs").glob(f"kd_on_policy_jsd_{tool}*.log"))
-            if logs:
-                r["log_tail"] = _tail(logs[-1])
-        out["runs"].append(r)
-        print(
-            f"speed on_policy  {tool}: {r.get('status')} "
-            f"{r.get('tokens_per_s', float('nan')):.1f} tok/s",
-            flush=True,
+        run = functools.partial(
+            bvt.run_kd, assets, "gpu", "on_policy", "jsd", tool, env, {**kd_over, **sets}
         )
+        measure(tool, "on_policy", 0, run, f"kd_on_policy_jsd_{tool}*.log", sets=sets)
     out["table"] = speed_table(out["runs"])
     return out
 
