@@ -116,12 +116,24 @@ def test_async_steps_1_samples_one_step_ahead(assets, tmp_path, monkeypatch):
     }
 
 
+BF16 = {"sampling_dtype": "bf16"}
+
+
 @pytest.mark.parametrize(
-    "extra", [{"async_steps": 1}, {"batch_rollouts": True}], ids=["async", "batched"]
+    "extra",
+    [
+        {"async_steps": 1},
+        {"batch_rollouts": True},
+        BF16,
+        {**BF16, "async_steps": 1},
+        {**BF16, "batch_rollouts": True},
+    ],
+    ids=["async", "batched", "bf16-sync", "bf16-async", "bf16-fast"],
 )
 def test_interrupted_run_resumes_exactly(assets, tmp_path, monkeypatch, extra):
     """Stopped after step 2 (saved there, the step-3 completions sampled ahead kept in the
-    checkpoint) and resumed: the losses and the final weights of the uninterrupted run."""
+    checkpoint) and resumed: the losses and the final weights of the uninterrupted run. With
+    ``sampling_dtype: bf16`` the sampler's bf16 copy is rebuilt from the saved weights."""
     top = dict(
         max_steps_per_epoch=4,
         save_every_n_steps=2,

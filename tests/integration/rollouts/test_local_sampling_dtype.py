@@ -1,7 +1,8 @@
 """``on_policy.sampling_dtype`` through ``kd run``: null is today's run bit for bit; bf16 on an
 fp32 student samples with a bf16 copy of its weights (the logits it draws from are bf16 values,
 its completions are those of the student cast to bf16 at every step), the copy takes the weights
-after each step, one copy serves ``async_steps: 1`` too, and an interrupted run resumes exactly."""
+after each step, one copy serves ``async_steps: 1`` too (the resume cases are
+``test_local_run.py::test_interrupted_run_resumes_exactly[bf16-*]``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ import torch
 import kd.rollouts.decode
 import kd.rollouts.local
 import kd.rollouts.sampling
-from kd import checkpoint, cli
-from tests.conftest import make_config, read_metrics, sigterm_at_step, write_config
+from tests.conftest import read_metrics
 from tests.integration.rollouts.test_local_run import (
-    RECIPE,
     assert_same_weights,
     losses,
     on_policy,
@@ -158,27 +157,3 @@ def test_one_copy_serves_async_steps(assets, tmp_path, monkeypatch):
     run(tmp_path, "async", assets, on_policy=on_policy(sampling_dtype="bf16", async_steps=1))
     assert made == [torch.bfloat16]
     assert models and set(models) == {torch.bfloat16}
-
-
-@pytest.mark.parametrize(
-    "extra", [{}, {"async_steps": 1}, {"batch_rollouts": True}], ids=["sync", "async", "fast"]
-)
-def test_bf16_run_resumes_exactly(assets, tmp_path, monkeypatch, extra):
-    """Stopped after step 2 and resumed: the copy is rebuilt from the saved weights, so the
-    losses and final weights are the uninterrupted run's."""
-    top = dict(
-        max_steps_per_epoch=4,
-        save_every_n_steps=2,
-        on_policy=on_policy(lmbda=0.5, sampling_dtype="bf16", **extra),
-    )
-    reference = run(tmp_path, "reference", assets, **top)
-    out = tmp_path / "run"
-    config = write_config(tmp_path / "run.yaml", make_config(assets, out, **top))
-    with monkeypatch.context() as m:
-        sigterm_at_step(m, 2)
-        assert cli.main([*RECIPE, "--config", str(config)]) == 0
-    assert not (out / "final").exists()
-    assert checkpoint.read_checkpoint_marker(checkpoint.find_latest_checkpoint(out))["step"] == 2
-    assert cli.main([*RECIPE, "--config", str(config), "resume_from_checkpoint=true"]) == 0
-    assert losses(out) == losses(reference)
-    assert_same_weights(reference, out)
