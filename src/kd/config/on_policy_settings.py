@@ -188,3 +188,11 @@ class OnPolicySettings:
         "--api-key; sent as a Bearer token, never printed); null = none",
         resume=MAY_CHANGE,
     )
+
+    @property
+    def teacher_samples(self) -> bool:
+        """Whether the teacher may sample completions to train on (``seq_kd`` with ``lmbda``
+        below 1: the coin then sometimes comes out false): the one test the run
+        (:attr:`kd.config.run.RunConfig.teacher_samples`) and the generation plan
+        (:func:`kd.memory.generation.generation_knobs`) read."""
+        return self.seq_kd and self.lmbda < 1

@@ -614,8 +614,7 @@ class RunConfig:
     def teacher_samples(self) -> bool:
         """Whether the teacher may sample completions to train on (``on_policy.seq_kd`` with
         ``lmbda`` below 1: the coin then sometimes comes out false)."""
-        op = self.on_policy
-        return op is not None and op.seq_kd and op.lmbda < 1
+        return self.on_policy is not None and self.on_policy.teacher_samples
 
     def with_section(self, name: str, settings: Any) -> RunConfig:
         """The same run with the teacher kind's section ``name`` set to ``settings`` (None:

@@ -279,7 +279,7 @@ def generation_knobs(
     models = []
     if settings.lmbda > 0 and rollout_plan.samples_on_device(settings):
         models.append("student")
-    if settings.seq_kd and settings.lmbda < 1 and teacher:
+    if settings.teacher_samples and teacher:
         models.append("teacher")
     if not models:
         return None
