@@ -64,9 +64,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from kd import models  # noqa: E402
+from kd.models import DTYPES as TORCH_DTYPES  # noqa: E402
 from kd.rollouts.base import Prompts  # noqa: E402
 from kd.rollouts.decode import fast_rollout  # noqa: E402
-from kd.rollouts.local import TORCH_DTYPES, sampling_copy, update_copy  # noqa: E402
+from kd.rollouts.local import sampling_copy, update_copy  # noqa: E402
 from kd.rollouts.sampling import rollout, row_generators  # noqa: E402
 from kd.testing import smollm2_folder  # noqa: E402
 

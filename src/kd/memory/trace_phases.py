@@ -201,11 +201,12 @@ def sampler_copy(step: FakeStep) -> nn.Module | None:
     g = step.knobs.generation
     if g is None or not g.student_copy or step.knobs.world_size > 1:
         return None
-    from kd.rollouts.local import TORCH_DTYPES, sampling_copy
+    from kd.models import DTYPES
+    from kd.rollouts.local import sampling_copy
     from kd.rollouts.plan import DTYPE_BYTES
 
     names = [n for n, size in DTYPE_BYTES.items() if size == g.copy_dtype_bytes]
-    return sampling_copy(step.student, TORCH_DTYPES[names[0]] if names else None)
+    return sampling_copy(step.student, DTYPES[names[0]] if names else None)
 
 
 def trace_generation(

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kd import models
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts import sampling
@@ -41,10 +42,7 @@ from kd.rollouts.decode import fast_rollout
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
-__all__ = ["TORCH_DTYPES", "LocalSampler", "frozen_copy", "sampling_copy", "update_copy"]
-
-# on_policy.sampling_dtype -> torch dtype.
-TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+__all__ = ["LocalSampler", "frozen_copy", "sampling_copy", "update_copy"]
 
 
 class LocalSampler:
@@ -89,7 +87,7 @@ class LocalSampler:
         self.pad_id = pad_id_of(tokenizer)
         self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
-        self.copy_dtype = TORCH_DTYPES[copy_dtype] if copy_dtype is not None else None
+        self.copy_dtype = models.DTYPES[copy_dtype] if copy_dtype is not None else None
         # The frozen copy (async_steps: 1) and / or the copy in copy_dtype (sampling_dtype).
         self._policy: nn.Module | None = None
 
