@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kd import models
+from kd.backends import backend_of, decode_attention
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts import sampling
@@ -216,7 +217,13 @@ def sampling_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     for module in made.modules():  # the training student's hooks (hidden-state capture...)
         for hooks in _FORWARD_HOOKS:
             getattr(module, hooks).clear()
+    if dtype in decode_attention.LOW_PRECISION and _on_cpu(made):
+        decode_attention.install(made, backend_of(model).name)
     return made
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def update_copy(mine: nn.Module, student: nn.Module) -> None:

@@ -14,6 +14,7 @@ import torch
 import kd.rollouts.decode
 import kd.rollouts.local
 import kd.rollouts.sampling
+from kd.backends import backend_of, decode_attention
 from tests.conftest import read_metrics
 from tests.integration.rollouts.test_local_run import (
     assert_same_weights,
@@ -27,10 +28,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def cast(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The test's own cast of the live student: a deep copy with its parameters in ``dtype``
-    (buffers as they are, as in a student built in that dtype)."""
+    (buffers as they are, as in a student built in that dtype), whose one-position attention
+    on the CPU in bf16 is kd's (``kd.backends.decode_attention``, as the sampler's copy's)."""
     ref = copy.deepcopy(student)
     for p in ref.parameters():
         p.data = p.data.to(dtype)
+    if dtype in decode_attention.LOW_PRECISION:
+        decode_attention.install(ref, backend_of(student).name)
     return ref
 
 
