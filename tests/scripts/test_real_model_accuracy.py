@@ -243,3 +243,42 @@ def test_round_section_compares_same_length_and_says_whether_ce_plateaued(
     assert state in text
     share = round(100 * (0.8 - last) / (0.9 - last))
     assert f"kd a: 80.0% ± 1.0 against CE's {100 * last:.1f}% ± 3.0, **{share}%**" in text
+
+
+def test_unlabelled_prompts_are_reported_beside_the_goal_never_as_it(study, tmp_path) -> None:
+    """A run with unlabelled prompts (``+prompts``) is its own mode: best of its kind on dev, its
+    share of the gap said beside the verdict, never the goal's result or the rounds table's."""
+    results = {**_results(ce=0.4, kd=0.5, teacher=0.9), "round": 6}
+    extra = {**results["runs"][1], "dev": {"value": 0.85, "stderr": 0.01}}
+    extra["setting"] = {**extra["setting"], "name": "seq p", "mode": "seq_kd", "prompts": 7}
+    results["runs"].append(extra)
+    results["best"] = study.best_per_mode(
+        [{**r, "setting": {**r["setting"], "student": "block"}} for r in results["runs"]], "block"
+    )
+    assert results["best"]["seq_kd+prompts"]["setting"]["name"] == "seq p"
+    results["best"] = {mode: run["setting"]["name"] for mode, run in results["best"].items()}
+    results["test"]["seq p"] = {"value": 0.85, "stderr": 0.01}
+    line = study.verdict(results)
+    assert line.startswith("**Goal not reached") and "off-policy KD, closes 20%" in line
+    assert "Beyond the issue's protocol, sequence-level KD with unlabelled prompts" in line
+    assert "closes 90% of the gap." in line
+    table = "\n".join(study.rounds_table([results]))
+    assert "off-policy KD: 50.0% ± 1.0 | 20% |" in table and "unlabelled" not in table
+    assert "| seq p | drop 19-28 | seq_kd+prompts |" in "\n".join(study.round_section(results))
+
+
+def test_unlabelled_prompts_keep_no_label(study, tmp_path) -> None:
+    """``rows`` labelled rows as they are, then ``prompts`` questions whose answer is the
+    placeholder: the labels of those rows never reach the student's file."""
+    teacher = tmp_path / "data" / "teacher_train.jsonl"
+    teacher.parent.mkdir()
+    rows = [{"input": f"{i}+1=", "output": f"worked {i}"} for i in range(6)]
+    teacher.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = {"train": tmp_path / "data" / "train.jsonl", "teacher_train": teacher}
+    setting = study.Setting("s", "seq_kd", 3e-4, 1, rows=2, prompts=3)
+    assert setting.kind == "seq_kd+prompts"
+    out = [json.loads(x) for x in study.train_rows(paths, setting).read_text().splitlines()]
+    assert out[:2] == rows[:2]
+    assert out[2:] == [{"input": r["input"], "output": study.PLACEHOLDER} for r in rows[2:5]]
+    with pytest.raises(ValueError, match="7 rows > the teacher's 6"):
+        study.train_rows(paths, study.Setting("t", "gkd", 1e-4, 1, rows=2, prompts=5))
