@@ -716,11 +716,12 @@ def evaluate(
 
     def score(name: str, folder: Path) -> dict[str, float]:
         out = work / "eval" / split / f"{slug(name)}.json"
+        column = slug(name)[:64]  # kd eval's model names are at most 64 characters
         if not out.is_file():
-            args = ["eval", "--model", f"{slug(name)}={folder}", "--tasks", str(tasks)]
+            args = ["eval", "--model", f"{column}={folder}", "--tasks", str(tasks)]
             args += ["--batch-size", "32", "--output", str(out), "--force"]
             kd(args, out.with_suffix(".log"), one_thread=parallel > 1)
-        result = json.loads(out.read_text())["results"][f"add2_{split}"]["exact_match"][slug(name)]
+        result = json.loads(out.read_text())["results"][f"add2_{split}"]["exact_match"][column]
         return {"value": result["value"], "stderr": result["stderr"]}
 
     with ThreadPoolExecutor(max_workers=max(parallel, 1)) as pool:

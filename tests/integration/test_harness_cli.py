@@ -376,6 +376,8 @@ def test_model_mistakes_are_one_line(models, tmp_path, capsys):
             "--device: 'tpu' is not cpu or cuda",
         ),
         (["--model", str(models["student"]), "--limit", "0"], "--limit: 0 evaluates nothing"),
+        (["--model", f"{'a' * 65}={models['student']}"], "use at most 64 letters"),
+        (["--model", f"a b={models['student']}"], "use at most 64 letters"),
     ]
     for model_args, message in cases:
         code, _, err = run_eval(capsys, *model_args, "--tasks", str(tasks), "--output", out)

@@ -89,7 +89,8 @@ def model_folders(values: list[str]) -> list[Any]:
             )
         if not _NAME.fullmatch(name):
             raise KDUserError(
-                f"--model: {one_line(name)!r} is not a column name; use letters, digits, _ . - /"
+                f"--model: {one_line(name)!r} is not a column name; use at most 64 letters, "
+                "digits, _ . - / (NAME=DIR names a long folder)"
             )
         _check_folder(folder)
         if any(m.name == name for m in models):
