@@ -538,8 +538,8 @@ MODES = {
     "seq_kd+prompts": "sequence-level KD with unlabelled prompts (beyond the protocol)",
 }
 # Modes outside the issue's protocol (the same labelled rows four ways): reported on their own,
-# never as the goal's result.
-BEYOND = ("gkd+prompts", "seq_kd+prompts")
+# never as the goal's result; their short names.
+BEYOND = {"seq_kd+prompts": "sequence-level KD", "gkd+prompts": "GKD"}
 
 
 def train_rows(paths: dict[str, Path], setting: Setting) -> Path:
@@ -991,10 +991,16 @@ def verdict(rnd: dict[str, Any]) -> str:
     """The round's outcome in one line: reached, not reached, or not scored on test yet."""
     shares = gap_closed(rnd)
     closed = {m: v for m, v in shares.items() if not math.isnan(v) and m not in BEYOND}
-    beyond = "".join(
-        f" Beyond the issue's protocol, {MODES[m]} closes {100 * shares[m]:.0f}% of the gap."
-        for m in BEYOND
+    extra = [
+        f"{short} {100 * shares[m]:.0f}%"
+        for m, short in BEYOND.items()
         if m in shares and not math.isnan(shares[m])
+    ]
+    beyond = (
+        " Beyond the issue's protocol, with the teacher also answering unlabelled prompts (which "
+        f"CE only cannot use), the gap closed is: {', '.join(extra)}."
+        if extra
+        else ""
     )
     if not rnd["test"]:
         return (

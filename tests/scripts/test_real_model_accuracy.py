@@ -260,8 +260,8 @@ def test_unlabelled_prompts_are_reported_beside_the_goal_never_as_it(study, tmp_
     results["test"]["seq p"] = {"value": 0.85, "stderr": 0.01}
     line = study.verdict(results)
     assert line.startswith("**Goal not reached") and "off-policy KD, closes 20%" in line
-    assert "Beyond the issue's protocol, sequence-level KD with unlabelled prompts" in line
-    assert "closes 90% of the gap." in line
+    assert "Beyond the issue's protocol, with the teacher also answering unlabelled" in line
+    assert line.endswith("the gap closed is: sequence-level KD 90%.")
     table = "\n".join(study.rounds_table([results]))
     assert "off-policy KD: 50.0% ± 1.0 | 20% |" in table and "unlabelled" not in table
     assert "| seq p | drop 19-28 | seq_kd+prompts |" in "\n".join(study.round_section(results))
