@@ -64,6 +64,22 @@ def test_applies_to_one_low_precision_cpu_position_only():
     )
 
 
+VOCAB = 60  # the ids the tests sample from (both tiny models have more)
+
+
+def greedy(max_new_tokens: int) -> dict:
+    """fast_rollout's arguments for greedy completions of ``max_new_tokens`` that never stop."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "stop_ids": [],
+        "pad_id": 0,
+        "vocab_limit": VOCAB,
+        "generators": None,
+    }
+
+
 def _models(backend: str, tmp_path):
     if backend == "torchtune":
         return tiny_hidden_decoder(vocab=64, dim=32, seed=1)
@@ -86,17 +102,8 @@ def test_the_bf16_copy_decodes_with_it_and_nothing_else_does(backend, tmp_path, 
         return real(q, k, v, mask, scale)
 
     monkeypatch.setattr(decode_attention, "decode_attention", spy)
-    vocab = 60
-    p = prompts(vocab, [5, 3, 7])
-    common = dict(
-        max_new_tokens=6,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=[],
-        pad_id=0,
-        vocab_limit=vocab,
-        generators=None,
-    )
+    p = prompts(VOCAB, [5, 3, 7])
+    common = greedy(6)
     copy = sampling_copy(student, torch.bfloat16)
     done = fast_rollout(copy, p, **common)
     layers = len(backend_of(student).decoder_layers(student))
@@ -122,15 +129,7 @@ def test_a_prompt_of_one_token_prefills_with_the_backends_attention(monkeypatch)
     student = tiny_hidden_decoder(vocab=64, dim=32, seed=2)
     models.set_hidden_output(student)
     p = Prompts(torch.tensor([[5], [9]]), torch.ones(2, 1, dtype=torch.bool), torch.tensor([1, 1]))
-    common = dict(
-        max_new_tokens=4,
-        temperature=0.0,
-        top_p=1.0,
-        stop_ids=[],
-        pad_id=0,
-        vocab_limit=60,
-        generators=None,
-    )
+    common = greedy(4)
     copy = sampling_copy(student, torch.bfloat16)
     plain = sampling_copy(student, None)
     for param in plain.parameters():
