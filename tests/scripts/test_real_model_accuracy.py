@@ -282,3 +282,30 @@ def test_unlabelled_prompts_keep_no_label(study, tmp_path) -> None:
     assert out[2:] == [{"input": r["input"], "output": study.PLACEHOLDER} for r in rows[2:5]]
     with pytest.raises(ValueError, match="7 rows > the teacher's 6"):
         study.train_rows(paths, study.Setting("t", "gkd", 1e-4, 1, rows=2, prompts=5))
+
+
+def test_a_run_starts_from_another_runs_final_or_step_checkpoint(study, tmp_path: Path) -> None:
+    """``start`` reads the named run's ``final/``, ``start_step`` its step checkpoint; a run
+    that has not written it is refused before any training."""
+    from omegaconf import OmegaConf
+
+    paths = study.write_data(tmp_path, study.SMOKE_SIZES)
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "output_dir: x\ncheckpointer: {checkpoint_dir: s}\n"
+        "teacher_model: {a: 1}\nteacher_checkpointer: {b: 2}\n"
+        "dataset: {_component_: torchtune.datasets.instruct_dataset, source: json, "
+        "data_files: t.jsonl, split: train}\n"
+    )
+    ce = tmp_path / "runs" / "ce_a"
+    for folder in ("final", "step_000084"):
+        (ce / folder).mkdir(parents=True)
+        (ce / folder / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "runs" / "g"
+    for step, folder in ((None, "final"), (84, "step_000084")):
+        setting = study.Setting("g", "gkd", 1e-4, 1, 1.0, start="ce a", start_step=step)
+        cfg = OmegaConf.load(study.run_config(base, setting, out, paths["train"], 4, None))
+        assert cfg.checkpointer.checkpoint_dir == str(ce / folder)
+    late = study.Setting("g", "gkd", 1e-4, 1, 1.0, start="ce a", start_step=42)
+    with pytest.raises(ValueError, match="step_000042, which is not finished"):
+        study.run_config(base, late, out, paths["train"], 4, None)
