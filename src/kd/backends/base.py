@@ -133,6 +133,12 @@ class Backend(Protocol):
         """The weights of step checkpoint ``ckpt`` in the student's parameter names."""
         ...
 
+    def install_decode_attention(self, model: nn.Module) -> None:
+        """Route ``model``'s one-position low-precision CPU attention to
+        :func:`kd.backends.decode_attention.decode_attention` (``model`` is the sampler's own
+        copy, never the training student)."""
+        ...
+
     def kv_cache_steps(
         self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int
     ) -> Any:

@@ -8,8 +8,9 @@ query positions) stays on the fused kernel, which is faster there.
 
 :func:`decode_attention` is that product: the query heads grouped over their key/value head (no
 copy of the cache per query head), scores and softmax in fp32, the weighted sum in fp32, the
-result in the query's dtype. :func:`install` puts it in front of each attention module's own
-call on one model (the sampler's copy, never the training student): torchtune's
+result in the query's dtype. Each backend's ``install_decode_attention`` (:func:`install_torchtune`,
+:func:`install_transformers`) puts it in front of each attention module's own call on one model
+(the sampler's copy, never the training student): torchtune's
 ``MultiHeadAttention._attention_call`` of that module, or (transformers) the copy's
 ``attn_implementation``, registered with transformers' ``AttentionInterface`` under
 :data:`HF_NAME` with sdpa's mask. Every other call (more than one query position, another
@@ -26,7 +27,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HF_NAME", "LOW_PRECISION", "applies", "decode_attention", "install"]
+__all__ = [
+    "HF_NAME",
+    "LOW_PRECISION",
+    "applies",
+    "decode_attention",
+    "install_torchtune",
+    "install_transformers",
+]
 
 HF_NAME = "kd_cpu_decode"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -67,19 +75,21 @@ def decode_attention(
     return out.reshape(b, h, 1, d).to(query.dtype)
 
 
-def install(model: nn.Module, backend: str) -> None:
-    """Route ``model``'s one-position low-precision CPU attention to :func:`decode_attention`
-    (``backend``: ``torchtune`` or ``transformers``); ``model`` is the sampler's own copy."""
-    if backend == "torchtune":
-        from torchtune.modules import MultiHeadAttention
+def install_torchtune(model: nn.Module) -> None:
+    """Put :func:`decode_attention` in front of each torchtune attention module of ``model``
+    (the sampler's own copy): its ``_attention_call``."""
+    from torchtune.modules import MultiHeadAttention
 
-        for module in model.modules():
-            if isinstance(module, MultiHeadAttention):
-                group = module.num_heads // module.num_kv_heads
-                module._attention_call = functools.partial(
-                    _torchtune_call, module._attention_call, group
-                )
-        return
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            group = module.num_heads // module.num_kv_heads
+            module._attention_call = functools.partial(
+                _torchtune_call, module._attention_call, group
+            )
+
+
+def install_transformers(model: nn.Module) -> None:
+    """Set ``model``'s (the sampler's own copy's) ``attn_implementation`` to :data:`HF_NAME`."""
     _register_hf()
     inner = model
     while not hasattr(inner, "set_attn_implementation") and hasattr(inner, "get_base_model"):

@@ -214,6 +214,11 @@ class TorchtuneBackend:
             hf_config=read_hf_config(source.source_dir),
         )
 
+    def install_decode_attention(self, model: nn.Module) -> None:
+        from kd.backends import decode_attention
+
+        decode_attention.install_torchtune(model)
+
     def kv_cache_steps(
         self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int
     ) -> _TorchtuneSteps:

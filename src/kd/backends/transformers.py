@@ -118,6 +118,11 @@ class TransformersBackend:
 
         return hf.to_model_names(student, load_hf_weights(ckpt))
 
+    def install_decode_attention(self, model: nn.Module) -> None:
+        from kd.backends import decode_attention
+
+        decode_attention.install_transformers(model)
+
     def kv_cache_steps(
         self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int, static: bool = False
     ) -> _TransformersSteps:

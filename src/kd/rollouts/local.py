@@ -218,7 +218,7 @@ def sampling_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
         for hooks in _FORWARD_HOOKS:
             getattr(module, hooks).clear()
     if dtype in decode_attention.LOW_PRECISION and _on_cpu(made):
-        decode_attention.install(made, backend_of(model).name)
+        backend_of(model).install_decode_attention(made)
     return made
 
 

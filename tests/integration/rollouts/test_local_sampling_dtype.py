@@ -34,7 +34,7 @@ def cast(student: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     for p in ref.parameters():
         p.data = p.data.to(dtype)
     if dtype in decode_attention.LOW_PRECISION:
-        decode_attention.install(ref, backend_of(student).name)
+        backend_of(student).install_decode_attention(ref)
     return ref
 
 
