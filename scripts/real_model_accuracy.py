@@ -446,17 +446,32 @@ R4 = Round(
 # copy of the student (on_policy.sampling_dtype: bf16). Round 4's runs are carried over (cached).
 R4_CE = R4_STAGE1[0]
 R5_GKD = {**GKD_KEYS, "on_policy.sampling_dtype": "bf16"}
-R5_STAGE2 = tuple(
-    Setting(
-        f"r5 block6 100 rows: gkd fkl lmbda={lmbda} r=1 lr=1e-4 18ep from r4 ce",
+
+
+def gkd_from_r4_ce(name: str, lr: float, epochs: int, **keys: Any) -> Setting:
+    """GKD (forward KL, kd_ratio 1) on round 4's 100 rows from round 4's CE student, sampling
+    from its bf16 copy; ``keys``: more ``on_policy.*`` keys, or ``start_step``."""
+    step = keys.pop("start_step", None)
+    return Setting(
+        name,
         "gkd",
-        1e-4,
-        18,
+        lr,
+        epochs,
         1.0,
-        extra={**R5_GKD, "on_policy.lmbda": lmbda},
+        extra={**R5_GKD, **keys},
         student="block6",
         start=R4_CE.name,
+        start_step=step,
         rows=R4_ROWS,
+    )
+
+
+R5_STAGE2 = tuple(
+    gkd_from_r4_ce(
+        f"r5 block6 100 rows: gkd fkl lmbda={lmbda} r=1 lr=1e-4 18ep from r4 ce",
+        1e-4,
+        18,
+        **{"on_policy.lmbda": lmbda},
     )
     for lmbda in (1.0, 0.5)
 )
@@ -537,28 +552,14 @@ R6 = Round(
 # temperature 1 from round 4's CE student at step 84 (its lowest validation CE, 23.0% on dev,
 # before it overfits its 100 rows).
 R7_STAGE = (
-    Setting(
+    gkd_from_r4_ce(
         "r7 block6 100 rows: gkd fkl sample T=1.5 lr=1e-4 18ep from r4 ce",
-        "gkd",
         1e-4,
         18,
-        1.0,
-        extra={**R5_GKD, "on_policy.temperature": 1.5},
-        student="block6",
-        start=R4_CE.name,
-        rows=R4_ROWS,
+        **{"on_policy.temperature": 1.5},
     ),
-    Setting(
-        "r7 block6 100 rows: gkd fkl lr=1e-4 18ep from r4 ce step 84",
-        "gkd",
-        1e-4,
-        18,
-        1.0,
-        extra=R5_GKD,
-        student="block6",
-        start=R4_CE.name,
-        start_step=84,
-        rows=R4_ROWS,
+    gkd_from_r4_ce(
+        "r7 block6 100 rows: gkd fkl lr=1e-4 18ep from r4 ce step 84", 1e-4, 18, start_step=84
     ),
 )
 R7 = Round(
@@ -582,29 +583,14 @@ R7 = Round(
 # any round-8 result: the same GKD from round 4's CE student on the same 100 rows, 108 steps,
 # with samples that wander further (temperature 2.0, lr 1e-4) and with round 7's temperature 1.5
 # at three times the learning rate (3e-4, CE's).
-R8_STAGE = (
-    Setting(
-        "r8 block6 100 rows: gkd fkl sample T=2 lr=1e-4 18ep from r4 ce",
-        "gkd",
-        1e-4,
+R8_STAGE = tuple(
+    gkd_from_r4_ce(
+        f"r8 block6 100 rows: gkd fkl sample T={t:g} lr={lr_name} 18ep from r4 ce",
+        lr,
         18,
-        1.0,
-        extra={**R5_GKD, "on_policy.temperature": 2.0},
-        student="block6",
-        start=R4_CE.name,
-        rows=R4_ROWS,
-    ),
-    Setting(
-        "r8 block6 100 rows: gkd fkl sample T=1.5 lr=3e-4 18ep from r4 ce",
-        "gkd",
-        3e-4,
-        18,
-        1.0,
-        extra={**R5_GKD, "on_policy.temperature": 1.5},
-        student="block6",
-        start=R4_CE.name,
-        rows=R4_ROWS,
-    ),
+        **{"on_policy.temperature": t},
+    )
+    for t, lr, lr_name in ((2.0, 1e-4, "1e-4"), (1.5, 3e-4, "3e-4"))
 )
 R8 = Round(
     8,
@@ -624,16 +610,11 @@ R8 = Round(
 # (temperature 1.5, from round 4's CE student, the same 100 rows) twice as long at lr 3e-4
 # (36 epochs, 216 steps: CE's own length) and at lr 1e-3 for 108 steps.
 R9_STAGE = tuple(
-    Setting(
+    gkd_from_r4_ce(
         f"r9 block6 100 rows: gkd fkl sample T=1.5 lr={lr_name} {epochs}ep from r4 ce",
-        "gkd",
         lr,
         epochs,
-        1.0,
-        extra={**R5_GKD, "on_policy.temperature": 1.5},
-        student="block6",
-        start=R4_CE.name,
-        rows=R4_ROWS,
+        **{"on_policy.temperature": 1.5},
     )
     for lr, lr_name, epochs in ((3e-4, "3e-4", 36), (1e-3, "1e-3", 18))
 )
