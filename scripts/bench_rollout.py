@@ -43,12 +43,15 @@ their order rotating. Float32, ``--threads`` threads.
         --sampling-dtype bf16 --methods "generate,kd fast" --json /tmp/bf16.json
     python scripts/bench_rollout.py --work /tmp/kd_bench_rollout --quality --rows 64 \
         --json /tmp/bf16_quality.json
+    python scripts/bench_rollout.py --attention --repeats 5 \
+        --json scripts/bench_data/bench_rollout_attention.json
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import platform
@@ -408,6 +411,44 @@ def spread(lengths: list[int], limit: int) -> str:
     return f"{ordered[0]} / {med:g} / {ordered[-1]}, {stopped} of {len(lengths)} stopped"
 
 
+def attention_times(repeats: int, calls: int = 200) -> dict:
+    """Milliseconds per call of one decode position's attention at the pair's student's shapes
+    (batch 16, 9 query heads over 3 key heads of 64, 160 cached positions, a padding mask):
+    ``F.scaled_dot_product_attention`` on keys repeated for each query head (as torchtune passes
+    them) against :func:`kd.backends.decode_attention.decode_attention`; medians of
+    ``repeats`` timings of ``calls`` calls each, per dtype."""
+    import torch.nn.functional as F
+
+    from kd.backends.decode_attention import decode_attention
+
+    b, heads, kv, dim, length = 16, 9, 3, 64, 160
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.ones(b, 1, 1, length, dtype=torch.bool)
+    mask[:, :, :, 100:] = False  # the cache's unwritten tail
+    out: dict = {"shape": {"batch": b, "heads": heads, "kv_heads": kv, "head_dim": dim}}
+    out["shape"]["positions"] = length
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        q = torch.randn(b, heads, 1, dim, generator=gen).to(dtype)
+        k, v = (torch.randn(b, kv, length, dim, generator=gen).to(dtype) for _ in range(2))
+        k_rep, v_rep = (x.repeat_interleave(heads // kv, dim=1) for x in (k, v))
+        ways = {
+            "fused kernel": functools.partial(
+                F.scaled_dot_product_attention, q, k_rep, v_rep, attn_mask=mask
+            ),
+            "kd decode_attention": functools.partial(decode_attention, q, k, v, mask),
+        }
+        for way, call in ways.items():
+            call()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                times.append((time.perf_counter() - start) / calls * 1e3)
+            out[f"{way} {name} ms"] = statistics.median(times)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/kd_bench_rollout"))
@@ -442,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead of rates: KL(fp32 || bf16) and greedy agreement on the pair's real rows",
     )
+    p.add_argument(
+        "--attention",
+        action="store_true",
+        help="instead of rates: one decode position's attention at the student's shapes, torch's "
+        "fused kernel against kd.backends.decode_attention, bf16 and fp32",
+    )
     p.add_argument("--rows", type=int, default=64, help="--quality: chat rows")
     p.add_argument("--max-len", type=int, default=256, help="--quality: tokens per row at most")
     p.add_argument("--doc", action="store_true", help="write docs/benchmarks_rollout.md's table")
@@ -457,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
         write_doc([json.loads(f.read_text()) for f in args.doc_from])
         return 0
     torch.set_num_threads(args.threads)
+    if args.attention:
+        result = attention_times(args.repeats)
+        result.update(threads=args.threads, torch=torch.__version__)
+        print(json.dumps(result, indent=1), flush=True)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     folder = student_folder(args.work, args.model)
     if args.quality:
         result = quality(folder, args)

@@ -2,8 +2,8 @@
 
 On a CPU, torch's fused attention kernel (``scaled_dot_product_attention``'s flash kernel for
 the CPU) is slow on a bf16 query of one position: a decode step of the pair's student at batch
-16 took 2.2 ms per layer in it against 0.14 ms for the same product written as two matrix
-products (``scripts/bench_rollout.py``; ``docs/benchmarks_rollout.md``). A prompt's prefill (many
+16 took 1.77 ms per layer in it against 0.19 ms for the same product written as two matrix
+products (``scripts/bench_rollout.py --attention``; ``docs/benchmarks_rollout.md``). A prompt's prefill (many
 query positions) stays on the fused kernel, which is faster there.
 
 :func:`decode_attention` is that product: the query heads grouped over their key/value head (no
