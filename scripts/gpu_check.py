@@ -29,8 +29,8 @@ after every section, so a run cut short keeps what it measured. Sections:
    through ``scripts/bench_vs_trl.py``'s runners: labelled tokens/s (median of steps 2..N), model
    FLOPs utilisation, and for on-policy the step split into sampling / teacher / student; then
    kd's faster local samplers on-policy, once each (``KD_SAMPLERS``: ``kd-fast`` samples a
-   step's rollouts in one batch with a preallocated cache, ``kd-compiled`` adds the compiled
-   decode step).
+   step's rollouts in one batch with a preallocated cache, ``kd-async`` samples the next step's
+   on a background thread while this one trains, ``kd-compiled`` adds the compiled decode step).
 4. **tests**: ``python -m pytest -m gpu`` (what only CUDA shows).
 
 Needs, beyond torch / transformers / peft / safetensors / pyarrow: torchtune, torchao, omegaconf,
@@ -418,6 +418,24 @@ except BaseException as exc:
     bad["datasets.load_dataset"] = f"{type(exc).__name__}: {exc}"
 print("PREFLIGHT_JSON " + json.dumps(bad))
 """
+
+
+def kd_command(work: Path) -> str | None:
+    """The ``kd`` command the runs start: the installed one, or (kd importable from
+    ``PYTHONPATH`` but not installed, as on a GPU machine with no index) a two-line shim in
+    ``work/bin`` put first on this process's ``PATH``, which its children inherit."""
+    found = shutil.which("kd")
+    if found is not None:
+        return found
+    shim = work / "bin" / "kd"
+    shim.parent.mkdir(parents=True, exist_ok=True)
+    shim.write_text(
+        f'#!/bin/sh\nexec {sys.executable} -c "import sys; from kd.cli import main; '
+        f'sys.exit(main())" "$@"\n'
+    )
+    shim.chmod(0o755)
+    os.environ["PATH"] = f"{shim.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return shutil.which("kd")
 
 
 def preflight() -> dict[str, Any]:
@@ -809,8 +827,10 @@ def speed(
     params: dict[str, int],
     peak_tflops: float | None,
     only: set[str] | None = None,
+    on_run: Any = None,
 ) -> dict[str, Any]:
-    """kd against TRL on the Qwen pair (bench_vs_trl's runners, on ``device`` in bf16)."""
+    """kd against TRL on the Qwen pair (bench_vs_trl's runners, on ``device`` in bf16);
+    ``on_run(out)`` after each run (the caller writes what was measured so far)."""
     import bench_vs_trl as bvt
 
     teacher, student, _ = PAIRS["qwen"]
@@ -911,40 +931,44 @@ def speed(
             flush=True,
         )
 
-    # repeat 0 of both modes first, so a run cut short by the budget still compares both
+    def progress() -> None:
+        out["table"] = speed_table(out["runs"])
+        if on_run is not None:
+            on_run(out)
+
+    def samplers() -> None:
+        # kd's faster local samplers, on-policy, once each (issue 37): every step's rollouts in
+        # one batch with a preallocated cache, sampled ahead on a background thread, compiled
+        for tool, sets in KD_SAMPLERS.items():
+            if only is not None and f"{tool}:on_policy" not in only:
+                continue
+            run = functools.partial(
+                bvt.run_kd, assets, "gpu", "on_policy", "jsd", tool, env, {**kd_over, **sets}
+            )
+            measure(tool, "on_policy", 0, run, f"kd_on_policy_jsd_{tool}*.log", sets=sets)
+            progress()
+
+    def core(tool: str, mode: str, rep: int) -> None:
+        if only is not None and f"{tool}:{mode}" not in only:
+            return
+        if tool == "kd":
+            run = functools.partial(bvt.run_kd, assets, "gpu", mode, "jsd", str(rep), env, kd_over)
+        else:
+            run = functools.partial(
+                bvt.run_trl, assets, "gpu", mode, "jsd", str(rep), env, rows, prompts, trl_extra
+            )
+        measure(tool, mode, rep, run, f"{tool}_{mode}_jsd_{rep}*.log")
+        progress()
+
+    # on-policy first (both tools, then kd's faster samplers), then off-policy, then the second
+    # repeats in the other order: a run cut short by the budget still compares the tools
     orders = (("kd", "trl"),) if smoke else (("kd", "trl"), ("trl", "kd"))
     for rep, order in enumerate(orders):
-        for mode in ("off_policy", "on_policy"):
+        for mode in ("on_policy", "off_policy"):
             for tool in order:
-                if only is not None and f"{tool}:{mode}" not in only:
-                    continue
-                if tool == "kd":
-                    run = functools.partial(
-                        bvt.run_kd, assets, "gpu", mode, "jsd", str(rep), env, kd_over
-                    )
-                else:
-                    run = functools.partial(
-                        bvt.run_trl,
-                        assets,
-                        "gpu",
-                        mode,
-                        "jsd",
-                        str(rep),
-                        env,
-                        rows,
-                        prompts,
-                        trl_extra,
-                    )
-                measure(tool, mode, rep, run, f"{tool}_{mode}_jsd_{rep}*.log")
-    # kd's faster local samplers, on-policy, once each after both tools' core runs (issue 37):
-    # every step's rollouts in one batch with a preallocated cache, then its compiled step.
-    for tool, sets in KD_SAMPLERS.items():
-        if only is not None and f"{tool}:on_policy" not in only:
-            continue
-        run = functools.partial(
-            bvt.run_kd, assets, "gpu", "on_policy", "jsd", tool, env, {**kd_over, **sets}
-        )
-        measure(tool, "on_policy", 0, run, f"kd_on_policy_jsd_{tool}*.log", sets=sets)
+                core(tool, mode, rep)
+            if rep == 0 and mode == "on_policy":
+                samplers()
     out["table"] = speed_table(out["runs"])
     return out
 
@@ -953,6 +977,7 @@ def speed(
 # run once each by the speed section: the tool name -> the keys it sets.
 KD_SAMPLERS: dict[str, dict[str, Any]] = {
     "kd-fast": {"on_policy.batch_rollouts": True},
+    "kd-async": {"on_policy.batch_rollouts": True, "on_policy.async_steps": 1},
     "kd-compiled": {"on_policy.batch_rollouts": True, "compile": True},
 }
 
@@ -1182,7 +1207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--speed-runs",
         default=None,
-        help="only these (kd:off_policy,trl:on_policy,kd-fast:on_policy,kd-compiled:on_policy)",
+        help="only these (kd:off_policy,trl:on_policy,kd-fast:on_policy,kd-async:on_policy,"
+        "kd-compiled:on_policy)",
     )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -1198,6 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
     res.section("environment", environment(device))
     print(json.dumps(res.doc["sections"]["environment"]), flush=True)
     deadline = t_start + args.budget_s
+    kd_command(work)
     pre = preflight()
     res.section("preflight", pre)
     if pre["status"] != "ok":
@@ -1213,7 +1240,15 @@ def main(argv: list[str] | None = None) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.monotonic()
-    names = sorted({m for p in PAIRS.values() for m in p[:2]})
+    rows = rows_for(args.smoke)
+    # --row-ids index the whole grid; --smoke alone runs one row of each code path
+    ids = args.row_ids or ("0,2,7,8,9,11,12" if args.smoke else None)
+    if ids:
+        rows = [rows[int(i)] for i in ids.split(",")]
+    # only the models the chosen rows (and the speed section's Qwen pair) load: writing a 3B
+    # model's random weights is most of the assets' time
+    pairs_used = {r.pair for r in rows} | ({"qwen"} if "speed" in wanted else set())
+    names = sorted({m for p in pairs_used for m in PAIRS[p][:2]})
     prewarm(names)
     with ThreadPoolExecutor(len(names)) as pool:
         made = list(
@@ -1227,11 +1262,6 @@ def main(argv: list[str] | None = None) -> int:
     folders: dict[str, Path] = dict(zip(names, made, strict=True))
     params = {name: count_params(f) for name, f in folders.items()}
     data = write_data(work / "data.jsonl", 64, 4200 if not args.smoke else 300)
-    rows = rows_for(args.smoke)
-    # --row-ids index the whole grid; --smoke alone runs one row of each code path
-    ids = args.row_ids or ("0,2,7,8,9,11,12" if args.smoke else None)
-    if ids:
-        rows = [rows[int(i)] for i in ids.split(",")]
     keys = sorted(
         {f"{r.pair}_{r.base}" for r in rows} | ({"qwen_full"} if "speed" in wanted else set())
     )
@@ -1260,7 +1290,18 @@ def main(argv: list[str] | None = None) -> int:
             only = set(args.speed_runs.split(",")) if args.speed_runs else None
             res.section(
                 "speed",
-                speed(work, folders, data, device, args.smoke, deadline, params, peak, only),
+                speed(
+                    work,
+                    folders,
+                    data,
+                    device,
+                    args.smoke,
+                    deadline,
+                    params,
+                    peak,
+                    only,
+                    on_run=lambda part: res.section("speed", part),
+                ),
             )
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):

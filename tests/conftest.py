@@ -36,7 +36,16 @@ warnings.filterwarnings("ignore")
 # The fake accelerator (kd.memory.fake_device) is registered before any test runs a backward:
 # autograd sizes its per-device ready queues once, at the process's first backward, so a device
 # registered later fails its backward (an internal assert in torch/csrc/autograd/engine.cpp).
-register_fake_device()
+# Never beside a real CUDA device: there torch sends pinned memory (and its accelerator hooks) to
+# the registered PrivateUse1 backend, and every CUDA test failed (the H100 run of 2026-11-27,
+# `pin_memory`: "You should register PrivateUse1HooksInterface"). The tests that use the fake
+# accelerator are marked FAKE_ACCELERATOR and skip there.
+REAL_CUDA = torch.cuda.is_available()
+FAKE_ACCELERATOR = pytest.mark.skipif(
+    REAL_CUDA, reason="the fake accelerator is for machines without a CUDA device"
+)
+if not REAL_CUDA:
+    register_fake_device()
 
 # Tiny models: one intra-op thread is much faster than two fighting over a 2-core machine, for this
 # process and the `kd` subprocesses the tests start (they inherit the environment).

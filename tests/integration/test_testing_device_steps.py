@@ -21,6 +21,7 @@ from kd.testing import hf_tokenizer_node, write_jsonl
 from kd.testing_device import fake_device_step
 from kd.testing_server import TeacherTestServer
 from tests.conftest import (
+    FAKE_ACCELERATOR,
     MAX_SEQ_LEN,
     TEACHER,
     builder,
@@ -32,6 +33,8 @@ from tests.conftest import (
 from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401 (fixtures)
 from tests.integration.teachers.test_foreign_store_run import T_GEN, K, foreign, kd_store  # noqa: F401 (fixtures)
 from tests.integration.teachers.test_served_teacher import teacher_fn, tokenizer  # noqa: F401 (fixtures)
+
+pytestmark = FAKE_ACCELERATOR
 
 COSINE = {
     "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",

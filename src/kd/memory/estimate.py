@@ -160,25 +160,31 @@ class Estimate:
         return max(self.peak_bytes, self.teacher_device_peak) <= budget_bytes
 
 
-def runtime_reserve(allocated: int, k: TrainKnobs) -> int:
+def runtime_reserve(allocated: int, k: TrainKnobs, parked_teacher: int = 0) -> int:
     """Every runtime term added to each phase (bytes): :func:`kd.memory.runtime.runtime_terms`."""
-    terms = runtime_of(allocated, k)
+    terms = runtime_of(allocated, k, parked_teacher)
     return terms.allocator_slack + terms.cuda_runtime
 
 
-def runtime_of(allocated: int, k: TrainKnobs) -> RuntimeTerms:
-    """The named runtime terms of a run whose tensors peak at ``allocated`` bytes."""
+def runtime_of(allocated: int, k: TrainKnobs, parked_teacher: int = 0) -> RuntimeTerms:
+    """The named runtime terms of a run whose tensors peak at ``allocated`` bytes
+    (``parked_teacher``: the teacher's bytes moved in per forward when parked or streamed)."""
     return runtime_terms(
         allocated,
         device_type=k.device_type,
         activation_checkpointing=k.activation_checkpointing,
         num_ranks=k.num_ranks,
         override=k.reserve_bytes,
+        teacher_offload=k.teacher_offload,
+        parked_teacher=parked_teacher,
     )
 
 
 def _with_reserve(
-    phases: dict[str, Components], subphases: dict[str, int], k: TrainKnobs
+    phases: dict[str, Components],
+    subphases: dict[str, int],
+    k: TrainKnobs,
+    parked_teacher: int = 0,
 ) -> tuple[dict[str, Components], str, RuntimeTerms]:
     """Every component in every phase (0 when absent), the runtime reserve added, the allocated
     peaks of the phases after forward recorded in ``subphases``; and the peak phase."""
@@ -186,7 +192,7 @@ def _with_reserve(
         for c in COMPONENTS:
             ph.setdefault(c, 0)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    terms = runtime_of(sum(phases[peak_phase].values()), k)
+    terms = runtime_of(sum(phases[peak_phase].values()), k, parked_teacher)
     for name in ("backward", "optimizer_step", EVAL_PHASE, GEN_PHASE, FINAL_EVAL_PHASE):
         if name in phases:
             subphases[name] = sum(phases[name].values())
@@ -274,7 +280,9 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
             f"~{host.seconds_per_step:.2f} s at an assumed {PCIE_GB_PER_S:g} GB/s PCIe "
             "(measure your link)"
         )
-    phases, peak_phase, terms = _with_reserve(phases, subphases, k)
+    phases, peak_phase, terms = _with_reserve(
+        phases, subphases, k, parked_teacher_bytes(teacher, k)
+    )
     own = teacher_device_components(teacher, k) if k.teacher_own_device and teacher else {}
     if own:
         notes.append(

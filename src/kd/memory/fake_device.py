@@ -55,10 +55,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import (
     FakeTensor,
-    FakeTensorDeviceMismatchError,
     FakeTensorMode,
     _check_for_subclass,
 )
+
+try:  # torch 2.12+: its own class; before, fake tensors raise a RuntimeError on a mismatch
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+except ImportError:  # pragma: no cover - torch < 2.12 (the CUDA image's 2.11)
+    FakeTensorDeviceMismatchError = RuntimeError  # type: ignore[misc,assignment]
 from torch.utils import _pytree as pytree
 
 FAKE_DEVICE = "fakecuda"

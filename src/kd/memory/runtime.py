@@ -32,6 +32,13 @@ tensor no longer takes a 20 MiB segment (measured); the fractions above were mea
 default allocator and stay the plan with either setting (an upper bound with expandable segments
 until a GPU run measures them, ``scripts/gpu_check.py``).
 
+- a parked or streamed teacher (``teacher_offload``): the allocator kept far more than the
+  tensors' peak, since the blocks of the teacher's weights brought in for its forward are freed
+  while the copies and kernels queued behind them still run, and are reused only after: one row
+  each (Qwen2.5-3B -> 0.5B full, 2048 tokens, AC; the H100 run of 2026-11-27 evening) reserved
+  1.65 GiB (``park``) and 3.23 GiB (``stream``) beyond the planned allocated peak and the
+  fragmentation above, 0.29 and 0.56 of the 5.75 GiB of weights moved in. The plan adds 0.30 and
+  0.60 of them (``offload_cache``), a fit to those two rows until a GPU run measures more.
 On the CPU (``device: cpu``) the terms are the interpreter and its libraries (1 GiB, a process
 running kd holds 0.8-1.0 GiB before its first tensor) and 3% of the tensors for the allocator.
 ``memory.reserve_gib`` replaces all of them with one number.
@@ -50,6 +57,9 @@ FRAGMENTATION_AC = 0.135
 FRAGMENTATION = 0.05
 NCCL_BYTES_PER_RANK = 580 * MIB
 
+# teacher_offload -> the share of the moved-in teacher weights the allocator keeps beyond its
+# fragmentation (module doc)
+OFFLOAD_CACHE = {"park": 0.30, "stream": 0.60}
 CPU_PROCESS_BYTES = GIB
 CPU_FRAGMENTATION = 0.03
 CPU_PROCESS_GROUP_BYTES = GIB // 2  # gloo's process group and its threads (not measured)
@@ -65,6 +75,8 @@ class RuntimeTerms:
         context: the CUDA context and library handles (outside the allocator), or on the CPU
             the interpreter and its libraries.
         nccl: NCCL's buffers (outside the allocator; distributed runs only).
+        offload_cache: blocks of a parked or streamed teacher's weights the allocator keeps
+            (inside it).
         override: ``memory.reserve_gib`` in bytes, which replaces the others; None when unset.
     """
 
@@ -72,12 +84,15 @@ class RuntimeTerms:
     workspace: int = 0
     context: int = 0
     nccl: int = 0
+    offload_cache: int = 0
     override: int | None = None
 
     @property
     def allocator_slack(self) -> int:
         """Inside the caching allocator: reserved peak = allocated peak + this."""
-        return 0 if self.override is not None else self.fragmentation + self.workspace
+        if self.override is not None:
+            return 0
+        return self.fragmentation + self.workspace + self.offload_cache
 
     @property
     def cuda_runtime(self) -> int:
@@ -90,6 +105,7 @@ class RuntimeTerms:
         return {
             "allocator_fragmentation": round(self.fragmentation / GIB, 4),
             "cublas_workspace": round(self.workspace / GIB, 4),
+            **({"offload_cache": round(self.offload_cache / GIB, 4)} if self.offload_cache else {}),
             "cuda_context": round(self.context / GIB, 4),
             "nccl": round(self.nccl / GIB, 4),
         }
@@ -102,6 +118,8 @@ def runtime_terms(
     activation_checkpointing: bool,
     num_ranks: int,
     override: int | None = None,
+    teacher_offload: str = "none",
+    parked_teacher: int = 0,
 ) -> RuntimeTerms:
     """The terms for a run whose tensors peak at ``allocated_peak`` bytes on one device.
 
@@ -111,6 +129,9 @@ def runtime_terms(
         activation_checkpointing: recomputed layers fragment the allocator more.
         num_ranks: ranks of the run (NCCL's buffers when more than one).
         override: ``memory.reserve_gib`` in bytes (replaces every term).
+        teacher_offload: ``none``, ``park`` or ``stream``.
+        parked_teacher: bytes of the teacher's weights moved in for each forward when parked
+            or streamed (:func:`kd.memory.offload.parked_teacher_bytes`).
     """
     if override is not None:
         return RuntimeTerms(override=int(override))
@@ -124,6 +145,7 @@ def runtime_terms(
     return RuntimeTerms(
         fragmentation=int(frac * allocated_peak),
         workspace=CUBLAS_WORKSPACE_BYTES,
+        offload_cache=int(OFFLOAD_CACHE.get(teacher_offload, 0.0) * parked_teacher),
         context=CUDA_CONTEXT_BYTES,
         nccl=NCCL_BYTES_PER_RANK if num_ranks > 1 else 0,
     )

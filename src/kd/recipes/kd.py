@@ -267,7 +267,9 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
-                    self._after_step(bar)  # the teacher and the sampler follow the step's weights
+                    # the teacher and the sampler follow the step's weights; their time (with
+                    # async_steps, the wait for the next step's rollouts) is the step's
+                    stats = train.with_after_step(stats, self._after_step(bar))
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         self._log_step(stats, step)
                     # Before the step save: its resume state holds this evaluation.
@@ -357,15 +359,21 @@ class KDRecipe:
             stats, step=step, epoch=self.epoch, lr=lr, planned_peak_gib=plan, extra=extra
         )
 
-    def _after_step(self, bar: Any) -> None:
+    def _after_step(self, bar: Any) -> PhaseTimer:
         """After the step just counted: the teacher's ``after_step``; the sampler takes the weights
-        (a served one pushes them); one that cannot stops the run with this step saved."""
+        (a served one pushes them); one that cannot stops the run with this step saved. Their
+        seconds, as the ``teacher`` and ``generate`` phases (with ``async_steps: 1`` the wait for
+        the next step's rollouts is here)."""
+        timer = PhaseTimer(self.device)
         if self.teacher is not None:
-            self.teacher.after_step(self.global_step)
+            with timer.phase("teacher"):
+                self.teacher.after_step(self.global_step)
         if self.on_policy is None:
-            return
+            return timer
         try:
-            self.on_policy.after_step(self.student, self.global_step)
+            with timer.phase("generate"):
+                self.on_policy.after_step(self.student, self.global_step)
+            return timer
         except RolloutStopped as e:
             bar.close()
             raise self.checkpointer.save_on_stop(

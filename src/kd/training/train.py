@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "step_grad_norm",
     "skip_or_stop",
     "step_metrics",
+    "with_after_step",
 ]
 
 log = logging.getLogger("kd")
@@ -117,6 +118,15 @@ def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
             total = sum(tokens for _, tokens in stats.sampled.values())
             row["generate_tokens_per_second"] = total / generate_s
     return row
+
+
+def with_after_step(stats: StepStats, after: PhaseTimer) -> StepStats:
+    """``stats`` with the work after its optimizer step added (the teacher and the sampler taking
+    the new weights, the wait for rollouts sampled ahead): its seconds and its phases."""
+    phases = dict(stats.phases)
+    for name, seconds in after.seconds.items():
+        phases[name] = phases.get(name, 0.0) + seconds
+    return replace(stats, seconds=stats.seconds + sum(after.seconds.values()), phases=phases)
 
 
 @dataclass

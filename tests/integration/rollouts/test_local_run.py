@@ -116,6 +116,32 @@ def test_async_steps_1_samples_one_step_ahead(assets, tmp_path, monkeypatch):
     }
 
 
+def test_async_steps_1_counts_the_wait_for_rollouts_in_the_step(assets, tmp_path, monkeypatch):
+    """The background sampling of the next step takes 2 s (two micro-batches of 1 s), far longer
+    than a tiny step trains: the step waits for it after its optimizer step, and that wait is the
+    step's time (its tokens/s and its ``generate`` phase), not hidden between steps (the H100 run
+    of 2026-11-27 logged 0.27 s steps while each took 4.6 s of wall time)."""
+    import time
+
+    original = kd.rollouts.local.LocalSampler.sample
+
+    def slow(self, prompts, **kw):
+        if threading.current_thread().name.startswith("kd-rollout"):
+            time.sleep(1.0)
+        return original(self, prompts, **kw)
+
+    monkeypatch.setattr(kd.rollouts.local.LocalSampler, "sample", slow)
+    out = run(tmp_path, "ahead", assets, on_policy=on_policy(temperature=0.0, async_steps=1))
+    rows = read_metrics(out)
+    seconds = [r["num_tokens"] / r["tokens_per_second"] for r in rows]
+    # steps 1 and 2 wait for the next step's completions (step 3 has none after it)
+    assert seconds[0] >= 2.0 and seconds[1] >= 2.0, seconds
+    for r, s in zip(rows[:2], seconds[:2], strict=True):
+        assert r["time_wait_rollout_s"] <= s
+        assert r["time_generate_s"] + r["time_teacher_s"] + r["time_student_s"] == pytest.approx(s)
+        assert r["time_generate_s"] >= r["time_wait_rollout_s"] > 0
+
+
 BF16 = {"sampling_dtype": "bf16"}
 
 

@@ -13,13 +13,15 @@ from kd import cli
 from kd.memory import fake_device
 from kd.runtime import offload
 from kd.teachers import parking
-from tests.conftest import make_config, read_metrics, write_config
+from tests.conftest import FAKE_ACCELERATOR, REAL_CUDA, make_config, read_metrics, write_config
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
 
 # The fake accelerator's device must exist before this process's first backward starts autograd's
 # device threads (a backward on the CPU first leaves no queue for it: an internal assert later).
-fake_device.register()
+if not REAL_CUDA:  # never beside a real CUDA device (tests/conftest.py)
+    fake_device.register()
+pytestmark = FAKE_ACCELERATOR
 
 
 def _kd_run(assets, out: Path, *, lora: bool = False, **top) -> tuple[list[dict], dict]:

@@ -17,10 +17,20 @@ from kd import cli, models
 from kd.memory import fake_device
 from kd.teachers import build, placement
 from kd.teachers.model import ModelTeacher
-from tests.conftest import STUDENT, builder, checkpointer_node, make_config, write_config
+from tests.conftest import (
+    FAKE_ACCELERATOR,
+    REAL_CUDA,
+    STUDENT,
+    builder,
+    checkpointer_node,
+    make_config,
+    write_config,
+)
 from tests.integration.runtime.test_offload_run import _assert_same, _kd_run
 
-fake_device.register()
+if not REAL_CUDA:  # never beside a real CUDA device (tests/conftest.py)
+    fake_device.register()
+pytestmark = FAKE_ACCELERATOR
 
 
 @pytest.fixture
@@ -119,7 +129,7 @@ def test_teacher_device_fake_step(assets, tmp_path, placed, tied):
 def test_signal_left_on_teacher_device_raises(assets, tmp_path, monkeypatch):
     """The fake accelerator tells the devices apart: a teacher whose hidden states are not moved
     to the student's device fails the step, as CUDA would."""
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+    from kd.memory.fake_device import FakeTensorDeviceMismatchError
 
     init = ModelTeacher.__init__
 

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorDeviceMismatchError
+from torch._subclasses.fake_tensor import FakeTensor
 
 from kd.memory.fake_device import (
     FAKE_DEVICE,
     FakeAccelerator,
     FakeDeviceMismatch,
+    FakeTensorDeviceMismatchError,
     is_fake_device,
     register,
 )
+from tests.conftest import FAKE_ACCELERATOR
+
+pytestmark = FAKE_ACCELERATOR
 
 
 def test_register_is_idempotent_and_names_the_device():

@@ -142,10 +142,13 @@ def test_lora_suggestion_is_planned_again_and_fits():
     assert lora and lora[0].peak_bytes <= 44 * GIB
     assert "loss_chunk_size=512" in lora[0].overrides  # the current knobs alone do not fit
     _replans(FULL_14B_3B, ["device=cuda"], plan, world_size=1)
-    # at 20 GiB (the teacher alone is 27.5) only settings with the teacher streamed from host
-    # memory fit, LoRA or not; at 8 GiB nothing does, and nothing is suggested
-    streamed = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=20)
-    assert streamed.fit and all("teacher_offload=stream" in o.overrides for o in streamed.fit)
+    # at 36 GiB (the teacher alone is 27.5, and a parked one leaves 0.3 of it in the allocator's
+    # cache, kd.memory.runtime) only settings with the teacher streamed from host memory fit,
+    # LoRA or not (beside a quantized teacher's suggestion); at 8 GiB nothing does, and nothing
+    # is suggested
+    streamed = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=36)
+    knobs = [o for o in streamed.fit if not o.extra.get("teacher_quantization")]
+    assert knobs and all("teacher_offload=stream" in o.overrides for o in knobs)
     nothing = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=8)
     assert nothing.fit == []
 

@@ -106,7 +106,9 @@ def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
     base = ["plan", "--config", FULL_14B_3B, "--budget-gib", "40"]
     assert cli.main([*base, "--fit"]) == 1
     text = capsys.readouterr().out
-    line = next(x for x in text.splitlines() if x.startswith("  teacher_offload="))
+    line = next(
+        x for x in text.splitlines() if x.startswith("  ") and "teacher_offload=stream" in x
+    )
     overrides = line.split("#")[0].split()
     assert "teacher_offload=stream" in overrides
     assert "GiB moved per step" in line and "s at an assumed 25 GB/s" in line
@@ -122,29 +124,31 @@ def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
 LORA_8B_8B = "llama3_1/8B_to_8B_lora_single_device"
 
 
-def test_fit_puts_the_8b_to_8b_template_on_one_24_gib_gpu(capsys):
-    """The 8B -> 8B template (LoRA student, bf16 8B teacher: 61 GiB) on one 24 GiB GPU:
-    ``--fit`` answers with the activations in host memory and the teacher streamed (21.88 GiB),
-    then activation checkpointing with the teacher streamed (23.94 GiB), each stating the bytes it
-    moves per step and their seconds; both planned again fit (docs/offloading.md)."""
-    base = ["plan", "--config", LORA_8B_8B, "--budget-gib", "24"]
+def test_fit_puts_the_8b_to_8b_template_on_one_32_gib_gpu(capsys):
+    """The 8B -> 8B template (LoRA student, bf16 8B teacher: 61 GiB) on one 32 GiB GPU:
+    ``--fit`` answers with the activations in host memory and the teacher streamed (30.26 GiB:
+    21.88 GiB of tensors and slack, and 0.6 of the streamed 15 GiB teacher that the caching
+    allocator keeps, as measured on the H100, kd.memory.runtime), then activation checkpointing
+    with the teacher streamed, each stating the bytes it moves per step and their seconds; both
+    planned again fit. Nothing fits 24 GiB (docs/offloading.md)."""
+    base = ["plan", "--config", LORA_8B_8B, "--budget-gib", "32"]
     assert cli.main([*base, "--fit"]) == 1
     text = capsys.readouterr().out
-    assert "peak 61.08 GiB in forward; budget 24.00 GiB: DOES NOT FIT" in text
+    assert "peak 61.08 GiB in forward; budget 32.00 GiB: DOES NOT FIT" in text
     lines = text.split("settings that fit (fastest first; append to the command line):\n")[1]
     options = [x for x in lines.splitlines() if x.startswith("  ") and "#" in x]
     got = [line.split("#")[0].split() for line in options]
-    assert got[:2] == [
-        ["enable_activation_offloading=true", "teacher_offload=stream"],
-        ["enable_activation_checkpointing=true", "teacher_offload=stream"],
-    ]
-    assert "21.88 GiB" in options[0] and "771.5 GiB moved per step, ~33.1 s" in options[0]
+    assert got[0] == ["enable_activation_offloading=true", "teacher_offload=stream"]
+    assert "enable_activation_checkpointing=true" in got[1] and "teacher_offload=stream" in got[1]
+    assert "30.26 GiB" in options[0] and "771.5 GiB moved per step, ~33.1 s" in options[0]
     assert "223.7 GiB moved per step, ~9.6 s at an assumed 25 GB/s" in options[0]
-    assert "23.94 GiB" in options[1] and "771.5" not in options[1]
+    assert "771.5" not in options[1]
     for overrides in got[:2]:
         assert cli.main([*base, *overrides, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["fits"] and out["peak_gib"] <= 24 and out["host"]["transfer_s_per_step"] > 0
+        assert out["fits"] and out["peak_gib"] <= 32 and out["host"]["transfer_s_per_step"] > 0
+    assert cli.main(["plan", "--config", LORA_8B_8B, "--budget-gib", "24", "--fit"]) == 1
+    assert "no setting of the searched knobs fits" in capsys.readouterr().out
 
 
 def test_trace_runs_the_offloaded_step(assets, tmp_path, capsys):
