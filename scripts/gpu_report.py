@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpu_check import OFFLOAD_MODES, offload_table
+
 from kd.memory.runtime import runtime_terms
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,8 +40,23 @@ def memory_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def replan(r: dict[str, Any]) -> dict[str, float]:
     """Reserved and device peaks from the row's planned allocated peak and today's terms."""
     alloc = r["plan"]["allocated_peak_gib"] * GIB
+    mode = next(
+        (
+            sets.get("teacher_offload", "none")
+            for m, (_, sets) in OFFLOAD_MODES.items()
+            if r["name"].endswith(f", {m}")
+        ),
+        "none",
+    )
+    parked = r["plan"].get("host", {}).get("host_gib", {}).get("parked_teacher", 0.0) * GIB
     terms = runtime_terms(
-        int(alloc), device_type="cuda", activation_checkpointing=r["ac"], num_ranks=1
+        int(alloc),
+        device_type="cuda",
+        activation_checkpointing=r["ac"],
+        num_ranks=1,
+        activation_offloading="activations offloaded" in r["name"],
+        teacher_offload=mode,
+        parked_teacher=int(parked),
     )
     reserved = alloc + terms.allocator_slack
     return {
@@ -118,8 +135,8 @@ def speed_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def speed_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| mode | tool | call | labelled tokens/s | model TFLOP/s | MFU (of the measured 784) | "
-        "step split (s): sampling / teacher / student |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "step split (s): sampling / teacher / student | note |",
+        "|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in runs:
         ph = r.get("phases")
@@ -128,7 +145,8 @@ def speed_table(runs: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(
             f"| {r['mode']} | {r['tool']} | {r['call']} | {r['tokens_per_s']:.0f} | "
-            f"{r['model_tflops']:.1f} | {r['model_tflops'] / 784:.3f} | {split} |"
+            f"{r['model_tflops']:.1f} | {r['model_tflops'] / 784:.3f} | {split} | "
+            f"{r.get('note', '')} |"
         )
     return lines
 
@@ -154,6 +172,10 @@ def section(data: dict[str, Any], json_path: str) -> str:
         "### Plan against the device (planned with today's `kd.memory.runtime` terms)",
         "",
         *memory_table(memory_rows(calls)),
+        "",
+        "### Offloading: each mode's peak and step time beside the same run resident",
+        "",
+        *offload_table(memory_rows(calls)),
         "",
         "### kd against TRL",
         "",

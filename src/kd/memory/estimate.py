@@ -175,6 +175,7 @@ def runtime_of(allocated: int, k: TrainKnobs, parked_teacher: int = 0) -> Runtim
         activation_checkpointing=k.activation_checkpointing,
         num_ranks=k.num_ranks,
         override=k.reserve_bytes,
+        activation_offloading=k.activation_offloading,
         teacher_offload=k.teacher_offload,
         parked_teacher=parked_teacher,
     )

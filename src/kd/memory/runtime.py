@@ -23,7 +23,10 @@ torch 2.11.0+cu130, default allocator), 2026-11-27, ``scripts/bench_data/gpu_che
   allocator, one per handle and stream).
 - fragmentation: ``max_memory_reserved`` over the planned allocated peak was 9.3-13.3% with
   activation checkpointing (five configurations) and 3.5% without (one): recomputing each layer
-  frees and retakes blocks of many sizes. The fractions below cover every measured row.
+  frees and retakes blocks of many sizes. Offloading the saved activations does the same
+  (every saved tensor leaves and comes back): without checkpointing it reserved 10.8% over its
+  planned allocated peak (one row, the H100 run of 2026-11-27 evening), so it takes the
+  checkpointing fraction. The fractions below cover every measured row.
 - NCCL: a one-rank NCCL group took 565-578 MiB after its first all-reduce.
 
 ``expandable_segments``: kd leaves ``PYTORCH_CUDA_ALLOC_CONF`` as the user set it. With
@@ -36,9 +39,9 @@ until a GPU run measures them, ``scripts/gpu_check.py``).
   tensors' peak, since the blocks of the teacher's weights brought in for its forward are freed
   while the copies and kernels queued behind them still run, and are reused only after: one row
   each (Qwen2.5-3B -> 0.5B full, 2048 tokens, AC; the H100 run of 2026-11-27 evening) reserved
-  1.65 GiB (``park``) and 3.23 GiB (``stream``) beyond the planned allocated peak and the
-  fragmentation above, 0.29 and 0.56 of the 5.75 GiB of weights moved in. The plan adds 0.30 and
-  0.60 of them (``offload_cache``), a fit to those two rows until a GPU run measures more.
+  1.65 GiB (``park``) and 3.22 GiB (``stream``) beyond the planned allocated peak and the
+  fragmentation above: 0.32 and 0.62 of the 5.17 GiB of weights moved in. The plan adds 0.35
+  and 0.65 of them (``offload_cache``), a fit to those two rows until a GPU run measures more.
 On the CPU (``device: cpu``) the terms are the interpreter and its libraries (1 GiB, a process
 running kd holds 0.8-1.0 GiB before its first tensor) and 3% of the tensors for the allocator.
 ``memory.reserve_gib`` replaces all of them with one number.
@@ -59,7 +62,7 @@ NCCL_BYTES_PER_RANK = 580 * MIB
 
 # teacher_offload -> the share of the moved-in teacher weights the allocator keeps beyond its
 # fragmentation (module doc)
-OFFLOAD_CACHE = {"park": 0.30, "stream": 0.60}
+OFFLOAD_CACHE = {"park": 0.35, "stream": 0.65}
 CPU_PROCESS_BYTES = GIB
 CPU_FRAGMENTATION = 0.03
 CPU_PROCESS_GROUP_BYTES = GIB // 2  # gloo's process group and its threads (not measured)
@@ -118,6 +121,7 @@ def runtime_terms(
     activation_checkpointing: bool,
     num_ranks: int,
     override: int | None = None,
+    activation_offloading: bool = False,
     teacher_offload: str = "none",
     parked_teacher: int = 0,
 ) -> RuntimeTerms:
@@ -127,6 +131,7 @@ def runtime_terms(
         allocated_peak: the planned allocated peak (tensors only).
         device_type: ``cuda`` or ``cpu``.
         activation_checkpointing: recomputed layers fragment the allocator more.
+        activation_offloading: offloaded activations fragment it as much.
         num_ranks: ranks of the run (NCCL's buffers when more than one).
         override: ``memory.reserve_gib`` in bytes (replaces every term).
         teacher_offload: ``none``, ``park`` or ``stream``.
@@ -141,7 +146,7 @@ def runtime_terms(
             context=CPU_PROCESS_BYTES,
             nccl=CPU_PROCESS_GROUP_BYTES if num_ranks > 1 else 0,
         )
-    frac = FRAGMENTATION_AC if activation_checkpointing else FRAGMENTATION
+    frac = FRAGMENTATION_AC if activation_checkpointing or activation_offloading else FRAGMENTATION
     return RuntimeTerms(
         fragmentation=int(frac * allocated_peak),
         workspace=CUBLAS_WORKSPACE_BYTES,

@@ -44,7 +44,9 @@ def test_offloaded_activations_move_to_host(ac):
     )
     assert not plain.host.host
     assert moved.phases["backward"]["activations"] < plain.phases["backward"]["activations"]
-    assert moved.peak_bytes <= plain.peak_bytes
+    # the tensors on the device; the device peak also counts the allocator's fragmentation,
+    # which offloading raises to checkpointing's fraction (kd.memory.runtime)
+    assert moved.allocated_peak_bytes <= plain.allocated_peak_bytes
 
 
 @pytest.mark.parametrize("mode", ["park", "stream"])
@@ -124,29 +126,33 @@ def test_fit_parks_the_14b_teacher_on_40_gib(capsys):
 LORA_8B_8B = "llama3_1/8B_to_8B_lora_single_device"
 
 
-def test_fit_puts_the_8b_to_8b_template_on_one_32_gib_gpu(capsys):
-    """The 8B -> 8B template (LoRA student, bf16 8B teacher: 61 GiB) on one 32 GiB GPU:
-    ``--fit`` answers with the activations in host memory and the teacher streamed (30.26 GiB:
-    21.88 GiB of tensors and slack, and 0.6 of the streamed 15 GiB teacher that the caching
-    allocator keeps, as measured on the H100, kd.memory.runtime), then activation checkpointing
-    with the teacher streamed, each stating the bytes it moves per step and their seconds; both
-    planned again fit. Nothing fits 24 GiB (docs/offloading.md)."""
-    base = ["plan", "--config", LORA_8B_8B, "--budget-gib", "32"]
+def test_fit_puts_the_8b_to_8b_template_on_one_34_gib_gpu(capsys):
+    """The 8B -> 8B template (LoRA student, bf16 8B teacher: 61 GiB) on one 34 GiB GPU:
+    ``--fit`` answers with the activations in host memory and the teacher streamed (32.67 GiB,
+    with what the H100 showed the caching allocator keeps: 0.65 of the streamed 15 GiB teacher,
+    and offloaded activations fragmenting it as checkpointing does, kd.memory.runtime), then
+    activation checkpointing with the teacher streamed (33.02 GiB), each stating the bytes it
+    moves per step and their seconds; both planned again fit. Nothing fits 24 GiB
+    (docs/offloading.md)."""
+    base = ["plan", "--config", LORA_8B_8B, "--budget-gib", "34"]
     assert cli.main([*base, "--fit"]) == 1
     text = capsys.readouterr().out
-    assert "peak 61.08 GiB in forward; budget 32.00 GiB: DOES NOT FIT" in text
+    assert "peak 61.08 GiB in forward; budget 34.00 GiB: DOES NOT FIT" in text
     lines = text.split("settings that fit (fastest first; append to the command line):\n")[1]
     options = [x for x in lines.splitlines() if x.startswith("  ") and "#" in x]
     got = [line.split("#")[0].split() for line in options]
-    assert got[0] == ["enable_activation_offloading=true", "teacher_offload=stream"]
-    assert "enable_activation_checkpointing=true" in got[1] and "teacher_offload=stream" in got[1]
-    assert "30.26 GiB" in options[0] and "771.5 GiB moved per step, ~33.1 s" in options[0]
+    assert got[:2] == [
+        ["enable_activation_offloading=true", "teacher_offload=stream"],
+        ["enable_activation_checkpointing=true", "teacher_offload=stream"],
+    ]
+    assert "32.67 GiB" in options[0] and "771.5 GiB moved per step, ~33.1 s" in options[0]
+    assert "33.02 GiB" in options[1]
     assert "223.7 GiB moved per step, ~9.6 s at an assumed 25 GB/s" in options[0]
     assert "771.5" not in options[1]
     for overrides in got[:2]:
         assert cli.main([*base, *overrides, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["fits"] and out["peak_gib"] <= 32 and out["host"]["transfer_s_per_step"] > 0
+        assert out["fits"] and out["peak_gib"] <= 34 and out["host"]["transfer_s_per_step"] > 0
     assert cli.main(["plan", "--config", LORA_8B_8B, "--budget-gib", "24", "--fit"]) == 1
     assert "no setting of the searched knobs fits" in capsys.readouterr().out
 
