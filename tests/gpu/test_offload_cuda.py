@@ -157,3 +157,35 @@ def test_streamed_teacher_prefetch_is_stream_safe():
             assert torch.cuda.max_memory_allocated() - before < 3 * layer + 64 * got.nbytes
     assert p.prefetched == 50 * len(models.decoder_layers(streamed))
     assert all(now is host and host.is_pinned() for now, host in p.host_copies())
+
+
+def test_streamed_teacher_reserves_few_layers_beyond_its_tensors():
+    """teacher_offload: stream with a device that lags the host (a large batch in 8 layers):
+    the caching allocator reserves at most a few layers beyond the tensors' peak, since the host
+    waits for the forward three units back before each copy (kd.teachers.parking._Throttle).
+    The H100 run of 2026-11-27 reserved 4.0 GiB beyond the tensors streaming a 3B teacher
+    before the wait existed; kd.memory.runtime's ``offload_cache`` for ``stream`` can come
+    down once this passes on a GPU."""
+    from kd import models
+    from tests.conftest import tiny_hidden_decoder
+
+    torch.manual_seed(0)
+    model = tiny_hidden_decoder(vocab=512, dim=1024).eval()
+    model.layers.extend(tiny_hidden_decoder(vocab=512, dim=1024, seed=1).layers)
+    model.layers.extend(tiny_hidden_decoder(vocab=512, dim=1024, seed=2).layers)
+    model.layers.extend(tiny_hidden_decoder(vocab=512, dim=1024, seed=3).layers)
+    models.freeze(model)
+    p = parking.ParkedWeights(model, torch.device("cuda"), mode="stream")
+    layer = sum(t.numel() * t.element_size() for t in models.decoder_layers(model)[0].parameters())
+    tokens = torch.randint(0, 512, (256, 64), device="cuda")
+    with torch.no_grad():
+        model(tokens)  # warm: kernels loaded, first blocks taken
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(5):
+            model(tokens)
+        torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_reserved() - torch.cuda.max_memory_allocated()
+    assert p._throttle.waits > 0
+    assert extra <= 4 * layer + (64 << 20), (extra / layer, layer)

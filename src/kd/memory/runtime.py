@@ -41,7 +41,9 @@ until a GPU run measures them, ``scripts/gpu_check.py``).
   each (Qwen2.5-3B -> 0.5B full, 2048 tokens, AC; the H100 run of 2026-11-27 evening) reserved
   1.65 GiB (``park``) and 3.22 GiB (``stream``) beyond the planned allocated peak and the
   fragmentation above: 0.32 and 0.62 of the 5.17 GiB of weights moved in. The plan adds 0.35
-  and 0.65 of them (``offload_cache``), a fit to those two rows until a GPU run measures more.
+  and 0.65 of them (``offload_cache``), a fit to those two rows until a GPU run measures more
+  (the streamed teacher's host now waits for the device before each copy,
+  :class:`kd.teachers.parking._Throttle`, which should lower its share: not yet measured).
 On the CPU (``device: cpu``) the terms are the interpreter and its libraries (1 GiB, a process
 running kd holds 0.8-1.0 GiB before its first tensor) and 3% of the tensors for the allocator.
 ``memory.reserve_gib`` replaces all of them with one number.

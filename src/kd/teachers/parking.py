@@ -18,7 +18,16 @@ and each prefetched copy is marked used by the compute stream (``record_stream``
 allocator does not hand its memory to a later copy before the kernels that read it are done. Off
 CUDA (the CPU, the fake accelerator) there is one stream: the same code copies at once. The modules' parameter entries are
 swapped (not ``param.data``), so a parameter always is one tensor on one device. Moved bytes are
-counted (:attr:`ParkedWeights.moved_bytes`). Sampling (``on_policy.seq_kd``) calls the
+counted (:attr:`ParkedWeights.moved_bytes`).
+
+How far the host runs ahead (``stream`` on CUDA, :class:`_Throttle`): a streamed layer's blocks
+are freed while the kernels that read them may still be queued, and the caching allocator gives
+them to a later copy only once those kernels are done; a host running ahead of the device
+therefore takes new blocks for every layer it copies (an H100 reserved 4.0 GiB beyond the
+tensors' peak streaming a 3B teacher, ``docs/gpu.md``). Before it copies unit ``i``, the host
+waits until unit ``i - 3``'s forward is done on the device, so a freed block is free to reuse and
+at most three units' kernels are queued (FSDP's ``limit_all_gathers`` bounds its all-gathers so,
+for the same reason). Sampling (``on_policy.seq_kd``) calls the
 teacher once per token: :meth:`ParkedWeights.hold` keeps every unit in until
 :meth:`ParkedWeights.let_go`.
 """
@@ -77,6 +86,35 @@ class _Unit:
                 module._parameters[name] = slot.host
 
 
+class _Throttle:
+    """The host's wait before it copies a streamed unit (module doc): ``finished(i)`` after
+    unit ``i``'s forward is queued records an event on the current (compute) stream;
+    ``before_copy(i)`` waits, on the host, for unit ``i - depth``'s event. ``event`` makes the
+    events (None off CUDA: one stream, nothing runs ahead)."""
+
+    def __init__(self, depth: int, event: Any = None) -> None:
+        self.depth = depth
+        self._event = event
+        self._done: dict[int, Any] = {}
+        self.waits = 0
+        """Host waits so far."""
+
+    def finished(self, index: int) -> None:
+        if self._event is not None:
+            done = self._event()
+            done.record()
+            self._done[index] = done
+
+    def before_copy(self, index: int) -> None:
+        done = self._done.pop(index - self.depth, None)
+        if done is not None:
+            done.synchronize()
+            self.waits += 1
+
+    def clear(self) -> None:
+        self._done.clear()
+
+
 class ParkedWeights:
     """The host copies of a frozen model's weights and the hooks that bring them in.
 
@@ -114,6 +152,7 @@ class ParkedWeights:
         """Units whose copy was started ahead of their forward."""
         # The side stream of the prefetch on CUDA; elsewhere one stream copies at once.
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._throttle = _Throttle(3, torch.cuda.Event if self._side is not None else None)
         self._pending: dict[int, tuple[list[nn.Parameter], Any]] = {}
         kept_ids = {id(models.output_weight(model))}
         if mode == "park":
@@ -186,18 +225,22 @@ class ParkedWeights:
         def hook(*_args: Any) -> None:
             if not self._held:
                 unit.drop()
+                if self.prefetch:
+                    self._throttle.finished(self._index(unit))
                 if unit is self._units[-1]:  # a forward that stopped early leaves none behind
                     self._pending.clear()
+                    self._throttle.clear()
 
         return hook
 
     def _start_next(self, unit: _Unit) -> None:
         """Start the copy of the unit after ``unit`` (none after the last), on the side stream
         on CUDA: the copy overlaps ``unit``'s compute."""
-        at = next(i for i, u in enumerate(self._units) if u is unit) + 1
+        at = self._index(unit) + 1
         if at >= len(self._units) or id(self._units[at]) in self._pending:
             return
         after = self._units[at]
+        self._throttle.before_copy(at)
         if self._side is None:
             self._pending[id(after)] = (after.copies(self.device), None)
         else:
@@ -208,6 +251,9 @@ class ParkedWeights:
             self._pending[id(after)] = (copies, done)
         self.moved_bytes += after.nbytes
         self.prefetched += 1
+
+    def _index(self, unit: _Unit) -> int:
+        return next(i for i, u in enumerate(self._units) if u is unit)
 
     def _bring_in(self, unit: _Unit) -> None:
         """Put ``unit``'s device copies in place: the prefetched ones once their copy is done

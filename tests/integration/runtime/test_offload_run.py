@@ -367,3 +367,52 @@ def test_streamed_teacher_prefetches_the_next_layer(monkeypatch):
     assert seen == [2] * (len(layers) - 1) + [1]
     assert not p._pending
     assert all(now is host for now, host in p.host_copies())
+
+
+def test_streamed_teacher_copies_wait_for_the_forward_three_units_back():
+    """stream on CUDA: before the host copies unit ``i`` it waits until unit ``i - 3``'s forward
+    is done on the device (an event recorded after that forward), so the allocator can give the
+    freed blocks to the copy instead of taking new ones (an H100 reserved 4 GiB more without
+    it). Events stand in for CUDA's here; each forward's events are its own."""
+    from kd import models
+    from tests.conftest import tiny_hidden_decoder
+
+    log: list[tuple[str, int]] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self) -> None:
+            self.n = Event.made
+            Event.made += 1
+
+        def record(self) -> None:
+            log.append(("record", self.n))
+
+        def synchronize(self) -> None:
+            log.append(("wait", self.n))
+
+    model = tiny_hidden_decoder()
+    models.freeze(model)
+    model.layers.extend(tiny_hidden_decoder(seed=1).layers)  # 4 decoder layers: 5 units
+    models.freeze(model)
+    p = parking.ParkedWeights(model, torch.device("cpu"), mode="stream")
+    p._throttle = parking._Throttle(3, Event)
+    for forward in range(2):
+        log.clear()
+        Event.made = 0
+        with torch.no_grad():
+            model(torch.randint(0, 64, (2, 8)))
+        # units: the embedding (0) and layers 1-4, each prefetched by the unit before it; the
+        # copy of unit 3 waits for unit 0's forward, that of unit 4 for unit 1's (event n is
+        # unit n's)
+        assert log == [
+            ("record", 0),
+            ("record", 1),
+            ("wait", 0),
+            ("record", 2),
+            ("wait", 1),
+            ("record", 3),
+            ("record", 4),
+        ], (forward, log)
+        assert not p._throttle._done  # the last unit's forward clears what was left
