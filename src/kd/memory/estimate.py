@@ -185,15 +185,16 @@ def _with_reserve(
     phases: dict[str, Components],
     subphases: dict[str, int],
     k: TrainKnobs,
-    parked_teacher: int = 0,
+    teacher: ModelShape | None = None,
 ) -> tuple[dict[str, Components], str, RuntimeTerms]:
-    """Every component in every phase (0 when absent), the runtime reserve added, the allocated
-    peaks of the phases after forward recorded in ``subphases``; and the peak phase."""
+    """Every component in every phase (0 when absent), the runtime reserve added (with what the
+    allocator keeps of ``teacher`` parked or streamed), the allocated peaks of the phases after
+    forward recorded in ``subphases``; and the peak phase."""
     for ph in phases.values():
         for c in COMPONENTS:
             ph.setdefault(c, 0)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    terms = runtime_of(sum(phases[peak_phase].values()), k, parked_teacher)
+    terms = runtime_of(sum(phases[peak_phase].values()), k, parked_teacher_bytes(teacher, k))
     for name in ("backward", "optimizer_step", EVAL_PHASE, GEN_PHASE, FINAL_EVAL_PHASE):
         if name in phases:
             subphases[name] = sum(phases[name].values())
@@ -281,9 +282,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
             f"~{host.seconds_per_step:.2f} s at an assumed {PCIE_GB_PER_S:g} GB/s PCIe "
             "(measure your link)"
         )
-    phases, peak_phase, terms = _with_reserve(
-        phases, subphases, k, parked_teacher_bytes(teacher, k)
-    )
+    phases, peak_phase, terms = _with_reserve(phases, subphases, k, teacher)
     own = teacher_device_components(teacher, k) if k.teacher_own_device and teacher else {}
     if own:
         notes.append(

@@ -267,9 +267,7 @@ class KDRecipe:
                         )
                     self.global_step += 1
                     bar.update(1)
-                    # the teacher and the sampler follow the step's weights; their time (with
-                    # async_steps, the wait for the next step's rollouts) is the step's
-                    stats = train.with_after_step(stats, self._after_step(bar))
+                    stats = self._after_step(bar, stats)  # teacher, sampler: the new weights
                     if self.world.is_rank_zero and step % self.run.log_every_n_steps == 0:
                         self._log_step(stats, step)
                     # Before the step save: its resume state holds this evaluation.
@@ -359,26 +357,20 @@ class KDRecipe:
             stats, step=step, epoch=self.epoch, lr=lr, planned_peak_gib=plan, extra=extra
         )
 
-    def _after_step(self, bar: Any) -> PhaseTimer:
-        """After the step just counted: the teacher's ``after_step``; the sampler takes the weights
-        (a served one pushes them); one that cannot stops the run with this step saved. Their
-        seconds, as the ``teacher`` and ``generate`` phases (with ``async_steps: 1`` the wait for
-        the next step's rollouts is here)."""
-        timer = PhaseTimer(self.device)
+    def _after_step(self, bar: Any, stats: train.StepStats) -> train.StepStats:
+        """The teacher and sampler take the new weights (or stop the run, saved); their time added."""
+        t0 = time.perf_counter()
         if self.teacher is not None:
-            with timer.phase("teacher"):
-                self.teacher.after_step(self.global_step)
-        if self.on_policy is None:
-            return timer
+            self.teacher.after_step(self.global_step)
         try:
-            with timer.phase("generate"):
+            if self.on_policy is not None:
                 self.on_policy.after_step(self.student, self.global_step)
-            return timer
         except RolloutStopped as e:
             bar.close()
             raise self.checkpointer.save_on_stop(
                 e, step=self.global_step, just_saved=None, save=self.save
             ) from e.__cause__
+        return train.with_after_step(stats, time.perf_counter() - t0, self.on_policy)
 
     def _check_loaded_weights(self) -> None:
         """A non-finite first step: blame weights that were loaded as NaN or inf on their files."""

@@ -179,6 +179,8 @@ class OnPolicyBatches:
         self._upcoming: list[dict[str, torch.Tensor]] | None = None  # the next step's batches
         self._pool: ThreadPoolExecutor | None = None
         self._wait = 0.0  # this step's seconds spent waiting for the student's completions
+        self.after_s = 0.0
+        """Seconds the last :meth:`after_step` took (the wait, the sampler's new weights)."""
         self._versions: list[int] = []  # the weight versions this step's completions came from
         # The step's own row: the sampler's lag and wait (asynchronous or served sampling).
         self.reports_lag = settings.async_steps > 0 or sampler.kind != "local"
@@ -289,14 +291,15 @@ class OnPolicyBatches:
         ends first, then the sampler takes the new weights
         (:meth:`kd.rollouts.base.Sampler.after_step`). A failure of that sampling is raised at
         the next step's start (:meth:`step_inputs`), before anything changes the weights."""
+        start = time.perf_counter()
         ahead = self._ahead
         if ahead is not None and ahead.future is not None:
-            t0 = time.perf_counter()
             wait([ahead.future])
-            self._wait += time.perf_counter() - t0
+            self._wait += time.perf_counter() - start
             if ahead.future.exception() is None:
                 ahead.done, ahead.future = ahead.future.result(), None
         self.sampler.after_step(student, step)
+        self.after_s = time.perf_counter() - start
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """This step's rollout metrics: seconds it waited for the student's completions and how

@@ -120,13 +120,15 @@ def step_metrics(stats: StepStats, *, on_policy: bool) -> dict[str, Any]:
     return row
 
 
-def with_after_step(stats: StepStats, after: PhaseTimer) -> StepStats:
-    """``stats`` with the work after its optimizer step added (the teacher and the sampler taking
-    the new weights, the wait for rollouts sampled ahead): its seconds and its phases."""
+def with_after_step(stats: StepStats, seconds: float, on_policy: Any = None) -> StepStats:
+    """``stats`` with the work after its optimizer step (the teacher and the sampler taking the
+    new weights: ``seconds``) added to its seconds, and the on-policy component's part of it
+    (``on_policy.after_s``: the wait for rollouts sampled ahead, the sampling copy's refresh) to
+    its ``generate`` phase (``teacher`` stays its forward passes)."""
     phases = dict(stats.phases)
-    for name, seconds in after.seconds.items():
-        phases[name] = phases.get(name, 0.0) + seconds
-    return replace(stats, seconds=stats.seconds + sum(after.seconds.values()), phases=phases)
+    if on_policy is not None:
+        phases["generate"] = phases.get("generate", 0.0) + on_policy.after_s
+    return replace(stats, seconds=stats.seconds + seconds, phases=phases)
 
 
 @dataclass
