@@ -63,6 +63,14 @@ VIEWS = {
 }
 LAYERS, HEADS, KV_HEADS, WIDTH, FFN, VOCAB = 24, 14, 2, 112, 256, 1024
 BATCH, PROMPT = 4, 20
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "embed_dim": "hidden_size",
+    "intermediate_dim": "intermediate_size",
+    "max_seq_len": "max_position_embeddings",
+}
 
 
 class Count(TorchDispatchMode):
@@ -99,27 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     from torchtune.models.qwen2 import qwen2
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    shape = {  # torchtune's names; transformers' are HF_NAMES's
+        "vocab_size": VOCAB,
+        "num_layers": LAYERS,
+        "num_heads": HEADS,
+        "num_kv_heads": KV_HEADS,
+        "embed_dim": WIDTH,
+        "intermediate_dim": FFN,
+        "max_seq_len": 512,
+        "tie_word_embeddings": True,
+    }
+    cfg = transformers.Qwen2Config(**{HF_NAMES.get(k, k): v for k, v in shape.items()})
     hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    tt = qwen2(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        embed_dim=WIDTH,
-        intermediate_dim=FFN,
-        max_seq_len=512,
-        tie_word_embeddings=True,
-    ).eval()
+    tt = qwen2(**shape).eval()
     tokens = torch.randint(3, VOCAB - 24, (BATCH, PROMPT))
     mask = torch.ones(BATCH, PROMPT, dtype=torch.bool)
     mask[1, :4] = False  # left padding in two rows, as on-policy prompts have
