@@ -667,8 +667,36 @@ R10 = Round(
     (R4_STAGE1, R5_STAGE2, R6_STAGE, R7_STAGE, R8_STAGE, R9_STAGE, R10_STAGE),
     untrained=False,
 )
-ROUNDS_BY_NUMBER = {2: R2, 3: R3, 4: R4, 5: R5, 6: R6, 7: R7, 8: R8, 9: R9, 10: R10}
-CURRENT = R10
+# Round 11 (after round 10: round 9's best trained 216 steps more reached 67.0% on dev and 63.7%
+# on test, 48% of the gap, each 216 steps so far adding about 8-10 points; temperature 1.25 fell
+# to 44.5% on dev). Fixed before any round-11 result: round 10's best trained 216 steps more
+# again, with the same settings and at lr 1e-4 (a smaller step for a third schedule).
+R10_BEST = R10_STAGE[0]
+R11_STAGE = tuple(
+    replace(
+        gkd_from_r4_ce(
+            f"r11 block6 100 rows: gkd fkl sample T=1.5 lr={lr_name} 36ep from r10 gkd",
+            lr,
+            36,
+            **{"on_policy.temperature": 1.5},
+        ),
+        start=R10_BEST.name,
+    )
+    for lr, lr_name in ((3e-4, "3e-4"), (1e-4, "1e-4"))
+)
+R11 = Round(
+    11,
+    "block6",
+    "round 10's best GKD trained longer again, within the protocol. Round 10 trained round 9's "
+    "best 216 steps more and reached 63.7% on test (48% of the gap; dev 67.0%), each 216 "
+    "steps so far adding 8-10 points; sampling at temperature 1.25 fell to 44.5% on dev. Round "
+    "11 trains round 10's best 216 steps more, at lr 3e-4 as before and at lr 1e-4. Rounds 4-10 "
+    "are carried over (cached). All settings were fixed before any round-11 result",
+    (R4_STAGE1, R5_STAGE2, R6_STAGE, R7_STAGE, R8_STAGE, R9_STAGE, R10_STAGE, R11_STAGE),
+    untrained=False,
+)
+ROUNDS_BY_NUMBER = {2: R2, 3: R3, 4: R4, 5: R5, 6: R6, 7: R7, 8: R8, 9: R9, 10: R10, 11: R11}
+CURRENT = R11
 # The answer of an unlabelled prompt's row (Setting.prompts): no label reaches the student.
 PLACEHOLDER = "?"
 MODES = {
