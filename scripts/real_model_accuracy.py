@@ -1157,6 +1157,25 @@ def gap_closed(rnd: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def margin(rnd: dict[str, Any], mode: str) -> str:
+    """How far above the 50% line (the accuracy halfway from CE only to the teacher) ``mode``'s
+    test score is, in its standard errors; said when it is within two of them."""
+    test, best = rnd["test"], rnd["best"]
+    score = test[best[mode]]
+    line = (test[best["ce"]]["value"] + test["teacher"]["value"]) / 2
+    if score["stderr"] <= 0:
+        return ""
+    errors = (score["value"] - line) / score["stderr"]
+    if errors >= 2:
+        return ""
+    problems = rnd.get("task", {}).get("sizes", {}).get("test")
+    return (
+        f", by {errors:.1f} standard errors of its test score ({pct(score)} against the line's "
+        f"{100 * line:.2f}%): within the noise"
+        + (f" of {problems} test problems" if problems else "")
+    )
+
+
 def pct(score: dict[str, float]) -> str:
     return f"{100 * score['value']:.1f}% ± {100 * score['stderr']:.1f}"
 
@@ -1187,7 +1206,7 @@ def verdict(rnd: dict[str, Any]) -> str:
     if closed[top] >= 0.5:
         return (
             f"**Goal reached in round {rnd['round']}**: {MODES[top]} closes "
-            f"{100 * closed[top]:.0f}% of the gap (>= 50%).{beyond}"
+            f"{100 * closed[top]:.0f}% of the gap (>= 50%){margin(rnd, top)}.{beyond}"
         )
     return (
         f"**Goal not reached in round {rnd['round']}**: the best KD mode, {MODES[top]}, closes "

@@ -309,3 +309,20 @@ def test_a_run_starts_from_another_runs_final_or_step_checkpoint(study, tmp_path
     late = study.Setting("g", "gkd", 1e-4, 1, 1.0, start="ce a", start_step=42)
     with pytest.raises(ValueError, match="step_000042, which is not finished"):
         study.run_config(base, late, out, paths["train"], 4, None)
+
+
+@pytest.mark.parametrize(
+    ("kd", "noise"), [(0.66, "by 0.3 standard errors"), (0.75, None)], ids=["hair", "clear"]
+)
+def test_a_goal_reached_within_the_noise_says_so(study, kd: float, noise: str | None) -> None:
+    """Reached by less than two standard errors of the pick's test score above the 50% line (CE
+    only 31.5%, teacher 99.0%: the line is 65.25%), the verdict says by how much; clearly above
+    it, it says nothing more."""
+    results = {**_results(ce=0.315, kd=kd, teacher=0.99), "round": 11}
+    results["test"]["kd a"]["stderr"] = 0.024
+    line = study.verdict(results)
+    assert line.startswith("**Goal reached in round")
+    if noise is None:
+        assert "standard errors" not in line
+    else:
+        assert noise in line and "against the line's 65.25%): within the noise of 2 test" in line
