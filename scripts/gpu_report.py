@@ -40,22 +40,16 @@ def memory_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def replan(r: dict[str, Any]) -> dict[str, float]:
     """Reserved and device peaks from the row's planned allocated peak and today's terms."""
     alloc = r["plan"]["allocated_peak_gib"] * GIB
-    mode = next(
-        (
-            sets.get("teacher_offload", "none")
-            for m, (_, sets) in OFFLOAD_MODES.items()
-            if r["name"].endswith(f", {m}")
-        ),
-        "none",
-    )
+    # an offloading row's keys (gpu_check.OFFLOAD_MODES, named at the end of the row's name)
+    sets = next((v for m, (_, v) in OFFLOAD_MODES.items() if r["name"].endswith(f", {m}")), {})
     parked = r["plan"].get("host", {}).get("host_gib", {}).get("parked_teacher", 0.0) * GIB
     terms = runtime_terms(
         int(alloc),
         device_type="cuda",
         activation_checkpointing=r["ac"],
         num_ranks=1,
-        activation_offloading="activations offloaded" in r["name"],
-        teacher_offload=mode,
+        activation_offloading=bool(sets.get("enable_activation_offloading")),
+        teacher_offload=sets.get("teacher_offload", "none"),
         parked_teacher=int(parked),
     )
     reserved = alloc + terms.allocator_slack

@@ -230,7 +230,8 @@ class _TorchtuneSteps:
     positions ``start .. start + len(x)`` of the ``[b, total]`` sequence."""
 
     def __init__(self, model: nn.Module, mask: torch.Tensor, *, width: int, total: int):
-        self.model, self.mask, self.total = model, mask, total
+        self.model = model
+        dtype = _cache_dtype(model)
         self.positions = tt.get_position_ids_from_padding_mask(mask)
         self.prefill_mask = tt.get_causal_mask_from_padding_mask(
             mask[:, :width], target_seq_len=total
@@ -239,7 +240,7 @@ class _TorchtuneSteps:
             model,
             batch_size=mask.shape[0],
             device=mask.device,
-            dtype=_cache_dtype(model),
+            dtype=dtype,
             decoder_max_seq_len=total,
         )
         self.keys = torch.arange(total, device=mask.device)
@@ -247,7 +248,7 @@ class _TorchtuneSteps:
         # model's dtype: attention turns a boolean mask into this in every layer (three more
         # device operations a layer at every token); here it is made once a token. The same
         # scores, bit for bit. The prefill keeps its boolean [b, width, total] mask.
-        self.bias = torch.zeros(mask.shape, dtype=_cache_dtype(model), device=mask.device)
+        self.bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         self.bias.masked_fill_(~mask, float("-inf"))
 
     def __enter__(self) -> Callable[[torch.Tensor, int], torch.Tensor]:
@@ -269,14 +270,10 @@ class _TorchtuneSteps:
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` of the batch (finished rows leave): the cache's, masks' and
         positions' rows (torchtune's caches take exactly their batch size)."""
-        from torchtune.modules.kv_cache import KVCache
-
-        for module in self.model.modules():
-            if isinstance(module, KVCache):
-                module.k_cache = module.k_cache.index_select(0, index)
-                module.v_cache = module.v_cache.index_select(0, index)
-                module.batch_size = int(index.numel())
-        self.mask = self.mask.index_select(0, index)
+        for module in self._caches():
+            module.k_cache = module.k_cache.index_select(0, index)
+            module.v_cache = module.v_cache.index_select(0, index)
+            module.batch_size = int(index.numel())
         self.bias = self.bias.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
 

@@ -160,9 +160,9 @@ class Estimate:
         return max(self.peak_bytes, self.teacher_device_peak) <= budget_bytes
 
 
-def runtime_reserve(allocated: int, k: TrainKnobs, parked_teacher: int = 0) -> int:
+def runtime_reserve(allocated: int, k: TrainKnobs) -> int:
     """Every runtime term added to each phase (bytes): :func:`kd.memory.runtime.runtime_terms`."""
-    terms = runtime_of(allocated, k, parked_teacher)
+    terms = runtime_of(allocated, k)
     return terms.allocator_slack + terms.cuda_runtime
 
 
