@@ -1205,6 +1205,23 @@ def sampling_dtype_with_served_sampler(assets, tmp, cfg):
     return _validate(), "on_policy.sampling_dtype: applies to the local sampler"
 
 
+def cuda_graphs_on_the_cpu(assets, tmp, cfg):
+    """`on_policy.cuda_graphs: true` (with `batch_rollouts: true`) and `device: cpu`"""
+    cfg["on_policy"] = {
+        "lmbda": 1.0,
+        "max_new_tokens": 4,
+        "batch_rollouts": True,
+        "cuda_graphs": True,
+    }
+    return _validate(), "on_policy.cuda_graphs: needs device: cuda (device is cpu)"
+
+
+def cuda_graphs_without_batch_rollouts(assets, tmp, cfg):
+    """`on_policy.cuda_graphs: true` without `on_policy.batch_rollouts`"""
+    cfg["on_policy"] = {"lmbda": 1.0, "max_new_tokens": 4, "cuda_graphs": True}
+    return _validate(), "on_policy.cuda_graphs: replays the fast local decode"
+
+
 def served_sampler_unreachable(assets, tmp, cfg):
     """`on_policy.sampler: served`, nothing listening at `server_url`"""
     cfg["on_policy"] = {
@@ -1462,6 +1479,8 @@ CASES: list[Case] = [
     keep_best_teacher_metric_with_kd_ratio_0,
     sampling_dtype_under_torchrun,
     sampling_dtype_with_served_sampler,
+    cuda_graphs_on_the_cpu,
+    cuda_graphs_without_batch_rollouts,
 ]
 
 

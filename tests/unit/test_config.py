@@ -594,3 +594,32 @@ def test_dataset_list(tmp_path):
     }
     found = problems_of(load_config(write(tmp_path / "kd.yaml", dict(cfg, dataset=[1])), []))
     assert found == {"dataset[0]": "expected a mapping with _component_; fix the list entry"}
+
+
+@pytest.mark.parametrize(
+    "extra,line",
+    [
+        ({"device": "cpu"}, "needs device: cuda (device is cpu)"),
+        ({"compile": True}, "and compile: true are two ways of one decode step"),
+        ({"on_policy": {"sampler": "served"}}, "a served sampler's server runs its own CUDA"),
+        ({"on_policy": {"batch_rollouts": False}}, "replays the fast local decode"),
+        ({"device": "cuda"}, None),
+    ],
+)
+def test_cuda_graphs_apply_to_the_fast_local_decode_on_cuda(extra, line):
+    from kd.config.checks.features import check_on_policy
+
+    data = {
+        "device": "cuda",
+        "on_policy": {"batch_rollouts": True, "cuda_graphs": True, **extra.get("on_policy", {})},
+        **{k: v for k, v in extra.items() if k != "on_policy"},
+    }
+    problems: list = []
+    check_on_policy(data, problems)
+    found = [p for p in problems if p.key == "on_policy.cuda_graphs"]
+    if line is None:
+        assert found == []
+    else:
+        assert (
+            len(found) == 1 and line in found[0].message and "cuda_graphs=false" in found[0].message
+        )

@@ -146,5 +146,8 @@ class Backend(Protocol):
         start + len(x)`` of a ``[b, total]`` left-padded sequence with a KV cache
         (:func:`kd.rollouts.sampling.rollout`). ``forward.__self__.select(index)`` keeps rows
         ``index`` of the batch, cache included (:func:`kd.rollouts.decode.fast_rollout`: finished
-        rows leave); the transformers backend also takes ``static=True`` (a ``StaticCache``)."""
+        rows leave); the transformers backend also takes ``static=True`` (a ``StaticCache``).
+        With the cache preallocated, ``forward.__self__.decode(x, pos)`` runs the one position
+        ``pos`` (a ``[1]`` device tensor) of ``x`` ``[b, 1]``, reading no Python value of it (a
+        CUDA graph replays it: :mod:`kd.rollouts.graphs`)."""
         ...

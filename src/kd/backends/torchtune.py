@@ -285,6 +285,13 @@ class _TorchtuneSteps:
             attn = self.bias.masked_fill(self.keys > start, float("-inf"))[:, None, :]
         return self.model(x, input_pos=self.positions[:, start : start + n], mask=attn)
 
+    def decode(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One position ``pos`` (``[1]`` int64, on the device) of the ``[b, 1]`` tokens ``x``:
+        :meth:`forward` with the position read from a tensor, never a Python int, so that a CUDA
+        graph (``kd.rollouts.graphs``) replays it at every position."""
+        attn = self.bias.masked_fill(self.keys > pos, float("-inf"))[:, None, :]
+        return self.model(x, input_pos=self.positions.index_select(1, pos), mask=attn)
+
 
 def _cache_update(
     self: nn.Module, k_val: torch.Tensor, v_val: torch.Tensor

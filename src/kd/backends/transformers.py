@@ -181,3 +181,19 @@ class _TransformersSteps:
             use_cache=True,
             **extra,
         )
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One position ``pos`` (``[1]`` int64, on the device) of the ``[b, 1]`` tokens ``x``
+        over the ``StaticCache`` (``static``): :meth:`forward` with the position read from a
+        tensor, never a Python int, so that a CUDA graph (``kd.rollouts.graphs``) replays it at
+        every position."""
+        if not self.static:
+            raise ValueError("decode needs the preallocated cache (static=True)")
+        return self.model(
+            x,
+            attention_mask=self.mask,
+            position_ids=self.positions.index_select(1, pos),
+            past_key_values=self.cache,
+            use_cache=True,
+            cache_position=pos,
+        )

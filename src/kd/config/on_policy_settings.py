@@ -88,6 +88,14 @@ class OnPolicySettings:
         min=1,
         resume=MAY_CHANGE,
     )
+    cuda_graphs: bool = setting(
+        "on_policy.cuda_graphs",
+        False,
+        "local sampler with batch_rollouts on a CUDA device: each decode step is replayed from a "
+        "CUDA graph captured once per batch size (one launch a token instead of one per "
+        "operation; the same tokens); not with compile: true",
+        resume=MAY_CHANGE,
+    )
     async_steps: int = setting(
         "on_policy.async_steps",
         0,

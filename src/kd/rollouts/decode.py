@@ -15,7 +15,10 @@ token it samples) with three differences that save work:
   preallocated cache and the last position's logits) is one ``torch.compile`` graph with dynamic
   shapes: compiled once per model, not again when rows leave the batch, a group is narrower or
   the position moves on. The prompts' prefill and the sampling stay eager (the sampling draws from
-  each row's generator exactly as without it).
+  each row's generator exactly as without it);
+- with ``graphs`` (``on_policy.cuda_graphs: true``), the same step is replayed from a CUDA graph
+  captured once per batch size (:mod:`kd.rollouts.graphs`); the batch is then compacted once half
+  of its rows have finished.
 
 A row's tokens are those :func:`~kd.rollouts.sampling.rollout` would sample from the same
 logits: its generator is asked once per token it samples, in the same order. Only float
@@ -34,6 +37,7 @@ from torch import nn
 
 from kd import models
 from kd.backends import backend_of
+from kd.rollouts import graphs as decode_graphs
 from kd.rollouts.base import Completions, Prompts
 from kd.rollouts.sampling import sample_next
 
@@ -99,13 +103,17 @@ def fast_rollout(
     generators: Sequence[torch.Generator] | None,
     group_size: int | None = None,
     compile: bool = False,
+    graphs: decode_graphs.Capture | None = None,
 ) -> Completions:
     """Sample up to ``max_new_tokens`` tokens after each prompt, group by group (one device).
 
     Args: as :func:`kd.rollouts.sampling.rollout`, plus ``group_size``: rows per generation
-        (``on_policy.rollout_batch_size``; None: all of them at once), and ``compile``: the
-        decode step compiled (:func:`compiled_step`).
+        (``on_policy.rollout_batch_size``; None: all of them at once), ``compile``: the
+        decode step compiled (:func:`compiled_step`), and ``graphs``: how decode steps are
+        captured to be replayed (:func:`kd.rollouts.graphs.cuda_capture`; not with ``compile``).
     """
+    if compile and graphs is not None:
+        raise ValueError("fast_rollout: compile and graphs are two ways of one step; pick one")
     b = prompts.tokens.shape[0]
     device = prompts.tokens.device
     out = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -134,6 +142,7 @@ def fast_rollout(
                     vocab_limit=vocab_limit,
                     generators=None if generators is None else [generators[i] for i in group],
                     step=compiled_step() if compile else next_logits,
+                    graphs=graphs,
                 )
                 out.index_copy_(0, index, tokens)
                 lengths.index_copy_(0, index, done_lengths)
@@ -155,9 +164,11 @@ def _decode_group(
     vocab_limit: int | None,
     generators: Sequence[torch.Generator] | None,
     step: Callable[..., torch.Tensor],
+    graphs: decode_graphs.Capture | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """One group's rollout with a preallocated cache; finished rows leave the batch; ``step``
-    (:func:`next_logits`, compiled or not) runs each decode step."""
+    (:func:`next_logits`, compiled or not) runs each decode step, or a graph captured by
+    ``graphs`` replays it (:class:`kd.rollouts.graphs.DecodeGraphs`)."""
     b, width = prompts.tokens.shape
     device = prompts.tokens.device
     total = width + max_new_tokens
@@ -175,6 +186,14 @@ def _decode_group(
     with backend.kv_cache_steps(model, mask, width=width, total=total, **kwargs) as forward:
         cache = forward.__self__  # the steps object: select() drops rows
         logits = next_logits(model, forward, prompts.tokens, 0)  # the prefill, eager
+        graph = (
+            decode_graphs.DecodeGraphs(
+                lambda x, pos: next_logits(model, cache.decode, x, pos), graphs
+            )
+            if graphs is not None
+            else None
+        )
+        shrink_at = decode_graphs.SHRINK_AT if graph is not None else SHRINK_AT
         done = torch.zeros(b, dtype=torch.bool, device=device)  # of the rows in the batch
         for t in range(max_new_tokens):
             token = sample_next(
@@ -192,14 +211,19 @@ def _decode_group(
             steps = t + 1
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
-            if int(done.sum()) >= SHRINK_AT * done.numel():  # finished rows leave
+            if int(done.sum()) >= shrink_at * done.numel():  # finished rows leave
                 keep = _kept_rows(done, at_least=MIN_ROWS if step is not next_logits else 1)
                 if keep.numel() < done.numel():
                     cache.select(keep)
+                    if graph is not None:
+                        graph.reset()
                     live, token, done = live[keep], token[keep], done[keep]
                     if gens is not None:
                         gens = [gens[i] for i in keep.tolist()]
-            logits = step(model, forward, token[:, None], width + t)
+            if graph is not None:
+                logits = graph(token, width + t)
+            else:
+                logits = step(model, forward, token[:, None], width + t)
     return out, lengths, steps
 
 

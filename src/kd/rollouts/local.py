@@ -37,7 +37,7 @@ from kd import models
 from kd.backends import backend_of, decode_attention
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
-from kd.rollouts import sampling
+from kd.rollouts import graphs, sampling
 from kd.rollouts.base import Completions, Prompts
 from kd.rollouts.decode import fast_rollout
 from kd.runtime import distributed
@@ -99,6 +99,16 @@ class LocalSampler:
                 "on_policy.async_steps: 1 samples from a background thread on one device; under "
                 "torchrun set on_policy.async_steps=0"
             )
+        if self.settings.cuda_graphs and self.world.distributed:
+            raise KDUserError(
+                "on_policy.cuda_graphs replays the one-device fast decode (batch_rollouts), "
+                "which torchrun's sharded student does not run; set on_policy.cuda_graphs=false"
+            )
+        if self.settings.cuda_graphs and self.device.type != "cuda":
+            raise KDUserError(
+                f"on_policy.cuda_graphs needs a CUDA device, and this run's is {self.device}; "
+                "set on_policy.cuda_graphs=false"
+            )
         if self.copy_dtype is not None and self.world.distributed:
             raise KDUserError(
                 "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
@@ -135,6 +145,7 @@ class LocalSampler:
                 generators=generators,
                 group_size=op.rollout_batch_size,
                 compile=self.compile,
+                graphs=self.capture() if op.cuda_graphs else None,
             )
             return replace(done, version=self.version)
         done = sampling.rollout(
@@ -154,6 +165,11 @@ class LocalSampler:
             ),
         )
         return replace(done, version=self.version)
+
+    def capture(self) -> graphs.Capture:
+        """How this rollout's decode steps are captured (``on_policy.cuda_graphs``): CUDA graphs
+        sharing one memory pool, freed with the rollout."""
+        return graphs.cuda_capture(torch.cuda.graph_pool_handle())
 
     def after_step(self, student: nn.Module, step: int) -> None:
         """The weights are step ``step``'s now: the student samples itself, or (``async_steps``,

@@ -112,6 +112,16 @@ def test_local_sampler_is_a_sampler_and_refuses_async_under_torchrun():
         sampler(2, async_steps=1).check()
 
 
+def test_local_sampler_refuses_cuda_graphs_without_one_cuda_device():
+    """cuda_graphs replays the one-device fast decode on CUDA: refused on this CPU and under
+    torchrun (whose sharded student does not run that decode)."""
+    graphs = {"batch_rollouts": "true", "cuda_graphs": "true"}
+    with pytest.raises(KDUserError, match=r"^on_policy.cuda_graphs needs a CUDA device, and"):
+        sampler(**graphs).check()
+    with pytest.raises(KDUserError, match=r"^on_policy.cuda_graphs replays the one-device"):
+        sampler(2, **graphs).check()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_frozen_copy_keeps_its_own_weights(compiled):
     """The async sampler's copy computes with its weights, not the student's (compiled in place

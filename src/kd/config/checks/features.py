@@ -76,6 +76,8 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                 "bfloat16); set on_policy.sampling_dtype=null",
             )
         )
+    if node.get("cuda_graphs") is True:
+        _check_cuda_graphs(data, node, problems)
     if node.get("sampler") == "served":  # kd.rollouts.served
         for key, what in (
             ("server_url", "the server's base URL (http://host:port)"),
@@ -89,6 +91,32 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"on_policy.{key}, or on_policy.sampler=local",
                     )
                 )
+
+
+def _check_cuda_graphs(data: dict[str, Any], node: dict[str, Any], problems: list[Problem]) -> None:
+    """``on_policy.cuda_graphs`` replays the local sampler's fast decode step
+    (``batch_rollouts``) on a CUDA device; ``compile: true`` is the other way of that step."""
+    if node.get("sampler") == "served":
+        line = (
+            "applies to the local sampler; a served sampler's server runs its own CUDA graphs "
+            "(vLLM unless --enforce-eager, SGLang unless --disable-cuda-graph); set "
+            "on_policy.cuda_graphs=false"
+        )
+    elif node.get("batch_rollouts") is not True:
+        line = (
+            "replays the fast local decode of on_policy.batch_rollouts; set "
+            "on_policy.batch_rollouts=true, or on_policy.cuda_graphs=false"
+        )
+    elif data.get("compile") is True:
+        line = (
+            "and compile: true are two ways of one decode step; set on_policy.cuda_graphs=false "
+            "or compile=false"
+        )
+    elif data.get("device") == "cpu":
+        line = "needs device: cuda (device is cpu); set on_policy.cuda_graphs=false"
+    else:
+        return
+    problems.append(Problem("on_policy.cuda_graphs", line))
 
 
 def check_validation(data: dict[str, Any], problems: list[Problem]) -> None:

@@ -1,0 +1,114 @@
+"""The local sampler's decode step replayed from CUDA graphs (``on_policy.cuda_graphs: true``).
+
+On a GPU, one decoded token of a small model is paced by kernel launches, not arithmetic: the
+H100 run of 2026-11-27 (``docs/gpu.md``) decoded Qwen2.5-0.5B at 4 rows in about 35 ms a token,
+about a thousand launches (``scripts/decode_ops.py``), for well under a millisecond of work.
+A CUDA graph records those launches once and replays them with one call, as vLLM and SGLang do
+for their decode batches (their ``cudagraph_capture_sizes`` / ``--cuda-graph-max-bs``) and as
+transformers does under ``torch.compile(mode="reduce-overhead")``. kd uses torch's own
+``torch.cuda.CUDAGraph``, without compiling: a capture costs about two eager steps, not a
+compile's minutes.
+
+How :class:`DecodeGraphs` keeps a replay equal to the eager step:
+
+- The step reads its inputs from **static buffers**: the sampled tokens ``[b, 1]`` and the
+  position ``[1]`` (a device tensor, never a Python int: a graph replays the values it was
+  captured with), through each backend's ``kv_cache_steps(...).decode(x, pos)``: torchtune's
+  padding mask and RoPE positions gathered at ``pos``, transformers' ``StaticCache`` written at
+  ``cache_position=pos``. The KV cache is preallocated for the whole rollout, so its tensors keep
+  their addresses from step to step; its write position is a device tensor too.
+- A batch size is **captured at its first step**: that step runs eagerly once on a side stream
+  (it is this step: its cache writes and its logits are used), then the same call is recorded.
+  Each later step copies the new token and position into the buffers and replays.
+- **Finished rows leaving the batch** make new cache tensors (``select``): the graph is dropped
+  and the next step captures the smaller batch. With graphs the batch is compacted once half of
+  its rows have finished (:data:`SHRINK_AT`), so a rollout of 16 rows captures at most 5 sizes.
+- The sampling stays eager, outside the graph: each row draws from its own generator exactly as
+  without graphs, so the tokens are the same.
+- Every graph of a rollout draws its temporaries from one memory pool, freed when the rollout
+  ends; the pool holds one decode step's temporaries, which the plan already counts.
+
+What a graph cannot hold (a device-to-host read, a tensor made from a Python value of the
+position) is kept out of both backends' ``decode``; ``tests/unit/rollouts/test_graphs.py`` checks
+that on the CPU, where :func:`kd.testing_graphs.tape_capture` replays a recorded step the way a
+graph does (the recorded operations on the recorded tensors, every Python value frozen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["SHRINK_AT", "Capture", "DecodeGraphs", "cuda_capture"]
+
+# With graphs, the batch is compacted once this share of its rows has finished (each new batch
+# size is one more capture).
+SHRINK_AT = 0.5
+
+# capture(fn) -> (fn's result now, a replay returning fn's result over the buffers' new values)
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], torch.Tensor]]]
+
+
+def cuda_capture(pool: Any = None) -> Capture:
+    """A :data:`Capture` on the current CUDA device: the call runs once on a side stream (the
+    warm-up torch's documentation asks for, which is the step itself), then is recorded into a
+    ``torch.cuda.CUDAGraph`` drawing on ``pool`` (``torch.cuda.graph_pool_handle()``).
+    ``capture_error_mode="thread_local"``: the training thread may allocate while the
+    ``async_steps`` sampler captures."""
+
+    def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            first = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return first, replay
+
+    return capture
+
+
+class DecodeGraphs:
+    """One rollout group's decode steps, replayed from a graph per batch size.
+
+    Args:
+        step: the one-token step ``step(x [b, 1], pos [1]) -> logits [b, V]`` (the backend's
+            ``decode`` and the last position's logits), reading only tensors.
+        capture: how a step is recorded (:func:`cuda_capture`; a test's stand-in on the CPU).
+    """
+
+    def __init__(
+        self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], capture: Capture
+    ):
+        self.step = step
+        self.capture = capture
+        self._replay: Callable[[], torch.Tensor] | None = None
+        self._x: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self.captures = 0
+
+    def reset(self) -> None:
+        """The batch's tensors changed (rows left): the next step captures again."""
+        self._replay = self._x = self._pos = None
+
+    def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """The logits after ``token`` ``[b]`` at ``position``."""
+        if self._replay is None or self._x is None or self._pos is None:
+            self._x = token[:, None].clone()
+            self._pos = torch.full((1,), position, dtype=torch.long, device=token.device)
+            x, pos = self._x, self._pos
+            logits, self._replay = self.capture(lambda: self.step(x, pos))
+            self.captures += 1
+            return logits
+        self._x.copy_(token[:, None])
+        self._pos.fill_(position)
+        return self._replay()

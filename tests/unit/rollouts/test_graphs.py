@@ -1,0 +1,176 @@
+"""Decode steps replayed from graphs (``on_policy.cuda_graphs``, :mod:`kd.rollouts.graphs`), on
+the CPU: :func:`kd.testing_graphs.tape_capture` replays a recorded step as a CUDA graph does (the
+recorded operations on the recorded tensors, every Python value frozen), and
+:func:`kd.testing_graphs.capture_hazards` lists what a real capture would refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kd.backends import backend_of
+from kd.rollouts.decode import fast_rollout, next_logits
+from kd.rollouts.graphs import DecodeGraphs
+from kd.rollouts.sampling import row_generators
+from kd.testing_graphs import capture_hazards, tape_capture
+from tests.conftest import tiny_hidden_decoder
+from tests.unit.rollouts.test_decode import hf_model, prompts, stops_of
+
+BACKENDS = ["torchtune", "transformers"]
+
+
+def model_of(backend: str, tmp_path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if backend == "torchtune":
+        return tiny_hidden_decoder(vocab=64, dim=32).eval()
+    return hf_model(tmp_path).eval()
+
+
+def decode_logits(model, p, feed: torch.Tensor, how: str) -> torch.Tensor:
+    """The logits of the prefill and of every token of ``feed`` ``[b, n]`` after it: ``eager``
+    (the backend's ``forward``), ``graph`` (its ``decode`` replayed from tapes), ``stale`` (a step
+    that reads the position as a Python int, replayed from tapes)."""
+    b, width = p.tokens.shape
+    n = feed.shape[1]
+    mask = torch.cat([p.mask, torch.ones(b, n, dtype=torch.bool)], dim=1)
+    backend = backend_of(model)
+    kw = {"static": True} if backend.name == "transformers" else {}
+    with (
+        torch.no_grad(),
+        backend.kv_cache_steps(model, mask, width=width, total=width + n, **kw) as fwd,
+    ):
+        steps = fwd.__self__
+        out = [next_logits(model, fwd, p.tokens, 0)]
+        graph = DecodeGraphs(
+            (lambda x, pos: next_logits(model, steps.decode, x, pos))
+            if how == "graph"
+            else (lambda x, pos: next_logits(model, fwd, x, int(pos))),
+            tape_capture,
+        )
+        for t in range(n - 1):
+            token = feed[:, t]
+            if how == "eager":
+                out.append(next_logits(model, fwd, token[:, None], width + t))
+            else:
+                out.append(graph(token, width + t).clone())
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replayed_decode_steps_equal_eager_steps(tmp_path, backend):
+    """Every replay equals the eager step at its position, bit for bit, on the left-padded
+    prompts; a step that reads its position as a Python int replays the captured one (the tape
+    sees it, as a GPU would)."""
+    model = model_of(backend, tmp_path)
+    p = prompts(60, [5, 3, 7])
+    feed = torch.randint(1, 60, (3, 6), generator=torch.Generator().manual_seed(1))
+    eager = decode_logits(model, p, feed, "eager")
+    assert torch.equal(decode_logits(model, p, feed, "graph"), eager)
+    stale = decode_logits(model, p, feed, "stale")
+    assert torch.equal(stale[:, :2], eager[:, :2])  # the prefill and the captured step
+    assert not torch.allclose(stale[:, 2:], eager[:, 2:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, temperature):
+    """The rollout with replayed steps samples what the eager one samples (each row's own
+    generator, outside the graph), rows ending at different steps; each batch size after rows
+    left is captured once."""
+    model = model_of(backend, tmp_path).train()
+    p = prompts(60, [5, 3, 7, 2, 6, 4])
+    stop_ids = stops_of(model, p) + (list(range(1, 9)) if temperature else [])
+    captures: list[int] = []  # the batch size of each capture
+
+    def counted(fn):
+        logits, replay = tape_capture(fn)
+        captures.append(logits.shape[0])
+        return logits, replay
+
+    def run(graphs):
+        gens = row_generators(7, 0, range(6), device=torch.device("cpu")) if temperature else None
+        return fast_rollout(
+            model,
+            p,
+            max_new_tokens=10,
+            temperature=temperature,
+            top_p=0.9,
+            stop_ids=stop_ids,
+            pad_id=0,
+            vocab_limit=60,
+            generators=gens,
+            graphs=graphs,
+        )
+
+    eager, graphed = run(None), run(counted)
+    assert len(set(eager.lengths.tolist())) > 1
+    assert torch.equal(graphed.lengths, eager.lengths)
+    assert torch.equal(graphed.tokens, eager.tokens)
+    # Each batch size was captured once, at its first step; fewer rows after rows left.
+    assert captures == sorted(set(captures), reverse=True) and captures[-1] < 6
+    assert model.training
+
+
+def test_compile_and_graphs_are_one_choice(tmp_path):
+    model = model_of("torchtune", tmp_path)
+    with pytest.raises(ValueError, match="pick one"):
+        fast_rollout(
+            model,
+            prompts(60, [3, 2]),
+            max_new_tokens=2,
+            temperature=0.0,
+            top_p=1.0,
+            stop_ids=[],
+            pad_id=0,
+            vocab_limit=None,
+            generators=None,
+            compile=True,
+            graphs=tape_capture,
+        )
+
+
+def test_a_reset_graph_captures_again():
+    seen: list[torch.Tensor] = []
+
+    def step(x, pos):
+        seen.append(pos)
+        return x.float() + pos
+
+    graph = DecodeGraphs(step, tape_capture)
+    token = torch.tensor([1, 2])
+    assert graph(token, 5).tolist() == [[6.0], [7.0]]
+    assert graph(token, 9).tolist() == [[10.0], [11.0]]  # replayed: step() not called again
+    assert len(seen) == 1 and graph.captures == 1
+    graph.reset()
+    assert graph(token[:1], 3).tolist() == [[4.0]]
+    assert graph.captures == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_steps_hold_nothing_a_capture_refuses(tmp_path, backend):
+    """On the fake accelerator (device tensors, as on CUDA): a decode step reads nothing back to
+    the host and copies nothing from it; the stand-in check itself sees both."""
+    from kd.memory import fake_device
+    from tests.conftest import FAKE_ACCELERATOR
+
+    if FAKE_ACCELERATOR.args[0]:
+        pytest.skip(FAKE_ACCELERATOR.kwargs["reason"])
+    device = fake_device.register()
+    cpu_model = model_of(backend, tmp_path)
+    p = prompts(60, [5, 3, 7])
+    b, width = p.tokens.shape
+    with fake_device.FakeAccelerator():
+        model = cpu_model.to(device)
+        mask = torch.cat([p.mask, torch.ones(b, 4, dtype=torch.bool)], dim=1).to(device)
+        kw = {"static": True} if backend == "transformers" else {}
+        steps_of = backend_of(model).kv_cache_steps
+        with torch.no_grad(), steps_of(model, mask, width=width, total=width + 4, **kw) as fwd:
+            next_logits(model, fwd, p.tokens.to(device), 0)
+            x = torch.ones(b, 1, dtype=torch.long, device=device)
+            pos = torch.full((1,), width, dtype=torch.long, device=device)
+            hazards = capture_hazards(lambda: next_logits(model, fwd.__self__.decode, x, pos))
+            assert hazards == []
+            assert capture_hazards(lambda: torch.tensor([width]).to(device) + pos) == [
+                "_to_copy from the host"
+            ]
+            assert capture_hazards(lambda: bool(pos.sum())) != []
