@@ -16,7 +16,13 @@ end-of-turn / end-of-text ids as stop ids:
 - ``kd fast``: :func:`kd.rollouts.decode.fast_rollout` (``batch_rollouts: true``: length groups,
   preallocated cache, finished rows leaving);
 - ``kd fast compiled``: the same with the decode step compiled (``compile: true``); its compile
-  time is one untimed warm-up call, reported on its own.
+  time is one untimed warm-up call, reported on its own;
+- ``kd fast graphs`` (``--device cuda`` only): ``kd fast`` with its decode steps replayed from
+  CUDA graphs (``on_policy.cuda_graphs: true``; captures included in its time).
+
+``--folder`` samples from another Hugging Face folder (transformers backend), ``--device cuda``
+and ``--dtype bf16`` on a GPU (``scripts/gpu_check.py``'s rollout section); every method then
+makes one untimed warm-up call first (CUDA's first-call setup is no method's own).
 
 With ``--sampling-dtype bf16`` (``on_policy.sampling_dtype: bf16`` on an fp32 student) two more:
 
@@ -151,7 +157,7 @@ def kd_methods(model, prompts, stops, args, pad):
     def gens():
         if args.temperature == 0:
             return None
-        return row_generators(0, 0, rows, device=torch.device("cpu"))
+        return row_generators(0, 0, rows, device=torch.device(args.device))
 
     def slow():
         return rollout(model, prompts, generators=gens(), **common).lengths.tolist()
@@ -171,12 +177,21 @@ def kd_methods(model, prompts, stops, args, pad):
         done = fast_rollout(model, prompts, generators=gens(), compile=True, **common)
         return done.lengths.tolist()
 
+    def graphed():
+        from kd.rollouts.graphs import cuda_capture
+
+        capture = cuda_capture(torch.cuda.graph_pool_handle())
+        done = fast_rollout(model, prompts, generators=gens(), graphs=capture, **common)
+        return done.lengths.tolist()
+
     methods = {
         "kd per micro-batch": per_micro,
         "kd rollout": slow,
         "kd fast": fast,
         "kd fast compiled": compiled,
     }
+    if args.device == "cuda":
+        methods["kd fast graphs"] = graphed
     if args.sampling_dtype:
         copied = sampling_copy(model, TORCH_DTYPES[args.sampling_dtype])
 
@@ -195,17 +210,23 @@ def _rows(prompts: Prompts, sel: list[int]) -> Prompts:
     )
 
 
-def hf_model(folder: Path):
+def hf_model(folder: Path, device: str = "cpu", dtype: str = "fp32"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=TORCH_DTYPES[dtype]).eval()
+    model.to(device)
     models.set_hidden_output(model, True)
     return model, tok
 
 
+def on_device(prompts: Prompts, device: str) -> Prompts:
+    return Prompts(prompts.tokens.to(device), prompts.mask.to(device), prompts.lengths.to(device))
+
+
 def hf_methods(model, tok, args):
     prompts, stops = make_prompts(tok, args.batch)
+    prompts = on_device(prompts, args.device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def generate(static: bool, model=model):
@@ -240,7 +261,7 @@ def hf_methods(model, tok, args):
     return {**methods, **kd_methods(model, prompts, stops, args, pad)}
 
 
-def tt_model(folder: Path):
+def tt_model(folder: Path, device: str = "cpu", dtype: str = "fp32"):
     import json
 
     from safetensors.torch import load_file
@@ -270,7 +291,7 @@ def tt_model(folder: Path):
     )
     sd.pop("output.weight", None)
     model.load_state_dict(sd, strict=False)
-    model.eval()
+    model.to(device=device, dtype=TORCH_DTYPES[dtype]).eval()
     models.set_hidden_output(model, True)
     return model, AutoTokenizer.from_pretrained(folder)
 
@@ -281,9 +302,10 @@ def tt_methods(model, tok, args):
     from kd import _torchtune as tt
 
     prompts, stops = make_prompts(tok, args.batch)
+    prompts = on_device(prompts, args.device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
-    def generate(model=model, dtype=torch.float32):
+    def generate(model=model, dtype=TORCH_DTYPES[args.dtype]):
         if args.temperature == 0:
             sys.exit("torchtune's generate divides by the temperature: use --temperature > 0")
         models.set_hidden_output(model, False)
@@ -291,7 +313,7 @@ def tt_methods(model, tok, args):
             with tt.local_kv_cache(
                 model,
                 batch_size=args.batch,
-                device=torch.device("cpu"),
+                device=torch.device(args.device),
                 dtype=dtype,
                 decoder_max_seq_len=prompts.tokens.shape[1] + args.new_tokens,
             ):
@@ -303,7 +325,7 @@ def tt_methods(model, tok, args):
                     temperature=args.temperature,
                     top_k=None,
                     stop_tokens=stops,
-                    rng=torch.Generator().manual_seed(0),
+                    rng=torch.Generator(device=args.device).manual_seed(0),
                 )
         finally:
             models.set_hidden_output(model, True)
@@ -372,14 +394,15 @@ def quality(folder: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def measure(methods: dict, repeats: int) -> dict[str, dict]:
+def measure(methods: dict, repeats: int, warm_up: bool = False) -> dict[str, dict]:
     """Per method: the median tokens/s and the last repeat's completion lengths; a compiled
-    method's first (compiling) call is made, timed on its own, before the repeats."""
+    method's first (compiling) call is made, timed on its own, before the repeats (every
+    method's, untimed, with ``warm_up``)."""
     rates: dict[str, list[float]] = {k: [] for k in methods}
     lengths: dict[str, list[int]] = {}
     compile_s: dict[str, float] = {}
     for name, fn in methods.items():
-        if "compiled" in name:
+        if "compiled" in name or warm_up:
             t0 = time.perf_counter()
             fn()
             compile_s[name] = time.perf_counter() - t0
@@ -460,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--backends", default="transformers,torchtune")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="the model's dtype")
+    p.add_argument(
+        "--folder",
+        type=Path,
+        help="sample from this Hugging Face folder (transformers backend) instead of the pair's",
+    )
     p.add_argument(
         "--model",
         choices=["student", "teacher"],
@@ -470,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         default="generate,generate static,kd fast,kd fast compiled",
         help="of: generate, generate static, kd per micro-batch, kd rollout, kd fast, "
-        "kd fast compiled",
+        "kd fast compiled, kd fast graphs (--device cuda)",
     )
     p.add_argument(
         "--sampling-dtype",
@@ -511,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         return 0
-    folder = student_folder(args.work, args.model)
+    if args.folder is not None and args.backends != "transformers":
+        sys.exit("--folder samples with the transformers backend: add --backends transformers")
+    folder = args.folder or student_folder(args.work, args.model)
     if args.quality:
         result = quality(folder, args)
         result.update(model=args.model, threads=args.threads, torch=torch.__version__)
@@ -527,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     table = []
     for backend in args.backends.split(","):
-        model, tok = (hf_model if backend == "transformers" else tt_model)(folder)
+        loader = hf_model if backend == "transformers" else tt_model
+        model, tok = loader(folder, args.device, args.dtype)
         build = hf_methods if backend == "transformers" else tt_methods
         if args.sampling_dtype:
             refresh[backend] = refresh_seconds(model, args.sampling_dtype)
@@ -536,11 +569,11 @@ def main(argv: list[str] | None = None) -> int:
                 run = argparse.Namespace(**{**vars(args), "batch": batch, "new_tokens": new})
                 methods = {k: v for k, v in build(model, tok, run).items() if k in wanted}
                 print(f"{backend} batch {batch}, {new} new tokens", flush=True)
-                results = measure(methods, args.repeats)
+                results = measure(methods, args.repeats, warm_up=args.device == "cuda")
                 base = results["generate"]["tokens_per_s"]
                 for name, r in results.items():
                     r.update(backend=backend, batch=batch, new_tokens=new, method=name)
-                    r["model"] = args.model
+                    r["model"] = args.model if args.folder is None else args.folder.name
                     r["ratio"] = r["tokens_per_s"] / base
                     table.append(r)
                     print(
@@ -555,7 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_start": load[0],
         "load_end": load[1],
         "threads": args.threads,
-        "model": args.model,
+        "model": args.model if args.folder is None else args.folder.name,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "repeats": args.repeats,
@@ -569,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         write_doc([{"info": info, "table": table}])
     return 0
+
+
+DTYPE_WORDS = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def write_doc(runs: list[dict]) -> None:
@@ -587,7 +625,8 @@ def write_doc(runs: list[dict]) -> None:
 
 def _doc_table(table: list[dict], info: dict) -> list[str]:
     lines = [
-        f"Run {info['started']} ({info.get('model', 'student')}): {info['threads']} thread(s), float32, {info['cpu']}, torch "
+        f"Run {info['started']} ({info.get('model', 'student')}): {info['threads']} thread(s), "
+        f"{DTYPE_WORDS[info.get('dtype', 'fp32')]}, {info['cpu']}, {info.get('device', 'cpu')}, torch "
         f"{info['torch']}, temperature {info['temperature']}, top-p {info['top_p']}, medians of "
         f"{info['repeats']} repeats; load average {info['load_start']:.1f} at the start and "
         f"{info['load_end']:.1f} at the end (a load above the CPUs means other jobs shared "

@@ -24,14 +24,18 @@ after every section, so a run cut short keeps what it measured. Sections:
    ``kd run kd`` (2 optimizer steps) in its own process; kd's own ``metrics.jsonl`` gives
    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and the device's used memory
    (``cudaMemGetInfo``) after each step; the plan is ``kd plan``'s for the same config.
-3. **speed**: kd and TRL (``DistillationTrainer`` on-policy, ``GKDTrainer`` with ``lmbda=0``
+3. **rollout**: kd's local sampler against transformers' ``generate`` on the pair's student
+   (``scripts/bench_rollout.py --folder ... --device cuda --dtype bf16``): ``generate``, ``kd
+   fast`` and ``kd fast graphs`` (``on_policy.cuda_graphs``), batch 16, 128 new tokens.
+4. **speed**: kd and TRL (``DistillationTrainer`` on-policy, ``GKDTrainer`` with ``lmbda=0``
    off-policy) on the same pair, rows, batch, sequence length, JSD loss and fused AdamW, bf16,
    through ``scripts/bench_vs_trl.py``'s runners: labelled tokens/s (median of steps 2..N), model
    FLOPs utilisation, and for on-policy the step split into sampling / teacher / student; then
    kd's faster local samplers on-policy, once each (``KD_SAMPLERS``: ``kd-fast`` samples a
    step's rollouts in one batch with a preallocated cache, ``kd-async`` samples the next step's
-   on a background thread while this one trains, ``kd-compiled`` adds the compiled decode step).
-4. **tests**: ``python -m pytest -m gpu`` (what only CUDA shows).
+   on a background thread while this one trains, ``kd-graphs`` replays its decode steps from
+   CUDA graphs, ``kd-compiled`` adds the compiled decode step).
+5. **tests**: ``python -m pytest -m gpu`` (what only CUDA shows).
 
 Needs, beyond torch / transformers / peft / safetensors / pyarrow: torchtune, torchao, omegaconf,
 trl, datasets (``scripts/gpu_wheels.sh`` downloads them as wheels for a machine with no index).
@@ -977,9 +981,57 @@ def speed(
 # run once each by the speed section: the tool name -> the keys it sets.
 KD_SAMPLERS: dict[str, dict[str, Any]] = {
     "kd-fast": {"on_policy.batch_rollouts": True},
+    "kd-graphs": {"on_policy.batch_rollouts": True, "on_policy.cuda_graphs": True},
     "kd-async": {"on_policy.batch_rollouts": True, "on_policy.async_steps": 1},
     "kd-compiled": {"on_policy.batch_rollouts": True, "compile": True},
 }
+
+
+def rollout(
+    work: Path, folders: dict[str, Path], device: str, smoke: bool, deadline: float
+) -> dict:
+    """kd's local sampler against transformers' ``generate`` on the Qwen pair's student
+    (``scripts/bench_rollout.py`` in its own process, bf16 on the device): ``generate``, ``kd
+    fast`` and, on CUDA, ``kd fast graphs`` (``on_policy.cuda_graphs``), the same rows, batch,
+    new tokens and temperature; tokens/s medians of the repeats, each method warmed up once."""
+    _, student, _ = PAIRS["qwen"]
+    batch, new, repeats = (4, 8, 1) if smoke else (16, 128, 3)
+    methods = "generate,kd fast" + (",kd fast graphs" if device == "cuda" else "")
+    dest = work / "rollout.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "bench_rollout.py"),
+        "--folder",
+        str(folders[student]),
+        "--backends",
+        "transformers",
+        "--device",
+        device,
+        "--dtype",
+        "bf16" if device == "cuda" else "fp32",
+        "--batch",
+        str(batch),
+        "--new-tokens",
+        str(new),
+        "--repeats",
+        str(repeats),
+        "--threads",
+        "8" if device == "cuda" else "1",
+        "--methods",
+        methods,
+        "--json",
+        str(dest),
+    ]
+    left = deadline - time.monotonic()
+    if left < 30:
+        return {"status": "skipped: time budget"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=min(left, 300))
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "timeout_s": min(left, 300)}
+    if proc.returncode != 0:
+        return {"status": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+    return {"status": "ok", **json.loads(dest.read_text())}
 
 
 def speed_table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1168,6 +1220,18 @@ def markdown(doc: dict[str, Any]) -> str:
                         f"| {tool} | {ph['step_s']:.3f} | {ph['generate_s']:.3f} | "
                         f"{ph['teacher_s']:.3f} | {ph['student_s']:.3f} |"
                     )
+    ro = s.get("rollout", {})
+    if ro.get("table"):
+        lines += [
+            "",
+            "| rollout (transformers) | batch | new tokens | tokens/s | vs generate |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in ro["table"]:
+            lines.append(
+                f"| {r['method']} | {r['batch']} | {r['new_tokens']} | "
+                f"{r['tokens_per_s']:.0f} | {r['ratio']:.2f}x |"
+            )
     tests = s.get("tests")
     if tests:
         lines += ["", f"`pytest -m gpu`: {tests.get('summary') or tests.get('error', '')}"]
@@ -1195,7 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="scratch folder (models, runs); default a temp")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting work after this")
-    ap.add_argument("--sections", default="runtime,memory,speed,tests")
+    ap.add_argument("--sections", default="runtime,memory,rollout,speed,tests")
     ap.add_argument("--row-ids", default=None, help="only these memory rows (0,3,...)")
     ap.add_argument(
         "--jobs",
@@ -1207,8 +1271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--speed-runs",
         default=None,
-        help="only these (kd:off_policy,trl:on_policy,kd-fast:on_policy,kd-async:on_policy,"
-        "kd-compiled:on_policy)",
+        help="only these (kd:off_policy,trl:on_policy,kd-fast:on_policy,kd-graphs:on_policy,"
+        "kd-async:on_policy,kd-compiled:on_policy)",
     )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
@@ -1247,7 +1311,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [rows[int(i)] for i in ids.split(",")]
     # only the models the chosen rows (and the speed section's Qwen pair) load: writing a 3B
     # model's random weights is most of the assets' time
-    pairs_used = {r.pair for r in rows} | ({"qwen"} if "speed" in wanted else set())
+    pairs_used = {r.pair for r in rows} | ({"qwen"} if wanted & {"speed", "rollout"} else set())
     names = sorted({m for p in pairs_used for m in PAIRS[p][:2]})
     prewarm(names)
     with ThreadPoolExecutor(len(names)) as pool:
@@ -1285,6 +1349,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if tests is not None:
         res.section("tests", finish_gpu_tests(tests, deadline))
+    if "rollout" in wanted:
+        res.section("rollout", rollout(work, folders, device, args.smoke, deadline))
     if "speed" in wanted:
         try:
             only = set(args.speed_runs.split(",")) if args.speed_runs else None

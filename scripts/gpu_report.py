@@ -145,6 +145,31 @@ def speed_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def rollout_table(calls: list[dict[str, Any]]) -> list[str]:
+    """Every call's rollout section (``gpu_check.py``'s ``rollout``): kd's local sampler against
+    transformers' ``generate``; no lines before a call has one."""
+    lines: list[str] = []
+    for i, call in enumerate(calls):
+        ro = call["doc"]["sections"].get("rollout")
+        if not isinstance(ro, dict) or ro.get("status") != "ok":
+            continue
+        if not lines:
+            lines = [
+                "### Rollouts: kd's local sampler against transformers' generate",
+                "",
+                "| call | model | dtype | batch | new tokens | method | tokens/s | vs generate |",
+                "|---:|---|---|---:|---:|---|---:|---:|",
+            ]
+        info = ro.get("info", {})
+        for r in ro["table"]:
+            lines.append(
+                f"| {i + 1} | {r['model']} | {info.get('dtype', '-')} | {r['batch']} | "
+                f"{r['new_tokens']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+                f"{r['ratio']:.2f}x |"
+            )
+    return [*lines, ""] if lines else []
+
+
 def section(data: dict[str, Any], json_path: str) -> str:
     calls = data["calls"]
     env = calls[-1]["doc"]["sections"]["environment"]
@@ -171,6 +196,7 @@ def section(data: dict[str, Any], json_path: str) -> str:
         "",
         *offload_table(memory_rows(calls)),
         "",
+        *rollout_table(calls),
         "### kd against TRL",
         "",
         *speed_table(speed_rows(calls)),

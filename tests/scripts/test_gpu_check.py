@@ -59,11 +59,26 @@ def test_the_gpu_doc_is_the_report_of_the_committed_json():
     assert gpu_report.section(data, "scripts/bench_data/gpu_check_h100.json") in doc
 
 
+def test_the_gpu_doc_shows_each_calls_rollout_section():
+    """A call with a rollout section adds the rollouts table (a call without one adds none)."""
+    table = [
+        {"method": m, "model": "Qwen2.5-0.5B", "batch": 16, "new_tokens": 128, "tokens_per_s": t}
+        for m, t in (("generate", 100.0), ("kd fast graphs", 450.0))
+    ]
+    for r in table:
+        r["ratio"] = r["tokens_per_s"] / 100.0
+    ro = {"status": "ok", "info": {"dtype": "bf16"}, "table": table}
+    calls = [{"doc": {"sections": {}}}, {"doc": {"sections": {"rollout": ro}}}]
+    lines = gpu_report.rollout_table(calls)
+    assert "| 2 | Qwen2.5-0.5B | bf16 | 16 | 128 | kd fast graphs | 450 | 4.50x |" in lines
+    assert gpu_report.rollout_table(calls[:1]) == []
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
-    """--smoke: tiny shapes of the same pairs, a memory row, a served-teacher row, kd and TRL
-    off-policy, kd's batched sampler on-policy, and pytest -m gpu (skipped without CUDA), written
-    as the GPU run writes them."""
+    """--smoke: tiny shapes of the same pairs, a memory row, a served-teacher row, the rollout
+    section, kd and TRL off-policy, kd's batched sampler on-policy, and pytest -m gpu (skipped
+    without CUDA), written as the GPU run writes them."""
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -101,7 +116,13 @@ def test_gpu_check_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert fast["sets"] == {"on_policy.batch_rollouts": True}
     assert fast["phases"]["generate_s"] > 0
     assert s["tests"]["status"] == "ok"
-    assert (out / "gpu_check.md").read_text().startswith("Device: cpu")
+    # the rollout section: generate and kd's fast sampler on the pair's student (no graphs here)
+    ro = s["rollout"]
+    assert ro["status"] == "ok", ro
+    assert {r["method"] for r in ro["table"]} == {"generate", "kd fast"}
+    assert all(r["tokens_per_s"] > 0 for r in ro["table"])
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("Device: cpu") and "| rollout (transformers) |" in md
 
 
 @pytest.mark.slow
