@@ -603,6 +603,7 @@ def test_dataset_list(tmp_path):
         ({"compile": True}, "and compile: true are two ways of one decode step"),
         ({"on_policy": {"sampler": "served"}}, "a served sampler's server runs its own CUDA"),
         ({"on_policy": {"batch_rollouts": False}}, "replays the fast local decode"),
+        ({"on_policy": {"async_steps": 1}}, "set on_policy.async_steps=0, or"),
         ({"device": "cuda"}, None),
     ],
 )

@@ -55,8 +55,10 @@ def cuda_capture(pool: Any = None) -> Capture:
     """A :data:`Capture` on the current CUDA device: the call runs once on a side stream (the
     warm-up torch's documentation asks for, which is the step itself), then is recorded into a
     ``torch.cuda.CUDAGraph`` drawing on ``pool`` (``torch.cuda.graph_pool_handle()``).
-    ``capture_error_mode="thread_local"``: the training thread may allocate while the
-    ``async_steps`` sampler captures."""
+    ``capture_error_mode="thread_local"``: the process's other threads (a served teacher's
+    request threads, a metric logger's) are not stopped by a capture in this one. Captures run
+    in the training thread (``async_steps: 1`` is refused with graphs: its training thread
+    synchronizes the device, which a capture in flight does not survive)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         side = torch.cuda.Stream()

@@ -95,7 +95,8 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
 
 def _check_cuda_graphs(data: dict[str, Any], node: dict[str, Any], problems: list[Problem]) -> None:
     """``on_policy.cuda_graphs`` replays the local sampler's fast decode step
-    (``batch_rollouts``) on a CUDA device; ``compile: true`` is the other way of that step."""
+    (``batch_rollouts``) on a CUDA device, in the training thread; ``compile: true`` is the other
+    way of that step."""
     if node.get("sampler") == "served":
         line = (
             "applies to the local sampler; a served sampler's server runs its own CUDA graphs "
@@ -114,6 +115,12 @@ def _check_cuda_graphs(data: dict[str, Any], node: dict[str, Any], problems: lis
         )
     elif data.get("device") == "cpu":
         line = "needs device: cuda (device is cpu); set on_policy.cuda_graphs=false"
+    elif node.get("async_steps") == 1:
+        line = (
+            "captures in the sampling thread, where async_steps: 1 samples while the training "
+            "thread synchronizes the device (which breaks a capture); set "
+            "on_policy.async_steps=0, or on_policy.cuda_graphs=false"
+        )
     else:
         return
     problems.append(Problem("on_policy.cuda_graphs", line))
