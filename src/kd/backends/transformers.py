@@ -3,6 +3,7 @@ builds, loads and adapts it; LoRA through peft)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -141,6 +142,7 @@ class _TransformersSteps:
 
         self.model, self.mask = model, mask.long()
         self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache_key = cache_keyword(model)
         config = getattr(model, "config", None)
         self.static = static
         self.cache = (
@@ -177,8 +179,8 @@ class _TransformersSteps:
             x,
             attention_mask=self.mask if self.static else self.mask[:, :end],
             position_ids=self.positions[:, start:end],
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_key: self.cache},
             **extra,
         )
 
@@ -193,7 +195,17 @@ class _TransformersSteps:
             x,
             attention_mask=self.mask,
             position_ids=self.positions.index_select(1, pos),
-            past_key_values=self.cache,
             use_cache=True,
             cache_position=pos,
+            **{self.cache_key: self.cache},
         )
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword the model's ``forward`` takes its KV cache by: ``cache`` since transformers
+    5.2x (``past_key_values`` is deprecated there and goes in 5.40), ``past_key_values`` before
+    (read from the signature of the model's class under any peft wrapper: kd's hidden-output
+    mode replaces the instance's ``forward`` and passes the keywords on to the decoder)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
