@@ -107,7 +107,9 @@ def sampler_bytes(vocab: int, batch: int, a: int, g: GenerationKnobs) -> int:
 LAYER, HEAD = "layer", "head"
 
 
-def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict[str, int]]]:
+def rollout_candidates(
+    shape: ModelShape, k: TrainKnobs, *, graphs: bool = False
+) -> list[tuple[str, dict[str, int]]]:
     """The generation's candidate peaks when ``shape`` samples, each with where it lies
     (:data:`LAYER`, :data:`HEAD` or a boundary of :func:`hf_terms.generation_boundaries`) and its
     transient components (``kv_cache``, ``activations``, ``sampling``, ``buffers``):
@@ -120,6 +122,12 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
     ``b * P`` tokens), the first token's sampling, and the first decoding step (with the fp32
     logits of the first token still referenced); from the second token on, the new logits are
     computed while the last ones are still referenced; and the layer boundaries.
+
+    With ``graphs`` (the student's decode steps replayed from CUDA graphs,
+    ``on_policy.cuda_graphs``) every candidate also holds one decode step's temporaries (the
+    hidden state, a cached layer's peak, the logits and their fp32 upcast): the graphs' memory
+    pool keeps them for the rest of the rollout (:mod:`kd.rollouts.graphs`). Derived from how a
+    capture allocates, not yet measured on a GPU.
     """
     g = k.generation
     assert g is not None
@@ -131,6 +139,10 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
     own = 9 * b * prompt + 8 * b + b * total + 8 * b * new + 9 * b + 8 * _STOP_IDS
     logits = 4 * b * vocab
     sampler = sampler_bytes(vocab, b, a, g)
+    pool = 0
+    if graphs:
+        step = a * b * h + cached_layer_peak(shape, b, 1, total, a)
+        pool = step + logits + upcast_bytes(vocab, b, a)
     if shape.hf:
         steps = hf_terms.generation_steps(
             shape,
@@ -148,7 +160,10 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
         assert len(where) == len(steps)
         bounds = hf_terms.generation_boundaries(shape, b, prompt, new, a, logits=logits)
         tagged = [*zip(where, steps, strict=True), *bounds.items()]
-        return [(w, dict(d, buffers=d.get("buffers", 0) + own)) for w, d in tagged]
+        return [
+            (w, dict(d, buffers=d.get("buffers", 0) + own, sampling=d.get("sampling", 0) + pool))
+            for w, d in tagged
+        ]
     own += 4 * b * total + b * prompt * total + 8 * total
     cache = kv_cache_bytes(shape, b, total, a)
     hidden = a * b * prompt * h
@@ -167,7 +182,10 @@ def rollout_candidates(shape: ModelShape, k: TrainKnobs) -> list[tuple[str, dict
         steps.append(
             (HEAD, {"activations": a * b * h, "sampling": logits + upcast_bytes(vocab, b, a)})
         )
-    return [(w, dict(d, kv_cache=cache, buffers=own)) for w, d in steps]
+    return [
+        (w, dict(d, kv_cache=cache, buffers=own, sampling=d.get("sampling", 0) + pool))
+        for w, d in steps
+    ]
 
 
 def rollout_bytes(shape: ModelShape, k: TrainKnobs) -> dict[str, int]:
@@ -245,7 +263,8 @@ def generation_phase(
         if name == "student" and g.copy_dtype_bytes is not None:
             # The sampler's copy in on_policy.sampling_dtype: its cache, activations and logits.
             sampling = replace(k, dtype_bytes=g.copy_dtype_bytes)
-        for where, rollout in rollout_candidates(shape, sampling):
+        graphs = name == "student" and g.cuda_graphs
+        for where, rollout in rollout_candidates(shape, sampling, graphs=graphs):
             in_flight = held + fsdp_gathered(shape, per_param, where) if k.num_ranks > 1 else 0
             phase = between_steps(resident, in_flight=in_flight, buffers=model_buffers + batches)
             for comp, val in rollout.items():
@@ -292,4 +311,5 @@ def generation_knobs(
         rows=rows if rows != batch_size else None,
         student_copy=rollout_plan.student_copy(settings, dtype=dtype),
         copy_dtype_bytes=rollout_plan.copy_dtype_bytes(settings, dtype=dtype),
+        cuda_graphs=settings.cuda_graphs and "student" in models,
     )

@@ -51,6 +51,9 @@ class GenerationKnobs:
         copy_dtype_bytes: bytes per value of that copy, of its KV cache and of its logits when
             they are not the student's (``on_policy.sampling_dtype``: 2 for bf16, 4 for fp32);
             None: the student's ``TrainKnobs.dtype_bytes``.
+        cuda_graphs: the student's decode steps are replayed from CUDA graphs
+            (``on_policy.cuda_graphs``): their memory pool holds a decode step's temporaries for
+            the rest of the rollout.
     """
 
     new_tokens: int
@@ -60,6 +63,7 @@ class GenerationKnobs:
     rows: int | None = None
     student_copy: bool = False
     copy_dtype_bytes: int | None = None
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ How :class:`DecodeGraphs` keeps a replay equal to the eager step:
   padding mask and RoPE positions gathered at ``pos``, transformers' ``StaticCache`` written at
   ``cache_position=pos``. The KV cache is preallocated for the whole rollout, so its tensors keep
   their addresses from step to step; its write position is a device tensor too.
-- A batch size is **captured at its first step**: that step runs eagerly once on a side stream
-  (it is this step: its cache writes and its logits are used), then the same call is recorded.
+- A batch size is **captured at its first step**: that step runs eagerly once (it is this
+  step: its cache writes and its logits are used), then the same call is recorded.
   Each later step copies the new token and position into the buffers and replays.
 - **Finished rows leaving the batch** make new cache tensors (``select``): the graph is dropped
   and the next step captures the smaller batch. With graphs the batch is compacted once half of
@@ -26,7 +26,8 @@ How :class:`DecodeGraphs` keeps a replay equal to the eager step:
 - The sampling stays eager, outside the graph: each row draws from its own generator exactly as
   without graphs, so the tokens are the same.
 - Every graph of a rollout draws its temporaries from one memory pool, freed when the rollout
-  ends; the pool holds one decode step's temporaries, which the plan already counts.
+  ends; the pool holds one decode step's temporaries for the rest of the rollout, which the plan
+  adds (:func:`kd.memory.generation.rollout_candidates`).
 
 What a graph cannot hold (a device-to-host read, a tensor made from a Python value of the
 position) is kept out of both backends' ``decode``; ``tests/unit/rollouts/test_graphs.py`` checks
@@ -52,20 +53,20 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[]
 
 
 def cuda_capture(pool: Any = None) -> Capture:
-    """A :data:`Capture` on the current CUDA device: the call runs once on a side stream (the
-    warm-up torch's documentation asks for, which is the step itself), then is recorded into a
-    ``torch.cuda.CUDAGraph`` drawing on ``pool`` (``torch.cuda.graph_pool_handle()``).
-    ``capture_error_mode="thread_local"``: the process's other threads (a served teacher's
-    request threads, a metric logger's) are not stopped by a capture in this one. Captures run
-    in the training thread (``async_steps: 1`` is refused with graphs: its training thread
-    synchronizes the device, which a capture in flight does not survive)."""
+    """A :data:`Capture` on the current CUDA device: the call runs once eagerly (the warm-up
+    before a capture, which is the step itself: its cache writes and logits are used), then is
+    recorded into a ``torch.cuda.CUDAGraph`` drawing on ``pool``
+    (``torch.cuda.graph_pool_handle()``). The warm-up runs on the current stream, as vLLM's
+    does (torch's side-stream warm-up is for DDP's collectives, which a decode step has none of):
+    what it frees stays reusable by the rest of the step, where a side stream's cache would hold
+    another step's temporaries for the rollout. ``capture_error_mode="thread_local"``: the
+    process's other threads (a served teacher's request threads, a metric logger's) are not
+    stopped by a capture in this one. Captures run in the training thread (``async_steps: 1`` is
+    refused with graphs: its training thread synchronizes the device, which a capture in flight
+    does not survive)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            first = fn()
-        torch.cuda.current_stream().wait_stream(side)
+        first = fn()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()

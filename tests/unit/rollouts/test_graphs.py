@@ -174,3 +174,42 @@ def test_decode_steps_hold_nothing_a_capture_refuses(tmp_path, backend):
                 "_to_copy from the host"
             ]
             assert capture_hazards(lambda: bool(pos.sum())) != []
+
+
+def test_cuda_capture_returns_the_warm_up_step_and_replays_into_the_captured_output(monkeypatch):
+    """torch.cuda's graph API stood in for (a capture records and runs nothing): the step's own
+    result is the eager warm-up run, never the captured output (unwritten until a replay); a
+    replay writes that output from the buffers' values of now."""
+    import contextlib
+
+    from kd.rollouts import graphs
+
+    x = torch.tensor([1.0, 2.0])
+    state = {"capturing": False, "out": None, "modes": [], "replays": 0}
+
+    def step() -> torch.Tensor:
+        if state["capturing"]:  # recorded, not run: the output's memory holds nothing yet
+            state["out"] = torch.full_like(x, float("nan"))
+            return state["out"]
+        return x * 2
+
+    class Graph:
+        def replay(self) -> None:
+            state["replays"] += 1
+            state["out"].copy_(x * 2)
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):  # noqa: ANN001, ANN202
+        state["modes"].append((pool, capture_error_mode))
+        state["capturing"] = True
+        yield
+        state["capturing"] = False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    first, replay = graphs.cuda_capture("pool")(step)
+    assert first.tolist() == [2.0, 4.0] and state["replays"] == 0
+    x.copy_(torch.tensor([5.0, 6.0]))
+    again = replay()
+    assert again is state["out"] and again.tolist() == [10.0, 12.0]
+    assert state["modes"] == [("pool", "thread_local")]

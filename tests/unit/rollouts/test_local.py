@@ -139,3 +139,19 @@ def test_frozen_copy_keeps_its_own_weights(compiled):
     assert torch.equal(copy(x), before)
     assert not torch.equal(student(x), before)
     assert not any(p.requires_grad for p in copy.parameters())
+
+
+def test_plan_counts_the_decode_graphs_pool():
+    """cuda_graphs: the generation phase also holds a decode step's temporaries (the graphs'
+    pool): more than without, by less than the KV cache of the rows sampled together; the other
+    phases are unchanged."""
+    base = ["on_policy.lmbda=1", "gradient_accumulation_steps=4", "batch_size=2"]
+    base += ["on_policy.batch_rollouts=true"]
+    eager = components(*base)
+    graphed = components(*base, "on_policy.cuda_graphs=true")
+    extra = sum(graphed[GEN_PHASE].values()) - sum(eager[GEN_PHASE].values())
+    assert 0 < extra < graphed[GEN_PHASE]["kv_cache"]
+    assert graphed[GEN_PHASE]["sampling"] > eager[GEN_PHASE]["sampling"]
+    for phase in eager:
+        if phase != GEN_PHASE:
+            assert graphed[phase] == eager[phase], phase
