@@ -109,9 +109,16 @@ def _topk_value_and_grad(
     renorm_student = tail == "renorm" and _renorms_student(divergence, beta, skew_alpha)
     s_top = s.gather(1, ids)
     q = torch.exp(s)
-    # s becomes the tail-only log-probs: -inf on the ids (an empty tail gives -inf everywhere).
-    s_tail_only = s.scatter_(1, ids, -math.inf)
-    s_tail = torch.logsumexp(s_tail_only, dim=-1).clamp_min(_LOG_MIN)
+    # s becomes the tail-only log-probs: -inf on the ids (an empty tail gives -inf everywhere),
+    # then, in place, exp(s - m) with m its row max: torch.logsumexp's own steps (the same
+    # s_tail, bit for bit) without its [n, V] temporary, a fourth fp32 buffer beside g, s and q
+    # (the served teacher's row on the H100, docs/gpu.md).
+    s.scatter_(1, ids, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.abs() == math.inf, 0.0)
+    e = s.sub_(m).exp_()  # q_j / exp(m) on the tail, 0 on the ids
+    m = m.squeeze(1)
+    s_tail = e.sum(dim=-1).log_().add_(m).clamp_min(_LOG_MIN)
     with torch.enable_grad():
         leaf_top = s_top.detach().requires_grad_()
         leaf_tail = s_tail.detach().requires_grad_()
@@ -128,10 +135,10 @@ def _topk_value_and_grad(
             value.sum(), (leaf_top, leaf_tail), allow_unused=True
         )
     if grad_tail is None or not has_tail:
-        h = s_tail_only.zero_()
+        h = e.zero_()
     else:
-        # q_j / q_tail on the tail, 0 on the ids (exp(-inf) = 0), times b.
-        h = s_tail_only.sub_(s_tail[:, None]).exp_().mul_(grad_tail[:, None])
+        # q_j / q_tail = exp(s_j - m) exp(m - s_tail) on the tail, 0 on the ids, times b.
+        h = e.mul_((torch.exp(m - s_tail) * grad_tail)[:, None])
     h.scatter_add_(1, ids, grad_top)
     h_sum = h.sum(-1, keepdim=True)
     return value.detach(), h.addcmul_(q, h_sum, value=-1.0)
