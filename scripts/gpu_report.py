@@ -1,8 +1,10 @@
 """The tables of ``docs/gpu.md`` from a GPU session's JSON (``scripts/gpu_check.py``'s documents).
 
-The memory rows are planned again with today's runtime terms (:mod:`kd.memory.runtime`): each
-row keeps the planner's allocated peak as the GPU run computed it, and the reserved and device
-peaks are derived from it here, so a change to the terms shows against the same measurements.
+The memory rows are planned again with today's :mod:`kd.memory`: each row's recorded config is
+planned here (its models' published ``config.json`` written to a temporary folder in place of the
+GPU run's; no weights are read), and the reserved and device peaks are derived from that with
+today's runtime terms (:mod:`kd.memory.runtime`), so a change to the planner shows against the
+same measurements.
 
     python scripts/gpu_report.py                      # bench_data/gpu_check_h100.json -> docs/gpu.md
     python scripts/gpu_report.py --json X.json --out /tmp/gpu.md
@@ -11,6 +13,7 @@ peaks are derived from it here, so a change to the terms shows against the same 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -22,6 +25,8 @@ from kd.memory.runtime import runtime_terms
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
+# Where gpu_check.py ran (--work /tmp/work): the rows' configs name their models under it.
+GPU_WORK = "/tmp/work"
 MIB = 1 << 20
 BEGIN = "<!-- gpu_report.py: begin -->"
 END = "<!-- gpu_report.py: end -->"
@@ -37,9 +42,43 @@ def memory_rows(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+@functools.cache
+def _published_models() -> Path:
+    """A temporary folder with every published model's ``config.json`` (what planning reads)."""
+    import tempfile
+
+    import transformers
+
+    from kd.memory.hf_accuracy import PUBLISHED, folder_name
+
+    root = Path(tempfile.mkdtemp(prefix="kd_gpu_report_"))
+    for name, (cls_name, kwargs) in PUBLISHED.items():
+        getattr(transformers, cls_name)(**kwargs).save_pretrained(root / folder_name(name))
+    return root
+
+
+def planned_allocated(r: dict[str, Any]) -> float:
+    """The row's allocated peak (GiB) as today's planner plans its recorded config (its models
+    read from :func:`_published_models`, where the GPU run had written them)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from kd.config import load_config
+    from kd.memory import plan_from_config
+
+    text = r["config"].replace(f"{GPU_WORK}/models/", f"{_published_models()}/")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "row.yaml"
+        path.write_text(text)
+        with contextlib.redirect_stderr(io.StringIO()):
+            plan = plan_from_config(load_config(str(path), []), budget_gib=None)
+    return plan.to_json()["allocated_peak_gib"]
+
+
 def replan(r: dict[str, Any]) -> dict[str, float]:
-    """Reserved and device peaks from the row's planned allocated peak and today's terms."""
-    alloc = r["plan"]["allocated_peak_gib"] * GIB
+    """Allocated, reserved and device peaks of the row planned with today's kd.memory."""
+    alloc = planned_allocated(r) * GIB
     # an offloading row's keys (gpu_check.OFFLOAD_MODES, named at the end of the row's name)
     sets = next((v for m, (_, v) in OFFLOAD_MODES.items() if r["name"].endswith(f", {m}")), {})
     parked = r["plan"].get("host", {}).get("host_gib", {}).get("parked_teacher", 0.0) * GIB
@@ -188,7 +227,7 @@ def section(data: dict[str, Any], json_path: str) -> str:
         "",
         *runtime_table(calls),
         "",
-        "### Plan against the device (planned with today's `kd.memory.runtime` terms)",
+        "### Plan against the device (each row's config planned with today's `kd.memory`)",
         "",
         *memory_table(memory_rows(calls)),
         "",

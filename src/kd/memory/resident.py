@@ -104,6 +104,15 @@ class Resident:
     teacher_params: int
 
 
+def _device_teacher_buffers(teacher: ModelShape | None, k: TrainKnobs) -> int:
+    """The teacher's buffers on the training device: none on a device of its own, and none when
+    it has no weights of its own (a self teacher without a frozen copy runs the student's own
+    modules, RoPE tables included: ``teacher_bytes_per_param`` 0)."""
+    if teacher is None or k.teacher_own_device or k.teacher_bytes_per_param == 0.0:
+        return 0
+    return teacher.buffer_bytes(k.dtype_bytes)
+
+
 def _device_teacher_params(teacher: ModelShape | None, k: TrainKnobs) -> int:
     """Teacher parameters on the device between its forwards: all of them, or a parked
     teacher's output projections (:mod:`kd.memory.offload`)."""
@@ -149,8 +158,7 @@ def resident_bytes(student: ModelShape, teacher: ModelShape | None, k: TrainKnob
         student_weights=k.per_rank(student_w),
         lora_adapters=k.per_rank(a * student.lora_params()),
         teacher_weights=k.per_rank(int(k.teacher_dtype_bytes * _device_teacher_params(teacher, k))),
-        model_buffers=student.buffer_bytes(a)
-        + (teacher.buffer_bytes(a) if teacher and not k.teacher_own_device else 0),
+        model_buffers=student.buffer_bytes(a) + _device_teacher_buffers(teacher, k),
         gradients=grads,
         optimizer_states=k.per_rank(states),
         optimizer_temp=k.per_rank(opt_temp),

@@ -302,3 +302,16 @@ def test_each_term_grows_with_the_sequence(seq):
         ]
 
     assert all(a <= b for a, b in zip(terms(seq), terms(2 * seq), strict=True))
+
+
+def test_a_teacher_without_weights_of_its_own_has_no_buffers_of_its_own():
+    """A self teacher without a frozen copy runs the student's modules (teacher_bytes_per_param
+    0): no second set of RoPE tables (torchtune's LoRA Qwen2 builds one per layer: 0.38 GiB of
+    the H100's LoRA self-teacher row, planned 12% over before)."""
+    knobs = TrainKnobs(batch_size=1, seq_len=8)
+    student = replace(LORA, rope_per_layer=True)
+    teacher = replace(student, lora=None)
+    own = resident_bytes(student, teacher, knobs).model_buffers
+    shared = resident_bytes(student, teacher, replace(knobs, teacher_bytes_per_param=0.0))
+    assert own - shared.model_buffers == teacher.buffer_bytes(knobs.dtype_bytes) > 0
+    assert shared.model_buffers == student.buffer_bytes(knobs.dtype_bytes)
