@@ -149,5 +149,6 @@ class Backend(Protocol):
         rows leave); the transformers backend also takes ``static=True`` (a ``StaticCache``).
         With the cache preallocated, ``forward.__self__.decode(x, pos)`` runs the one position
         ``pos`` (a ``[1]`` device tensor) of ``x`` ``[b, 1]``, reading no Python value of it (a
-        CUDA graph replays it: :mod:`kd.rollouts.graphs`)."""
+        CUDA graph replays it: :mod:`kd.rollouts.graphs`) when ``forward.__self__.capturable()``
+        (a cache whose layers keep no Python state that changes from step to step)."""
         ...

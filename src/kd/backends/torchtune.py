@@ -285,6 +285,11 @@ class _TorchtuneSteps:
             attn = self.bias.masked_fill(self.keys > start, float("-inf"))[:, None, :]
         return self.model(x, input_pos=self.positions[:, start : start + n], mask=attn)
 
+    def capturable(self) -> bool:
+        """:meth:`decode` may always be replayed from a CUDA graph (torchtune's caches are plain
+        preallocated tensors with a device write position)."""
+        return True
+
     def decode(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One position ``pos`` (``[1]`` int64, on the device) of the ``[b, 1]`` tokens ``x``:
         :meth:`forward` with the position read from a tensor, never a Python int, so that a CUDA

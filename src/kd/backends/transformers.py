@@ -151,6 +151,16 @@ class _TransformersSteps:
             else DynamicCache(config=config)
         )
 
+    def capturable(self) -> bool:
+        """Whether :meth:`decode` may be replayed from a CUDA graph: a preallocated cache with no
+        sliding-window layer. Such a layer (transformers' ``StaticSlidingWindowLayer``) keeps a
+        Python count of its length that reaches the step's tensors (and picks a branch once its
+        window is full), which a graph captured at one step replays stale at the next
+        (``tests/unit/rollouts/test_graphs.py``)."""
+        return self.static and not any(
+            getattr(layer, "is_sliding", False) for layer in self.cache.layers
+        )
+
     def select(self, index: torch.Tensor) -> None:
         """Keep rows ``index`` of the batch (finished rows leave)."""
         if self.static:  # transformers' static layers cannot select rows: their tensors shrink

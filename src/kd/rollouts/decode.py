@@ -186,13 +186,11 @@ def _decode_group(
     with backend.kv_cache_steps(model, mask, width=width, total=total, **kwargs) as forward:
         cache = forward.__self__  # the steps object: select() drops rows
         logits = next_logits(model, forward, prompts.tokens, 0)  # the prefill, eager
-        graph = (
-            decode_graphs.DecodeGraphs(
+        graph = None
+        if graphs is not None and decode_graphs.capturable(cache):
+            graph = decode_graphs.DecodeGraphs(
                 lambda x, pos: next_logits(model, cache.decode, x, pos), graphs
             )
-            if graphs is not None
-            else None
-        )
         shrink_at = decode_graphs.SHRINK_AT if graph is not None else SHRINK_AT
         done = torch.zeros(b, dtype=torch.bool, device=device)  # of the rows in the batch
         for t in range(max_new_tokens):

@@ -29,6 +29,10 @@ How :class:`DecodeGraphs` keeps a replay equal to the eager step:
   ends; the pool holds one decode step's temporaries for the rest of the rollout, which the plan
   adds (:func:`kd.memory.generation.rollout_candidates`).
 
+A model whose cache keeps Python state that reaches the step (transformers' sliding-window
+layers: a Python count of their length) is not captured: its steps run eagerly, said once
+(:func:`capturable`).
+
 What a graph cannot hold (a device-to-host read, a tensor made from a Python value of the
 position) is kept out of both backends' ``decode``; ``tests/unit/rollouts/test_graphs.py`` checks
 that on the CPU, where :func:`kd.testing_graphs.tape_capture` replays a recorded step the way a
@@ -37,12 +41,15 @@ graph does (the recorded operations on the recorded tensors, every Python value 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["SHRINK_AT", "Capture", "DecodeGraphs", "cuda_capture"]
+__all__ = ["SHRINK_AT", "Capture", "DecodeGraphs", "capturable", "cuda_capture"]
+
+log = logging.getLogger("kd")
 
 # With graphs, the batch is compacted once this share of its rows has finished (each new batch
 # size is one more capture).
@@ -78,6 +85,26 @@ def cuda_capture(pool: Any = None) -> Capture:
         return first, replay
 
     return capture
+
+
+_SAID: set[str] = set()
+
+
+def capturable(steps: Any) -> bool:
+    """Whether the backend's cached steps may be replayed from graphs (their ``capturable()``);
+    when not, says once per process why this model decodes eagerly."""
+    if steps.capturable():
+        return True
+    name = type(getattr(steps, "model", steps)).__name__
+    if name not in _SAID:
+        _SAID.add(name)
+        log.warning(
+            "on_policy.cuda_graphs: %s has sliding-window attention layers, whose cache keeps "
+            "a Python count a graph cannot replay; its decode steps run eagerly (the same "
+            "tokens, without the graphs' speed)",
+            name,
+        )
+    return False
 
 
 class DecodeGraphs:

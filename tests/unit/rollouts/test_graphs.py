@@ -213,3 +213,73 @@ def test_cuda_capture_returns_the_warm_up_step_and_replays_into_the_captured_out
     again = replay()
     assert again is state["out"] and again.tolist() == [10.0, 12.0]
     assert state["modes"] == [("pool", "thread_local")]
+
+
+def _sliding_model(window: int) -> torch.nn.Module:
+    """A tiny transformers Qwen2 whose every layer attends over a sliding window."""
+    import transformers
+
+    from kd import models
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=window,
+        max_window_layers=0,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    models.set_hidden_output(model, True)
+    return model
+
+
+def test_a_sliding_window_model_decodes_eagerly(caplog):
+    """transformers' sliding-window static layers keep a Python count of their length that
+    reaches the step's tensors: a graph captured at one step replays it stale (the tape shows
+    the replays diverging, even with a window longer than the rollout), so such a model's
+    rollout decodes eagerly, says so once, and samples what it samples without graphs."""
+    p = prompts(60, [5, 3, 7])
+    feed = torch.randint(1, 60, (3, 8), generator=torch.Generator().manual_seed(1))
+    steps = backend_of(_sliding_model(window=6)).kv_cache_steps
+    mask = torch.ones(3, 7 + 8, dtype=torch.bool)
+    for window in (6, 32):
+        model = _sliding_model(window)
+        eager = decode_logits(model, p, feed, "eager")
+        assert not torch.equal(decode_logits(model, p, feed, "graph"), eager)
+        assert not steps(model, mask, width=7, total=15, static=True).capturable()
+    short = _sliding_model(window=6)
+
+    captures: list[int] = []
+
+    def counted(fn):
+        captures.append(1)
+        return tape_capture(fn)
+
+    def run(graphs):
+        return fast_rollout(
+            short,
+            p,
+            max_new_tokens=8,
+            temperature=1.0,
+            top_p=1.0,
+            stop_ids=[],
+            pad_id=0,
+            vocab_limit=60,
+            generators=row_generators(7, 0, range(3), device=torch.device("cpu")),
+            graphs=graphs,
+        )
+
+    with caplog.at_level("WARNING", logger="kd"):
+        graphed = run(counted)
+        run(counted)
+    assert captures == []
+    assert torch.equal(graphed.tokens, run(None).tokens)
+    said = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
+    assert len(said) <= 1 and all("decode steps run eagerly" in s for s in said)
