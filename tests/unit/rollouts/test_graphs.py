@@ -283,3 +283,54 @@ def test_a_sliding_window_model_decodes_eagerly(caplog):
     assert torch.equal(graphed.tokens, run(None).tokens)
     said = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
     assert len(said) <= 1 and all("decode steps run eagerly" in s for s in said)
+
+
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        (
+            "Llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                }
+            },
+        ),
+        ("Qwen3", {"head_dim": 8}),
+        ("Mistral", {"sliding_window": None}),
+        ("Gemma2", {"head_dim": 8}),  # sliding-window layers
+    ],
+)
+def test_cached_steps_say_capturable_exactly_when_replays_equal_eager_steps(arch, extra):
+    """Across transformers architectures: the cached steps' capturable() is True exactly where
+    the tape's replays equal the eager steps (and only there does fast_rollout capture)."""
+    import transformers
+
+    from kd import models
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        **extra,
+    )
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    models.set_hidden_output(model, True)
+    p = prompts(60, [5, 3, 7])
+    feed = torch.randint(1, 60, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 13, dtype=torch.bool)
+    capturable = backend_of(model).kv_cache_steps(model, mask, width=7, total=13, static=True)
+    same = torch.equal(
+        decode_logits(model, p, feed, "graph"), decode_logits(model, p, feed, "eager")
+    )
+    assert capturable.capturable() == same == (arch != "Gemma2")
