@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from kd import cli
-from kd.rollouts.decode import fast_rollout
 from kd.rollouts.graphs import cuda_capture
-from kd.rollouts.sampling import row_generators
 from tests.conftest import make_config, read_metrics, write_config
 from tests.unit.rollouts.test_decode import prompts, stops_of
-from tests.unit.rollouts.test_graphs import model_of
+from tests.unit.rollouts.test_graphs import eager_and_graphed, model_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,32 +26,11 @@ pytestmark = [
 def test_cuda_graphs_sample_what_the_eager_decode_samples(tmp_path, backend, temperature):
     model = model_of(backend, tmp_path).cuda()
     p = _on_cuda(prompts(60, [5, 3, 7, 2, 6, 4]))
-    stop_ids = stops_of(model, p)
-    stop_ids += list(range(1, 9)) if temperature else []
-    sizes: list[int] = []
+    stop_ids = stops_of(model, p) + (list(range(1, 9)) if temperature else [])
     capture = cuda_capture(torch.cuda.graph_pool_handle())
-
-    def counted(fn):
-        logits, replay = capture(fn)
-        sizes.append(logits.shape[0])
-        return logits, replay
-
-    def run(graphs):
-        gens = row_generators(7, 0, range(6), device=torch.device("cuda")) if temperature else None
-        return fast_rollout(
-            model,
-            p,
-            max_new_tokens=10,
-            temperature=temperature,
-            top_p=0.9,
-            stop_ids=stop_ids,
-            pad_id=0,
-            vocab_limit=60,
-            generators=gens,
-            graphs=graphs,
-        )
-
-    eager, graphed = run(None), run(counted)
+    eager, graphed, sizes = eager_and_graphed(
+        model, p, capture, temperature=temperature, stop_ids=stop_ids, device="cuda"
+    )
     assert torch.equal(graphed.lengths, eager.lengths)
     assert torch.equal(graphed.tokens, eager.tokens)
     assert sizes and sizes == sorted(set(sizes), reverse=True)

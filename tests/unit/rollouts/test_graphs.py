@@ -71,24 +71,19 @@ def test_replayed_decode_steps_equal_eager_steps(tmp_path, backend):
     assert not torch.allclose(stale[:, 2:], eager[:, 2:])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, temperature):
-    """The rollout with replayed steps samples what the eager one samples (each row's own
-    generator, outside the graph), rows ending at different steps; each batch size after rows
-    left is captured once."""
-    model = model_of(backend, tmp_path).train()
-    p = prompts(60, [5, 3, 7, 2, 6, 4])
-    stop_ids = stops_of(model, p) + (list(range(1, 9)) if temperature else [])
-    captures: list[int] = []  # the batch size of each capture
+def eager_and_graphed(model, p, capture, *, temperature: float, stop_ids, device="cpu"):
+    """``fast_rollout`` of ``p`` without graphs and with ``capture`` (each row's own generator
+    when sampling), and the batch size of each capture."""
+    sizes: list[int] = []
 
     def counted(fn):
-        logits, replay = tape_capture(fn)
-        captures.append(logits.shape[0])
+        logits, replay = capture(fn)
+        sizes.append(logits.shape[0])
         return logits, replay
 
     def run(graphs):
-        gens = row_generators(7, 0, range(6), device=torch.device("cpu")) if temperature else None
+        rows = range(p.tokens.shape[0])
+        gens = row_generators(7, 0, rows, device=torch.device(device)) if temperature else None
         return fast_rollout(
             model,
             p,
@@ -102,12 +97,26 @@ def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, tem
             graphs=graphs,
         )
 
-    eager, graphed = run(None), run(counted)
+    return run(None), run(counted), sizes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, temperature):
+    """The rollout with replayed steps samples what the eager one samples (each row's own
+    generator, outside the graph), rows ending at different steps; each batch size after rows
+    left is captured once."""
+    model = model_of(backend, tmp_path).train()
+    p = prompts(60, [5, 3, 7, 2, 6, 4])
+    stop_ids = stops_of(model, p) + (list(range(1, 9)) if temperature else [])
+    eager, graphed, sizes = eager_and_graphed(
+        model, p, tape_capture, temperature=temperature, stop_ids=stop_ids
+    )
     assert len(set(eager.lengths.tolist())) > 1
     assert torch.equal(graphed.lengths, eager.lengths)
     assert torch.equal(graphed.tokens, eager.tokens)
     # Each batch size was captured once, at its first step; fewer rows after rows left.
-    assert captures == sorted(set(captures), reverse=True) and captures[-1] < 6
+    assert sizes == sorted(set(sizes), reverse=True) and sizes[-1] < 6
     assert model.training
 
 
@@ -215,14 +224,14 @@ def test_cuda_capture_returns_the_warm_up_step_and_replays_into_the_captured_out
     assert state["modes"] == [("pool", "thread_local")]
 
 
-def _sliding_model(window: int) -> torch.nn.Module:
-    """A tiny transformers Qwen2 whose every layer attends over a sliding window."""
+def tiny_hf(arch: str, **extra) -> torch.nn.Module:
+    """A tiny random transformers ``{arch}ForCausalLM`` in kd's hidden-output mode."""
     import transformers
 
     from kd import models
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
+    config = getattr(transformers, f"{arch}Config")(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
@@ -230,14 +239,17 @@ def _sliding_model(window: int) -> torch.nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
-        use_sliding_window=True,
-        sliding_window=window,
-        max_window_layers=0,
         tie_word_embeddings=True,
+        **extra,
     )
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
     models.set_hidden_output(model, True)
     return model
+
+
+def _sliding_model(window: int) -> torch.nn.Module:
+    """A tiny transformers Qwen2 whose every layer attends over a sliding window."""
+    return tiny_hf("Qwen2", use_sliding_window=True, sliding_window=window, max_window_layers=0)
 
 
 def test_a_sliding_window_model_decodes_eagerly(caplog):
@@ -308,24 +320,7 @@ def test_a_sliding_window_model_decodes_eagerly(caplog):
 def test_cached_steps_say_capturable_exactly_when_replays_equal_eager_steps(arch, extra):
     """Across transformers architectures: the cached steps' capturable() is True exactly where
     the tape's replays equal the eager steps (and only there does fast_rollout capture)."""
-    import transformers
-
-    from kd import models
-
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{arch}Config")(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        **extra,
-    )
-    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
-    models.set_hidden_output(model, True)
+    model = tiny_hf(arch, **extra)
     p = prompts(60, [5, 3, 7])
     feed = torch.randint(1, 60, (3, 6), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 13, dtype=torch.bool)
