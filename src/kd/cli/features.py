@@ -71,6 +71,11 @@ FEATURES: tuple[Feature, ...] = (
         ("on_policy",),
     ),
     Feature(
+        "fast local on-policy sampling",
+        "on_policy: {batch_rollouts, cuda_graphs, sampling_dtype, async_steps}",
+        "docs/on_policy.md",
+    ),
+    Feature(
         "on-policy rollouts from a vLLM / SGLang server",
         "on_policy: {sampler: served}",
         "docs/served_sampler.md",
