@@ -17,8 +17,8 @@ token it samples) with three differences that save work:
   the position moves on. The prompts' prefill and the sampling stay eager (the sampling draws from
   each row's generator exactly as without it);
 - with ``graphs`` (``on_policy.cuda_graphs: true``), the same step is replayed from a CUDA graph
-  captured once per batch size (:mod:`kd.rollouts.graphs`); the batch is then compacted once half
-  of its rows have finished.
+  captured once per batch size (:mod:`kd.rollouts.graphs`); a batch of more than 16 rows is then
+  compacted once half of its rows have finished, a smaller one never.
 
 A row's tokens are those :func:`~kd.rollouts.sampling.rollout` would sample from the same
 logits: its generator is asked once per token it samples, in the same order. Only float
@@ -209,7 +209,8 @@ def _decode_group(
             steps = t + 1
             if t + 1 == max_new_tokens or bool(done.all()):
                 break
-            if int(done.sum()) >= shrink_at * done.numel():  # finished rows leave
+            compact = graph is None or graph.compacts(done.numel())
+            if compact and int(done.sum()) >= shrink_at * done.numel():  # finished rows leave
                 keep = _kept_rows(done, at_least=MIN_ROWS if step is not next_logits else 1)
                 if keep.numel() < done.numel():
                     cache.select(keep)

@@ -21,8 +21,10 @@ How :class:`DecodeGraphs` keeps a replay equal to the eager step:
   step: its cache writes and its logits are used), then the same call is recorded.
   Each later step copies the new token and position into the buffers and replays.
 - **Finished rows leaving the batch** make new cache tensors (``select``): the graph is dropped
-  and the next step captures the smaller batch. With graphs the batch is compacted once half of
-  its rows have finished (:data:`SHRINK_AT`), so a rollout of 16 rows captures at most 5 sizes.
+  and the next step captures the smaller batch. With graphs a batch of more than
+  :data:`COMPACT_ABOVE` rows is compacted once half of them have finished (:data:`SHRINK_AT`),
+  and a smaller one never (its finished rows decode padding), so a rollout of 64 rows captures at
+  most 3 sizes and one of 16 rows one.
 - The sampling stays eager, outside the graph: each row draws from its own generator exactly as
   without graphs, so the tokens are the same.
 - Every graph of a rollout draws its temporaries from one memory pool, freed when the rollout
@@ -47,13 +49,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHRINK_AT", "Capture", "DecodeGraphs", "capturable", "cuda_capture"]
+__all__ = ["COMPACT_ABOVE", "SHRINK_AT", "Capture", "DecodeGraphs", "capturable", "cuda_capture"]
 
 log = logging.getLogger("kd")
 
 # With graphs, the batch is compacted once this share of its rows has finished (each new batch
-# size is one more capture).
+# size is one more capture)...
 SHRINK_AT = 0.5
+# ...and only while it has more rows than this: a GPU decodes a small batch at about the cost of
+# one row (launch-bound: the H100's 4 rows of Qwen2.5-0.5B), so below it a capture, about one
+# eager step more, costs more than the smaller batch saves. Not yet measured on a GPU.
+COMPACT_ABOVE = 16
 
 # capture(fn) -> (fn's result now, a replay returning fn's result over the buffers' new values)
 Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[], torch.Tensor]]]
@@ -125,6 +131,11 @@ class DecodeGraphs:
         self._x: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None
         self.captures = 0
+
+    @staticmethod
+    def compacts(rows: int) -> bool:
+        """Whether a batch of ``rows`` rows is compacted when half of them have finished."""
+        return rows > COMPACT_ABOVE
 
     def reset(self) -> None:
         """The batch's tensors changed (rows left): the next step captures again."""

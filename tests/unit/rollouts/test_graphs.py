@@ -104,8 +104,7 @@ def eager_and_graphed(model, p, capture, *, temperature: float, stop_ids, device
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, temperature):
     """The rollout with replayed steps samples what the eager one samples (each row's own
-    generator, outside the graph), rows ending at different steps; each batch size after rows
-    left is captured once."""
+    generator, outside the graph), rows ending at different steps."""
     model = model_of(backend, tmp_path).train()
     p = prompts(60, [5, 3, 7, 2, 6, 4])
     stop_ids = stops_of(model, p) + (list(range(1, 9)) if temperature else [])
@@ -115,9 +114,27 @@ def test_fast_rollout_with_graphs_samples_the_same_tokens(tmp_path, backend, tem
     assert len(set(eager.lengths.tolist())) > 1
     assert torch.equal(graphed.lengths, eager.lengths)
     assert torch.equal(graphed.tokens, eager.tokens)
-    # Each batch size was captured once, at its first step; fewer rows after rows left.
-    assert sizes == sorted(set(sizes), reverse=True) and sizes[-1] < 6
+    assert sizes == [6]  # 16 rows or fewer: never compacted, one capture
     assert model.training
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_large_batch_compacts_and_captures_each_size_once(tmp_path, backend):
+    """More than COMPACT_ABOVE rows: compacted once half have finished, each batch size
+    captured once at its first step, down to COMPACT_ABOVE rows at most; the same tokens."""
+    from kd.rollouts.graphs import COMPACT_ABOVE
+
+    model = model_of(backend, tmp_path)
+    lengths = [5, 3, 7, 2, 6, 4, 8, 3] * 5  # 40 rows
+    p = prompts(60, lengths, seed=2)
+    stop_ids = list(range(1, 20))  # near-uniform tiny model: rows end anywhere
+    eager, graphed, sizes = eager_and_graphed(
+        model, p, tape_capture, temperature=1.0, stop_ids=stop_ids
+    )
+    assert torch.equal(graphed.tokens, eager.tokens)
+    assert sizes[0] == 40 and len(sizes) >= 2
+    assert sizes == sorted(set(sizes), reverse=True)
+    assert all(s > COMPACT_ABOVE for s in sizes[:-1])
 
 
 def test_compile_and_graphs_are_one_choice(tmp_path):
