@@ -9,7 +9,9 @@ launch nothing, left out), and the device-to-host reads (``_local_scalar_dense``
 host waits for every kernel queued). The model is Qwen2.5-0.5B's layout (24 layers, 14 query
 heads, 2 key-value heads, tied embeddings) at a tiny width: the counts per token do not depend on
 the width. Per token = (count at 24 new tokens - count at 8) / 16, so the prompt's prefill and
-the setup cancel.
+the setup cancel. The ``cuda_graphs`` rows count a replayed decode step as one operation (a
+graph launch on a GPU; replayed here by ``kd.testing_graphs.tape_capture``, its operations not
+counted) and everything kd dispatches around it (the sampling, the loop's bookkeeping).
 
     python scripts/decode_ops.py                         # prints the table, writes the JSON
     python scripts/decode_ops.py --json /tmp/ops.json
@@ -34,6 +36,7 @@ from kd import models  # noqa: E402
 from kd.rollouts.base import Prompts  # noqa: E402
 from kd.rollouts.decode import fast_rollout  # noqa: E402
 from kd.rollouts.sampling import rollout, row_generators  # noqa: E402
+from kd.testing_graphs import tape_capture  # noqa: E402
 
 VIEWS = {
     "view",
@@ -74,17 +77,48 @@ HF_NAMES = {
 
 
 class Count(TorchDispatchMode):
-    """Every non-view aten operation dispatched inside the block, by name."""
+    """Every non-view aten operation dispatched inside the block, by name; while ``paused`` (a
+    replayed graph: one launch on a GPU), none."""
+
+    active: Count | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.paused = False
+
+    def __enter__(self) -> Count:
+        Count.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        Count.active = None
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = func.__name__.split(".")[0]
-        if name not in VIEWS:
+        if name not in VIEWS and not self.paused:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def graph_capture(fn: Callable[[], torch.Tensor]):  # noqa: ANN201
+    """``kd.testing_graphs.tape_capture`` counted as a GPU runs it: the capture's own step as
+    it dispatches, each replay as one operation (``cuda graph replay``)."""
+    first, replay = tape_capture(fn)
+
+    def replayed() -> torch.Tensor:
+        mode = Count.active
+        if mode is None:
+            return replay()
+        mode.paused = True
+        try:
+            return replay()
+        finally:
+            mode.paused = False
+            mode.ops["cuda graph replay"] += 1
+
+    return first, replayed
 
 
 def per_token(run: Callable[[int], None]) -> collections.Counter[str]:
@@ -131,9 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     def gens() -> list[torch.Generator]:
         return row_generators(0, 0, list(range(BATCH)), device=torch.device("cpu"))
 
-    def kd_run(model: torch.nn.Module, fast: bool) -> Callable[[int], None]:
+    def kd_run(model: torch.nn.Module, fast: bool, graphs: bool = False) -> Callable[[int], None]:
         def run(n: int) -> None:
             models.set_hidden_output(model, True)
+            if graphs:
+                fast_rollout(
+                    model,
+                    prompts,
+                    max_new_tokens=n,
+                    generators=gens(),
+                    graphs=graph_capture,
+                    **common,
+                )
+                return
             sample = fast_rollout if fast else rollout
             sample(model, prompts, max_new_tokens=n, generators=gens(), **common)
 
@@ -159,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         "kd fast, transformers backend": kd_run(hf, True),
         "kd rollout, torchtune backend": kd_run(tt, False),
         "kd fast, torchtune backend": kd_run(tt, True),
+        "kd fast + cuda_graphs, transformers backend": kd_run(hf, True, graphs=True),
+        "kd fast + cuda_graphs, torchtune backend": kd_run(tt, True, graphs=True),
     }
     rows = []
     for name, run in methods.items():
@@ -174,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                 "top": top,
             }
         )
-    print(f"{'method':42s} {'ops/token':>10s} {'per layer':>10s} {'host reads':>11s}")
+    print(f"{'method':46s} {'ops/token':>10s} {'per layer':>10s} {'host reads':>11s}")
     for r in rows:
         print(
-            f"{r['method']:42s} {r['ops_per_token']:10.1f} {r['ops_per_layer']:10.1f} "
+            f"{r['method']:46s} {r['ops_per_token']:10.1f} {r['ops_per_layer']:10.1f} "
             f"{r['host_reads_per_token']:11.1f}"
         )
     doc = {
