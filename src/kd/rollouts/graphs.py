@@ -6,7 +6,7 @@ about a thousand launches (``scripts/decode_ops.py``), for well under a millisec
 A CUDA graph records those launches once and replays them with one call, as vLLM and SGLang do
 for their decode batches (their ``cudagraph_capture_sizes`` / ``--cuda-graph-max-bs``) and as
 transformers does under ``torch.compile(mode="reduce-overhead")``. kd uses torch's own
-``torch.cuda.CUDAGraph``, without compiling: a capture costs about two eager steps, not a
+``torch.cuda.CUDAGraph``, without compiling: a capture costs about one eager step more, not a
 compile's minutes.
 
 How :class:`DecodeGraphs` keeps a replay equal to the eager step:
