@@ -8,6 +8,7 @@ the allocator itself, as CUDA's counters do on a GPU. Each head runs once, at sm
 the ``[chunk, vocab]`` buffers dominate; the peak is what it allocated beyond its inputs.
 
     python scripts/loss_head_peaks.py           # one JSON line per head: measured and planned
+    python scripts/loss_head_peaks.py | grep '^{' > scripts/bench_data/loss_head_peaks.jsonl
 
 ``tests/unit/memory/test_loss_head.py`` runs it (in a process of its own: the profiler can hang
 starting in a long-lived test worker) and holds each head to its plan.

@@ -3,6 +3,7 @@ builds, loads and adapts it; LoRA through peft)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -217,5 +218,10 @@ def cache_keyword(model: nn.Module) -> str:
     (read from the signature of the model's class under any peft wrapper: kd's hidden-output
     mode replaces the instance's ``forward`` and passes the keywords on to the decoder)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(type(base).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return _cache_keyword_of(type(base))
+
+
+@functools.cache
+def _cache_keyword_of(cls: type) -> str:
+    """:func:`cache_keyword` of a model class (read once per class, not at every rollout)."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"

@@ -145,13 +145,13 @@ class DecodeGraphs:
 
     def __call__(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """The logits after ``token`` ``[b]`` at ``position``."""
-        if self._replay is None or self._x is None or self._pos is None:
-            self._x = token[:, None].clone()
-            self._pos = torch.full((1,), position, dtype=torch.long, device=token.device)
-            x, pos = self._x, self._pos
+        if self._replay is None:  # a new batch: new buffers, captured at this step
+            x = self._x = token[:, None].clone()
+            pos = self._pos = torch.full((1,), position, dtype=torch.long, device=token.device)
             logits, self._replay = self.capture(lambda: self.step(x, pos))
             self.captures += 1
             return logits
+        assert self._x is not None and self._pos is not None  # set with the replay
         self._x.copy_(token[:, None])
         self._pos.fill_(position)
         return self._replay()

@@ -30,9 +30,11 @@ def fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
 
 
-def run(model, p, *, compile, temperature, stop_ids, group_size=None):
+def run(model, p, *, compile, temperature, stop_ids, group_size=None, device="cpu", **extra):
+    """``fast_rollout`` of ``p`` (each row's own generator when sampling; ``extra``: more of its
+    keywords, ``graphs``)."""
     rows = list(range(p.tokens.shape[0]))
-    gens = row_generators(7, 0, rows, device=torch.device("cpu")) if temperature else None
+    gens = row_generators(7, 0, rows, device=torch.device(device)) if temperature else None
     return fast_rollout(
         model,
         p,
@@ -45,6 +47,7 @@ def run(model, p, *, compile, temperature, stop_ids, group_size=None):
         generators=gens,
         group_size=group_size,
         compile=compile,
+        **extra,
     )
 
 

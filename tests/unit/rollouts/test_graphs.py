@@ -15,6 +15,7 @@ from kd.rollouts.sampling import row_generators
 from kd.testing_graphs import capture_hazards, tape_capture
 from tests.conftest import tiny_hidden_decoder
 from tests.unit.rollouts.test_decode import hf_model, prompts, stops_of
+from tests.unit.rollouts.test_decode_compiled import run as rollout
 
 BACKENDS = ["torchtune", "transformers"]
 
@@ -82,18 +83,13 @@ def eager_and_graphed(model, p, capture, *, temperature: float, stop_ids, device
         return logits, replay
 
     def run(graphs):
-        rows = range(p.tokens.shape[0])
-        gens = row_generators(7, 0, rows, device=torch.device(device)) if temperature else None
-        return fast_rollout(
+        return rollout(
             model,
             p,
-            max_new_tokens=10,
+            compile=False,
             temperature=temperature,
-            top_p=0.9,
             stop_ids=stop_ids,
-            pad_id=0,
-            vocab_limit=60,
-            generators=gens,
+            device=device,
             graphs=graphs,
         )
 

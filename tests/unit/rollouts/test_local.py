@@ -155,3 +155,31 @@ def test_plan_counts_the_decode_graphs_pool():
     for phase in eager:
         if phase != GEN_PHASE:
             assert graphed[phase] == eager[phase], phase
+
+
+def test_cuda_graphs_reach_the_fast_decode_through_the_sampler(monkeypatch):
+    """on_policy.cuda_graphs: the local sampler hands its capture to the fast decode (stood in
+    for on the CPU by the tape replay) and samples the tokens it samples without graphs."""
+    from kd.testing_graphs import tape_capture
+    from tests.conftest import tiny_hidden_decoder
+    from tests.unit.rollouts.test_decode import prompts
+
+    captured: list[int] = []
+
+    def capture(self):  # noqa: ANN001, ANN202
+        def counted(fn):  # noqa: ANN001, ANN202
+            captured.append(1)
+            return tape_capture(fn)
+
+        return counted
+
+    monkeypatch.setattr(LocalSampler, "capture", capture)
+    model = tiny_hidden_decoder(vocab=64, dim=32)
+    p = prompts(10, [5, 3, 7, 2])
+    done = {}
+    for graphs in ("false", "true"):
+        s = sampler(batch_rollouts="true", cuda_graphs=graphs, temperature=1.0)
+        done[graphs] = s.sample(p, rows=[0, 1, 2, 3], epoch=0, step=0, student=model)
+    assert captured  # the graphed run captured (the other did not ask)
+    assert torch.equal(done["true"].tokens, done["false"].tokens)
+    assert torch.equal(done["true"].lengths, done["false"].lengths)
