@@ -21,10 +21,18 @@ Read from their source (the files and what they answer):
   ``POST /collective_rpc`` (``vllm/entrypoints/serve/dev/rpc/api_router.py``, attached only with
   ``VLLM_SERVER_DEV_MODE=1``) calling the worker's ``update_config({"model_config": {"model":
   DIR}})`` and then ``reload_weights()`` (``gpu_model_runner``: ``get_model_loader(load_config)
-  .load_weights(model, model_config)`` reads ``model_config.model``'s safetensors in place). The
-  newer ``/init_weight_transfer_engine`` + ``/update_weights`` routes (``dev/rlhf``) move tensors
-  over NCCL / IPC from a trainer in the server's process group: not a folder, so kd does not use
-  them.
+  .load_weights(model, model_config)`` reads ``model_config.model``'s safetensors in place).
+  Re-read against vLLM's main branch of November 2026: the route still passes ``args`` /
+  ``kwargs`` (``dev/rpc/api_router.py``); both model runners still have ``update_config`` and
+  ``reload_weights`` (``v1/worker/gpu/model_runner.py``, the v2 runner, delegates both to the v1
+  runner's), and ``reload_weights`` now reloads layer by layer in checkpoint format
+  (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``) from ``model_config.model``
+  (or its new ``weights_path``). The native weight-transfer routes (``dev/rlhf``:
+  ``/init_weight_transfer_engine``, ``/pause``, ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``, ``/resume``; 0.16+) move tensors over NCCL or CUDA IPC from a trainer
+  in the server's process group, not a folder; their shared-disk backend (``disk_engine.py``,
+  vLLM PR #52152) and a weight-checksum route (PR #51350) are open pull requests, not releases,
+  so kd does not use them yet.
 * SGLang: ``python/sglang/srt/entrypoints/http_server.py`` (``/generate``, ``/update_weights_from_disk``
   -> ``{"success", "message", "num_paused_requests"}`` 200 / 400, ``/load_lora_adapter`` and
   ``/unload_lora_adapter`` -> ``LoadLoRAAdapterReqOutput`` 200 / 400);
