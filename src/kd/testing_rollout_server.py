@@ -34,6 +34,13 @@ status and JSON body the real server gives. Written from their source (the files
   "message" | "error_message", ...}`` with HTTP 200 or 400 ("LoRA is not enabled. Please set
   `--enable-lora` to enable LoRA." without ``--enable-lora``). ``GET /get_model_info`` and
   ``/v1/models`` as :mod:`kd.testing_server` gives them, with ``max_model_len``.
+* Tokens (``--api-key``; SGLang's ``--admin-api-key``): vLLM's guards the ``/v1`` paths only
+  (``AuthenticationMiddleware``, ``vllm/entrypoints/openai/server_utils.py``); SGLang's every path
+  but ``/health*`` and ``/metrics*``, and once an admin key is set its ``ADMIN_OPTIONAL`` routes
+  (``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unload_lora_adapter``) take only that
+  key (``decide_request_auth``, ``python/sglang/srt/utils/auth.py``). A refused token is 401
+  ``{"error": "Unauthorized"}``, before routing (a middleware). SGLang's
+  ``/update_weights_from_disk`` without ``model_path`` is FastAPI's 422.
 
 The plumbing (127.0.0.1 only, a bounded serving loop in a daemon thread, FastAPI's 404 / 405, the
 faults ``500`` / ``hang`` / ``kill``, :meth:`RolloutTestServer.kill` as a crash) is
@@ -77,6 +84,8 @@ _BASE_ROUTES = {
 }
 _VLLM_RUNTIME_LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _VLLM_DEV = ("/collective_rpc",)
+# SGLang's routes marked AuthLevel.ADMIN_OPTIONAL (its --admin-api-key, once set, is the only key).
+_SGLANG_ADMIN = ("/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter")
 
 
 class _RequestError(Exception):
@@ -103,6 +112,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         dev_mode: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc`` exists).
         max_lora_rank: ``--max-lora-rank``.
         max_model_len: ``--max-model-len`` (SGLang ``--context-length``).
+        token: ``--api-key`` (None: none).
+        admin_token: SGLang's ``--admin-api-key`` (None: none).
         sees: the only folder whose files the server can read (a server on another machine sees
             none of kd's disk but a shared one); None: all.
         port: the port (0: any free one).
@@ -133,6 +144,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         dev_mode: bool = True,
         max_lora_rank: int = 16,
         max_model_len: int = 4096,
+        token: str | None = None,
+        admin_token: str | None = None,
         sees: Path | None = None,
         port: int = 0,
         hang_s: float = 2.0,
@@ -140,7 +153,10 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         lifetime_s: float = 900.0,
     ):
         assert api in ("vllm", "sglang"), api
+        assert admin_token is None or api == "sglang", "only SGLang has an admin key"
         self.api = api
+        self.token = token
+        self.admin_token = admin_token
         self.model = RolloutEngine(Path(model_dir), tokenizer_dir)
         self.model_path = str(model_dir)
         self.model_name = model_name or self.model_path
@@ -173,7 +189,16 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
 
     # ------------------------------------------------------------ shared answers
     def authorized(self, path: str, header: str | None) -> bool:
-        return True
+        """Whether the server's token middleware lets ``header`` through to ``path``."""
+        if self.api == "vllm":
+            key = self.token if path.startswith("/v1") else None
+        elif path.startswith(("/health", "/metrics")):
+            key = None
+        elif path in _SGLANG_ADMIN and self.admin_token is not None:
+            key = self.admin_token
+        else:
+            key = self.token
+        return key is None or header == f"Bearer {key}"
 
     def next_fault(self) -> str | None:
         with self._lock:
@@ -516,7 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--api-key", metavar="TOKEN", help="as the server's --api-key")
+    parser.add_argument("--admin-api-key", metavar="TOKEN", help="SGLang's --admin-api-key")
     args = parser.parse_args(argv)
+    if args.admin_api_key is not None and args.api != "sglang":
+        parser.error("--admin-api-key: only SGLang has an admin key; drop it, or pass --api sglang")
     try:
         server = RolloutTestServer(
             Path(args.model),
@@ -526,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             enable_lora=args.enable_lora,
             max_lora_rank=args.max_lora_rank,
             max_model_len=args.max_model_len,
+            token=args.api_key,
+            admin_token=args.admin_api_key,
             port=args.port,
             lifetime_s=24 * 3600.0,
         )

@@ -87,6 +87,9 @@ class SGLangAnswers:
         return 200, (out[0] if single and len(out) == 1 else out), None
 
     def sglang_update_weights(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
+        if "model_path" not in body:  # FastAPI's validation of UpdateWeightFromDiskReqInput
+            missing = {"type": "missing", "loc": ["body", "model_path"], "msg": "Field required"}
+            return 422, {"detail": [{**missing, "input": body}]}, None
         path = body.get("model_path")
         try:
             with self._model_lock:

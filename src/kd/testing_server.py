@@ -173,18 +173,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _route(self, method: str) -> bool:
-        """Whether the path exists for ``method``; else answer FastAPI's 404 or 405, or the
-        server's 401 when the token guards the path and is missing."""
+        """Whether the token lets the request through (else the server's 401) and the path
+        exists for ``method`` (else FastAPI's 404 or 405)."""
         owner = self.server.owner
         routes = owner.routes
+        # The token middleware runs before routing: a guarded path is refused first.
+        if not owner.authorized(self.path, self.headers.get("Authorization")):
+            self._send(401, {"error": "Unauthorized"})
+            return False
         if self.path not in routes.get(method, ()):
             if any(self.path in paths for paths in routes.values()):
                 self._send(405, {"detail": "Method Not Allowed"})
             else:
                 self._send(404, {"detail": "Not Found"})
-            return False
-        if not owner.authorized(self.path, self.headers.get("Authorization")):
-            self._send(401, {"error": "Unauthorized"})
             return False
         return True
 

@@ -1280,6 +1280,36 @@ def served_sampler_full_reload_without_dev_mode(assets, tmp, cfg):
     return _validate(), "/collective_rpc"
 
 
+def _token_env(name: str, value: str) -> None:
+    """``name`` holds ``value`` for this case only."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    AFTER_CASE.callback(
+        lambda: os.environ.pop(name, None) if old is None else os.environ.update({name: old})
+    )
+
+
+def served_sampler_without_the_servers_token(assets, tmp, cfg):
+    """the vLLM server has an `--api-key`, kd sends no token"""
+    _rollout_server(assets, cfg, token="s3cret")
+    return _validate(), "on_policy.server_token_env"
+
+
+def served_sampler_sglang_admin_key(assets, tmp, cfg):
+    """an SGLang server with `--admin-api-key`, kd sends its `--api-key` to push weights"""
+    _rollout_server(assets, cfg, api="sglang", token="s3cret", admin_token="adm1n")
+    _token_env("KD_TEST_SGLANG_TOKEN", "s3cret")
+    cfg["on_policy"].update(server_api="sglang", server_token_env="KD_TEST_SGLANG_TOKEN")
+    return _validate(), "on_policy.server_admin_token_env"
+
+
+def served_sampler_admin_token_for_vllm(assets, tmp, cfg):
+    """`on_policy.server_admin_token_env` with a vLLM server (only SGLang has one)"""
+    _rollout_server(assets, cfg)
+    cfg["on_policy"]["server_admin_token_env"] = "KD_TEST_ADMIN"
+    return _validate(), "only SGLang has an admin key"
+
+
 def _lm_eval_task(tmp: Path, cfg: dict, body: str) -> None:
     tasks = tmp / "tasks"
     tasks.mkdir()
@@ -1473,6 +1503,9 @@ CASES: list[Case] = [
     served_sampler_context_too_short,
     served_sampler_lora_without_runtime_loading,
     served_sampler_full_reload_without_dev_mode,
+    served_sampler_without_the_servers_token,
+    served_sampler_sglang_admin_key,
+    served_sampler_admin_token_for_vllm,
     eval_lm_eval_task_jinja_filter,
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,

@@ -196,6 +196,15 @@ class OnPolicySettings:
         "--api-key; sent as a Bearer token, never printed); null = none",
         resume=MAY_CHANGE,
     )
+    server_admin_token_env: str | None = setting(
+        "on_policy.server_admin_token_env",
+        None,
+        "sampler served, SGLang: the environment variable holding the server's "
+        "--admin-api-key, sent with kd's weight pushes (/update_weights_from_disk and the LoRA "
+        "routes, which take only that key once it is set; never printed); null = "
+        "server_token_env's token",
+        resume=MAY_CHANGE,
+    )
 
     @property
     def teacher_samples(self) -> bool:

@@ -195,7 +195,7 @@ class ServedSampler:
         probe = ServerClient(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
         try:
             status, text, data = probe.call("GET", "/v1/models")
-        except ServerUnavailable as e:
+        except RolloutStopped as e:  # down, or a refused token
             raise KDUserError(str(e)) from None
         cards = data.get("data") if isinstance(data, dict) else None
         if status != 200 or not isinstance(cards, list):
@@ -224,10 +224,13 @@ class ServedSampler:
                 f"on_policy.max_new_tokens); start it with --max-model-len {need} or more "
                 "(SGLang: --context-length), or lower tokenizer.max_seq_len"
             )
-        if self.sync.lora:
-            self._probe_lora(probe)
-        else:
-            self._probe_reload(probe)
+        try:
+            if self.sync.lora:
+                self._probe_lora(probe)
+            else:
+                self._probe_reload(probe)
+        except RolloutStopped as e:  # a refused token, a server that went down
+            raise KDUserError(str(e)) from None
         log.info(
             "on_policy: the %s server at %s samples the student (%s), its weights pushed every "
             "%d optimizer step(s) into %s",
@@ -240,7 +243,9 @@ class ServedSampler:
 
     def _probe_lora(self, probe: ServerClient) -> None:
         name = f"{self._adapter_prefix}probe"
-        status, text, _ = probe.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
+        status, text, _ = probe.call(
+            "POST", self.protocol.unload_lora_path, {"lora_name": name}, push=True
+        )
         if self.protocol.lora_disabled(status, text):
             fix = (
                 "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment "
@@ -255,17 +260,23 @@ class ServedSampler:
             )
 
     def _probe_reload(self, probe: ServerClient) -> None:
-        path = getattr(self.protocol, "reload_probe_path", None)
-        if path is None:
+        """The full-weight reload route exists and takes kd's token: an empty body, which the
+        server refuses before it loads anything (vLLM: 400 "Missing 'method'"; SGLang: FastAPI's
+        422 for the missing ``model_path``)."""
+        path = self.protocol.reload_probe_path
+        status, text, _ = probe.call("POST", path, {}, push=True)
+        if status != 404:
             return
-        status, text, _ = probe.call("POST", path, {})
-        if status == 404:
-            raise KDUserError(
-                f"{_KEY}.server_url: the vLLM server at {probe.url} has no /collective_rpc (HTTP "
-                f"404: {probe.shown(text[:80])}), through which a full student's weights are "
-                "reloaded; start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment, or "
-                "train a LoRA student (lora adapters hot-load)"
-            )
+        if self.settings.server_api == "vllm":
+            fix = "start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment"
+        else:
+            fix = "point on_policy.server_url at an SGLang server, or set on_policy.server_api"
+        name = {"vllm": "vLLM", "sglang": "SGLang"}[self.settings.server_api]
+        raise KDUserError(
+            f"{_KEY}.server_url: the {name} server at {probe.url} has no "
+            f"{path} (HTTP 404: {probe.shown(text[:80])}), through which a full student's "
+            f"weights are reloaded; {fix}, or train a LoRA student (lora adapters hot-load)"
+        )
 
     # ------------------------------------------------------------ resume state
     def state_dict(self) -> dict[str, Any]:
@@ -431,22 +442,23 @@ class ServedSampler:
     def _load_adapter(self, folder: Path, version: int) -> None:
         name = self._adapter_name(version)
         adapter = str((folder / "adapter").resolve())
+        unload = self.protocol.unload_lora_path
         if not self._pushed_once:  # a name left loaded by a run that was killed
-            self.client.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
+            self.client.call("POST", unload, {"lora_name": name}, push=True)
         path, body = self.protocol.load_lora(name, adapter)
-        status, text, data = self.client.call("POST", path, body)
+        status, text, data = self.client.call("POST", path, body, push=True)
         if status == 400 and "already" in text and "loaded" in text:
             # This version's name, loaded before a kill (the run pushes it again on resume).
-            self.client.call("POST", self.protocol.unload_lora_path, {"lora_name": name})
-            status, text, data = self.client.call("POST", path, body)
+            self.client.call("POST", unload, {"lora_name": name}, push=True)
+            status, text, data = self.client.call("POST", path, body, push=True)
         if status != 200 or (isinstance(data, dict) and data.get("success") is False):
             raise self._refused("the student's LoRA adapter", status, text, folder)
         if self.adapter is not None and self.adapter != name:
-            self.client.call("POST", self.protocol.unload_lora_path, {"lora_name": self.adapter})
+            self.client.call("POST", unload, {"lora_name": self.adapter}, push=True)
 
     def _reload(self, folder: Path, version: int) -> None:
         for path, body in self.protocol.reload(str(folder.resolve()), version):
-            status, text, data = self.client.call("POST", path, body)
+            status, text, data = self.client.call("POST", path, body, push=True)
             if status != 200 or (isinstance(data, dict) and data.get("success") is False):
                 raise self._refused("the student's weights", status, text, folder)
 

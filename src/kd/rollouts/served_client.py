@@ -3,6 +3,15 @@
 backoff waits inside ``(retries + 1) x timeout`` + the waits), retried on timeouts, connection
 errors, 429 and 5xx; a server that stays down raises :class:`ServerUnavailable`, one line naming
 the key and the fix. No URL password or token is printed (:func:`kd.errors.redact`).
+
+Tokens, as the servers check them: vLLM's ``--api-key`` guards the ``/v1`` paths only
+(``AuthenticationMiddleware`` in ``vllm/entrypoints/openai/server_utils.py``: ``/collective_rpc``
+is open); SGLang's guards every path but ``/health*`` and ``/metrics*``, and its
+``--admin-api-key``, once set, is the only key its ``ADMIN_OPTIONAL`` routes take
+(``/update_weights_from_disk``, ``/load_lora_adapter``, ``/unload_lora_adapter``:
+``decide_request_auth`` in ``python/sglang/srt/utils/auth.py``). Both answer a refused token with
+HTTP 401 ``{"error": "Unauthorized"}``, which :class:`Unauthorized` turns into one line naming
+``on_policy.server_token_env`` or ``on_policy.server_admin_token_env``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from kd.errors import KDUserError, brief, one_line, redact
 from kd.rollouts.base import RolloutStopped
 from kd.teachers.transport import PastDeadline, deadline, deadline_session, request_budget
 
-__all__ = ["PROBE_TIMEOUT_S", "ServerClient", "ServerUnavailable"]
+__all__ = ["PROBE_TIMEOUT_S", "ServerClient", "ServerUnavailable", "Unauthorized"]
 
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 _KEY = "on_policy"
@@ -29,6 +38,23 @@ PROBE_TIMEOUT_S = 30.0
 
 class ServerUnavailable(RolloutStopped):
     """The sampling server stayed down (every retry failed, or the deadline passed)."""
+
+
+class Unauthorized(RolloutStopped):
+    """The server refused kd's token (HTTP 401 / 403): the line names the key to fix."""
+
+
+def _token(env: str | None, key: str) -> str | None:
+    """The token in the variable ``env`` names (None when ``env`` is None)."""
+    if env is None:
+        return None
+    token = os.environ.get(env, "")
+    if not token:
+        raise KDUserError(
+            f"{_KEY}.{key}: the environment variable {env} is not set or empty; export it with "
+            f"the server's token, or set {_KEY}.{key} to null for a server without one"
+        )
+    return token
 
 
 class ServerClient:
@@ -48,18 +74,15 @@ class ServerClient:
         self.timeout = timeout if timeout is not None else settings.server_timeout
         self.url = redact(settings.server_url or "")
         self._headers = {"Content-Type": "application/json"}
-        self._secrets: tuple[str, ...] = ()
-        env = settings.server_token_env
-        if env is not None:
-            token = os.environ.get(env, "")
-            if not token:
-                raise KDUserError(
-                    f"{_KEY}.server_token_env: the environment variable {env} is not set or "
-                    "empty; export it with the server's API token, or set "
-                    f"{_KEY}.server_token_env to null for a server without one"
-                )
+        token = _token(settings.server_token_env, "server_token_env")
+        admin = _token(settings.server_admin_token_env, "server_admin_token_env")
+        if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
-            self._secrets = (token,)
+        # kd's weight pushes: SGLang's admin key when one is given, else the API token.
+        self._admin_headers = dict(self._headers)
+        if admin is not None:
+            self._admin_headers["Authorization"] = f"Bearer {admin}"
+        self._secrets: tuple[str, ...] = tuple(t for t in (token, admin) if t is not None)
         self._local = threading.local()
 
     def shown(self, text: str) -> str:
@@ -86,12 +109,14 @@ class ServerClient:
         return session
 
     def call(
-        self, method: str, path: str, body: dict[str, Any] | None = None
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, push: bool = False
     ) -> tuple[int, str, Any]:
-        """``(status, text, JSON or None)`` of one request, retried by its deadline.
+        """``(status, text, JSON or None)`` of one request, retried by its deadline; ``push``:
+        a weight push (SGLang's admin key, when ``on_policy.server_admin_token_env`` is set).
 
         Raises:
             ServerUnavailable: the server stayed down, too slow, or kept answering 429 / 5xx.
+            Unauthorized: the server refused the token (HTTP 401 / 403).
         """
         s = self.settings
         shown = f"{self.url}{path}"
@@ -106,7 +131,7 @@ class ServerClient:
                     method,
                     f"{s.server_url}{path}",
                     json=body,
-                    headers=self._headers,
+                    headers=self._admin_headers if push else self._headers,
                     timeout=(self.timeout, self.timeout),
                 )
         except PastDeadline as e:
@@ -132,8 +157,44 @@ class ServerClient:
                 f"{s.server_retries} retries ({self.shown(response.text[:160])}); fix the "
                 "server and resume"
             )
+        if response.status_code in (401, 403):
+            raise self._unauthorized(response.status_code, shown, push)
         try:
             data = response.json()
         except ValueError:
             data = None
         return response.status_code, response.text, data
+
+    def _unauthorized(self, status: int, shown: str, push: bool) -> Unauthorized:
+        """The line for a refused token: which key sent what, and what the server wants."""
+        s = self.settings
+        said = (
+            f"{shown} answered HTTP {status} ({'Unauthorized' if status == 401 else 'Forbidden'})"
+        )
+        admin_route = push and s.server_api == "sglang"
+        if admin_route and s.server_admin_token_env is not None:
+            return Unauthorized(
+                f"{_KEY}.server_admin_token_env: {said} to the token in "
+                f"{s.server_admin_token_env}; export the SGLang server's --admin-api-key there"
+            )
+        if admin_route and s.server_token_env is not None:
+            return Unauthorized(
+                f"{_KEY}.server_admin_token_env: {said} to the token in {s.server_token_env}: "
+                "an SGLang server started with --admin-api-key takes only that key for its "
+                "weight-update and LoRA routes; set on_policy.server_admin_token_env to the "
+                "variable holding it (or fix the token in on_policy.server_token_env)"
+            )
+        if s.server_token_env is not None:
+            return Unauthorized(
+                f"{_KEY}.server_token_env: {said} to the token in {s.server_token_env}; export "
+                "the server's --api-key there"
+            )
+        also = (
+            " (and on_policy.server_admin_token_env to its --admin-api-key's)"
+            if admin_route
+            else ""
+        )
+        return Unauthorized(
+            f"{_KEY}.server_token_env: {said} and kd sent no token; set "
+            f"{_KEY}.server_token_env to the variable holding the server's --api-key{also}"
+        )

@@ -98,6 +98,7 @@ class GenerationProtocol(Protocol):
     generate_path: str
     load_lora_path: str
     unload_lora_path: str
+    reload_probe_path: str
 
     def body(
         self,
@@ -230,7 +231,7 @@ class SGLangGeneration:
     generate_path = "/generate"
     load_lora_path = "/load_lora_adapter"
     unload_lora_path = "/unload_lora_adapter"
-    reload_probe_path = None
+    reload_probe_path = "/update_weights_from_disk"
 
     def body(
         self,

@@ -240,6 +240,14 @@ class TeacherClient:
                 f"{_KEY}.url: {shown} answered HTTP {response.status_code} after {s.retries} "
                 f"retries ({self.shown(response.text[:160])}); fix the server and run again"
             )
+        if response.status_code in (401, 403):  # both servers' token middleware
+            env = s.token_env
+            said = f"to the token in {env}; export" if env else "and kd sent no token; set"
+            where = "there" if env else f"in {_KEY}.token_env (the variable holding it)"
+            raise TeacherStopped(
+                f"{_KEY}.token_env: {shown} answered HTTP {response.status_code} "
+                f"({self.shown(response.text[:80])}) {said} the server's --api-key {where}"
+            )
         if response.status_code != 200:
             text = response.text[:300]
             k = int((body or {}).get("prompt_logprobs", (body or {}).get("top_logprobs_num", 0)))

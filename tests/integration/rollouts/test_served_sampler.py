@@ -156,7 +156,7 @@ def test_greedy_rollouts_equal_the_local_samplers_after_every_sync(
         assert len(loads) == 4
     else:
         reloads = [p for p in pushes if p in ("/collective_rpc", "/update_weights_from_disk")]
-        assert len(reloads) == (1 + 4 * 2 if api == "vllm" else 4)  # + the validate probe
+        assert len(reloads) == 1 + (4 * 2 if api == "vllm" else 4)  # + the validate probe
     # Identical rollouts, identical training.
     losses = [r["loss"] for r in read_metrics(tmp_path / "local")]
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-6, abs=1e-7)
@@ -217,6 +217,68 @@ def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
     lines = [x for x in err.splitlines() if x.startswith("kd: error:") or x.startswith("  ")]
     assert any("on_policy.server_url: on_policy.sampler is served" in x for x in lines), err
     assert any("on_policy.server_model: on_policy.sampler is served" in x for x in lines), err
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens, as the servers check them
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("api", "lora"), [("vllm", True), ("sglang", False)], ids=["vllm-lora", "sglang-full"]
+)
+def test_tokens_reach_the_routes_that_check_them(assets, tmp_path, monkeypatch, api, lora):
+    """vLLM's --api-key guards its /v1 routes (rollouts, LoRA loading); SGLang's guards the
+    rollouts and, with --admin-api-key, only the admin key opens the weight pushes: a run with
+    both variables set trains; the same server refuses each key on the other's routes."""
+    monkeypatch.setenv("KD_TEST_TOKEN", "s3cret")
+    monkeypatch.setenv("KD_TEST_ADMIN", "adm1n")
+    keys = {"token": "s3cret", "admin_token": "adm1n" if api == "sglang" else None}
+    node = {"server_token_env": "KD_TEST_TOKEN"}
+    if api == "sglang":
+        node["server_admin_token_env"] = "KD_TEST_ADMIN"
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME, **keys) as server:
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=served(server, api, **node))
+        assert kd_run(cfg, tmp_path / "run.yaml") == 0
+        pushes = [p for p, _ in server.log if p not in ("/v1/completions", "/generate")]
+        push = "/v1/load_lora_adapter" if lora else "/update_weights_from_disk"
+        generate = "/v1/completions" if api == "vllm" else "/generate"
+        assert server.authorized(generate, "Bearer s3cret")
+        assert server.authorized(push, f"Bearer {keys['admin_token'] or 's3cret'}")
+        assert not server.authorized(generate, None)
+        if api == "sglang":  # the API key no longer opens the admin routes, nor the reverse
+            assert not server.authorized(push, "Bearer s3cret")
+            assert not server.authorized(generate, "Bearer adm1n")
+        else:  # vLLM's token guards /v1 only
+            assert server.authorized("/collective_rpc", None)
+    assert push in pushes
+    assert len(read_metrics(tmp_path / "out")) == 3
+
+
+def test_a_token_refused_mid_run_stops_with_a_checkpoint(assets, tmp_path, capsys, monkeypatch):
+    """The SGLang server's admin key changes after step 1: the push after it is refused, the
+    run saves step_1 and stops with one line naming the key, exit 2."""
+    monkeypatch.setenv("KD_TEST_ADMIN", "adm1n")
+    node = {"server_admin_token_env": "KD_TEST_ADMIN", "server_retries": 0}
+    out = tmp_path / "out"
+    with RolloutTestServer(
+        assets["student"], api="sglang", model_name=SERVED_NAME, admin_token="adm1n"
+    ) as server:
+
+        def rotate(path, body):
+            if path == "/generate":  # step 1 samples: version 0 was taken, version 1 is not
+                server.admin_token = "rotated"
+
+        server.on_post = rotate
+        cfg = config(assets, out, lora=False, on_policy=served(server, "sglang", **node))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "run.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "on_policy.server_admin_token_env:" in lines[0], err
+    assert "HTTP 401" in lines[0] and "KD_TEST_ADMIN" in lines[0] and "adm1n" not in err
+    assert (out / "step_000001").is_dir() and not (out / "final").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,8 +345,8 @@ def _push_version(api: str, lora: bool, path: str, body) -> int | None:
         return int(str(body["lora_name"]).rsplit("-v", 1)[1])
     if api == "vllm" and body.get("method") == "update_config":
         return int(Path(body["args"][0]["model_config"]["model"]).name[1:])
-    if api == "sglang" and path == "/update_weights_from_disk":
-        return int(body["weight_version"])
+    if api == "sglang" and path == "/update_weights_from_disk" and "weight_version" in body:
+        return int(body["weight_version"])  # (not the probe before training: an empty body)
     return None
 
 

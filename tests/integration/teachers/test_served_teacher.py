@@ -292,6 +292,13 @@ def test_wrong_servers_are_refused_before_training(
         monkeypatch.setenv("KD_TEST_TOKEN", "s3cret")
         ok = [f"teacher_server.url={locked.url}", "teacher_server.token_env=KD_TEST_TOKEN"]
         assert cli.main(["validate", "--config", str(config), *ok]) == 0
+        # A server with a token: none sent, or another one, names the key to fix.
+        none = refused(config, f"teacher_server.url={locked.url}")
+        assert none.startswith("kd: error: teacher_server.token_env:") and "HTTP 401" in none
+        assert "kd sent no token" in none
+        monkeypatch.setenv("KD_TEST_TOKEN", "wrong")
+        wrong = refused(config, *ok)
+        assert "to the token in KD_TEST_TOKEN" in wrong and "wrong" not in wrong.split("KD_TEST")[0]
     both = make_config(assets, tmp_path / "both", teacher_server={"url": server.url, "model": "m"})
     assert "beside teacher_server" in refused(write_yaml(tmp_path / "both.yaml", both))
 

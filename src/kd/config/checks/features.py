@@ -91,6 +91,15 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"on_policy.{key}, or on_policy.sampler=local",
                     )
                 )
+        if node.get("server_admin_token_env") is not None and node.get("server_api") != "sglang":
+            problems.append(
+                Problem(
+                    "on_policy.server_admin_token_env",
+                    "only SGLang has an admin key (--admin-api-key); vLLM's --api-key "
+                    "(on_policy.server_token_env) guards its /v1 routes and no key guards "
+                    "/collective_rpc; set on_policy.server_admin_token_env=null",
+                )
+            )
 
 
 def _check_cuda_graphs(data: dict[str, Any], node: dict[str, Any], problems: list[Problem]) -> None:
