@@ -123,6 +123,13 @@ class RolloutEngine:
                 self.base.tie_weights()
 
     @torch.no_grad()
+    def drop_weights(self) -> None:
+        """The base weights' memory "remapped empty" (a vLLM level-2 sleep woken without a
+        reload): zeros, so what it samples then is not the model's."""
+        for value in self.base.state_dict().values():
+            value.zero_()
+
+    @torch.no_grad()
     def sample(
         self,
         model: torch.nn.Module,

@@ -34,6 +34,15 @@ status and JSON body the real server gives. Written from their source (the files
   "message" | "error_message", ...}`` with HTTP 200 or 400 ("LoRA is not enabled. Please set
   `--enable-lora` to enable LoRA." without ``--enable-lora``). ``GET /get_model_info`` and
   ``/v1/models`` as :mod:`kd.testing_server` gives them, with ``max_model_len``.
+* vLLM's sleep mode (``--enable-sleep-mode``; the dev routes ``POST /sleep?level=1|2``, ``POST
+  /wake_up`` with repeated ``tags``, ``GET /is_sleeping``; ``GET /server_info`` with
+  ``model_config.enable_sleep_mode``; ``vllm/entrypoints/serve/dev/sleep/api_router.py`` and
+  ``docs/features/sleep_mode.md``): a sleep pauses the scheduler (a rollout asked then waits for
+  the wake, counted in :attr:`RolloutTestServer.asked_asleep`); level 1 keeps the weights (CPU
+  memory), level 2 drops them: woken, they are "remapped empty" (zeros here) until
+  ``reload_weights`` fills them, and a reload into weights still asleep is the engine's crash
+  (500). Waking an awake tag, or sleeping a sleeping one, is a no-op. Without sleep mode a sleep
+  frees nothing (it answers 200 all the same).
 * Tokens (``--api-key``; SGLang's ``--admin-api-key``): vLLM's guards the ``/v1`` paths only
   (``AuthenticationMiddleware``, ``vllm/entrypoints/openai/server_utils.py``); SGLang's every path
   but ``/health*`` and ``/metrics*``, and once an admin key is set its ``ADMIN_OPTIONAL`` routes
@@ -56,6 +65,7 @@ import collections
 import json
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,7 +93,8 @@ _BASE_ROUTES = {
     },
 }
 _VLLM_RUNTIME_LORA = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-_VLLM_DEV = ("/collective_rpc",)
+_VLLM_DEV = ("/collective_rpc", "/sleep", "/wake_up")
+_VLLM_DEV_GET = ("/is_sleeping", "/server_info")
 # SGLang's routes marked AuthLevel.ADMIN_OPTIONAL (its --admin-api-key, once set, is the only key).
 _SGLANG_ADMIN = ("/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter")
 
@@ -109,7 +120,9 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         enable_lora: ``--enable-lora``.
         runtime_lora: vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the LoRA endpoints
             exist); SGLang's are always there.
-        dev_mode: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc`` exists).
+        dev_mode: vLLM's ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc`` and the sleep routes
+            exist).
+        sleep_mode: vLLM's ``--enable-sleep-mode``.
         max_lora_rank: ``--max-lora-rank``.
         max_model_len: ``--max-model-len`` (SGLang ``--context-length``).
         token: ``--api-key`` (None: none).
@@ -142,6 +155,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         enable_lora: bool = True,
         runtime_lora: bool = True,
         dev_mode: bool = True,
+        sleep_mode: bool = False,
         max_lora_rank: int = 16,
         max_model_len: int = 4096,
         token: str | None = None,
@@ -171,11 +185,17 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         self.lifetime_s = lifetime_s
         self.weight_version = "default"  # SGLang's --weight-version
         self.reload_path: str | None = None  # vLLM's model_config.model after update_config
+        self.sleep_mode = sleep_mode
+        self.asleep: set[str] = set()  # the memory tags asleep ("weights", "kv_cache")
+        self.dropped = False  # a level-2 sleep dropped the weights (until a reload fills them)
+        self.paused = False  # the scheduler, paused by a sleep until every tag is awake
+        self.asked_asleep = 0  # rollouts asked while the server slept
         self.lora_paths: dict[str, str] = {}
         routes = {m: tuple(p) for m, p in _BASE_ROUTES[api].items()}
         if api == "vllm":
             extra = (_VLLM_RUNTIME_LORA if runtime_lora else ()) + (_VLLM_DEV if dev_mode else ())
             routes["POST"] = routes["POST"] + extra
+            routes["GET"] = routes["GET"] + (_VLLM_DEV_GET if dev_mode else ())
         self.routes = routes
         self.faults: collections.deque[str] = collections.deque()
         self.kill_on: str | None = None
@@ -411,6 +431,25 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             self.model.adapters.pop(name, None)
         return 200, None, f"Success: LoRA adapter '{name}' removed successfully.".encode()
 
+    def vllm_sleep(self, query: dict[str, list[str]]) -> tuple[int, Any, bytes | None]:
+        level = int(query.get("level", ["1"])[0])
+        with self._model_lock:
+            if self.sleep_mode and not self.asleep:
+                self.dropped = self.dropped or level >= 2
+            self.asleep |= {"weights", "kv_cache"} if level >= 1 else set()
+            self.paused = True
+        return 200, None, b""
+
+    def vllm_wake_up(self, query: dict[str, list[str]]) -> tuple[int, Any, bytes | None]:
+        tags = query.get("tags") or ["weights", "kv_cache"]
+        with self._model_lock:
+            if "weights" in tags and "weights" in self.asleep and self.dropped:
+                self.model.drop_weights()  # remapped empty: a reload must fill them
+            self.asleep -= set(tags)
+            if not self.asleep:
+                self.paused = False
+        return 200, None, b""
+
     def vllm_collective_rpc(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
         method = body.get("method")
         if method is None:  # an HTTPException, through vLLM's handler
@@ -430,7 +469,10 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
                         self.reload_path = str(values["model"])
             elif method == "reload_weights":
                 with self._model_lock:
+                    if self.sleep_mode and "weights" in self.asleep:
+                        raise RuntimeError("CUDA error: an illegal memory access was encountered")
                     self.model.reload(self.reload_path or self.model_path)
+                    self.dropped = False
             else:
                 raise AttributeError(f"'Worker' object has no attribute '{method}'")
         except Exception as e:  # noqa: BLE001 - vLLM's exception handler: a 500 ErrorResponse
@@ -438,8 +480,29 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             return 500, self.vllm_error(500, message, "InternalServerError"), None
         return 200, {"results": [None]}, None
 
-    def answer(self, path: str, body: Any) -> tuple[int, Any, bytes | None]:
+    def server_info(self) -> dict[str, Any]:
+        """``GET /server_info?config_format=json``: the parts of the config kd reads."""
+        model = {"model": self.model_path, "enable_sleep_mode": self.sleep_mode}
+        return {"vllm_config": {"model_config": model}, "vllm_env": {}, "system_env": {}}
+
+    def wait_awake(self) -> None:
+        """A rollout asked while the server sleeps waits for the wake (the scheduler is
+        paused), as long as the server serves."""
+        if not self.paused:
+            return
+        with self._lock:
+            self.asked_asleep += 1
+        while self.paused and not self._stopped.is_set():
+            time.sleep(0.01)
+
+    def answer(
+        self, path: str, body: Any, query: dict[str, list[str]] | None = None
+    ) -> tuple[int, Any, bytes | None]:
         """The status, JSON payload (or raw body) of a POST to ``path``."""
+        if path == "/sleep":
+            return self.vllm_sleep(query or {})
+        if path == "/wake_up":
+            return self.vllm_wake_up(query or {})
         handlers = {
             "/v1/completions": self.vllm_completions,
             "/v1/load_lora_adapter": self.vllm_load_lora,
@@ -460,10 +523,15 @@ class _RolloutHandler(_Handler):
         owner = self.server.owner
         if not self._route("GET"):
             return
-        if self.path == "/health":
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
             self._send(200, None, raw=b"")
-        elif self.path == "/v1/models":
+        elif path == "/v1/models":
             self._send(200, owner.model_list())
+        elif path == "/is_sleeping":
+            self._send(200, {"is_sleeping": bool(owner.asleep) or owner.paused})
+        elif path == "/server_info":
+            self._send(200, owner.server_info())
         else:
             self._send(200, owner.model_info())
 
@@ -496,8 +564,11 @@ class _RolloutHandler(_Handler):
             time.sleep(owner.hang_s)
         if not self._route("POST"):
             return
+        path, _, query = self.path.partition("?")
+        if path in ("/v1/completions", "/generate"):
+            owner.wait_awake()
         try:
-            status, payload, text = owner.answer(self.path, body)
+            status, payload, text = owner.answer(path, body, urllib.parse.parse_qs(query))
         except _RequestError as e:
             status, payload, text = e.status, e.payload, e.raw
         except Exception as e:  # noqa: BLE001 - a server answers 500 on its own errors
@@ -541,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enable-sleep-mode", action="store_true", help="vLLM's sleep mode")
     parser.add_argument("--api-key", metavar="TOKEN", help="as the server's --api-key")
     parser.add_argument("--admin-api-key", metavar="TOKEN", help="SGLang's --admin-api-key")
     args = parser.parse_args(argv)
@@ -555,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             enable_lora=args.enable_lora,
             max_lora_rank=args.max_lora_rank,
             max_model_len=args.max_model_len,
+            sleep_mode=args.enable_sleep_mode,
             token=args.api_key,
             admin_token=args.admin_api_key,
             port=args.port,

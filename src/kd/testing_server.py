@@ -177,12 +177,13 @@ class _Handler(BaseHTTPRequestHandler):
         exists for ``method`` (else FastAPI's 404 or 405)."""
         owner = self.server.owner
         routes = owner.routes
+        path = self.path.split("?", 1)[0]  # routed without its query string, as Starlette does
         # The token middleware runs before routing: a guarded path is refused first.
-        if not owner.authorized(self.path, self.headers.get("Authorization")):
+        if not owner.authorized(path, self.headers.get("Authorization")):
             self._send(401, {"error": "Unauthorized"})
             return False
-        if self.path not in routes.get(method, ()):
-            if any(self.path in paths for paths in routes.values()):
+        if path not in routes.get(method, ()):
+            if any(path in paths for paths in routes.values()):
                 self._send(405, {"detail": "Method Not Allowed"})
             else:
                 self._send(404, {"detail": "Not Found"})

@@ -1303,6 +1303,20 @@ def served_sampler_sglang_admin_key(assets, tmp, cfg):
     return _validate(), "on_policy.server_admin_token_env"
 
 
+def served_sampler_sleep_without_sleep_mode(assets, tmp, cfg):
+    """`on_policy.server_sleep: true`, the vLLM server without `--enable-sleep-mode`"""
+    _rollout_server(assets, cfg)
+    cfg["on_policy"]["server_sleep"] = True
+    return _validate(), "--enable-sleep-mode"
+
+
+def served_sampler_sleep_with_sglang(assets, tmp, cfg):
+    """`on_policy.server_sleep: true` with `server_api: sglang`"""
+    _rollout_server(assets, cfg, api="sglang")
+    cfg["on_policy"].update(server_api="sglang", server_sleep=True)
+    return _validate(), "on_policy.server_sleep: puts a vLLM server to sleep"
+
+
 def served_sampler_admin_token_for_vllm(assets, tmp, cfg):
     """`on_policy.server_admin_token_env` with a vLLM server (only SGLang has one)"""
     _rollout_server(assets, cfg)
@@ -1506,6 +1520,8 @@ CASES: list[Case] = [
     served_sampler_without_the_servers_token,
     served_sampler_sglang_admin_key,
     served_sampler_admin_token_for_vllm,
+    served_sampler_sleep_without_sleep_mode,
+    served_sampler_sleep_with_sglang,
     eval_lm_eval_task_jinja_filter,
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,

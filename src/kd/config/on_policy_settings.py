@@ -196,6 +196,16 @@ class OnPolicySettings:
         "--api-key; sent as a Bearer token, never printed); null = none",
         resume=MAY_CHANGE,
     )
+    server_sleep: bool = setting(
+        "on_policy.server_sleep",
+        False,
+        "sampler served, vLLM: the server sleeps while each step trains (vllm serve "
+        "--enable-sleep-mode, VLLM_SERVER_DEV_MODE=1): its KV cache and weights leave the GPU "
+        "after the step's rollouts (level 2 when the push after the step reloads the weights, "
+        "else level 1: weights kept in CPU memory) and come back, after kd frees its cached "
+        "device memory, for the next push or rollout: one GPU shared in time",
+        resume=MAY_CHANGE,
+    )
     server_admin_token_env: str | None = setting(
         "on_policy.server_admin_token_env",
         None,

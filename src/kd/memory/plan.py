@@ -70,6 +70,7 @@ class PlanInputs:
     notes: list[str] = field(default_factory=list)
     teacher_line: str | None = None
     teacher_device: str | None = None
+    server_sleep: bool = False
 
 
 @dataclass
@@ -126,6 +127,14 @@ class MemoryPlan:
         return self.estimate.reserved_peak_bytes / GIB
 
     @property
+    def between_steps_gib(self) -> float:
+        """What the device holds of kd's while a sleeping server is awake to sample
+        (``on_policy.server_sleep``): the optimizer step's tensors and the CUDA runtime, the
+        allocator's cache freed before the server wakes."""
+        step = self.estimate.phases["optimizer_step"]
+        return sum(b for c, b in step.items() if c != "allocator_slack") / GIB
+
+    @property
     def traced_peak_gib(self) -> float | None:
         """Traced allocated peak plus the same runtime reserve (comparable with ``peak_gib``)."""
         if not self.traced:
@@ -148,6 +157,9 @@ class MemoryPlan:
             "allocated_peak_gib": round(e.allocated_peak_bytes / GIB, 4),
             "reserved_peak_gib": round(self.reserved_peak_gib, 4),
             "runtime_reserve_gib": round(self.reserve_bytes / GIB, 4),
+            "between_steps_gib": (
+                round(self.between_steps_gib, 4) if self.inputs.server_sleep else None
+            ),
             "runtime_terms": e.runtime.to_json(),
             "host": e.host.to_json(),
             "teacher_device": (
@@ -328,6 +340,15 @@ class MemoryPlan:
             )
         for note in list(inp.notes) + list(e.notes):
             lines.append(f"note: {note}")
+        if inp.server_sleep:
+            held = self.between_steps_gib
+            lines.append(
+                f"note: on_policy.server_sleep: while the server samples, kd holds "
+                f"{held:.2f} GiB of this device (the optimizer step's tensors and the CUDA "
+                "runtime; its cache is freed before the server wakes), so a vLLM server sharing "
+                f"it may take the rest: --gpu-memory-utilization at most (device GiB - "
+                f"{held:.2f}) / device GiB"
+            )
         return lines
 
     def table(self) -> str:
@@ -508,6 +529,9 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         notes=notes,
         teacher_line=tp.line,
         teacher_device=run.teacher_device if knobs.teacher_own_device else None,
+        server_sleep=run.on_policy is not None
+        and run.on_policy.sampler == "served"
+        and run.on_policy.server_sleep,
     )
 
 

@@ -147,6 +147,14 @@ class Sampler(Protocol):
         """
         ...
 
+    def idle(self, step: int) -> None:
+        """Step ``step``'s rollouts are all sampled and the step is about to train: a sampler
+        holding device memory it needs only to sample gives it back until its next
+        :meth:`sample` or :meth:`after_step` (a served one with ``on_policy.server_sleep`` puts
+        its server to sleep; the local one holds none between steps). Raises
+        ``RolloutStopped``."""
+        ...
+
     def after_step(self, student: nn.Module, step: int) -> None:
         """Optimizer step ``step`` was applied to ``student``: a sampler holding its own copy of
         the weights (a server, a background copy) brings it up to date here when due, and sets

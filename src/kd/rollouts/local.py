@@ -171,6 +171,10 @@ class LocalSampler:
         sharing one memory pool, freed with the rollout."""
         return graphs.cuda_capture(torch.cuda.graph_pool_handle())
 
+    def idle(self, step: int) -> None:
+        """Nothing to give back: the KV cache and the decode's buffers live only while
+        :meth:`sample` runs."""
+
     def after_step(self, student: nn.Module, step: int) -> None:
         """The weights are step ``step``'s now: the student samples itself, or (``async_steps``,
         ``sampling_dtype``) its copy is made or takes the student's new weights, cast to the

@@ -23,6 +23,13 @@ student's folder reloaded in place (vLLM ``/collective_rpc`` ``update_config`` +
 word is checked where it gives one (vLLM answers with the adapter's name, SGLang with its
 ``weight_version``).
 
+Sleep (``on_policy.server_sleep``, vLLM): after each step's rollouts (:meth:`ServedSampler.idle`)
+the server sleeps while the step trains: level 2 (weights and KV cache dropped) when the push
+after the step reloads the weights anyway, level 1 (weights to CPU memory) otherwise. kd frees
+its own cached device memory (``torch.cuda.empty_cache``) before it wakes the server: for a push,
+the weights' memory first, then the reload, then the KV cache (vLLM's RLHF order); before a
+rollout, everything. One GPU is shared in time: the step trains with the server's memory free.
+
 Resume: the state is the version being sampled; the resumed run pushes that version's folder
 again (kept while a step checkpoint may need it), so the rollouts after a resume are those of a
 run never stopped; a folder that is gone is replaced by the checkpoint's own weights (said in one
@@ -36,6 +43,7 @@ a step checkpoint and stops with exit status 2; resuming repeats the step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -168,6 +176,10 @@ class ServedSampler:
         self._due = -1  # the version that push was for
         self._raised = False  # whether a rollout raised it (the run's error line said it)
         self._pushed_once = False
+        # The server's sleep level (server_sleep): 0 awake, 1 weights in CPU memory, 2 weights
+        # dropped. Unknown at the start (a killed run may have left it asleep): treated as 2, so
+        # the first push wakes it in order (waking an awake tag is a no-op).
+        self._asleep = 2 if settings.server_sleep else 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.sync_dir = (
@@ -224,11 +236,18 @@ class ServedSampler:
                 f"on_policy.max_new_tokens); start it with --max-model-len {need} or more "
                 "(SGLang: --context-length), or lower tokenizer.max_seq_len"
             )
+        if s.server_sleep and self.sync.world.distributed:
+            raise KDUserError(
+                "on_policy.server_sleep shares one GPU between the server and one training "
+                "process; under torchrun set on_policy.server_sleep=false"
+            )
         try:
             if self.sync.lora:
                 self._probe_lora(probe)
             else:
                 self._probe_reload(probe)
+            if s.server_sleep:
+                self._probe_sleep(probe)
         except RolloutStopped as e:  # a refused token, a server that went down
             raise KDUserError(str(e)) from None
         log.info(
@@ -277,6 +296,78 @@ class ServedSampler:
             f"{path} (HTTP 404: {probe.shown(text[:80])}), through which a full student's "
             f"weights are reloaded; {fix}, or train a LoRA student (lora adapters hot-load)"
         )
+
+    def _probe_sleep(self, probe: ServerClient) -> None:
+        """The sleep routes exist (dev mode) and the server was started with sleep mode (else
+        a sleep frees nothing)."""
+        status, text, _ = probe.call("GET", self.protocol.is_sleeping_path)
+        if status == 404:
+            raise KDUserError(
+                f"{_KEY}.server_sleep: the vLLM server at {probe.url} has no /is_sleeping (HTTP "
+                f"404: {probe.shown(text[:80])}); start vllm serve with VLLM_SERVER_DEV_MODE=1 "
+                "in its environment and --enable-sleep-mode, or set on_policy.server_sleep=false"
+            )
+        status, _, data = probe.call("GET", self.protocol.server_info_path)
+        config = data.get("vllm_config") if isinstance(data, dict) else None
+        model = config.get("model_config") if isinstance(config, dict) else None
+        enabled = model.get("enable_sleep_mode") if isinstance(model, dict) else None
+        if enabled is False:
+            raise KDUserError(
+                f"{_KEY}.server_sleep: the vLLM server at {probe.url} runs without sleep mode "
+                "(its sleep would free no memory); start vllm serve with --enable-sleep-mode, or "
+                "set on_policy.server_sleep=false"
+            )
+        if enabled is None:
+            log.warning(
+                "on_policy.server_sleep: the vLLM server at %s does not say whether it runs "
+                "with --enable-sleep-mode (GET /server_info answered HTTP %d); without it a "
+                "sleep frees no memory",
+                probe.url,
+                status,
+            )
+
+    # ------------------------------------------------------------ sleep
+    def idle(self, step: int) -> None:
+        """Step ``step``'s rollouts are sampled and it is about to train: with
+        ``on_policy.server_sleep`` the server sleeps until the next push or rollout (level 2
+        when the push after this step reloads the weights)."""
+        s = self.settings
+        if not s.server_sleep or self._asleep or s.lmbda == 0 or self._failure is not None:
+            return
+        level = 2 if not self.sync.lora and step % s.sync_every_n_steps == 0 else 1
+        status, text, _ = self.client.call("POST", self.protocol.sleep_path(level), None, push=True)
+        if status != 200:
+            raise RolloutStopped(
+                f"{_KEY}.server_sleep: {self.client.url} refused to sleep (HTTP {status}: "
+                f"{self.client.shown(text[:160])}); start vllm serve with --enable-sleep-mode, "
+                "or set on_policy.server_sleep=false, and resume"
+            )
+        self._asleep = level
+
+    def _wake(self, tag: str | None = None) -> None:
+        """Wake the server's ``tag`` memory (None: all of it), once kd's cached device memory
+        is free for it."""
+        if not self._asleep:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        status, text, _ = self.client.call("POST", self.protocol.wake_path(tag), None, push=True)
+        if status != 200:
+            raise RolloutStopped(
+                f"{_KEY}.server_sleep: {self.client.url} refused to wake up (HTTP {status}: "
+                f"{self.client.shown(text[:160])}); see the server's log (out of memory?), fix "
+                "it and resume"
+            )
+        if tag is None:
+            self._asleep = 0
+
+    def _wake_for_rollouts(self) -> None:
+        """Before a rollout: a level-2 sleep dropped the weights, so the version sampled is
+        reloaded from its folder; otherwise the server wakes whole."""
+        if self._asleep == 2 and not self.sync.lora:
+            self._take(version_dir(self.sync_dir, self.version), self.version)
+        else:
+            self._wake()
 
     # ------------------------------------------------------------ resume state
     def state_dict(self) -> dict[str, Any]:
@@ -399,6 +490,7 @@ class ServedSampler:
         if world.is_rank_zero:
             try:
                 if self.sync.lora:
+                    self._wake()
                     self._load_adapter(folder, version)
                 else:
                     self._reload(folder, version)
@@ -457,10 +549,15 @@ class ServedSampler:
             self.client.call("POST", unload, {"lora_name": self.adapter}, push=True)
 
     def _reload(self, folder: Path, version: int) -> None:
+        deep = self._asleep == 2  # the weights were dropped: their memory back, then the load
+        self._wake("weights" if deep else None)
         for path, body in self.protocol.reload(str(folder.resolve()), version):
             status, text, data = self.client.call("POST", path, body, push=True)
             if status != 200 or (isinstance(data, dict) and data.get("success") is False):
                 raise self._refused("the student's weights", status, text, folder)
+        if deep:
+            self._wake("kv_cache")
+            self._asleep = 0
 
     def _prune(self, current: int) -> None:
         """Remove the version folders no step checkpoint needs: a checkpoint of step ``S``
@@ -506,6 +603,7 @@ class ServedSampler:
             raise self._failure
         if self.version < 0:
             self.prepare(student, step - 1)
+        self._wake_for_rollouts()
         s = self.settings
         lengths = prompts.lengths.tolist()
         tokens = prompts.tokens.cpu()
@@ -629,10 +727,22 @@ class ServedSampler:
         if self._failure is not None and not self._raised and self.sync.world.is_rank_zero:
             # The run ended (its last step) before a rollout could stop it: said once here.
             log.warning("on_policy: the last weight push failed (%s)", self._failure)
+        if self._asleep and self.version >= 0 and self._failure is None:
+            self._wake_on_the_way_out()
         with self._lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = None
+
+    def _wake_on_the_way_out(self) -> None:
+        """A run that ends leaves the server awake, with the version it pushed last (one short
+        try: a server that does not answer is said in one line, not waited for)."""
+        quick = dataclasses.replace(self.settings, server_retries=0)
+        self.client = ServerClient(quick, timeout=min(quick.server_timeout, PROBE_TIMEOUT_S))
+        try:
+            self._wake_for_rollouts()
+        except RolloutStopped as e:
+            log.warning("on_policy: the server was left asleep (%s)", e)
 
 
 def exporter_of(source: Any, *, world: WorldInfo) -> Callable[[Path | None, nn.Module], None]:

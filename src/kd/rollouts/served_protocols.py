@@ -222,6 +222,25 @@ class VLLMGeneration:
         # The routes are not attached without VLLM_ALLOW_RUNTIME_LORA_UPDATING: FastAPI's 404.
         return status == 404 and '"detail"' in text
 
+    # Sleep mode (``vllm/entrypoints/serve/dev/sleep/api_router.py``, dev mode; the memory is
+    # the server's own only with --enable-sleep-mode, docs/features/sleep_mode.md): ``POST
+    # /sleep?level=1|2`` (1: weights to CPU memory, KV cache dropped; 2: both dropped), ``POST
+    # /wake_up`` with repeated ``tags`` (``weights``, ``kv_cache``; none: all), ``GET
+    # /is_sleeping`` -> ``{"is_sleeping": bool}``, true until every tag is awake. A level-2
+    # sleep's weights wake "remapped empty": a reload (``reload_weights``) must fill them before
+    # the KV cache wakes. ``GET /server_info?config_format=json`` (dev mode) holds
+    # ``vllm_config.model_config.enable_sleep_mode``.
+    is_sleeping_path = "/is_sleeping"
+    server_info_path = "/server_info?config_format=json"
+
+    @staticmethod
+    def sleep_path(level: int) -> str:
+        return f"/sleep?level={int(level)}"
+
+    @staticmethod
+    def wake_path(tag: str | None = None) -> str:
+        return "/wake_up" if tag is None else f"/wake_up?tags={tag}"
+
 
 class SGLangGeneration:
     """SGLang: ``POST /generate`` with ``input_ids``; LoRA at ``/*_lora_adapter``; full weights

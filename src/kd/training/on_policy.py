@@ -283,6 +283,7 @@ class OnPolicyBatches:
             )
             for m, b in zip(micros, batches, strict=True)
         ]
+        self.sampler.idle(step)  # the step's rollouts are sampled: it trains next
         self._sample_ahead(step + 1, epoch=epoch, student=student)
         return made
 

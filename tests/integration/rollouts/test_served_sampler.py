@@ -220,6 +220,104 @@ def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
+# A server that sleeps while the step trains (server_sleep, vLLM)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lora", "every", "levels"),
+    [(False, 1, [2, 2, 2]), (False, 2, [1, 2, 1]), (True, 1, [1, 1, 1])],
+    ids=["full", "full-every-2", "lora"],
+)
+def test_a_sleeping_server_samples_what_the_local_sampler_does(
+    assets, tmp_path, monkeypatch, lora, every, levels
+):
+    """Each step's rollouts done, the server sleeps while the step trains: level 2 (weights
+    dropped) when the push after the step reloads them, else level 1. It wakes for the push
+    (weights, reload, KV cache: vLLM's order) or the rollouts, never asked while asleep, and the
+    greedy rollouts are the local sampler's (a level-2 wake without a reload samples zeros'
+    tokens: the comparison can fail), and they are those of the same server never asleep."""
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    runs = {}
+    for sleep in (False, True):
+        with RolloutTestServer(
+            assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
+        ) as server:
+            node = served(server, "vllm", server_sleep=sleep, sync_every_n_steps=every)
+            cfg = config(assets, tmp_path / f"s{sleep}", lora=lora, on_policy=node)
+            assert kd_run(cfg, tmp_path / f"s{sleep}.yaml") == 0
+            log = [p for p, _ in server.log]
+            assert server.asked_asleep == 0
+            assert not server.asleep and not server.paused  # left awake at the end
+        runs[sleep], remote[:] = list(remote), []
+    assert [(s, r, ids) for s, r, ids, _ in runs[True]] == [
+        (s, r, ids) for s, r, ids, _ in runs[False]
+    ]
+    assert len({tuple(map(tuple, ids)) for _, _, ids, _ in runs[True]}) > 1
+    losses = [r["loss"] for r in read_metrics(tmp_path / "sFalse")]
+    assert [r["loss"] for r in read_metrics(tmp_path / "sTrue")] == losses
+    assert [int(p.rsplit("=", 1)[1]) for p in log if p.startswith("/sleep")] == levels
+    if not lora:  # after a level-2 sleep: the weights' memory, the reload, then the KV cache
+        deep = [i for i, p in enumerate(log) if p == "/sleep?level=2"]
+        for i in deep:
+            after = [p for p in log[i + 1 :] if p != "/v1/completions"][:4]
+            assert after == [
+                "/wake_up?tags=weights",
+                "/collective_rpc",
+                "/collective_rpc",
+                "/wake_up?tags=kv_cache",
+            ], after
+
+
+def test_a_level_2_sleep_woken_without_a_reload_samples_other_tokens(assets):
+    """The negative control of the test above: the test server's dropped weights change what
+    it samples, and a reload into weights still asleep is refused as vLLM's engine crashes."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": [1, 5, 7, 9],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    with RolloutTestServer(
+        assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
+    ) as server:
+        before = server.answer("/v1/completions", dict(body))[1]["choices"][0]["token_ids"]
+        server.answer("/sleep", {}, {"level": ["2"]})
+        crash = server.answer("/collective_rpc", {"method": "reload_weights"})
+        assert crash[0] == 500 and "illegal memory access" in json.dumps(crash[1])
+        server.answer("/wake_up", {}, {})
+        after = server.answer("/v1/completions", dict(body))[1]["choices"][0]["token_ids"]
+        assert after != before
+        server.answer("/collective_rpc", {"method": "reload_weights"})
+        again = server.answer("/v1/completions", dict(body))[1]["choices"][0]["token_ids"]
+        assert again == before
+
+
+@pytest.mark.parametrize(
+    ("server_kw", "node_kw", "says"),
+    [
+        ({"sleep_mode": False}, {}, "--enable-sleep-mode"),
+        ({"sleep_mode": True, "dev_mode": False}, {}, "VLLM_SERVER_DEV_MODE=1"),
+        ({"sleep_mode": True}, {"async_steps": 1}, "on_policy.server_sleep: sleeps the server"),
+    ],
+    ids=["no-sleep-mode", "no-dev-mode", "async"],
+)
+def test_validate_checks_the_server_can_sleep(assets, tmp_path, capsys, server_kw, node_kw, says):
+    with RolloutTestServer(
+        assets["student"], api="vllm", model_name=SERVED_NAME, runtime_lora=True, **server_kw
+    ) as server:
+        node = served(server, "vllm", server_sleep=True, **node_kw)
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=node)
+        rc = cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and says in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
 # Tokens, as the servers check them
 # ---------------------------------------------------------------------------------------------
 
@@ -424,6 +522,26 @@ def test_the_plan_counts_no_kv_cache_for_a_served_sampler(assets, tmp_path, caps
     assert phases["local"] == ["generation", "forward", "backward", "optimizer_step"]
     assert phases["served"] == ["forward", "backward", "optimizer_step"]
     assert plans["served"]["peak_gib"] <= plans["local"]["peak_gib"]
+    assert plans["served"]["between_steps_gib"] is None
+
+
+def test_the_plan_says_what_kd_holds_while_a_sleeping_server_samples(assets, tmp_path, capsys):
+    """server_sleep: the plan states what kd keeps on the device while the server is awake
+    (the optimizer step's tensors and the CUDA runtime, its cache freed): the rest is the
+    server's."""
+    node = {"sampler": "served", "server_url": "http://127.0.0.1:9", "server_model": "x"}
+    node["server_sleep"] = True
+    cfg = config(assets, tmp_path / "out", lora=False, on_policy=node)
+    path = write_config(tmp_path / "c.yaml", cfg)
+    capsys.readouterr()
+    assert cli.main(["plan", "--config", str(path), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    step = plan["phase_components"]["optimizer_step"]
+    held = sum(v for c, v in step.items() if c != "allocator_slack")
+    assert plan["between_steps_gib"] == pytest.approx(held, abs=1e-3)
+    assert 0 < held < plan["phases"]["optimizer_step"]
+    assert cli.main(["plan", "--config", str(path)]) == 0
+    assert f"kd holds {held:.2f} GiB" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,6 +91,8 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                         f"on_policy.{key}, or on_policy.sampler=local",
                     )
                 )
+        if node.get("server_sleep") is True:
+            _check_server_sleep(node, problems)
         if node.get("server_admin_token_env") is not None and node.get("server_api") != "sglang":
             problems.append(
                 Problem(
@@ -100,6 +102,25 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                     "/collective_rpc; set on_policy.server_admin_token_env=null",
                 )
             )
+
+
+def _check_server_sleep(node: dict[str, Any], problems: list[Problem]) -> None:
+    """``on_policy.server_sleep`` puts a vLLM server to sleep while the step trains; it must be
+    idle then (no rollouts sampled ahead)."""
+    if node.get("server_api") == "sglang":
+        line = (
+            "puts a vLLM server to sleep (/sleep, /wake_up); kd does not drive SGLang's "
+            "/release_memory_occupation yet; set on_policy.server_sleep=false, or serve the "
+            "student with vLLM"
+        )
+    elif node.get("async_steps") == 1:
+        line = (
+            "sleeps the server while the step trains, when async_steps: 1 samples the next "
+            "step's rollouts from it; set on_policy.async_steps=0, or on_policy.server_sleep=false"
+        )
+    else:
+        return
+    problems.append(Problem("on_policy.server_sleep", line))
 
 
 def _check_cuda_graphs(data: dict[str, Any], node: dict[str, Any], problems: list[Problem]) -> None:
