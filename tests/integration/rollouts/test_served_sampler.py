@@ -269,6 +269,35 @@ def test_a_sleeping_server_samples_what_the_local_sampler_does(
             ], after
 
 
+def test_a_server_left_asleep_is_woken_in_order_by_the_next_run(assets, tmp_path, monkeypatch):
+    """A server a killed run left asleep at level 2 (weights dropped): the next run's first
+    push wakes the weights, reloads and wakes the KV cache, and samples what a server never
+    asleep samples."""
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    runs = {}
+    for left_asleep in (False, True):
+        with RolloutTestServer(
+            assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
+        ) as server:
+            if left_asleep:
+                server.answer("/sleep", {}, {"level": ["2"]})
+            node = served(server, "vllm", server_sleep=left_asleep)
+            cfg = config(assets, tmp_path / f"a{left_asleep}", lora=False, on_policy=node)
+            assert kd_run(cfg, tmp_path / f"a{left_asleep}.yaml", "max_steps_per_epoch=1") == 0
+            assert server.asked_asleep == 0
+            first = [p for p, _ in server.log if p != "/v1/completions"][:5]
+        runs[left_asleep], remote[:] = list(remote), []
+    assert [(s, r, ids) for s, r, ids, _ in runs[True]] == [
+        (s, r, ids) for s, r, ids, _ in runs[False]
+    ]
+    assert first[1:] == [
+        "/wake_up?tags=weights",
+        "/collective_rpc",
+        "/collective_rpc",
+        "/wake_up?tags=kv_cache",
+    ], first
+
+
 def test_a_level_2_sleep_woken_without_a_reload_samples_other_tokens(assets):
     """The negative control of the test above: the test server's dropped weights change what
     it samples, and a reload into weights still asleep is refused as vLLM's engine crashes."""
