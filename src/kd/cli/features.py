@@ -77,7 +77,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         "on-policy rollouts from a vLLM / SGLang server",
-        "on_policy: {sampler: served}",
+        "on_policy: {sampler: served, server_sleep}",
         "docs/served_sampler.md",
     ),
     Feature(
