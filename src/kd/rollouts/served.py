@@ -66,6 +66,7 @@ from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
+from kd.rollouts.served_probe import check_server
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
@@ -193,138 +194,20 @@ class ServedSampler:
     # ------------------------------------------------------------ before training
     def check(self) -> None:
         """The server answers, serves ``server_model``, takes this student's kind of weight push
-        (LoRA loading at runtime, or a full reload) and holds ``tokenizer.max_seq_len`` tokens.
+        with kd's token, holds ``tokenizer.max_seq_len`` tokens, and can sleep when asked to
+        (:func:`kd.rollouts.served_probe.check_server`).
 
         Raises:
             KDUserError: the first problem, one line naming the key and the fix.
         """
-        s = self.settings
-        if s.async_steps > 0 and self.sync.world.distributed:
-            raise KDUserError(
-                "on_policy.async_steps: 1 asks the server from a background thread, whose "
-                "failures the ranks cannot agree on; under torchrun set on_policy.async_steps=0"
-            )
-        probe = ServerClient(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
-        try:
-            status, text, data = probe.call("GET", "/v1/models")
-        except RolloutStopped as e:  # down, or a refused token
-            raise KDUserError(str(e)) from None
-        cards = data.get("data") if isinstance(data, dict) else None
-        if status != 200 or not isinstance(cards, list):
-            raise KDUserError(
-                f"{_KEY}.server_url: {probe.url}/v1/models did not list the served models (HTTP "
-                f"{status}: {probe.shown(text[:120])}); point {_KEY}.server_url at the "
-                f"{s.server_api} server's base URL (without /v1), or set {_KEY}.server_api"
-            )
-        names = [c.get("id") for c in cards if isinstance(c, dict)]
-        card = next(
-            (c for c in cards if isinstance(c, dict) and c.get("id") == s.server_model), None
+        check_server(
+            self.settings,
+            lora=self.sync.lora,
+            max_seq_len=self.sync.max_seq_len,
+            distributed=self.sync.world.distributed,
+            sync_dir=self.sync_dir,
+            probe_adapter=f"{self._adapter_prefix}probe",
         )
-        if card is None:
-            raise KDUserError(
-                f"{_KEY}.server_model: the server at {probe.url} serves "
-                f"{probe.shown(', '.join(str(n) for n in names[:3]))}, not {s.server_model}; set "
-                f"{_KEY}.server_model to the name it serves (vllm serve --served-model-name), or "
-                "start it with the student's folder"
-            )
-        limit = card.get("max_model_len")
-        need = self.sync.max_seq_len
-        if isinstance(limit, int) and need is not None and limit < need:
-            raise KDUserError(
-                f"{_KEY}.server_url: the server holds {limit} tokens a sequence "
-                f"(--max-model-len), fewer than tokenizer.max_seq_len {need} (prompt + "
-                f"on_policy.max_new_tokens); start it with --max-model-len {need} or more "
-                "(SGLang: --context-length), or lower tokenizer.max_seq_len"
-            )
-        if s.server_sleep and self.sync.world.distributed:
-            raise KDUserError(
-                "on_policy.server_sleep shares one GPU between the server and one training "
-                "process; under torchrun set on_policy.server_sleep=false"
-            )
-        try:
-            if self.sync.lora:
-                self._probe_lora(probe)
-            else:
-                self._probe_reload(probe)
-            if s.server_sleep:
-                self._probe_sleep(probe)
-        except RolloutStopped as e:  # a refused token, a server that went down
-            raise KDUserError(str(e)) from None
-        log.info(
-            "on_policy: the %s server at %s samples the student (%s), its weights pushed every "
-            "%d optimizer step(s) into %s",
-            s.server_api,
-            probe.url,
-            s.server_model,
-            s.sync_every_n_steps,
-            self.sync_dir,
-        )
-
-    def _probe_lora(self, probe: ServerClient) -> None:
-        name = f"{self._adapter_prefix}probe"
-        status, text, _ = probe.call(
-            "POST", self.protocol.unload_lora_path, {"lora_name": name}, push=True
-        )
-        if self.protocol.lora_disabled(status, text):
-            fix = (
-                "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment "
-                "and --enable-lora --max-lora-rank R (R >= the student's lora rank)"
-                if self.settings.server_api == "vllm"
-                else "start SGLang with --enable-lora --max-lora-rank R --lora-target-modules all"
-            )
-            raise KDUserError(
-                f"{_KEY}.server_url: the server at {probe.url} does not load LoRA adapters at "
-                f"runtime (HTTP {status}: {probe.shown(text[:120])}), and a LoRA student's "
-                f"adapter is pushed to it every {_KEY}.sync_every_n_steps; {fix}"
-            )
-
-    def _probe_reload(self, probe: ServerClient) -> None:
-        """The full-weight reload route exists and takes kd's token: an empty body, which the
-        server refuses before it loads anything (vLLM: 400 "Missing 'method'"; SGLang: FastAPI's
-        422 for the missing ``model_path``)."""
-        path = self.protocol.reload_probe_path
-        status, text, _ = probe.call("POST", path, {}, push=True)
-        if status != 404:
-            return
-        if self.settings.server_api == "vllm":
-            fix = "start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment"
-        else:
-            fix = "point on_policy.server_url at an SGLang server, or set on_policy.server_api"
-        name = {"vllm": "vLLM", "sglang": "SGLang"}[self.settings.server_api]
-        raise KDUserError(
-            f"{_KEY}.server_url: the {name} server at {probe.url} has no "
-            f"{path} (HTTP 404: {probe.shown(text[:80])}), through which a full student's "
-            f"weights are reloaded; {fix}, or train a LoRA student (lora adapters hot-load)"
-        )
-
-    def _probe_sleep(self, probe: ServerClient) -> None:
-        """The sleep routes exist (dev mode) and the server was started with sleep mode (else
-        a sleep frees nothing)."""
-        status, text, _ = probe.call("GET", self.protocol.is_sleeping_path)
-        if status == 404:
-            raise KDUserError(
-                f"{_KEY}.server_sleep: the vLLM server at {probe.url} has no /is_sleeping (HTTP "
-                f"404: {probe.shown(text[:80])}); start vllm serve with VLLM_SERVER_DEV_MODE=1 "
-                "in its environment and --enable-sleep-mode, or set on_policy.server_sleep=false"
-            )
-        status, _, data = probe.call("GET", self.protocol.server_info_path)
-        config = data.get("vllm_config") if isinstance(data, dict) else None
-        model = config.get("model_config") if isinstance(config, dict) else None
-        enabled = model.get("enable_sleep_mode") if isinstance(model, dict) else None
-        if enabled is False:
-            raise KDUserError(
-                f"{_KEY}.server_sleep: the vLLM server at {probe.url} runs without sleep mode "
-                "(its sleep would free no memory); start vllm serve with --enable-sleep-mode, or "
-                "set on_policy.server_sleep=false"
-            )
-        if enabled is None:
-            log.warning(
-                "on_policy.server_sleep: the vLLM server at %s does not say whether it runs "
-                "with --enable-sleep-mode (GET /server_info answered HTTP %d); without it a "
-                "sleep frees no memory",
-                probe.url,
-                status,
-            )
 
     # ------------------------------------------------------------ sleep
     def idle(self, step: int) -> None:
