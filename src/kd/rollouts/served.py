@@ -218,14 +218,18 @@ class ServedSampler:
         if not s.server_sleep or self._asleep or s.lmbda == 0 or self._failure is not None:
             return
         level = 2 if not self.sync.lora and step % s.sync_every_n_steps == 0 else 1
-        status, text, _ = self.client.call("POST", self.protocol.sleep_path(level), None, push=True)
+        fix = "start vllm serve with --enable-sleep-mode, or set on_policy.server_sleep=false"
+        self._ask(self.protocol.sleep_path(level), "to sleep", f"{fix}, and resume")
+        self._asleep = level
+
+    def _ask(self, path: str, what: str, fix: str) -> None:
+        """One sleep-mode request; anything but 200 stops the run in one line."""
+        status, text, _ = self.client.call("POST", path, None, push=True)
         if status != 200:
             raise RolloutStopped(
-                f"{_KEY}.server_sleep: {self.client.url} refused to sleep (HTTP {status}: "
-                f"{self.client.shown(text[:160])}); start vllm serve with --enable-sleep-mode, "
-                "or set on_policy.server_sleep=false, and resume"
+                f"{_KEY}.server_sleep: {self.client.url} refused {what} (HTTP {status}: "
+                f"{self.client.shown(text[:160])}); {fix}"
             )
-        self._asleep = level
 
     def _wake(self, tag: str | None = None) -> None:
         """Wake the server's ``tag`` memory (None: all of it), once kd's cached device memory
@@ -234,13 +238,8 @@ class ServedSampler:
             return
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        status, text, _ = self.client.call("POST", self.protocol.wake_path(tag), None, push=True)
-        if status != 200:
-            raise RolloutStopped(
-                f"{_KEY}.server_sleep: {self.client.url} refused to wake up (HTTP {status}: "
-                f"{self.client.shown(text[:160])}); see the server's log (out of memory?), fix "
-                "it and resume"
-            )
+        fix = "see the server's log (out of memory?), fix it and resume"
+        self._ask(self.protocol.wake_path(tag), "to wake up", fix)
         if tag is None:
             self._asleep = 0
 

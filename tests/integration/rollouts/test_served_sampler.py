@@ -224,6 +224,38 @@ def test_validate_needs_the_server_keys(assets, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
+def sleeping_and_awake_runs(
+    assets, tmp_path, monkeypatch, *, lora, every, left_asleep=False, steps=3
+) -> tuple[dict, list[str]]:
+    """A run with server_sleep and one without, each against a fresh server with sleep mode
+    (``left_asleep``: the sleeping run's server starts asleep at level 2); asserts they sampled
+    the same tokens, trained alike and never asked the server while it slept. Returns the
+    recorded rollouts by ``server_sleep`` (and ``left_asleep_at_end``: whether a server was left
+    asleep) and the sleeping run's request paths."""
+    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
+    runs: dict = {"left_asleep_at_end": False}
+    log: list[str] = []
+    for sleep in (False, True):
+        with RolloutTestServer(
+            assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
+        ) as server:
+            if sleep and left_asleep:
+                server.answer("/sleep", {}, {"level": ["2"]})
+            node = served(server, "vllm", server_sleep=sleep, sync_every_n_steps=every)
+            cfg = config(assets, tmp_path / f"s{sleep}", lora=lora, on_policy=node)
+            assert kd_run(cfg, tmp_path / f"s{sleep}.yaml", f"max_steps_per_epoch={steps}") == 0
+            log = [p for p, _ in server.log]
+            assert server.asked_asleep == 0
+            runs["left_asleep_at_end"] |= bool(server.asleep or server.paused)
+        runs[sleep], remote[:] = list(remote), []
+    assert [(s, r, ids) for s, r, ids, _ in runs[True]] == [
+        (s, r, ids) for s, r, ids, _ in runs[False]
+    ]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "sFalse")]
+    assert [r["loss"] for r in read_metrics(tmp_path / "sTrue")] == losses
+    return runs, log
+
+
 @pytest.mark.parametrize(
     ("lora", "every", "levels"),
     [(False, 1, [2, 2, 2]), (False, 2, [1, 2, 1]), (True, 1, [1, 1, 1])],
@@ -235,27 +267,11 @@ def test_a_sleeping_server_samples_what_the_local_sampler_does(
     """Each step's rollouts done, the server sleeps while the step trains: level 2 (weights
     dropped) when the push after the step reloads them, else level 1. It wakes for the push
     (weights, reload, KV cache: vLLM's order) or the rollouts, never asked while asleep, and the
-    greedy rollouts are the local sampler's (a level-2 wake without a reload samples zeros'
-    tokens: the comparison can fail), and they are those of the same server never asleep."""
-    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
-    runs = {}
-    for sleep in (False, True):
-        with RolloutTestServer(
-            assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
-        ) as server:
-            node = served(server, "vllm", server_sleep=sleep, sync_every_n_steps=every)
-            cfg = config(assets, tmp_path / f"s{sleep}", lora=lora, on_policy=node)
-            assert kd_run(cfg, tmp_path / f"s{sleep}.yaml") == 0
-            log = [p for p, _ in server.log]
-            assert server.asked_asleep == 0
-            assert not server.asleep and not server.paused  # left awake at the end
-        runs[sleep], remote[:] = list(remote), []
-    assert [(s, r, ids) for s, r, ids, _ in runs[True]] == [
-        (s, r, ids) for s, r, ids, _ in runs[False]
-    ]
+    greedy rollouts are those of the same server never asleep (a level-2 wake without a reload
+    samples zeros' tokens: the comparison can fail)."""
+    runs, log = sleeping_and_awake_runs(assets, tmp_path, monkeypatch, lora=lora, every=every)
+    assert not runs["left_asleep_at_end"]  # the run leaves the server awake
     assert len({tuple(map(tuple, ids)) for _, _, ids, _ in runs[True]}) > 1
-    losses = [r["loss"] for r in read_metrics(tmp_path / "sFalse")]
-    assert [r["loss"] for r in read_metrics(tmp_path / "sTrue")] == losses
     assert [int(p.rsplit("=", 1)[1]) for p in log if p.startswith("/sleep")] == levels
     if not lora:  # after a level-2 sleep: the weights' memory, the reload, then the KV cache
         deep = [i for i, p in enumerate(log) if p == "/sleep?level=2"]
@@ -273,23 +289,10 @@ def test_a_server_left_asleep_is_woken_in_order_by_the_next_run(assets, tmp_path
     """A server a killed run left asleep at level 2 (weights dropped): the next run's first
     push wakes the weights, reloads and wakes the KV cache, and samples what a server never
     asleep samples."""
-    remote = record(monkeypatch, kd.rollouts.served.ServedSampler)
-    runs = {}
-    for left_asleep in (False, True):
-        with RolloutTestServer(
-            assets["student"], api="vllm", model_name=SERVED_NAME, sleep_mode=True
-        ) as server:
-            if left_asleep:
-                server.answer("/sleep", {}, {"level": ["2"]})
-            node = served(server, "vllm", server_sleep=left_asleep)
-            cfg = config(assets, tmp_path / f"a{left_asleep}", lora=False, on_policy=node)
-            assert kd_run(cfg, tmp_path / f"a{left_asleep}.yaml", "max_steps_per_epoch=1") == 0
-            assert server.asked_asleep == 0
-            first = [p for p, _ in server.log if p != "/v1/completions"][:5]
-        runs[left_asleep], remote[:] = list(remote), []
-    assert [(s, r, ids) for s, r, ids, _ in runs[True]] == [
-        (s, r, ids) for s, r, ids, _ in runs[False]
-    ]
+    _, log = sleeping_and_awake_runs(
+        assets, tmp_path, monkeypatch, lora=False, every=1, left_asleep=True, steps=1
+    )
+    first = [p for p in log if p != "/v1/completions"][:5]
     assert first[1:] == [
         "/wake_up?tags=weights",
         "/collective_rpc",
