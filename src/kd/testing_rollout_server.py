@@ -37,8 +37,10 @@ status and JSON body the real server gives. Written from their source (the files
 * vLLM's sleep mode (``--enable-sleep-mode``; the dev routes ``POST /sleep?level=1|2``, ``POST
   /wake_up`` with repeated ``tags``, ``GET /is_sleeping``; ``GET /server_info`` with
   ``model_config.enable_sleep_mode``; ``vllm/entrypoints/serve/dev/sleep/api_router.py`` and
-  ``docs/features/sleep_mode.md``): a sleep pauses the scheduler (a rollout asked then waits for
-  the wake, counted in :attr:`RolloutTestServer.asked_asleep`); level 1 keeps the weights (CPU
+  ``docs/features/sleep_mode.md``; ``EngineCore.sleep`` / ``wake_up``): a sleep pauses the
+  scheduler (a rollout asked then waits for a wake, counted in
+  :attr:`RolloutTestServer.asked_asleep`) and every wake resumes it, so a rollout scheduled while
+  the KV cache still sleeps is the engine's crash (500); level 1 keeps the weights (CPU
   memory), level 2 drops them: woken, they are "remapped empty" (zeros here) until
   ``reload_weights`` fills them, and a reload into weights still asleep is the engine's crash
   (500). Waking an awake tag, or sleeping a sleeping one, is a no-op. Without sleep mode a sleep
@@ -446,8 +448,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             if "weights" in tags and "weights" in self.asleep and self.dropped:
                 self.model.drop_weights()  # remapped empty: a reload must fill them
             self.asleep -= set(tags)
-            if not self.asleep:
-                self.paused = False
+            self.paused = False  # EngineCore.wake_up resumes scheduling at every wake
         return 200, None, b""
 
     def vllm_collective_rpc(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
@@ -486,14 +487,16 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         return {"vllm_config": {"model_config": model}, "vllm_env": {}, "system_env": {}}
 
     def wait_awake(self) -> None:
-        """A rollout asked while the server sleeps waits for the wake (the scheduler is
-        paused), as long as the server serves."""
-        if not self.paused:
-            return
-        with self._lock:
-            self.asked_asleep += 1
+        """A rollout asked while the server sleeps waits for a wake (the scheduler is paused),
+        as long as the server serves; one scheduled while its KV cache still sleeps (a wake of
+        the weights alone resumes scheduling) is the engine's crash."""
+        if self.paused or self.asleep:
+            with self._lock:
+                self.asked_asleep += 1
         while self.paused and not self._stopped.is_set():
             time.sleep(0.01)
+        if "kv_cache" in self.asleep:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def answer(
         self, path: str, body: Any, query: dict[str, list[str]] | None = None
@@ -565,9 +568,9 @@ class _RolloutHandler(_Handler):
         if not self._route("POST"):
             return
         path, _, query = self.path.partition("?")
-        if path in ("/v1/completions", "/generate"):
-            owner.wait_awake()
         try:
+            if path in ("/v1/completions", "/generate"):
+                owner.wait_awake()
             status, payload, text = owner.answer(path, body, urllib.parse.parse_qs(query))
         except _RequestError as e:
             status, payload, text = e.status, e.payload, e.raw

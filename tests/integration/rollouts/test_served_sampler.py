@@ -324,6 +324,12 @@ def test_a_level_2_sleep_woken_without_a_reload_samples_other_tokens(assets):
         server.answer("/collective_rpc", {"method": "reload_weights"})
         again = server.answer("/v1/completions", dict(body))[1]["choices"][0]["token_ids"]
         assert again == before
+        # A wake of the weights alone resumes scheduling: a rollout then finds no KV cache.
+        server.answer("/sleep", {}, {"level": ["1"]})
+        server.answer("/wake_up", {}, {"tags": ["weights"]})
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            server.wait_awake()
+        assert server.asked_asleep == 1
 
 
 @pytest.mark.parametrize(
