@@ -33,7 +33,9 @@ status and JSON body the real server gives. Written from their source (the files
   ``weight_version``) and ``/load_lora_adapter`` / ``/unload_lora_adapter`` answer ``{"success",
   "message" | "error_message", ...}`` with HTTP 200 or 400 ("LoRA is not enabled. Please set
   `--enable-lora` to enable LoRA." without ``--enable-lora``). ``GET /get_model_info`` and
-  ``/v1/models`` as :mod:`kd.testing_server` gives them, with ``max_model_len``.
+  ``/v1/models`` as :mod:`kd.testing_server` gives them, with ``max_model_len``; ``GET
+  /server_info`` (``/get_server_info`` before) its server args, flat (``enable_lora``,
+  ``max_lora_rank``, ...: ``dataclasses.asdict(server_args)`` in ``http_server.py``).
 * vLLM's sleep mode (``--enable-sleep-mode``; the dev routes ``POST /sleep?level=1|2``, ``POST
   /wake_up`` with repeated ``tags``, ``GET /is_sleeping``; ``GET /server_info`` with
   ``model_config.enable_sleep_mode``; ``vllm/entrypoints/serve/dev/sleep/api_router.py`` and
@@ -85,7 +87,7 @@ __all__ = ["RolloutTestServer", "main"]
 _BASE_ROUTES = {
     "vllm": {"GET": ("/v1/models", "/health"), "POST": ("/v1/completions",)},
     "sglang": {
-        "GET": ("/v1/models", "/get_model_info", "/health"),
+        "GET": ("/v1/models", "/get_model_info", "/server_info", "/get_server_info", "/health"),
         "POST": (
             "/generate",
             "/update_weights_from_disk",
@@ -482,9 +484,28 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         return 200, {"results": [None]}, None
 
     def server_info(self) -> dict[str, Any]:
-        """``GET /server_info?config_format=json``: the parts of the config kd reads."""
+        """vLLM's ``GET /server_info?config_format=json`` (its config: the parts kd reads;
+        ``lora_config`` null without ``--enable-lora``) or SGLang's ``GET /server_info`` (its
+        server args, flat: the parts kd reads)."""
+        if self.api == "sglang":
+            return {
+                "model_path": self.model_path,
+                "served_model_name": self.model_name,
+                "context_length": self.max_model_len,
+                "enable_lora": self.enable_lora,
+                "max_lora_rank": self.max_lora_rank if self.enable_lora else None,
+                "lora_target_modules": ["all"] if self.enable_lora else None,
+                "enable_memory_saver": False,
+                "internal_states": [{}],
+                "version": "0.5.6",
+            }
         model = {"model": self.model_path, "enable_sleep_mode": self.sleep_mode}
-        return {"vllm_config": {"model_config": model}, "vllm_env": {}, "system_env": {}}
+        lora = {"max_lora_rank": self.max_lora_rank, "max_loras": 2} if self.enable_lora else None
+        return {
+            "vllm_config": {"model_config": model, "lora_config": lora},
+            "vllm_env": {},
+            "system_env": {},
+        }
 
     def wait_awake(self) -> None:
         """A rollout asked while the server sleeps waits for a wake (the scheduler is paused),
@@ -533,7 +554,7 @@ class _RolloutHandler(_Handler):
             self._send(200, owner.model_list())
         elif path == "/is_sleeping":
             self._send(200, {"is_sleeping": bool(owner.asleep) or owner.paused})
-        elif path == "/server_info":
+        elif path in ("/server_info", "/get_server_info"):
             self._send(200, owner.server_info())
         else:
             self._send(200, owner.model_info())

@@ -117,6 +117,7 @@ class SyncSettings:
             ranks other than 0);
             collective when distributed (it gathers a sharded student; rank 0 writes).
         lora: whether the student is a LoRA student (adapters are pushed, not whole weights).
+        lora_rank: a LoRA student's rank (``model.lora_rank``; None: a full student).
         seed: the run's seed (row ``r`` of epoch ``e`` asks with seed ``(seed, e, r)``).
         pad_id: the id written after a completion's end.
         stop_ids: ids that end a completion (the tokenizer's).
@@ -129,6 +130,7 @@ class SyncSettings:
     output_dir: Path
     exporter: Callable[[Path | None, nn.Module], None] | None
     lora: bool
+    lora_rank: int | None
     seed: int
     pad_id: int
     stop_ids: tuple[int, ...]
@@ -203,6 +205,7 @@ class ServedSampler:
         check_server(
             self.settings,
             lora=self.sync.lora,
+            lora_rank=self.sync.lora_rank,
             max_seq_len=self.sync.max_seq_len,
             distributed=self.sync.world.distributed,
             sync_dir=self.sync_dir,
@@ -666,6 +669,7 @@ def served_sampler(
         output_dir=Path(output_dir),
         exporter=exporter_of(student, world=world) if student is not None else None,
         lora=run.lora is not None,
+        lora_rank=run.lora.rank if run.lora is not None else None,
         seed=seed,
         pad_id=pad_id_of(tokenizer),
         stop_ids=tuple(stop_token_ids(tokenizer)),

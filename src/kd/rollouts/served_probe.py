@@ -29,13 +29,15 @@ def check_server(
     settings: OnPolicySettings,
     *,
     lora: bool,
+    lora_rank: int | None,
     max_seq_len: int | None,
     distributed: bool,
     sync_dir: Path,
     probe_adapter: str,
 ) -> None:
     """The server answers, serves ``server_model``, takes this student's kind of weight push
-    (``lora``: LoRA loading at runtime, else a full reload) and holds ``max_seq_len`` tokens.
+    (``lora``: LoRA loading at runtime and, where the server says its ``--max-lora-rank``, room
+    for ``lora_rank``; else a full reload) and holds ``max_seq_len`` tokens.
     ``distributed``: under torchrun; ``probe_adapter``: a LoRA name the probe unloads (never
     loaded); ``sync_dir``: where pushes go (said in the log line).
 
@@ -86,6 +88,7 @@ def check_server(
     try:
         if lora:
             _probe_lora(s, probe, probe_adapter)
+            _probe_lora_rank(s, probe, lora_rank)
         else:
             _probe_reload(s, probe)
         if s.server_sleep:
@@ -119,6 +122,45 @@ def _probe_lora(settings: OnPolicySettings, probe: ServerClient, name: str) -> N
             f"{_KEY}.server_url: the server at {probe.url} does not load LoRA adapters at "
             f"runtime (HTTP {status}: {probe.shown(text[:120])}), and a LoRA student's "
             f"adapter is pushed to it every {_KEY}.sync_every_n_steps; {fix}"
+        )
+
+
+def _server_lora(settings: OnPolicySettings, probe: ServerClient) -> tuple[bool, int | None]:
+    """Whether the server says it loads LoRA adapters, and its ``--max-lora-rank`` (None: not
+    said): SGLang's ``/server_info`` (its server args; older releases: ``/get_server_info``),
+    vLLM's ``/server_info?config_format=json`` (dev mode only; ``vllm_config.lora_config`` is
+    null without ``--enable-lora``). A server that answers neither says nothing: (True, None)."""
+    if settings.server_api == "sglang":
+        for path in ("/server_info", "/get_server_info"):
+            status, _, data = probe.call("GET", path)
+            if status == 200 and isinstance(data, dict):
+                rank = data.get("max_lora_rank")
+                return data.get("enable_lora") is not False, rank if isinstance(rank, int) else None
+        return True, None
+    status, _, data = probe.call("GET", VLLMGeneration.server_info_path)
+    config = data.get("vllm_config") if status == 200 and isinstance(data, dict) else None
+    if not isinstance(config, dict) or "lora_config" not in config:
+        return True, None
+    lora = config["lora_config"]
+    rank = lora.get("max_lora_rank") if isinstance(lora, dict) else None
+    return lora is not None, rank if isinstance(rank, int) else None
+
+
+def _probe_lora_rank(settings: OnPolicySettings, probe: ServerClient, rank: int | None) -> None:
+    """The server holds adapters of the student's rank (a refusal otherwise waits for the
+    first push, after every weight is loaded)."""
+    enabled, limit = _server_lora(settings, probe)
+    if not enabled:
+        raise KDUserError(
+            f"{_KEY}.server_url: the server at {probe.url} runs without --enable-lora, and a "
+            "LoRA student's adapter is pushed to it; start it with --enable-lora "
+            f"--max-lora-rank {rank or 'R'} (R >= model.lora_rank)"
+        )
+    if rank is not None and limit is not None and limit < rank:
+        raise KDUserError(
+            f"model.lora_rank: the student's rank {rank} is above the server's --max-lora-rank "
+            f"{limit} ({probe.url}), which would refuse its adapter; start the server with "
+            f"--max-lora-rank {rank} or more, or set model.lora_rank={limit}"
         )
 
 

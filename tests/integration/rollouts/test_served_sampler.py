@@ -192,8 +192,18 @@ def test_a_server_never_synced_samples_other_completions(assets, tmp_path, monke
         ("sglang", True, {"enable_lora": False}, {}, "start SGLang with --enable-lora"),
         ("vllm", False, {"dev_mode": False}, {}, "VLLM_SERVER_DEV_MODE=1"),
         ("sglang", False, {"max_model_len": 32}, {}, "--max-model-len 64 or more"),
+        ("vllm", True, {"max_lora_rank": 2}, {}, "model.lora_rank: the student's rank 4 is"),
+        ("sglang", True, {"max_lora_rank": 2}, {}, "--max-lora-rank 4 or more"),
     ],
-    ids=["model", "vllm-runtime-lora", "sglang-lora", "vllm-dev-mode", "length"],
+    ids=[
+        "model",
+        "vllm-runtime-lora",
+        "sglang-lora",
+        "vllm-dev-mode",
+        "length",
+        "vllm-lora-rank",
+        "sglang-lora-rank",
+    ],
 )
 def test_validate_probes_the_server(assets, tmp_path, capsys, api, lora, server_kw, node_kw, says):
     with RolloutTestServer(
