@@ -348,8 +348,9 @@ def test_a_level_2_sleep_woken_without_a_reload_samples_other_tokens(assets):
         ({"sleep_mode": False}, {}, "--enable-sleep-mode"),
         ({"sleep_mode": True, "dev_mode": False}, {}, "VLLM_SERVER_DEV_MODE=1"),
         ({"sleep_mode": True}, {"async_steps": 1}, "on_policy.server_sleep: sleeps the server"),
+        ({"sleep_mode": True}, {"sampler": "local"}, "with on_policy.sampler local there is"),
     ],
-    ids=["no-sleep-mode", "no-dev-mode", "async"],
+    ids=["no-sleep-mode", "no-dev-mode", "async", "local"],
 )
 def test_validate_checks_the_server_can_sleep(assets, tmp_path, capsys, server_kw, node_kw, says):
     with RolloutTestServer(

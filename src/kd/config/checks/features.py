@@ -78,6 +78,15 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
         )
     if node.get("cuda_graphs") is True:
         _check_cuda_graphs(data, node, problems)
+    if node.get("server_sleep") is True and node.get("sampler", "local") != "served":
+        problems.append(
+            Problem(
+                "on_policy.server_sleep",
+                "puts a served sampler's vLLM server to sleep while the step trains; with "
+                "on_policy.sampler local there is no server: set on_policy.server_sleep=false, "
+                "or on_policy.sampler=served",
+            )
+        )
     if node.get("sampler") == "served":  # kd.rollouts.served
         for key, what in (
             ("server_url", "the server's base URL (http://host:port)"),
