@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from kd.testing_rollout_engine import RolloutEngine, poison
+from kd.testing_rollout_engine import RolloutEngine, poison, prompt_table
 from kd.testing_rollout_sglang import SGLangAnswers
 from kd.testing_server import ServerLifecycle, _Handler
 
@@ -364,7 +364,15 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         }
         choices = []
         tokens_in = tokens_out = 0
+        k = body.get("prompt_logprobs")
         for i, prompt in enumerate(prompts):
+            if k is not None:  # scored first: the prompt's log-probs, then the completion
+                with self._model_lock:
+                    table = prompt_table(self._adapter(adapter), prompt, int(k))
+                scored: list[Any] = [None] + [
+                    {str(t): {"logprob": lp, "rank": r, "decoded_token": ""} for t, lp, r in e}
+                    for e in table
+                ]
             for j, sample in enumerate(self._generate(prompt, params, adapter)):
                 stop = sample["stopped_by"]
                 asked = set(params["stop_token_ids"] or ())
@@ -375,7 +383,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
                     "finish_reason": "stop" if stop is not None else "length",
                     "stop_reason": stop if stop is not None and stop in asked else None,
                     "token_ids": sample["ids"] if body.get("return_token_ids") else None,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": scored if k is not None else None,
                     "prompt_token_ids": prompt if body.get("return_token_ids") else None,
                 }
                 choices.append(choice)

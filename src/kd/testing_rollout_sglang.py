@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kd.testing_rollout_engine import SAMPLING_EPS
+from kd.testing_rollout_engine import SAMPLING_EPS, prompt_table
 
 __all__ = ["SGLangAnswers"]
 
@@ -77,6 +77,8 @@ class SGLangAnswers:
                     "cached_tokens": 0,
                     "e2e_latency": 0.0,
                 }
+                if body.get("return_logprob"):
+                    meta.update(self._input_logprobs(prompt, body, lora))
                 out.append(
                     {
                         "text": self._text(sample["ids"]),
@@ -85,6 +87,26 @@ class SGLangAnswers:
                     }
                 )
         return 200, (out[0] if single and len(out) == 1 else out), None
+
+    def _input_logprobs(self, prompt: list[int], body: dict[str, Any], lora: Any) -> dict:
+        """``return_logprob`` with ``logprob_start_len`` 0: ``input_token_logprobs`` (``[logprob,
+        id, text]`` per prompt token, the first logprob null) and ``input_top_logprobs`` (the
+        top ``top_logprobs_num`` by rank per position, null first); texts null without
+        ``return_text_in_logprobs``."""
+        k = int(body.get("top_logprobs_num") or 0)
+        with self._model_lock:
+            table = prompt_table(self._adapter(lora), prompt, k)
+        top: list[Any] = [None]
+        for p in table:  # the actual token is among the top-k only when it ranks in
+            ranked = sorted(p[1:] if p[0][2] > k else [*p[1:], p[0]], key=lambda e: e[2])
+            top.append([[lp, t, None] for t, lp, _ in ranked[:k]])
+        actual = [[None, prompt[0], None]] + [[p[0][1], p[0][0], None] for p in table]
+        return {
+            "input_token_logprobs": actual,
+            "input_top_logprobs": top,
+            "output_token_logprobs": [],
+            "output_top_logprobs": [],
+        }
 
     def sglang_update_weights(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
         if "model_path" not in body:  # FastAPI's validation of UpdateWeightFromDiskReqInput

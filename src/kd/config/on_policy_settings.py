@@ -196,6 +196,14 @@ class OnPolicySettings:
         "--api-key; sent as a Bearer token, never printed); null = none",
         resume=MAY_CHANGE,
     )
+    server_check_model: bool = setting(
+        "on_policy.server_check_model",
+        True,
+        "sampler served: at the first rollout, compare the server's top-1 log-probs over the "
+        "first prompt with the student's and stop when they differ by more than 0.3 nats on "
+        "average (another model, or a LoRA adapter on another base); false: say the gap only",
+        resume=MAY_CHANGE,
+    )
     server_sleep: bool = setting(
         "on_policy.server_sleep",
         False,

@@ -65,9 +65,11 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped
+from kd.rollouts.served_check import model_gap
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
 from kd.rollouts.served_probe import check_server
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample
+from kd.rollouts.served_student import exporter_of, scorer_of
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
@@ -76,7 +78,6 @@ __all__ = [
     "ServedSampler",
     "ServerUnavailable",
     "SyncSettings",
-    "exporter_of",
     "served_sampler",
     "version_dir",
 ]
@@ -118,6 +119,9 @@ class SyncSettings:
             collective when distributed (it gathers a sharded student; rank 0 writes).
         lora: whether the student is a LoRA student (adapters are pushed, not whole weights).
         lora_rank: a LoRA student's rank (``model.lora_rank``; None: a full student).
+        scorer: ``(student, ids [n]) -> [n - 1]`` the student's top-1 log-prob at each next
+            position (:func:`scorer_of`; collective when distributed); None: the model check is
+            skipped.
         seed: the run's seed (row ``r`` of epoch ``e`` asks with seed ``(seed, e, r)``).
         pad_id: the id written after a completion's end.
         stop_ids: ids that end a completion (the tokenizer's).
@@ -138,6 +142,7 @@ class SyncSettings:
     vocab: int
     max_seq_len: int | None
     world: WorldInfo
+    scorer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -183,6 +188,7 @@ class ServedSampler:
         # dropped. Unknown at the start (a killed run may have left it asleep): treated as 2, so
         # the first push wakes it in order (waking an awake tag is a no-op).
         self._asleep = 2 if settings.server_sleep else 0
+        self._model_checked = False
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.sync_dir = (
@@ -489,6 +495,9 @@ class ServedSampler:
         if self.version < 0:
             self.prepare(student, step - 1)
         self._wake_for_rollouts()
+        if not self._model_checked:
+            self._model_checked = True
+            self._check_model(prompts, student)
         s = self.settings
         lengths = prompts.lengths.tolist()
         tokens = prompts.tokens.cpu()
@@ -518,6 +527,26 @@ class ServedSampler:
             failure = e
         self._agree(failure)
         return self._completions(samples, rows)
+
+    def _check_model(self, prompts: Prompts, student: nn.Module) -> None:
+        """The server samples the student (:func:`kd.rollouts.served_check.model_gap`, on this
+        rank's first prompt); a stop when not. Collective when distributed."""
+        if self.sync.scorer is None or int(prompts.lengths[0]) < 2:
+            return
+        n = int(prompts.lengths[0])
+        ids = prompts.tokens[0, prompts.tokens.shape[1] - n :]
+        local = self.sync.scorer(student, ids).float().cpu()
+        failure = model_gap(
+            self.client,
+            self.protocol,
+            self.settings,
+            ids=ids.tolist(),
+            local=local,
+            adapter=self.adapter,
+            vocab=self.sync.vocab,
+            lora=self.sync.lora,
+        )
+        self._agree(failure)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -630,24 +659,6 @@ class ServedSampler:
             log.warning("on_policy: the server was left asleep (%s)", e)
 
 
-def exporter_of(source: Any, *, world: WorldInfo) -> Callable[[Path | None, nn.Module], None]:
-    """``(folder, student) -> None``: the student written into ``folder`` as the server loads it:
-    a full student as an HF folder; a LoRA student as its PEFT adapter ``adapter/`` alone (the
-    server holds the base weights, so nothing is merged or written beside it). Collective when
-    distributed (the full state dict is gathered; rank 0 writes)."""
-    from kd.backends import backend_named
-
-    def export(folder: Path | None, student: nn.Module) -> None:
-        full = distributed.full_state_dict(student, world=world)
-        if world.is_rank_zero:
-            assert folder is not None
-            backend_named(source.backend).export_student(
-                folder, student, full, source, adapter_only=source.lora is not None
-            )
-
-    return export
-
-
 def served_sampler(
     run: Any,
     *,
@@ -677,5 +688,6 @@ def served_sampler(
         vocab=student_vocab if student_vocab is not None else vocab_limit,
         max_seq_len=run.max_seq_len,
         world=world,
+        scorer=scorer_of(student) if student is not None else None,
     )
     return ServedSampler(run.on_policy, sync, device=device)

@@ -125,6 +125,11 @@ class GenerationProtocol(Protocol):
         """The path and body that hot-load the PEFT adapter folder ``path`` as ``name``."""
         ...
 
+    def score_body(self, *, model: str, adapter: str | None, prompt: Sequence[int]) -> Any:
+        """The body asking the top-1 log-prob at each position of ``prompt`` (its answer is
+        read by :mod:`kd.teachers.protocols`, the served teacher's reader)."""
+        ...
+
     def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
         """The requests, in order, that reload the full weights from ``folder``."""
         ...
@@ -208,6 +213,17 @@ class VLLMGeneration:
 
     def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
         return self.load_lora_path, {"lora_name": name, "lora_path": path}
+
+    def score_body(self, *, model: str, adapter: str | None, prompt: Sequence[int]) -> Any:
+        """The request for the served model's top-1 log-prob at each position of ``prompt``
+        (``prompt_logprobs``, as kd's served teacher asks it)."""
+        return {
+            "model": adapter or model,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 1,
+        }
 
     def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
         return [
@@ -322,6 +338,21 @@ class SGLangGeneration:
 
     def load_lora(self, name: str, path: str) -> tuple[str, dict[str, Any]]:
         return self.load_lora_path, {"lora_name": name, "lora_path": path}
+
+    def score_body(self, *, model: str, adapter: str | None, prompt: Sequence[int]) -> Any:
+        """The request for the served model's top-1 log-prob at each position of ``prompt``
+        (input log-probs, as kd's served teacher asks them; an adapter by ``lora_path``)."""
+        body: dict[str, Any] = {
+            "input_ids": [int(t) for t in prompt],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 1,
+            "return_text_in_logprobs": False,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        }
+        if adapter is not None:
+            body["lora_path"] = adapter
+        return body
 
     def reload(self, folder: str, version: int) -> list[tuple[str, dict[str, Any]]]:
         body = {"model_path": folder, "weight_version": str(version), "abort_all_requests": False}

@@ -101,6 +101,13 @@ def record(monkeypatch, cls) -> list[tuple[int, tuple[int, ...], list[list[int]]
     return seen
 
 
+def is_rollout(path: str, body) -> bool:
+    """A POST asking completions (not the first rollout's model check, which asks the
+    prompt's log-probs on the same route)."""
+    asks = isinstance(body, dict) and ("prompt_logprobs" in body or body.get("return_logprob"))
+    return path in ("/v1/completions", "/generate") and not asks
+
+
 def kd_run(cfg: dict, path: Path, *extra: str) -> int:
     return cli.main(["run", "kd", "--config", str(write_config(path, cfg)), *extra])
 
@@ -455,7 +462,7 @@ def test_a_server_that_dies_stops_the_run_cleanly_and_resume_finishes_it(
     state = {"rollouts": 0}
 
     def die_at_step_2(path, body):
-        if path == generate:  # step 1 asks 8 rollouts (2 micro-batches of 4 rows)
+        if is_rollout(path, body):  # step 1 asks 8 rollouts (2 micro-batches of 4 rows)
             state["rollouts"] += 1
             if state["rollouts"] == 9:  # the first of step 2: killed before it is answered
                 server.kill_on = generate
@@ -631,8 +638,7 @@ def test_two_ranks_push_once_and_sample_their_own_rows(assets, tmp_path):
         loads = [b["lora_name"].rsplit("-v", 1)[1] for p, b in log if p == "/v1/load_lora_adapter"]
         assert loads == ["0", "1", "2", "3"], (ranks, loads)
     prompts = {
-        r: sorted(tuple(b["prompt"]) for p, b in log if p == "/v1/completions")
-        for r, log in logs.items()
+        r: sorted(tuple(b["prompt"]) for p, b in log if is_rollout(p, b)) for r, log in logs.items()
     }
     assert len(prompts[1]) == 24 and prompts[1] == prompts[2]
     one, two = read_metrics(tmp_path / "r1"), read_metrics(tmp_path / "r2")
@@ -686,12 +692,43 @@ def test_a_server_that_cannot_read_the_pushed_folder_stops_before_training(
     )
 
 
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_a_server_on_another_base_model_is_refused_at_the_first_rollout(
+    assets, tmp_path, capsys, api
+):
+    """A LoRA student's adapter pushed to a server serving another base model under the name:
+    the first rollout's model check (the server's top-1 log-probs over the first prompt against
+    the student's) stops the run before any step trains, in one line; the server of the
+    student's own base passes it (every other test here)."""
+    other = tmp_path / "other_base"
+    write_tiny_model(other, tiny_model(STUDENT), seed=11, writer="transformers", perturb=0.3)
+    with RolloutTestServer(other, api=api, model_name=SERVED_NAME) as server:
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=served(server, api))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+        asked = [p for p, b in server.log if is_rollout(p, b)]
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and "on_policy.server_model:" in lines[0], err
+    assert "does not serve the student" in lines[0] and "base model" in lines[0]
+    assert asked == []  # not one rollout asked, nothing trained
+    assert read_metrics(tmp_path / "out") == [] and not (tmp_path / "out" / "final").exists()
+    # The escape hatch: the same server, the check said and not enforced.
+    with RolloutTestServer(other, api=api, model_name=SERVED_NAME) as server:
+        node = served(server, api, server_check_model=False)
+        cfg = config(assets, tmp_path / "off", lora=True, on_policy=node)
+        assert kd_run(cfg, tmp_path / "off.yaml") == 0
+    assert "check that the server serves the student's model" in capsys.readouterr().err
+
+
 def test_a_malformed_rollout_stops_the_run_with_a_checkpoint(assets, tmp_path, capsys):
     """A completion holding an id no tokenizer token has (step 2's first rollout): refused, never
     trained on; step 1 is saved and the run exits 2 with the row's problem."""
     with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as server:
-        # The probe, version 0's push (2 requests), step 1's 8 rollouts and version 1's push.
-        server.faults.extend([""] * 13 + ["bad_id"])
+        # The probe, version 0's push (2 requests), the model check, step 1's 8 rollouts and
+        # version 1's push (2).
+        server.faults.extend([""] * 14 + ["bad_id"])
         cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, "vllm"))
         capsys.readouterr()
         rc = kd_run(cfg, tmp_path / "c.yaml")
@@ -798,7 +835,7 @@ def test_a_server_that_dies_during_async_sampling_stops_before_the_next_step_tra
     state = {"rollouts": 0}
 
     def die_at_step_3(path, body):
-        if path == "/v1/completions":  # steps 1 and 2 ask 8 rollouts each
+        if is_rollout(path, body):  # steps 1 and 2 ask 8 rollouts each
             state["rollouts"] += 1
             if state["rollouts"] == 17:
                 server.kill_on = path
