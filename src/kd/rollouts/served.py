@@ -495,7 +495,9 @@ class ServedSampler:
         if self.version < 0:
             self.prepare(student, step - 1)
         self._wake_for_rollouts()
-        if not self._model_checked:
+        if not self._model_checked and self.version == step - 1:
+            # The first rollout where the server holds the student's weights as they are (a
+            # resumed run may sample an older version until its next push).
             self._model_checked = True
             self._check_model(prompts, student)
         s = self.settings

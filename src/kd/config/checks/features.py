@@ -88,29 +88,34 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
             )
         )
     if node.get("sampler") == "served":  # kd.rollouts.served
-        for key, what in (
-            ("server_url", "the server's base URL (http://host:port)"),
-            ("server_model", "the name it serves the student under (--served-model-name)"),
-        ):
-            if node.get(key) is None:
-                problems.append(
-                    Problem(
-                        f"on_policy.{key}",
-                        f"on_policy.sampler is served, which needs {what}; set "
-                        f"on_policy.{key}, or on_policy.sampler=local",
-                    )
-                )
-        if node.get("server_sleep") is True:
-            _check_server_sleep(node, problems)
-        if node.get("server_admin_token_env") is not None and node.get("server_api") != "sglang":
+        _check_served(node, problems)
+
+
+def _check_served(node: dict[str, Any], problems: list[Problem]) -> None:
+    """A served sampler's keys: the server named, and its knobs only where they apply."""
+    for key, what in (
+        ("server_url", "the server's base URL (http://host:port)"),
+        ("server_model", "the name it serves the student under (--served-model-name)"),
+    ):
+        if node.get(key) is None:
             problems.append(
                 Problem(
-                    "on_policy.server_admin_token_env",
-                    "only SGLang has an admin key (--admin-api-key); vLLM's --api-key "
-                    "(on_policy.server_token_env) guards its /v1 routes and no key guards "
-                    "/collective_rpc; set on_policy.server_admin_token_env=null",
+                    f"on_policy.{key}",
+                    f"on_policy.sampler is served, which needs {what}; set "
+                    f"on_policy.{key}, or on_policy.sampler=local",
                 )
             )
+    if node.get("server_sleep") is True:
+        _check_server_sleep(node, problems)
+    if node.get("server_admin_token_env") is not None and node.get("server_api") != "sglang":
+        problems.append(
+            Problem(
+                "on_policy.server_admin_token_env",
+                "only SGLang has an admin key (--admin-api-key); vLLM's --api-key "
+                "(on_policy.server_token_env) guards its /v1 routes and no key guards "
+                "/collective_rpc; set on_policy.server_admin_token_env=null",
+            )
+        )
 
 
 def _check_server_sleep(node: dict[str, Any], problems: list[Problem]) -> None:
