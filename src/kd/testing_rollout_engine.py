@@ -174,23 +174,13 @@ class RolloutEngine:
 
 def prompt_table(model: torch.nn.Module, prompt: list[int], k: int) -> list[list[tuple]]:
     """Per position 1 .. n - 1 of ``prompt``: the actual token's ``(id, logprob, rank)`` first,
-    then the other top-``k`` ones by rank (as vLLM's ``prompt_logprobs`` and SGLang's input
-    log-probs hold them)."""
+    then the other top-``k`` ones by rank, under ``model``
+    (:func:`kd.testing_server.top_positions`)."""
+    from kd.testing_server import top_positions
+
     with torch.no_grad():
         table = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
-    out = []
-    for i in range(1, len(prompt)):
-        row, actual = table[i - 1], prompt[i]
-        rank = int((row > row[actual]).sum()) + 1
-        values, top = torch.topk(row, k) if k > 0 else (row[:0], row[:0].long())
-        entries = [(actual, float(row[actual]), rank)]
-        entries += [
-            (int(t), float(v), r + 1)
-            for r, (v, t) in enumerate(zip(values, top, strict=True))
-            if int(t) != actual
-        ]
-        out.append(entries)
-    return out
+    return top_positions(table, prompt, k)
 
 
 def poison(payload: Any, token: int) -> None:

@@ -115,6 +115,26 @@ def model_logprobs(model_dir: Path, tiny: Any, scratch: Path, *, vocab: int) -> 
     return fn
 
 
+def top_positions(table: torch.Tensor, ids: Sequence[int], k: int) -> list[list[tuple]]:
+    """Per position 1 .. n - 1 of ``ids``: the actual token's ``(id, logprob, rank)`` first,
+    then the other top-``k`` ones by rank, from ``table`` ``[n, V]`` log-probs (row ``i``
+    predicts token ``i + 1``), as vLLM's ``prompt_logprobs`` and SGLang's input log-probs hold
+    them."""
+    out = []
+    for i in range(1, len(ids)):
+        row, actual = table[i - 1], int(ids[i])
+        values, top = torch.topk(row, k)
+        rank = int((row > row[actual]).sum()) + 1
+        entries = [(actual, float(row[actual]), rank)]
+        entries += [
+            (int(t), float(v), r + 1)
+            for r, (v, t) in enumerate(zip(values, top, strict=True))
+            if int(t) != actual
+        ]
+        out.append(entries)
+    return out
+
+
 def _flatten(meta: dict[str, Any], table: list[Any]) -> None:
     """SGLang's base64 form of ``meta``: the input top-k (``table``, triples per position, the
     first null) as flat float32 / int32 arrays and per-position counts; the actual tokens'
@@ -444,20 +464,7 @@ class TeacherTestServer(ServerLifecycle):
     def _positions(self, ids: list[int], k: int, fault: str | None) -> list[list[tuple]]:
         """Per position 1 .. n-1: the top-k ``(id, logprob, rank)`` plus the actual token's
         ``(id, logprob, rank)`` first; the fault, if any, applied to the middle position."""
-        table = self._table(ids)  # [n, V]: row i predicts token i + 1
-        out = []
-        for i in range(1, len(ids)):
-            row = table[i - 1]
-            values, top = torch.topk(row, k)
-            actual = ids[i]
-            rank = int((row > row[actual]).sum()) + 1
-            entries = [(actual, float(row[actual]), rank)]
-            entries += [
-                (int(t), float(v), r + 1)
-                for r, (v, t) in enumerate(zip(values, top, strict=True))
-                if int(t) != actual
-            ]
-            out.append(entries)
+        out = top_positions(self._table(ids), ids, k)
         if fault in ("nan", "positive", "unknown_id") and out:
             j = len(out) // 2
             tid, lp, rank = out[j][-1]
