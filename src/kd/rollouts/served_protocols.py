@@ -221,7 +221,7 @@ class VLLMGeneration:
             "model": adapter or model,
             "prompt": [int(t) for t in prompt],
             "max_tokens": 1,
-            "temperature": 0.0,
+            "temperature": 1.0,  # the served teacher's request: log-probs of the raw logits
             "prompt_logprobs": 1,
         }
 
