@@ -379,6 +379,49 @@ def test_validate_checks_the_server_can_sleep(assets, tmp_path, capsys, server_k
 
 
 @pytest.mark.parametrize(
+    ("api", "server_kw", "envs", "says"),
+    [
+        ("vllm", {"token": "s3cret"}, {"server_token_env": "wrong"}, "to the token in KD_T_API"),
+        (
+            "sglang",
+            {"admin_token": "adm1n"},
+            {},
+            "kd sent no token; set on_policy.server_token_env to the variable holding the "
+            "server's --api-key (and on_policy.server_admin_token_env",
+        ),
+        (
+            "sglang",
+            {"admin_token": "adm1n"},
+            {"server_admin_token_env": "wrong"},
+            "on_policy.server_admin_token_env: ",
+        ),
+    ],
+    ids=["vllm-wrong-token", "sglang-admin-key-no-token", "sglang-wrong-admin-key"],
+)
+def test_validate_names_the_token_the_server_refused(
+    assets, tmp_path, capsys, monkeypatch, api, server_kw, envs, says
+):
+    """Each refused token is one line naming the key that sent it (never the token itself):
+    a wrong API token; an SGLang admin key and no token sent (its generation routes are open
+    then, its weight pushes not); a wrong admin key."""
+    node = {}
+    for key, value in envs.items():
+        var = "KD_T_API" if key == "server_token_env" else "KD_T_ADMIN"
+        monkeypatch.setenv(var, value)
+        node[key] = var
+    with RolloutTestServer(
+        assets["student"], api=api, model_name=SERVED_NAME, **server_kw
+    ) as server:
+        cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, api, **node))
+        rc = cli.main(["validate", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1 and says in lines[0] and "HTTP 401" in lines[0], err
+    assert "wrong" not in lines[0].replace("KD_T_", "") and "s3cret" not in err
+
+
+@pytest.mark.parametrize(
     ("api", "lora"), [("vllm", True), ("sglang", False)], ids=["vllm-lora", "sglang-full"]
 )
 def test_tokens_reach_the_routes_that_check_them(assets, tmp_path, monkeypatch, api, lora):
