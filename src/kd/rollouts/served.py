@@ -68,7 +68,7 @@ from kd.rollouts.base import Completions, Prompts, RolloutStopped
 from kd.rollouts.served_check import model_gap
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
 from kd.rollouts.served_probe import check_server
-from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample
+from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample, VLLMGeneration
 from kd.rollouts.served_student import exporter_of, scorer_of
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
@@ -117,8 +117,8 @@ class SyncSettings:
             LoRA student: its adapter alone, in ``adapter/``) into an existing folder (None on
             ranks other than 0);
             collective when distributed (it gathers a sharded student; rank 0 writes).
-        lora: whether the student is a LoRA student (adapters are pushed, not whole weights).
-        lora_rank: a LoRA student's rank (``model.lora_rank``; None: a full student).
+        lora_rank: a LoRA student's rank (``model.lora_rank``; None: a full student, whose
+            whole weights are pushed; :attr:`lora` says which).
         scorer: ``(student, ids [n]) -> [n - 1]`` the student's top-1 log-prob at each next
             position (:func:`scorer_of`; collective when distributed); None: the model check is
             skipped.
@@ -133,7 +133,6 @@ class SyncSettings:
 
     output_dir: Path
     exporter: Callable[[Path | None, nn.Module], None] | None
-    lora: bool
     lora_rank: int | None
     seed: int
     pad_id: int
@@ -143,6 +142,11 @@ class SyncSettings:
     max_seq_len: int | None
     world: WorldInfo
     scorer: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def lora(self) -> bool:
+        """Whether the student is a LoRA student (its adapter is pushed, not whole weights)."""
+        return self.lora_rank is not None
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -210,7 +214,6 @@ class ServedSampler:
         """
         check_server(
             self.settings,
-            lora=self.sync.lora,
             lora_rank=self.sync.lora_rank,
             max_seq_len=self.sync.max_seq_len,
             distributed=self.sync.world.distributed,
@@ -228,7 +231,7 @@ class ServedSampler:
             return
         level = 2 if not self.sync.lora and step % s.sync_every_n_steps == 0 else 1
         fix = "start vllm serve with --enable-sleep-mode, or set on_policy.server_sleep=false"
-        self._ask(self.protocol.sleep_path(level), "to sleep", f"{fix}, and resume")
+        self._ask(VLLMGeneration.sleep_path(level), "to sleep", f"{fix}, and resume")
         self._asleep = level
 
     def _ask(self, path: str, what: str, fix: str) -> None:
@@ -248,7 +251,7 @@ class ServedSampler:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         fix = "see the server's log (out of memory?), fix it and resume"
-        self._ask(self.protocol.wake_path(tag), "to wake up", fix)
+        self._ask(VLLMGeneration.wake_path(tag), "to wake up", fix)
         if tag is None:
             self._asleep = 0
 
@@ -681,7 +684,6 @@ def served_sampler(
     sync = SyncSettings(
         output_dir=Path(output_dir),
         exporter=exporter_of(student, world=world) if student is not None else None,
-        lora=run.lora is not None,
         lora_rank=run.lora.rank if run.lora is not None else None,
         seed=seed,
         pad_id=pad_id_of(tokenizer),

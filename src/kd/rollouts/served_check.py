@@ -20,6 +20,8 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.rollouts.base import RolloutStopped
 from kd.rollouts.served_client import ServerClient
 from kd.rollouts.served_protocols import GenerationProtocol
+from kd.teachers.protocols import PROTOCOLS
+from kd.teachers.protocols import BadAnswer as ScoreBadAnswer
 
 __all__ = ["SAID_NATS", "SAME_MODEL_NATS", "model_gap"]
 
@@ -44,9 +46,6 @@ def _served(
     vocab: int,
 ) -> torch.Tensor:
     """The server's top-1 log-prob at positions 1 .. n - 1 of ``ids``."""
-    from kd.teachers.protocols import PROTOCOLS
-    from kd.teachers.protocols import BadAnswer as ScoreBadAnswer
-
     body = protocol.score_body(model=settings.server_model, adapter=adapter, prompt=ids)
     status, text, data = client.call("POST", protocol.generate_path, body)
     where = f"{client.url}{protocol.generate_path}"

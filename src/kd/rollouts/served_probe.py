@@ -28,7 +28,6 @@ _KEY = "on_policy"
 def check_server(
     settings: OnPolicySettings,
     *,
-    lora: bool,
     lora_rank: int | None,
     max_seq_len: int | None,
     distributed: bool,
@@ -36,8 +35,8 @@ def check_server(
     probe_adapter: str,
 ) -> None:
     """The server answers, serves ``server_model``, takes this student's kind of weight push
-    (``lora``: LoRA loading at runtime and, where the server says its ``--max-lora-rank``, room
-    for ``lora_rank``; else a full reload) and holds ``max_seq_len`` tokens.
+    (a LoRA student of rank ``lora_rank``: LoRA loading at runtime and, where the server says
+    its ``--max-lora-rank``, room for the rank; None, a full student: a full reload) and holds ``max_seq_len`` tokens.
     ``distributed``: under torchrun; ``probe_adapter``: a LoRA name the probe unloads (never
     loaded); ``sync_dir``: where pushes go (said in the log line).
 
@@ -86,7 +85,7 @@ def check_server(
             "process; under torchrun set on_policy.server_sleep=false"
         )
     try:
-        if lora:
+        if lora_rank is not None:  # a LoRA student
             _probe_lora(s, probe, probe_adapter)
             _probe_lora_rank(s, probe, lora_rank)
         else:
@@ -146,7 +145,7 @@ def _server_lora(settings: OnPolicySettings, probe: ServerClient) -> tuple[bool,
     return lora is not None, rank if isinstance(rank, int) else None
 
 
-def _probe_lora_rank(settings: OnPolicySettings, probe: ServerClient, rank: int | None) -> None:
+def _probe_lora_rank(settings: OnPolicySettings, probe: ServerClient, rank: int) -> None:
     """The server holds adapters of the student's rank (a refusal otherwise waits for the
     first push, after every weight is loaded)."""
     enabled, limit = _server_lora(settings, probe)
@@ -154,9 +153,9 @@ def _probe_lora_rank(settings: OnPolicySettings, probe: ServerClient, rank: int 
         raise KDUserError(
             f"{_KEY}.server_url: the server at {probe.url} runs without --enable-lora, and a "
             "LoRA student's adapter is pushed to it; start it with --enable-lora "
-            f"--max-lora-rank {rank or 'R'} (R >= model.lora_rank)"
+            f"--max-lora-rank {rank} or more"
         )
-    if rank is not None and limit is not None and limit < rank:
+    if limit is not None and limit < rank:
         raise KDUserError(
             f"model.lora_rank: the student's rank {rank} is above the server's --max-lora-rank "
             f"{limit} ({probe.url}), which would refuse its adapter; start the server with "

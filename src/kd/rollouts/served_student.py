@@ -50,8 +50,7 @@ def scorer_of(source: Any) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
         student.eval()
         try:
             with torch.no_grad():
-                device = next(student.parameters()).device
-                hidden = student(ids[None].to(device))[0, :-1]
+                hidden = student(ids[None])[0, :-1]  # ids: a prompt, on the training device
                 tops = [
                     torch.log_softmax(backend.logits_from_hidden(student, h).float(), -1)
                     .max(-1)

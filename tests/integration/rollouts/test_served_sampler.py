@@ -201,6 +201,7 @@ def test_a_server_never_synced_samples_other_completions(assets, tmp_path, monke
         ("sglang", False, {"max_model_len": 32}, {}, "--max-model-len 64 or more"),
         ("vllm", True, {"max_lora_rank": 2}, {}, "model.lora_rank: the student's rank 4 is"),
         ("sglang", True, {"max_lora_rank": 2}, {}, "--max-lora-rank 4 or more"),
+        ("vllm", True, {"enable_lora": False}, {}, "runs without --enable-lora"),
     ],
     ids=[
         "model",
@@ -210,6 +211,7 @@ def test_a_server_never_synced_samples_other_completions(assets, tmp_path, monke
         "length",
         "vllm-lora-rank",
         "sglang-lora-rank",
+        "vllm-no-enable-lora",
     ],
 )
 def test_validate_probes_the_server(assets, tmp_path, capsys, api, lora, server_kw, node_kw, says):
