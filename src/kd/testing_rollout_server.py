@@ -141,7 +141,9 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
     Attributes:
         faults: per POST request, in order: ``"500"``, ``"hang"``, ``"kill"`` (see
             :data:`kd.testing_server.FAULTS`), ``"bad_id"`` (a completion's first id replaced by
-            the model's last row, which no tokenizer token has) or ``""``.
+            the model's last row, which no tokenizer token has), ``"lost"`` (the request is
+            carried out, then the connection closes before the answer: an answer lost on the
+            way, which the client retries) or ``""``.
         kill_on: a path whose next request kills the server before it answers (a crash during a
             weight push); None: none.
         on_post: ``(path, body) -> None`` called with every POST before it is answered (a test's
@@ -567,6 +569,20 @@ class _RolloutHandler(_Handler):
         else:
             self._send(200, owner.model_info())
 
+    def _failed(self, owner: RolloutTestServer, fault: str | None) -> bool:
+        """Whether ``fault`` answered the request already (a crash, or a 500)."""
+        if fault == "kill":
+            owner.kill()
+            self.close_connection = True
+            return True
+        if fault == "500":
+            if owner.api == "sglang":
+                self._send(500, None, raw=b"Internal Server Error", content_type="text/plain")
+            else:
+                self._send(500, owner.vllm_error(500, "injected fault", "InternalServerError"))
+            return True
+        return False
+
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         owner: RolloutTestServer = self.server.owner  # type: ignore[assignment]
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}"
@@ -582,15 +598,7 @@ class _RolloutHandler(_Handler):
         fault = owner.next_fault()
         if owner.kill_on is not None and self.path == owner.kill_on:
             fault = "kill"
-        if fault == "kill":
-            owner.kill()
-            self.close_connection = True
-            return
-        if fault == "500":
-            if owner.api == "sglang":
-                self._send(500, None, raw=b"Internal Server Error", content_type="text/plain")
-            else:
-                self._send(500, owner.vllm_error(500, "injected fault", "InternalServerError"))
+        if self._failed(owner, fault):
             return
         if fault == "hang":
             time.sleep(owner.hang_s)
@@ -610,6 +618,9 @@ class _RolloutHandler(_Handler):
             status, payload, text = 500, owner.vllm_error(500, str(e), "InternalServerError"), None
         if fault == "bad_id" and status == 200:
             poison(payload, owner.model.vocab - 1)
+        if fault == "lost":  # done, but the answer never reaches the client
+            self.close_connection = True
+            return
         if text is not None:  # vLLM's Response(content=str): a body without a media type
             self.send_response(status)
             self.send_header("Content-Length", str(len(text)))

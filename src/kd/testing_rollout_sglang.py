@@ -134,8 +134,11 @@ class SGLangAnswers:
 
         if not self.enable_lora:
             return failed("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        if name in self.lora_paths:
-            return failed(f"Failed to load LoRA adapter {name} because it is already loaded")
+        if name in self.lora_paths:  # LoRARegistry._register_adapter's ValueError
+            return failed(
+                f"LoRA with name {name} already exists. Loaded LoRAs: "
+                f"dict_keys({list(self.lora_paths)})"
+            )
         try:
             adapter = self.model.load_adapter(str(path), max_rank=self.max_lora_rank)
         except ValueError:

@@ -433,8 +433,8 @@ class ServedSampler:
             self.client.call("POST", unload, {"lora_name": name}, push=True)
         path, body = self.protocol.load_lora(name, adapter)
         status, text, data = self.client.call("POST", path, body, push=True)
-        if status == 400 and "already" in text and "loaded" in text:
-            # This version's name, loaded before a kill (the run pushes it again on resume).
+        if status == 400 and "already" in text:  # vLLM "already been loaded", SGLang "exists"
+            # This version's name, loaded before a kill or by an attempt whose answer was lost.
             self.client.call("POST", unload, {"lora_name": name}, push=True)
             status, text, data = self.client.call("POST", path, body, push=True)
         if status != 200 or (isinstance(data, dict) and data.get("success") is False):

@@ -870,6 +870,29 @@ def test_a_server_that_dies_during_a_push_stops_with_that_step_saved(
     assert_same_weights(final_weights(out, lora), reference)
 
 
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_an_adapter_load_whose_answer_is_lost_is_retried_and_the_run_goes_on(assets, tmp_path, api):
+    """The server loads version 1's adapter, but its answer is lost (the connection closes): the
+    retry finds the name taken (vLLM "has already been loaded", SGLang "already exists"), so
+    kd unloads it and loads it again, and the run ends as one never interrupted."""
+    names: list[str] = []
+
+    def lose_the_first_answer(path, body):
+        if path.endswith("/load_lora_adapter") and str(body["lora_name"]).endswith("-v1"):
+            names.append(body["lora_name"])
+            if len(names) == 1:
+                server.faults.appendleft("lost")
+
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        server.on_post = lose_the_first_answer
+        node = served(server, api, server_backoff=0)
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=node)
+        assert kd_run(cfg, tmp_path / "c.yaml") == 0
+        assert len(names) == 3  # lost, refused as taken, loaded after the unload
+        assert server.lora_paths and all(not n.endswith("-v1") for n in server.lora_paths)
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3]
+
+
 def test_a_server_that_dies_during_async_sampling_stops_before_the_next_step_trains(
     assets, tmp_path, capsys
 ):
