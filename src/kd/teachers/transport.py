@@ -8,7 +8,8 @@ inside :func:`deadline`, end in time:
 * each attempt (connecting, sending, the status line, the headers and the whole body) ends within
   ``attempt_s``: every read from the socket first checks the attempt's deadline and waits at most
   until it (:class:`_DeadlineReader`), so a trickle cannot stretch it;
-* retries (urllib3's ``Retry``: timeouts, connection errors, the listed statuses) and the waits
+* retries (urllib3's ``Retry``: timeouts, connection errors, the listed statuses, and a body
+  cut short or too slow, which :class:`_DeadlineAdapter` reads inside them) and the waits
   between them (backoff, or the server's ``Retry-After``) happen inside ``total_s``: a wait that
   would end past it is not waited, :class:`PastDeadline` is raised at once
   (:class:`_DeadlineRetry`).
@@ -31,7 +32,7 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
-from urllib3.exceptions import InvalidHeader
+from urllib3.exceptions import InvalidHeader, MaxRetryError, ProtocolError
 from urllib3.util.retry import Retry
 
 __all__ = ["BACKOFF_MAX", "PastDeadline", "deadline", "deadline_session", "request_budget"]
@@ -197,7 +198,25 @@ class _DeadlineRetry(Retry):
 
 class _DeadlineAdapter(HTTPAdapter):
     """requests' adapter over :class:`_HTTPPool` / :class:`_HTTPSPool` (also through an HTTP
-    proxy)."""
+    proxy), which reads the body inside the retries: urllib3 retries an attempt up to its
+    headers, and requests reads the body after it, so a body cut short or trickled past the
+    attempt's deadline would otherwise end the request on its first try."""
+
+    def send(self, request: Any, stream: bool = False, **kwargs: Any) -> requests.Response:
+        retry = self.max_retries
+        while True:
+            response = super().send(request, stream=stream, **kwargs)
+            if stream:
+                return response
+            try:
+                response.content  # noqa: B018 - read now, where a broken body can be retried
+                return response
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
+                try:  # counted as a read error of the request's retries; PastDeadline when late
+                    retry = retry.increment(request.method, request.url, error=ProtocolError(e))
+                except MaxRetryError:
+                    raise e from None
+                retry.sleep()
 
     def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
         super().init_poolmanager(*args, **kwargs)

@@ -168,6 +168,43 @@ def test_a_body_trickled_after_prompt_headers_ends_at_the_deadline():
         assert time.monotonic() - start < 3
 
 
+@pytest.mark.parametrize("fault", ["cut", "trickle"])
+def test_an_answer_whose_body_breaks_is_retried_within_the_deadline(fault):
+    """The status line and headers come whole, then the body breaks: the connection closes
+    short of its Content-Length, or the body trickles past the attempt's deadline. That is a
+    failed attempt like any other: retried (the second attempt answers), not the end of the
+    request."""
+    from kd.teachers.transport import deadline, deadline_session
+
+    asked: list[int] = []
+
+    def breaks_once(handler: BaseHTTPRequestHandler) -> None:
+        asked.append(1)
+        if len(asked) > 1:
+            _send(handler, 200, b'{"ok": true}', "application/json")
+            return
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        handler.close_connection = True
+        try:
+            for _ in range(1 if fault == "cut" else 1000):
+                handler.wfile.write(b'{"ok": ')
+                handler.wfile.flush()
+                time.sleep(0 if fault == "cut" else 0.05)
+        except OSError:
+            pass
+
+    session = deadline_session(retries=2, backoff=0, statuses=(), methods=("POST",))
+    with raw_server(breaks_once) as url, deadline(attempt_s=1, total_s=3):
+        start = time.monotonic()
+        response = session.post(f"{url}/x", json={}, timeout=(1, 1))
+        assert response.json() == {"ok": True}
+        assert time.monotonic() - start < 2.5
+    assert len(asked) == 2
+
+
 @pytest.mark.parametrize("status", ["429", "503"])
 def test_a_retry_after_past_the_deadline_stops_at_once_and_one_within_it_is_waited(
     status, teacher_fn, tokenizer
