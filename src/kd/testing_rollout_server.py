@@ -119,7 +119,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
     Args:
         model_dir: the model it serves (the student's base folder).
         api: ``vllm`` or ``sglang``.
-        model_name: the name it serves (``--served-model-name``); None: the folder's path.
+        model_name: the name it serves (``--served-model-name``; several: vLLM's aliases, its
+            answers naming the first); None: the folder's path.
         tokenizer_dir: the tokenizer of the texts it sends beside the ids (None: empty texts).
         enable_lora: ``--enable-lora``.
         runtime_lora: vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (the LoRA endpoints
@@ -156,7 +157,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         model_dir: Path,
         *,
         api: str = "vllm",
-        model_name: str | None = None,
+        model_name: str | Sequence[str] | None = None,
         tokenizer_dir: Path | None = None,
         enable_lora: bool = True,
         runtime_lora: bool = True,
@@ -179,7 +180,9 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         self.admin_token = admin_token
         self.model = RolloutEngine(Path(model_dir), tokenizer_dir)
         self.model_path = str(model_dir)
-        self.model_name = model_name or self.model_path
+        names = [model_name] if isinstance(model_name, str) else list(model_name or ())
+        self.model_names = tuple(names) or (self.model_path,)
+        self.model_name = self.model_names[0]
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
         self.max_model_len = max_model_len
@@ -247,14 +250,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
                 "max_model_len": length,
             }
 
-        cards = [
-            card(
-                self.model_name,
-                self.model_path if vllm else self.model_name,
-                None,
-                self.max_model_len,
-            )
-        ]
+        root = self.model_path if vllm else self.model_name
+        cards = [card(name, root, None, self.max_model_len) for name in self.model_names]
         if vllm or self.enable_lora:
             for name, path in self.lora_paths.items():
                 length = None if vllm else self.max_model_len
@@ -344,7 +341,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
     def vllm_completions(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
         model = body.get("model")
         adapter = None
-        if model and model != self.model_name:
+        if model and model not in self.model_names:
             if model not in self.model.adapters:
                 message = f"The model `{model}` does not exist."
                 return 404, self.vllm_error(404, message, "NotFoundError", "model"), None
@@ -401,7 +398,7 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             "id": f"cmpl-{self.requests}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": model or self.model_name,
+            "model": adapter or self.model_name,  # a base model's answer: the first name
             "choices": choices,
             "usage": usage,
         }

@@ -190,9 +190,10 @@ class VLLMGeneration:
             raise BadAnswer("the answer has no choices")
         if len(answer["choices"]) != 1:
             raise BadAnswer(f"{len(answer['choices'])} choices for one prompt and n 1")
-        asked = adapter or model
-        if answer.get("model") not in (None, asked):
-            raise BadAnswer(f"the answer is of model {answer.get('model')!r}, not {asked!r}")
+        # An adapter's answer names it; a base model's names the server's first
+        # --served-model-name (``OpenAIServingModels.model_name``), which server_model may alias.
+        if adapter is not None and answer.get("model") not in (None, adapter):
+            raise BadAnswer(f"the answer is of model {answer.get('model')!r}, not {adapter!r}")
         choice = answer["choices"][0]
         if not isinstance(choice, dict):
             raise BadAnswer("choice 0 is not an object")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from safetensors.torch import load_file
 
@@ -273,6 +274,22 @@ def sleeping_and_awake_runs(
     losses = [r["loss"] for r in read_metrics(tmp_path / "sFalse")]
     assert [r["loss"] for r in read_metrics(tmp_path / "sTrue")] == losses
     return runs, log
+
+
+def test_a_vllm_server_under_several_names_samples_under_any_of_them(assets, tmp_path):
+    """``vllm serve --served-model-name main student``: kd asks by the second name, and vLLM's
+    answers name the first (``OpenAIServingModels.model_name``); the rollouts are the server's
+    all the same."""
+    names = ("tiny-main", SERVED_NAME)
+    with RolloutTestServer(assets["student"], api="vllm", model_name=names) as server:
+        cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, "vllm"))
+        assert kd_run(cfg, tmp_path / "c.yaml") == 0
+        answer = requests.post(
+            f"{server.url}/v1/completions",
+            json={"model": SERVED_NAME, "prompt": [1, 2], "max_tokens": 1},
+        ).json()
+    assert answer["model"] == "tiny-main"
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3]
 
 
 @pytest.mark.parametrize(
