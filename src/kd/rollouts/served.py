@@ -65,7 +65,7 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped
-from kd.rollouts.served_check import model_gap
+from kd.rollouts.served_check import check_sample, model_gap, weights_lost
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
 from kd.rollouts.served_probe import check_server
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample, VLLMGeneration
@@ -564,6 +564,8 @@ class ServedSampler:
     def _one(self, body: dict[str, Any], rows: Sequence[int]) -> Sample:
         status, text, data = self.client.call("POST", self.protocol.generate_path, body)
         where = f"{self.client.url}{self.protocol.generate_path}"
+        if status != 200 and self.adapter is not None and self.adapter in text:
+            raise weights_lost(where, self.version, self.client.shown(text[:160]))
         if status != 200:
             raise RolloutStopped(
                 f"{_KEY}.server_url: {where} refused a rollout with HTTP {status} "
@@ -576,37 +578,20 @@ class ServedSampler:
             sample = self.protocol.parse(
                 data, adapter=self.adapter, model=self.settings.server_model
             )
-            self._check(sample)
+            check_sample(
+                sample,
+                self.settings,
+                self.sync.vocab_limit,
+                self.sync.stop_ids,
+                where=where,
+                version=None if self.sync.lora else self.version,
+            )
         except BadAnswer as e:
             raise RolloutStopped(
                 f"{_KEY}.server_url: {where} gave a malformed rollout: {self.client.shown(str(e))}; "
                 f"check {_KEY}.server_api matches the server ({self.settings.server_api} now)"
             ) from None
         return sample
-
-    def _check(self, sample: Sample) -> None:
-        """A completion kd can train on: at most ``max_new_tokens`` ids of the tokenizer, a stop
-        id only at its end, sampled with the version pushed last (where the server says)."""
-        s = self.settings
-        if len(sample.ids) > s.max_new_tokens:
-            raise BadAnswer(f"{len(sample.ids)} tokens, more than max_tokens {s.max_new_tokens}")
-        for j, t in enumerate(sample.ids):
-            if not 0 <= t < self.sync.vocab_limit:
-                raise BadAnswer(
-                    f"token {j} is id {t}, outside the ids the tokenizer has "
-                    f"(0..{self.sync.vocab_limit - 1})"
-                )
-            if t in self.sync.stop_ids and j != len(sample.ids) - 1:
-                raise BadAnswer(f"stop id {t} at token {j} did not end the completion")
-        if (
-            not self.sync.lora
-            and sample.weight_version is not None
-            and sample.weight_version != str(self.version)
-        ):
-            raise BadAnswer(
-                f"sampled with weight version {sample.weight_version!r}, not the version kd "
-                f"pushed last ({self.version})"
-            )
 
     def _agree(self, failure: RolloutStopped | None) -> None:
         """Under torchrun every rank stops, with the failing rank's line, when one rank's

@@ -1,5 +1,7 @@
-"""The served sampler's model check, at the first rollout of a process
-(:meth:`kd.rollouts.served.ServedSampler.sample`): the server samples the student.
+"""What the served sampler checks of its server's answers
+(:meth:`kd.rollouts.served.ServedSampler.sample`): each completion is one kd can train on,
+sampled with the weights kd pushed last (:func:`check_sample`, :func:`weights_lost`), and, at the
+first rollout of a process, the server samples the student (:func:`model_gap`).
 
 The server's top-1 log-prob at each position of the rank's first prompt (``prompt_logprobs`` /
 SGLang's input log-probs, read by the served teacher's reader, :mod:`kd.teachers.protocols`) is
@@ -19,11 +21,11 @@ import torch
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.rollouts.base import RolloutStopped
 from kd.rollouts.served_client import ServerClient
-from kd.rollouts.served_protocols import GenerationProtocol
+from kd.rollouts.served_protocols import BadAnswer, GenerationProtocol, Sample
 from kd.teachers.protocols import PROTOCOLS
 from kd.teachers.protocols import BadAnswer as ScoreBadAnswer
 
-__all__ = ["SAID_NATS", "SAME_MODEL_NATS", "model_gap"]
+__all__ = ["SAID_NATS", "SAME_MODEL_NATS", "check_sample", "model_gap", "weights_lost"]
 
 log = logging.getLogger("kd")
 
@@ -34,6 +36,47 @@ _KEY = "on_policy"
 # vLLM and the trainer). Not yet measured between a real server and kd.
 SAME_MODEL_NATS = 0.3
 SAID_NATS = 0.1
+
+
+def weights_lost(where: str, version: int, said: str) -> RolloutStopped:
+    """The stop for a server that no longer holds the weights kd pushed (a restarted server
+    holds those it started with, and none of kd's adapters): a resumed run pushes them again."""
+    return RolloutStopped(
+        f"{_KEY}.server_url: {where} no longer samples weight version {version}, which kd pushed "
+        f"({said}): the server restarted, or another client changed its weights; with the server "
+        "back, resume_from_checkpoint=true pushes the version again"
+    )
+
+
+def check_sample(
+    sample: Sample,
+    settings: OnPolicySettings,
+    vocab_limit: int,
+    stop_ids: Sequence[int],
+    *,
+    where: str,
+    version: int | None,
+) -> None:
+    """A completion kd can train on: at most ``max_new_tokens`` ids of the tokenizer, a stop id
+    only at its end; with ``version`` (a full student's), sampled with it where the server says
+    (SGLang's ``weight_version``).
+
+    Raises:
+        BadAnswer: a completion kd cannot train on.
+        RolloutStopped: the server sampled with other weights (:func:`weights_lost`).
+    """
+    if len(sample.ids) > settings.max_new_tokens:
+        raise BadAnswer(f"{len(sample.ids)} tokens, more than max_tokens {settings.max_new_tokens}")
+    for j, t in enumerate(sample.ids):
+        if not 0 <= t < vocab_limit:
+            raise BadAnswer(
+                f"token {j} is id {t}, outside the ids the tokenizer has (0..{vocab_limit - 1})"
+            )
+        if t in stop_ids and j != len(sample.ids) - 1:
+            raise BadAnswer(f"stop id {t} at token {j} did not end the completion")
+    if version is not None and sample.weight_version not in (None, str(version)):
+        said = f"its answer says weight version {sample.weight_version!r}"
+        raise weights_lost(where, version, said)
 
 
 def _served(

@@ -806,6 +806,53 @@ def test_a_malformed_rollout_stops_the_run_with_a_checkpoint(assets, tmp_path, c
     assert (tmp_path / "out" / "step_000001").is_dir()
 
 
+def _restart_after_taking(server: RolloutTestServer, version: int) -> None:
+    """The server restarts right after it takes ``version``: its weights are those it was
+    started with again, and it holds no adapter (SGLang: its --weight-version, "default")."""
+    handler = "sglang" if server.api == "sglang" else "vllm"
+    taking = {"lora": getattr(server, f"{handler}_load_lora")}
+    taking["full"] = server.sglang_update_weights
+
+    def restarted(kind: str):
+        def take(body):
+            answer = taking[kind](body)
+            name = str(body.get("lora_name", body.get("weight_version", "")))
+            if name.endswith(str(version)):
+                server.model.reload(server.model_path)
+                server.model.adapters.clear()
+                server.lora_paths.clear()
+                server.weight_version = "default"
+            return answer
+
+        return take
+
+    setattr(server, f"{handler}_load_lora", restarted("lora"))
+    server.sglang_update_weights = restarted("full")
+
+
+@pytest.mark.parametrize(("api", "lora"), CASES[1:], ids=IDS[1:])
+def test_a_server_that_restarts_between_steps_stops_the_run_before_it_trains_on_its_weights(
+    assets, tmp_path, capsys, api, lora
+):
+    """The server restarts after it took version 2 (its own weights again, no adapter): step 3's
+    rollouts (an adapter it no longer has, SGLang's "default" weight version) stop the run with
+    step_2 saved, saying what happened and that a resume pushes the version again."""
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        _restart_after_taking(server, 2)
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=served(server, api))
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "no longer samples weight version 2, which kd pushed" in lines[0], lines[0]
+    assert "resume_from_checkpoint=true pushes the version again" in lines[0]
+    assert "check on_policy.server_api" not in lines[0]
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2]
+    assert (tmp_path / "out" / "step_000002").is_dir()
+
+
 def test_the_test_server_answers_lora_mistakes_as_the_servers_do(assets, tmp_path):
     """The refusals kd reads, as vLLM's and SGLang's source writes them."""
     import requests
