@@ -342,6 +342,24 @@ def missing_config_option(assets, tmp, cfg):
     return [*RUN, "batch_size=2"], "missing --config"
 
 
+def misspelt_config_option(assets, tmp, cfg):
+    """`--config` misspelt after the recipe"""
+    return [*RUN, "--confg", "{cfg}"], "run: unknown option --confg; did you mean --config?"
+
+
+def misspelt_flag(assets, tmp, cfg):
+    """a command's flag misspelt (argparse alone names no flag meant)"""
+    return ["plan", "--config", "{cfg}", "--budgt-gib", "8"], "did you mean --budget-gib?"
+
+
+def torchrun_option_after_the_recipe(assets, tmp, cfg):
+    """`--nproc_per_node 2` after the recipe name"""
+    return (
+        [*RUN, "--config", "{cfg}", "--nproc_per_node", "2"],
+        "--nproc_per_node is a torchrun option; put it before the recipe name",
+    )
+
+
 def torchrun_options_on_single_device(assets, tmp, cfg):
     return (
         ["run", "--nproc_per_node", "2", *RUN[1:], "--config", "{cfg}"],
@@ -1400,6 +1418,9 @@ CASES: list[Case] = [
     output_dir_not_writable,
     unknown_recipe,
     missing_config_option,
+    misspelt_config_option,
+    misspelt_flag,
+    torchrun_option_after_the_recipe,
     torchrun_options_on_single_device,
     config_not_utf8,
     config_binary_file,

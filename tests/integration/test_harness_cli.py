@@ -184,6 +184,23 @@ def test_side_by_side_matches_transformers(models, tmp_path, capsys):
     assert f"wrote {output}" in out
 
 
+def test_nothing_but_progress_and_the_table_outside_a_git_repository(
+    models, tmp_path, capfd, monkeypatch
+):
+    """lm-eval asked git for the current folder's commit (``fatal: not a git repository`` from
+    git itself, once per model) and warned that it was handed a loaded model: noise that read as
+    a failure on every ``kd eval`` run from a plain folder."""
+    tasks = write_mc_task(tmp_path / "tasks")
+    monkeypatch.chdir(tmp_path)  # a folder outside any git repository
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    code = main(["eval", "--model", str(models["student"]), "--tasks", str(tasks)])
+    out, err = capfd.readouterr()  # what git wrote to the file descriptor too
+    assert code == 0, err
+    assert "fatal" not in err and "`pretrained` model kwarg" not in err, err
+    assert "already-initialized model" not in err, err
+    assert "wrote eval.json" in out
+
+
 def test_lora_adapter_scores_as_its_merged_folder(models, tmp_path, capsys):
     tasks = write_mc_task(tmp_path / "tasks")
     output = tmp_path / "eval.json"

@@ -163,6 +163,27 @@ def test_optional_commands_delegate(capsys):
         ),
         (["validate"], "the following arguments are required: --config"),
         (["validate", "--config", "no/such/config"], "no such file or built-in config"),
+        # A misspelt flag or command names the one meant (argparse alone named none, or
+        # reported the flag the typo left out as missing).
+        (["pln", "--config", "x.yaml"], "did you mean plan? see kd --help"),
+        (["plan", "--confg", "x.yaml"], "unknown option --confg; did you mean --config?"),
+        (["plan", "--config", "x.yaml", "--budgt-gib", "8"], "did you mean --budget-gib?"),
+        (["validate", "--config", "x.yaml", "--word-size", "2"], "did you mean --world-size?"),
+        (["init", "--teachr", "T", "--student", "S"], "did you mean --teacher?"),
+        (["init", "--backend", "transformer"], "did you mean transformers?"),
+        (["generate", "--modle", "m", "--prompt", "p"], "did you mean --model?"),
+        (["demo", "--quik"], "did you mean --quick?"),
+        (["--verison"], "did you mean --version?"),
+        (["--debgu", "run", "kd", "--config", "x.yaml"], "did you mean --debug?"),
+        (["run", "kd", "--confg", "x.yaml"], "did you mean --config?"),
+        (
+            ["run", "--nproc_per_nod", "2", "kd", "--config", "x.yaml"],
+            "did you mean --nproc_per_node?",
+        ),
+        (
+            ["run", "kd", "--config", "x.yaml", "--nproc_per_node", "2"],
+            "--nproc_per_node is a torchrun option; put it before the recipe name",
+        ),
     ],
 )
 def test_user_errors_exit_2_with_one_line(argv, needle, capsys):

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -89,7 +90,39 @@ class _UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{message}; see {self.prog} --help")
+        # argparse lists the choices of a wrong one (a command, --backend...); name the one meant.
+        match = re.search(r"invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        meant = None
+        if match is not None:
+            meant = _close_match(match[1], re.findall(r"'([^']*)'", match[2]))
+        hint = f"did you mean {meant}? " if meant is not None else ""
+        raise _UsageError(f"{message}; {hint}see {self.prog} --help")
+
+
+def _close_match(word: str, choices: list[str]) -> str | None:
+    """The one of ``choices`` that ``word`` most likely misspells, or None."""
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _options(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+
+
+def _misspelt_option(items: list[str], options: list[str], prog: str) -> _UsageError | None:
+    """A ``--flag`` of ``items`` that is none of ``options`` (nor a prefix argparse accepts) but
+    spelt like one: the error naming the flag meant, which argparse would not (it reports the
+    flag as unrecognized, or a required flag the typo left out, without the one meant)."""
+    for item in items:
+        name = item.split("=", 1)[0]
+        if not name.startswith("--") or name == "--" or any(o.startswith(name) for o in options):
+            continue
+        meant = _close_match(name, options)
+        if meant is not None:
+            return _UsageError(f"unknown option {name}; did you mean {meant}? see {prog} --help")
+    return None
 
 
 def _version_line() -> str:
@@ -253,9 +286,11 @@ def _split_torchrun_args(tokens: list[str]) -> tuple[list[str], int]:
     while i < len(tokens) and tokens[i].startswith("-"):
         option = tokens[i].split("=", 1)[0]
         if option in ("-h", "--help") or option not in takes_value:
+            meant = _close_match(option, list(takes_value))
+            hint = f"did you mean {meant}? " if meant is not None and option != "--config" else ""
             raise KDUserError(
-                f"run: unknown torchrun option {option}; see torchrun --help (kd options go after "
-                "the recipe: --config and key=value)"
+                f"run: unknown torchrun option {option}; {hint}see torchrun --help (kd options go "
+                "after the recipe: --config and key=value)"
             )
         i += 2 if takes_value[option] and "=" not in tokens[i] else 1
     return tokens[:i], i
@@ -373,6 +408,25 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
     return 0
 
 
+def _check_recipe_options(recipe_args: list[str]) -> None:
+    """After the recipe name only ``--config`` is an option: a misspelt ``--config`` and a
+    torchrun option put after the recipe get a line naming what was meant."""
+    for item in recipe_args:
+        option = item.split("=", 1)[0]
+        if not option.startswith("--") or option == "--config":
+            continue
+        if _close_match(option, ["--config"]) is not None:
+            raise KDUserError(f"run: unknown option {option}; did you mean --config?")
+        from torch.distributed.run import get_args_parser
+
+        torchrun = {o for a in get_args_parser()._actions for o in a.option_strings}
+        if option in torchrun:
+            raise KDUserError(
+                f"run: {option} is a torchrun option; put it before the recipe name "
+                f"(kd run {option} ... <recipe> --config ...)"
+            )
+
+
 def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool) -> int:
     from kd.config.builtin import find_recipe
 
@@ -399,6 +453,7 @@ def _cmd_run(tokens: list[str], run_parser: argparse.ArgumentParser, debug: bool
                 f"({' '.join(torchrun_tokens)}); use kd_distributed, or drop the options"
             )
         return _launch_torchrun(torchrun_tokens, recipe, recipe_args)
+    _check_recipe_options(recipe_args)
     split_config_args(recipe_args)  # a missing --config is reported before importing torch
 
     def recipe_main(cfg: DictConfig) -> None:
@@ -497,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         parser, run_parser = _build_parser()
         command_index = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
         if command_index < len(argv) and argv[command_index] == "run":
+            typo = _misspelt_option(argv[:command_index], _options(parser), "kd")
+            if typo is not None:
+                raise typo
             parser.parse_args(argv[:command_index])  # global options before `run`
             return _cmd_run(argv[command_index + 1 :], run_parser, debug)
         args = _parse_with_overrides(parser, argv)
@@ -529,6 +587,14 @@ def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> a
     Raises:
         _UsageError: an unknown option, or arguments the command does not take.
     """
+    command_index = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    commands = _subparsers(parser)
+    typo = _misspelt_option(argv[:command_index], _options(parser), "kd")
+    if typo is None and command_index < len(argv) and argv[command_index] in commands:
+        sub = commands[argv[command_index]]
+        typo = _misspelt_option(argv[command_index + 1 :], _options(sub), sub.prog)
+    if typo is not None:
+        raise typo
     args, extra = parser.parse_known_args(argv)
     if extra and hasattr(args, "overrides"):
         flags = [item for item in extra if item.startswith("-")]
@@ -542,8 +608,12 @@ def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> a
     return args
 
 
-def _commands(parser: argparse.ArgumentParser) -> list[str]:
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return list(action.choices)
-    return []
+            return dict(action.choices)
+    return {}
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    return list(_subparsers(parser))

@@ -106,7 +106,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature(
         "task accuracy (lm-evaluation-harness)",
-        "kd eval MODEL_DIR ... --tasks T; eval:",
+        "kd eval --model DIR ... --tasks T; eval:",
         "docs/eval.md",
         ("eval",),
     ),

@@ -100,15 +100,23 @@ def lm_eval_version() -> str:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """lm-eval's INFO lines (seeds, task configs) off: the output is the table."""
+def _quiet(level: int = logging.WARNING) -> Iterator[None]:
+    """lm-eval's INFO lines (seeds, task configs) off: the output is the table. Nor does it ask
+    git for the commit of the current folder (kd records none): outside a repository git printed
+    ``fatal: not a git repository`` once per model."""
+    import lm_eval.evaluator
+
     logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
+    saved = logger.level, getattr(lm_eval.evaluator, "get_git_commit_hash", None)
+    logger.setLevel(level)
+    if saved[1] is not None:
+        lm_eval.evaluator.get_git_commit_hash = lambda: None
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(saved[0])
+        if saved[1] is not None:
+            lm_eval.evaluator.get_git_commit_hash = saved[1]
 
 
 def task_manager(tasks: Tasks, *, key: str = "--tasks") -> Any:
@@ -203,13 +211,15 @@ def evaluate_models(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         loaded, tokenizer = _load(model, settings.device)
-        with _quiet():
+        # HFLM warns that it is handed a loaded model (kd's choice: its folder checks).
+        with _quiet(logging.ERROR):
             lm = HFLM(
                 pretrained=loaded,
                 tokenizer=tokenizer,
                 batch_size=settings.batch_size,
                 device=settings.device,
             )
+        with _quiet():
             out = simple_evaluate(
                 model=lm,
                 tasks=configs,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -229,11 +230,15 @@ class TeacherLogitsRecipe:
             tt.padded_collate_sft, padding_idx=data.pad_id_of(self.tokenizer), ignore_idx=-100
         )
         filler = [self.world.rank]
-        for i in tqdm(
+        bar = tqdm(
             range(steps),
             disable=None if self.world.is_rank_zero else True,  # None: off unless a terminal
             desc="teacher_logits",
-        ):
+        )
+        # Without the bar (a log file, a batch job) each shard written says how far it is.
+        say = bar.disable and self.world.is_rank_zero
+        total, done, start = sum(len(r) for r in shard_rows.values()), 0, time.monotonic()
+        for i in bar:
             name, rows = batches[i] if i < len(batches) else (None, filler)
             results = self._forward(rows, collate)
             if name is None:
@@ -241,6 +246,16 @@ class TeacherLogitsRecipe:
             pending.setdefault(name, []).extend(results)
             if len(pending[name]) == len(shard_rows[name]):
                 self._write(name, shard_rows[name], pending.pop(name))
+                done += len(shard_rows[name])
+                if say:
+                    log.info(
+                        "teacher_logits: wrote %s, %d of %d rows (%.0f%%) in %.0f s",
+                        name,
+                        done,
+                        total,
+                        100 * done / total,
+                        time.monotonic() - start,
+                    )
         distributed.barrier()
         if self.world.is_rank_zero:
             store_writer.complete_manifest(self.folder, self.spec)

@@ -52,3 +52,27 @@ def test_every_feature_page_exists_and_sections_are_declared():
         assert (REPO / feature.doc).is_file(), feature.doc
         for section in feature.sections:
             assert section in TOP_LEVEL, section  # no pointer to a key kd does not have
+
+
+def test_the_commands_a_feature_names_take_what_it_gives_them():
+    """A feature's ``kd <command> ...`` gives that command only flags it has, and a bare value
+    only where the command takes one (``kd eval MODEL_DIR`` once stood for ``--model DIR``)."""
+    from kd import cli
+
+    commands = cli._subparsers(cli._build_parser()[0])
+    for feature in FEATURES:
+        for part in feature.how.split(";"):
+            words = part.split()
+            if words[:1] != ["kd"]:
+                continue
+            parser = commands[words[1]]
+            flags = {o: a for a in parser._actions for o in a.option_strings}
+            positionals = [a for a in parser._actions if not a.option_strings]
+            value_due = False
+            for word in words[2:]:
+                if word.startswith("--"):
+                    assert word in flags, (feature.name, word)
+                    value_due = flags[word].nargs != 0
+                elif word != "...":
+                    assert value_due or positionals, (feature.name, word)
+                    value_due = False
