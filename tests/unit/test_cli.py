@@ -112,6 +112,15 @@ def test_version_subprocess():
     assert "torchtune" in result.stdout
 
 
+def test_a_pipe_closed_early_ends_quietly():
+    # `kd ls | head`: the reader is gone before the listing is written (`true` reads nothing and
+    # exits while Python starts); no BrokenPipeError traceback, the shell's status for it.
+    cmd = f"{sys.executable} -m kd.cli ls | true; echo rc=${{PIPESTATUS[0]}}"
+    result = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.stdout.strip() == "rc=141", result.stdout
+
+
 def test_help_everywhere(capsys):
     for argv in (
         ["--help"],

@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: command-line items (default ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 2 for a user mistake, 130 on Ctrl-C.
+        The exit status: 0 on success, 2 for a user mistake, 130 on Ctrl-C, 141 when stdout
+        was closed (``| head``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = debug_requested(argv)
@@ -575,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `kd ... | head` closed the pipe: stop quietly, as `ls | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit flush too
+        return 141
 
 
 def _parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -10,6 +10,9 @@ This module must stay cheap to import (``kd --help`` uses it): no torch, no omeg
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 
 __all__ = ["FEATURES", "FEATURES_HEADING", "Feature", "doc_of", "feature_lines"]
@@ -142,8 +145,20 @@ def doc_of(section: str) -> str:
 FEATURES_HEADING = "features (how to turn each on; its page under docs/ in the kd repository):"
 
 
-def feature_lines(indent: str = "  ") -> list[str]:
-    """One line per feature: ``<name>  <how to turn it on>  <doc page>``."""
+def feature_lines(indent: str = "  ", width: int | None = None) -> list[str]:
+    """One line per feature, ``<name>  <how to turn it on>  <doc page>``, when that table fits
+    ``width`` columns (default: a terminal's width, ``$COLUMNS`` else no limit when the output is
+    not a terminal); else two lines a feature: ``<name>``, then ``<how>  <doc page>`` indented."""
+    if width is None and ("COLUMNS" in os.environ or sys.stdout.isatty()):
+        width = shutil.get_terminal_size().columns
     name_width = max(len(f.name) for f in FEATURES) + 2
     how_width = max(len(f.how) for f in FEATURES) + 2
-    return [f"{indent}{f.name:<{name_width}}{f.how:<{how_width}}{f.doc}".rstrip() for f in FEATURES]
+    table = [
+        f"{indent}{f.name:<{name_width}}{f.how:<{how_width}}{f.doc}".rstrip() for f in FEATURES
+    ]
+    if width is None or max(len(line) for line in table) <= width:
+        return table
+    lines: list[str] = []
+    for f in FEATURES:
+        lines += [f"{indent}{f.name}", f"{indent}    {f.how}  {f.doc}"]
+    return lines

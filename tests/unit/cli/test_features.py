@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kd.cli import main
-from kd.cli.features import FEATURES, doc_of
+from kd.cli.features import FEATURES, doc_of, feature_lines
 from kd.config.schema import SECTIONS, TOP_LEVEL
 
 REPO = Path(__file__).resolve().parents[3]
@@ -76,3 +76,28 @@ def test_the_commands_a_feature_names_take_what_it_gives_them():
                 elif word != "...":
                     assert value_due or positionals, (feature.name, word)
                     value_due = False
+
+
+def test_a_narrow_terminal_gets_two_lines_a_feature_and_a_wide_one_the_table():
+    wide = feature_lines(width=400)
+    assert len(wide) == len(FEATURES)
+    narrow = feature_lines(width=80)
+    assert len(narrow) == 2 * len(FEATURES)
+    for feature, (name, how) in zip(
+        FEATURES, zip(narrow[::2], narrow[1::2], strict=True), strict=True
+    ):
+        assert name.strip() == feature.name
+        assert feature.how in how and how.rstrip().endswith(feature.doc)
+    # Only a way to turn a feature on longer than the terminal wraps there.
+    assert all(len(line) <= 80 for line in narrow if len(line.strip()) < 70)
+
+
+def test_help_piped_to_a_file_keeps_the_table(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    text = _out(["--help"], capsys)
+    assert sum(feature.name in text and feature.doc in text for feature in FEATURES) == len(
+        FEATURES
+    )
+    monkeypatch.setenv("COLUMNS", "80")
+    narrow = _out(["--help"], capsys)
+    assert f"  {FEATURES[0].name}\n" in narrow
