@@ -39,7 +39,7 @@ from kd.scaffold.pairing import (
     reconcile_backends,
 )
 from kd.scaffold.render import about, render_config, write_config
-from kd.scaffold.self_teacher import context_template
+from kd.scaffold.self_teacher import CONTEXT_FIELDS, context_template
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
@@ -301,7 +301,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     status("validating %s as kd run will read it", dest)
     write_config(text, dest, weights_pending=pending)
-    _print_summary(teacher, student, data, check, output_dir=output_dir, lora=args.lora)
+    _print_summary(
+        teacher, student, data, check, output_dir=output_dir, lora=args.lora, context=context
+    )
     print(f"wrote {one_line(str(dest))}")
     fits, fixable = _print_plan(dest)
     _print_next(dest, fits=fits, fixable=fixable, lora=args.lora)
@@ -316,9 +318,18 @@ def _print_summary(
     *,
     output_dir: Path,
     lora: bool,
+    context: str | None = None,
 ) -> None:
     """What kd init found: the models, the data, the tokenizer check and its notes."""
     print(f"teacher: {about(teacher)}" if teacher else "teacher: the student itself (self_teacher)")
+    if teacher is None and not context:
+        weights = "its base model" if lora else "a frozen copy of its initial weights"
+        print(
+            "note: self_teacher.context is empty (the rows have no "
+            f"{'/'.join(CONTEXT_FIELDS)} field): the teacher sees what the student sees, so "
+            f"the run only pulls the student toward {weights}; pass --context TEMPLATE naming "
+            f"a field of the rows ({', '.join(data.columns)}) for a privileged context"
+        )
     print(f"student: {about(student, lora=lora)}")
     print(f"data:    {one_line(str(data.node['data_files']))}: {data.description}")
     if check is None:

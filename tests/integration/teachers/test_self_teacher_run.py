@@ -468,6 +468,16 @@ def test_kd_init_self_writes_a_config_that_runs(assets, rows_file, tmp_path, cap
     assert len(lines) == 1 and "--teacher: not with --self" in lines[0]
     lines = error_lines(capsys, *argv, "--force", "--context", "{missing}")
     assert len(lines) == 1 and "--context" in lines[0] and "'missing'" in lines[0]
+    # Rows with no reference-like field: the empty context is said, with the rows' fields.
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl", [{"input": f"{i}+1", "output": str(i + 1)} for i in range(8)]
+    )
+    argv[argv.index(str(rows_file))] = str(plain)
+    assert cli.main([*argv, "--force", "--device", "cpu", "--max-seq-len", "128"]) == 0
+    out = capsys.readouterr().out
+    assert 'context: ""' in config.read_text()
+    note = [line for line in out.splitlines() if "self_teacher.context is empty" in line]
+    assert len(note) == 1 and "its base model" in note[0] and "(input, output)" in note[0]
 
 
 def test_torchtune_tokenizer_renders_the_same_completion(assets, rows_file, tmp_path):
