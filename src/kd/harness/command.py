@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     """``kd eval``: check everything, evaluate, print the table, write the results file."""
     from kd.harness.evaluate import (
         Settings,
+        check_fewshot,
         evaluate_models,
         lm_eval_version,
         resolve_tasks,
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = resolve_tasks(
         args.tasks, key="--tasks"
     )  # every task file and its data, before anything loads
+    check_fewshot(tasks, args.num_fewshot, key="--num-fewshot")
     lm_eval_version()
     # Nothing is downloaded: lm-eval's tasks read their data from the local cache.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

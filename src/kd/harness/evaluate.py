@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kd.errors import KDUserError, brief, one_line
-from kd.harness.tasks import TaskSpec, lm_eval_config, read_task_folder
+from kd.harness.tasks import TaskSpec, lm_eval_config, most_fewshot, read_task_folder
 
 INSTALL_HINT = "install it with pip install 'kd[eval]' (lm_eval 0.4.13)"
 
@@ -81,6 +81,33 @@ def resolve_tasks(values: Sequence[str], *, key: str) -> Tasks:
             raise KDUserError(f"{key}: two tasks are named {one_line(name)}; rename one (task:)")
         seen.add(name)
     return tasks
+
+
+def check_fewshot(tasks: Tasks, num_fewshot: int | None, *, key: str) -> None:
+    """Each task's few-shot examples (``num_fewshot``, else the task file's own) fit its rows.
+
+    lm-eval draws a row's examples from the task's other rows; asking more fails in lm-eval's
+    sampler after the model has loaded.
+
+    Raises:
+        KDUserError: more examples than a task has other rows; names ``key`` (or the task file's
+            ``num_fewshot``).
+    """
+    for spec in tasks.specs:
+        shots = spec.num_fewshot if num_fewshot is None else num_fewshot
+        if not shots:
+            continue
+        most = most_fewshot(spec)
+        if shots > most:
+            where = (
+                key
+                if num_fewshot is not None
+                else f"num_fewshot: in {one_line(str(spec.spec_file))}"
+            )
+            raise KDUserError(
+                f"{where}: {shots} few-shot examples, but task {spec.name} has {most} rows to "
+                f"draw them from (its other rows than the one scored); ask at most {most} or add rows"
+            )
 
 
 def lm_eval_version() -> str:
@@ -314,6 +341,7 @@ class FinalEvaluation:
             num_fewshot=settings.num_fewshot,
             chat=settings.chat,
         )
+        check_fewshot(self.tasks, settings.num_fewshot, key="eval.num_fewshot")
         self.manager = task_manager(self.tasks, key=self.KEY)
 
     def run(self, final_dir: Path, *, output_dir: Path) -> dict[str, float]:

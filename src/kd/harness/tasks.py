@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import string
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,6 +332,14 @@ def _check_rows(spec: TaskSpec) -> int:
     return count
 
 
+def most_fewshot(spec: TaskSpec) -> int:
+    """The most few-shot examples each row of a checked task can get: lm-eval draws them from the
+    task's rows other than the one scored (a row equal to it counts as it)."""
+    with spec.data_file.open(encoding="utf-8") as f:
+        rows = [json.dumps(json.loads(line), sort_keys=True) for line in f if line.strip()]
+    return len(rows) - max(Counter(rows).values())
+
+
 def prompt_text(spec: TaskSpec, row: Mapping[str, Any]) -> str:
     """The prompt of ``row`` as lm-eval renders ``spec``'s template (fields as text)."""
     return "".join(lit + (str(row[f]) if f is not None else "") for lit, f in spec.prompt)
@@ -455,6 +464,9 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(spec.data_file)}},
         "test_split": "test",
+        # Few-shot examples come from the rows too: named as the split evaluated, lm-eval leaves
+        # the row being scored out of its own examples (without it, a row may be shown its answer).
+        "fewshot_split": "test",
         "doc_to_text": _jinja_prompt(spec.prompt),
         "target_delimiter": spec.target_delimiter,
         "fewshot_delimiter": spec.fewshot_delimiter,
