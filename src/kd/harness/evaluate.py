@@ -173,6 +173,35 @@ def task_manager(tasks: Tasks, *, key: str = "--tasks") -> Any:
     return manager
 
 
+def check_chat_templates(models: Sequence[ModelFolder], *, key: str) -> None:
+    """Every model's tokenizer has a chat template that renders a user turn (``--chat``), before
+    any weight loads: lm-eval would fail with a traceback at its first prompt.
+
+    Raises:
+        KDUserError: a tokenizer without a chat template, or one that fails to render
+            (:func:`kd.hf.tokenization.render_chat_template`: the sandbox, the time limit).
+    """
+    from kd.generate import load_tokenizer
+    from kd.hf.tokenization import render_chat_template
+
+    for model in models:
+        tokenizer = load_tokenizer(model.path)
+        where = one_line(str(model.path))
+        if not getattr(tokenizer, "chat_template", None):
+            drop = f"drop {key}" if key.startswith("--") else f"set {key}=false"
+            raise KDUserError(
+                f"{key}: the tokenizer of {where} has no chat_template (tokenizer_config.json or "
+                f"chat_template.jinja); {drop}, or copy the chat template of the model's original "
+                "folder"
+            )
+        render_chat_template(
+            tokenizer,
+            [[{"role": "user", "content": "2+2="}]],
+            where=f"{key}: the chat template of {where}",
+            add_generation_prompt=True,
+        )
+
+
 def _load(model: ModelFolder, device: str) -> tuple[Any, Any]:
     from kd.generate import load_model
 
@@ -351,6 +380,8 @@ class FinalEvaluation:
             The metrics row of the model (:func:`metrics_row`) for metrics.jsonl.
         """
         model = ModelFolder(name="final", path=final_dir)
+        if self.settings.chat:
+            check_chat_templates([model], key="eval.chat")
         payload = evaluate_models([model], self.tasks, self.settings, manager=self.manager)
         print(table(payload))
         write_json(output_dir / "eval.json", payload)
