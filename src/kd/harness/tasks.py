@@ -138,8 +138,18 @@ def _where(path: Path) -> str:
     return one_line(str(path))
 
 
-def _refuse_tags(node: yaml.Node, path: Path, key: str = "(top)") -> None:
-    """Refuse any YAML tag that is not a plain standard type (``!function``, ``!!python/...``)."""
+def _refuse_tags(
+    node: yaml.Node, path: Path, key: str = "(top)", seen: set[int] | None = None
+) -> None:
+    """Refuse any YAML tag that is not a plain standard type (``!function``, ``!!python/...``).
+
+    A node an alias repeats is walked once (``seen``): an alias inside its own anchor, or aliases
+    of aliases, would otherwise recurse without end or take exponential time.
+    """
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
     if node.tag and not node.tag.startswith(_STANDARD_TAG):
         raise KDUserError(
             f"{key}: {_where(path)} uses the YAML tag {one_line(node.tag)}, which would make "
@@ -153,11 +163,11 @@ def _refuse_tags(node: yaml.Node, path: Path, key: str = "(top)") -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             name = key_node.value if isinstance(key_node, yaml.ScalarNode) else key
-            _refuse_tags(key_node, path, str(name))
-            _refuse_tags(value_node, path, str(name))
+            _refuse_tags(key_node, path, str(name), seen)
+            _refuse_tags(value_node, path, str(name), seen)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _refuse_tags(item, path, key)
+            _refuse_tags(item, path, key, seen)
 
 
 def _read_yaml(path: Path, key: str) -> dict[str, Any]:
@@ -170,7 +180,11 @@ def _read_yaml(path: Path, key: str) -> dict[str, Any]:
     if node is None:
         raise KDUserError(f"{key}: {where} is empty; {FIX}")
     _refuse_tags(node, path)
-    data = yaml.safe_load(text)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # a key that is a list or mapping ("found unhashable key")
+        problem = one_line(str(getattr(e, "problem", "") or brief(e)))
+        raise KDUserError(f"{key}: cannot read {where} ({problem}); fix the YAML") from e
     if not isinstance(data, dict):
         raise KDUserError(f"{key}: {where} is not a mapping of keys; {FIX}")
     return data
