@@ -340,6 +340,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a partial temporary file is litter
         raise KDUserError(
             f"--output: cannot write {one_line(str(path))} ({brief(e)}); choose a path you can write to"
         ) from e

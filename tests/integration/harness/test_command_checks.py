@@ -1,6 +1,7 @@
 """`kd eval` checks what would fail late before any weight loads: an ``--output`` it cannot write
 (the scores of every model would be lost at the end) and, with ``--chat``, a tokenizer without a
-chat template or with one that fails (lm-eval's traceback at the first prompt)."""
+chat template or with one that fails (lm-eval's traceback at the first prompt). A write that
+fails at the end keeps the old results file and leaves no partial one."""
 
 from __future__ import annotations
 
@@ -126,3 +127,21 @@ def test_the_eval_blocks_chat_names_its_key(tmp_path, no_weights):
     with pytest.raises(KDUserError, match=r"^eval.chat: .* set eval.chat=false"):
         FinalEvaluation(settings, device="cpu").run(final, output_dir=tmp_path)
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_a_failed_write_keeps_the_old_results_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    import os
+
+    from kd.harness.evaluate import write_json
+
+    out = tmp_path / "eval.json"
+    out.write_text('{"old": true}\n')
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(KDUserError, match=r"^--output: cannot write .*No space left"):
+        write_json(out, {"new": True})
+    assert out.read_text() == '{"old": true}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
