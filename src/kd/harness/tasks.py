@@ -15,13 +15,15 @@ templates, which lm-eval does not sandbox. kd reads its spec with PyYAML's safe 
 YAML tag and any key outside :data:`KEYS` in one line (key, file, fix), builds the prompt from
 plain field names (``{question}``: no attribute, index or filter), reads data files only from
 inside the folder (:func:`kd.folders.file_in`: no link out), checks every row, and generates the
-lm-eval task config itself (:func:`lm_eval_config`): built-in filters and metrics only.
+lm-eval task config itself (:func:`lm_eval_config`): kd's functions of the row for the prompt,
+target and choices (no Jinja), built-in filters and metrics only.
 
 Only the standard library and PyYAML are imported: a bad task file answers before torch loads.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
@@ -225,8 +227,8 @@ def _field(data: Mapping[str, Any], key: str, path: Path, default: str) -> str:
 def parse_prompt(prompt: str, path: Path) -> tuple[tuple[str, str | None], ...]:
     """``prompt`` as ``(literal, field)`` pieces: braces only around a plain field name.
 
-    Literal text holds no brace at all (``{{`` and ``}}`` neither), so the Jinja template
-    :func:`lm_eval_config` writes from it is literal text and variable names only.
+    Literal text holds no brace at all (``{{`` and ``}}`` neither): the prompt is literal text
+    and field names only (:func:`lm_eval_config` fills it in with kd's own function, no template).
 
     Raises:
         KDUserError: a malformed template, a field that is not a plain name (attribute, index,
@@ -462,13 +464,29 @@ def read_task_folder(folder: Path, *, key: str = "--tasks") -> list[TaskSpec]:
     return specs
 
 
-def _jinja_prompt(pieces: tuple[tuple[str, str | None], ...]) -> str:
-    # Literal text holds no brace (parse_prompt), so it cannot open a Jinja block.
-    return "".join(literal + (f"{{{{{field}}}}}" if field else "") for literal, field in pieces)
+# lm-eval's doc_to_text / doc_to_target / doc_to_choice, as kd's own functions of the row. A
+# Jinja template there would be reparsed after rendering: lm-eval turns an all-digit text into an
+# int (a multiple-choice prompt "12" becomes a "multiple input" index: every row scored wrong) and
+# a bracketed target into a list ("[1, 2]": compared as the list's items, or retyped).
+def _row_prompt(pieces: tuple[tuple[str, str | None], ...], doc: Mapping[str, Any]) -> str:
+    return "".join(literal + (str(doc[field]) if field else "") for literal, field in pieces)
+
+
+def _row_text(field: str, doc: Mapping[str, Any]) -> str:
+    return str(doc[field])
+
+
+def _row_index(field: str, doc: Mapping[str, Any]) -> int:
+    return int(doc[field])
+
+
+def _row_choices(field: str, doc: Mapping[str, Any]) -> list[str]:
+    return [str(c) for c in doc[field]]
 
 
 def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
-    """The lm-eval task config of ``spec``: JSON data, generated templates, built-in metrics.
+    """The lm-eval task config of ``spec``: JSON data, kd's functions of the row (no template),
+    built-in metrics.
 
     Returns:
         A dict for ``lm_eval``'s ``TaskManager.load`` / ``simple_evaluate(tasks=[...])``.
@@ -481,7 +499,7 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
         # Few-shot examples come from the rows too: named as the split evaluated, lm-eval leaves
         # the row being scored out of its own examples (without it, a row may be shown its answer).
         "fewshot_split": "test",
-        "doc_to_text": _jinja_prompt(spec.prompt),
+        "doc_to_text": functools.partial(_row_prompt, spec.prompt),
         "target_delimiter": spec.target_delimiter,
         "fewshot_delimiter": spec.fewshot_delimiter,
         "metadata": {"version": 1, "kd_task_file": str(spec.spec_file)},
@@ -491,8 +509,8 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     if spec.type == "multiple_choice":
         return config | {
             "output_type": "multiple_choice",
-            "doc_to_choice": f"{{{{{spec.choices}}}}}",
-            "doc_to_target": f"{{{{{spec.answer}}}}}",
+            "doc_to_choice": functools.partial(_row_choices, spec.choices),
+            "doc_to_target": functools.partial(_row_index, spec.answer),
             "metric_list": [
                 {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                 {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
@@ -504,7 +522,7 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     steps.append({"function": "take_first"})
     return config | {
         "output_type": "generate_until",
-        "doc_to_target": f"{{{{{spec.reference}}}}}",
+        "doc_to_target": functools.partial(_row_text, spec.reference),
         "generation_kwargs": {
             "until": list(spec.until),
             "max_gen_toks": spec.max_new_tokens,

@@ -1,5 +1,6 @@
 """A task file's YAML that PyYAML composes but cannot construct, or whose aliases repeat nodes
-without end: one line naming the file, at once (no traceback, no recursion, no exponential walk)."""
+without end: one line naming the file, at once (no traceback, no recursion, no exponential walk).
+The rows reach lm-eval as written (kd's functions of the row, no template lm-eval reparses)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,47 @@ def test_yaml_that_cannot_be_built_or_walked_is_one_line(tmp_path, body, message
     expected = message.format(file=folder / "t.yaml")
     with pytest.raises(KDUserError, match=re.escape(expected)):
         read_task_folder(folder)
+
+
+def test_rows_reach_lm_eval_as_written(tmp_path):
+    """A perfect model scores 1 on rows whose text lm-eval's templates would reparse: an all-digit
+    multiple-choice prompt (an int: "multiple input"), bracketed or zero-led references (a list,
+    a number)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    from kd.harness.tasks import lm_eval_config
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    mc = [{"question": str(10 + i), "choices": ["a", "b", "c"], "answer": i % 3} for i in range(4)]
+    gen = [{"question": q, "answer": a} for q, a in (("s", "[3, 1]"), ("t", "[1,2]"), ("u", "007"))]
+    write_jsonl(folder / "mc.jsonl", mc)
+    write_jsonl(folder / "gen.jsonl", gen)
+    (folder / "mc.yaml").write_text("task: mc\ntype: multiple_choice\ndata: mc.jsonl\n")
+    (folder / "gen.yaml").write_text("task: gen\ntype: generate\ndata: gen.jsonl\n")
+    right = {r["question"]: " " + r["choices"][r["answer"]] for r in mc}
+    reference = {r["question"]: r["answer"] for r in gen}
+
+    class Perfect(LM):
+        def loglikelihood(self, requests):
+            return [
+                (0.0 if right.get(c) == x else -1.0, False) for c, x in (r.args for r in requests)
+            ]
+
+        def generate_until(self, requests):
+            return [reference[r.args[0]] for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    out = simple_evaluate(
+        model=Perfect(),
+        tasks=[lm_eval_config(s) for s in read_task_folder(folder)],
+        task_manager=TaskManager(include_defaults=False),
+        bootstrap_iters=0,
+    )
+    assert out["results"]["mc"]["acc,none"] == 1.0
+    assert out["results"]["gen"]["exact_match,none"] == 1.0
