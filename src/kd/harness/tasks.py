@@ -352,8 +352,10 @@ def most_fewshot(spec: TaskSpec) -> int:
     """The most few-shot examples each row of a checked task can get: lm-eval draws them from the
     task's rows other than the one scored (a row equal to it counts as it)."""
     with spec.data_file.open(encoding="utf-8") as f:
-        rows = [json.dumps(json.loads(line), sort_keys=True) for line in f if line.strip()]
-    return len(rows) - max(Counter(rows).values())
+        rows = [json.loads(line) for line in f if line.strip()]
+    # The fields lm-eval's documents hold (_rows_as_written), as text.
+    keys = [json.dumps([str(r[name]) for name in spec.fields()]) for r in rows]
+    return len(keys) - max(Counter(keys).values())
 
 
 def prompt_text(spec: TaskSpec, row: Mapping[str, Any]) -> str:
@@ -484,6 +486,24 @@ def _row_choices(field: str, doc: Mapping[str, Any]) -> list[str]:
     return [str(c) for c in doc[field]]
 
 
+def _rows_as_written(spec: TaskSpec, dataset: Any) -> Any:
+    """lm-eval's ``process_docs``: the task's rows as kd read them, not as the ``datasets`` JSON
+    loader typed them (a column of ints and floats is all floats there: 1 would be "1.0")."""
+    import datasets
+
+    rows = []
+    with spec.data_file.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                doc = {name: str(row[name]) for name in spec.fields()}
+                if spec.type == "multiple_choice":
+                    doc[spec.choices] = [str(c) for c in row[spec.choices]]
+                    doc[spec.answer] = int(row[spec.answer])
+                rows.append(doc)
+    return datasets.Dataset.from_list(rows)
+
+
 def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     """The lm-eval task config of ``spec``: JSON data, kd's functions of the row (no template),
     built-in metrics.
@@ -499,6 +519,7 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
         # Few-shot examples come from the rows too: named as the split evaluated, lm-eval leaves
         # the row being scored out of its own examples (without it, a row may be shown its answer).
         "fewshot_split": "test",
+        "process_docs": functools.partial(_rows_as_written, spec),
         "doc_to_text": functools.partial(_row_prompt, spec.prompt),
         "target_delimiter": spec.target_delimiter,
         "fewshot_delimiter": spec.fewshot_delimiter,

@@ -48,7 +48,7 @@ def test_yaml_that_cannot_be_built_or_walked_is_one_line(tmp_path, body, message
 def test_rows_reach_lm_eval_as_written(tmp_path):
     """A perfect model scores 1 on rows whose text lm-eval's templates would reparse: an all-digit
     multiple-choice prompt (an int: "multiple input"), bracketed or zero-led references (a list,
-    a number)."""
+    a number), numbers of a column of ints and floats (1, not the loader's 1.0)."""
     pytest.importorskip("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.api.model import LM
@@ -59,13 +59,14 @@ def test_rows_reach_lm_eval_as_written(tmp_path):
     folder = tmp_path / "tasks"
     folder.mkdir()
     mc = [{"question": str(10 + i), "choices": ["a", "b", "c"], "answer": i % 3} for i in range(4)]
-    gen = [{"question": q, "answer": a} for q, a in (("s", "[3, 1]"), ("t", "[1,2]"), ("u", "007"))]
+    answers = (("s", "[3, 1]"), ("t", "[1,2]"), ("u", "007"), ("v", 1), ("w", 2.5))
+    gen = [{"question": q, "answer": a} for q, a in answers]
     write_jsonl(folder / "mc.jsonl", mc)
     write_jsonl(folder / "gen.jsonl", gen)
     (folder / "mc.yaml").write_text("task: mc\ntype: multiple_choice\ndata: mc.jsonl\n")
     (folder / "gen.yaml").write_text("task: gen\ntype: generate\ndata: gen.jsonl\n")
     right = {r["question"]: " " + r["choices"][r["answer"]] for r in mc}
-    reference = {r["question"]: r["answer"] for r in gen}
+    reference = {r["question"]: str(r["answer"]) for r in gen}
 
     class Perfect(LM):
         def loglikelihood(self, requests):
