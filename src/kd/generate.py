@@ -173,6 +173,38 @@ def _load_weights(folder: _Folder, flag: str) -> PreTrainedModel:
         return _from_pretrained(merged, flag, shown=folder.path)
 
 
+def _folders_and_tokenizer(
+    model_dir: Path, flag: str
+) -> tuple[_Folder, _Folder | None, PreTrainedTokenizerBase]:
+    """A model folder checked, its adapter's base folder (None: it has weights) and its tokenizer."""
+    folder = _inspect(Path(model_dir).expanduser(), flag)
+    folders.check_folder(folder.path, key=flag)  # no auto_map, no link out, no named pipe
+    _check_model_folder(folder, flag)
+    base = _adapter_base(folder, flag) if folder.has_adapter and not folder.has_weights else None
+    # An adapter's tokenizer: its own, else that of the kd folder holding it (<folder>/adapter/),
+    # else its base model's.
+    candidates = [folder]
+    if base is not None:
+        candidates += [_inspect(folder.path.parent, flag), base]
+    tokenizer_folder = next((f for f in candidates if f.has_tokenizer), folder)
+    if not tokenizer_folder.has_tokenizer:
+        raise KDUserError(
+            f"{flag}: {one_line(str(folder.path))} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+            "copy the tokenizer files of the student's original folder into it"
+        )
+    folders.check_folder(tokenizer_folder.path, key=flag)
+    return folder, base, _load_tokenizer(tokenizer_folder.path, flag)
+
+
+def load_tokenizer(model_dir: Path, *, flag: str = "--model") -> PreTrainedTokenizerBase:
+    """The tokenizer :func:`load_model` would load with ``model_dir``, no weight read.
+
+    Raises:
+        KDUserError: what :func:`load_model` raises about the folder and its tokenizer.
+    """
+    return _folders_and_tokenizer(model_dir, flag)[2]
+
+
 def load_model(
     model_dir: Path, *, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -196,24 +228,7 @@ def load_model(
     """
     flag = "--model"
     _check_device(device)
-    folder = _inspect(Path(model_dir).expanduser(), flag)
-    folders.check_folder(folder.path, key=flag)  # no auto_map, no link out, no named pipe
-    _check_model_folder(folder, flag)
-    base = _adapter_base(folder, flag) if folder.has_adapter and not folder.has_weights else None
-    # An adapter's tokenizer: its own, else that of the kd folder holding it (<folder>/adapter/),
-    # else its base model's.
-    candidates = [folder]
-    if base is not None:
-        candidates += [_inspect(folder.path.parent, flag), base]
-    tokenizer_folder = next((f for f in candidates if f.has_tokenizer), folder)
-    if not tokenizer_folder.has_tokenizer:
-        raise KDUserError(
-            f"{flag}: {one_line(str(folder.path))} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-            "copy the tokenizer files of the student's original folder into it"
-        )
-    folders.check_folder(tokenizer_folder.path, key=flag)
-    tokenizer = _load_tokenizer(tokenizer_folder.path, flag)
-
+    folder, base, tokenizer = _folders_and_tokenizer(model_dir, flag)
     if base is None:
         model = _load_weights(folder, flag)
     else:

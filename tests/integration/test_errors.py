@@ -1363,6 +1363,13 @@ def eval_lm_eval_task_custom_metric(assets, tmp, cfg):
     return _validate(), "metric_list"
 
 
+def eval_num_fewshot_beyond_the_rows(assets, tmp, cfg):
+    """`eval.num_fewshot: 1` for a task of one row (lm-eval draws the examples from the others)"""
+    _lm_eval_task(tmp, cfg, "")
+    cfg["eval"]["num_fewshot"] = 1
+    return _validate(), "eval.num_fewshot"
+
+
 def eval_lm_eval_task_hub_dataset(assets, tmp, cfg):
     """an lm-eval-format task reading a Hub dataset"""
     _lm_eval_task(tmp, cfg, "")
@@ -1546,6 +1553,7 @@ CASES: list[Case] = [
     eval_lm_eval_task_jinja_filter,
     eval_lm_eval_task_custom_metric,
     eval_lm_eval_task_hub_dataset,
+    eval_num_fewshot_beyond_the_rows,
     keep_best_teacher_metric_with_kd_ratio_0,
     sampling_dtype_under_torchrun,
     sampling_dtype_with_served_sampler,

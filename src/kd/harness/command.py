@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kd.errors import KDUserError, one_line
+from kd.errors import KDUserError, brief, one_line
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,63}")
 _GENERIC = ("final", "best", "adapter")  # kd's folder names: the run's folder names the column
@@ -108,6 +108,31 @@ def _check_folder(folder: Path) -> None:
     _check_model_folder(_inspect(folder, "--model"), "--model")
 
 
+def _check_output(output: Path) -> None:
+    """``--output`` can be written, checked before hours of scoring: no file in the way of its
+    folder, and a file can be made in the nearest folder that exists."""
+    import tempfile
+
+    where = one_line(str(output))
+    if output.is_dir():
+        raise KDUserError(f"--output: {where} is a folder; name a file")
+    folder = output.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise KDUserError(
+            f"--output: cannot write {where}: {one_line(str(folder))} is a file, not a folder; "
+            "choose a path you can write to"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise KDUserError(
+            f"--output: cannot write {where} ({brief(e)}); choose a path you can write to"
+        ) from e
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     from kd.generate import _check_device
 
@@ -124,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     """``kd eval``: check everything, evaluate, print the table, write the results file."""
     from kd.harness.evaluate import (
         Settings,
+        check_chat_templates,
+        check_fewshot,
         evaluate_models,
         lm_eval_version,
         resolve_tasks,
@@ -134,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_numbers(args)
     output = Path(args.output).expanduser()
-    if output.is_dir():
-        raise KDUserError(f"--output: {one_line(str(output))} is a folder; name a file")
+    _check_output(output)
     if output.exists() and not args.force:
         raise KDUserError(
             f"--output: {one_line(str(output))} already exists; pass --force to overwrite it"
@@ -143,12 +169,15 @@ def run(args: argparse.Namespace) -> int:
     tasks = resolve_tasks(
         args.tasks, key="--tasks"
     )  # every task file and its data, before anything loads
+    check_fewshot(tasks, args.num_fewshot, key="--num-fewshot")
     lm_eval_version()
     # Nothing is downloaded: lm-eval's tasks read their data from the local cache.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     manager = task_manager(tasks)  # lm-eval task names and their data
     models = model_folders(args.model)
+    if args.chat:
+        check_chat_templates(models, key="--chat")
     settings = Settings(
         device=args.device,
         batch_size=args.batch_size,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kd.errors import KDUserError, brief, one_line
-from kd.harness.tasks import TaskSpec, lm_eval_config, read_task_folder
+from kd.harness.tasks import TaskSpec, lm_eval_config, most_fewshot, read_task_folder
 
 INSTALL_HINT = "install it with pip install 'kd[eval]' (lm_eval 0.4.13)"
 
@@ -81,6 +81,33 @@ def resolve_tasks(values: Sequence[str], *, key: str) -> Tasks:
             raise KDUserError(f"{key}: two tasks are named {one_line(name)}; rename one (task:)")
         seen.add(name)
     return tasks
+
+
+def check_fewshot(tasks: Tasks, num_fewshot: int | None, *, key: str) -> None:
+    """Each task's few-shot examples (``num_fewshot``, else the task file's own) fit its rows.
+
+    lm-eval draws a row's examples from the task's other rows; asking more fails in lm-eval's
+    sampler after the model has loaded.
+
+    Raises:
+        KDUserError: more examples than a task has other rows; names ``key`` (or the task file's
+            ``num_fewshot``).
+    """
+    for spec in tasks.specs:
+        shots = spec.num_fewshot if num_fewshot is None else num_fewshot
+        if not shots:
+            continue
+        most = most_fewshot(spec)
+        if shots > most:
+            where = (
+                key
+                if num_fewshot is not None
+                else f"num_fewshot: in {one_line(str(spec.spec_file))}"
+            )
+            raise KDUserError(
+                f"{where}: {shots} few-shot examples, but task {spec.name} has {most} rows to "
+                f"draw them from (its other rows than the one scored); ask at most {most} or add rows"
+            )
 
 
 def lm_eval_version() -> str:
@@ -152,6 +179,35 @@ def task_manager(tasks: Tasks, *, key: str = "--tasks") -> Any:
                 "a task folder of your own"
             ) from e
     return manager
+
+
+def check_chat_templates(models: Sequence[ModelFolder], *, key: str) -> None:
+    """Every model's tokenizer has a chat template that renders a user turn (``--chat``), before
+    any weight loads: lm-eval would fail with a traceback at its first prompt.
+
+    Raises:
+        KDUserError: a tokenizer without a chat template, or one that fails to render
+            (:func:`kd.hf.tokenization.render_chat_template`: the sandbox, the time limit).
+    """
+    from kd.generate import load_tokenizer
+    from kd.hf.tokenization import render_chat_template
+
+    for model in models:
+        tokenizer = load_tokenizer(model.path)
+        where = one_line(str(model.path))
+        if not getattr(tokenizer, "chat_template", None):
+            drop = f"drop {key}" if key.startswith("--") else f"set {key}=false"
+            raise KDUserError(
+                f"{key}: the tokenizer of {where} has no chat_template (tokenizer_config.json or "
+                f"chat_template.jinja); {drop}, or copy the chat template of the model's original "
+                "folder"
+            )
+        render_chat_template(
+            tokenizer,
+            [[{"role": "user", "content": "2+2="}]],
+            where=f"{key}: the chat template of {where}",
+            add_generation_prompt=True,
+        )
 
 
 def _load(model: ModelFolder, device: str) -> tuple[Any, Any]:
@@ -294,6 +350,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
         tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a partial temporary file is litter
         raise KDUserError(
             f"--output: cannot write {one_line(str(path))} ({brief(e)}); choose a path you can write to"
         ) from e
@@ -324,6 +382,7 @@ class FinalEvaluation:
             num_fewshot=settings.num_fewshot,
             chat=settings.chat,
         )
+        check_fewshot(self.tasks, settings.num_fewshot, key="eval.num_fewshot")
         self.manager = task_manager(self.tasks, key=self.KEY)
 
     def run(self, final_dir: Path, *, output_dir: Path) -> dict[str, float]:
@@ -333,6 +392,8 @@ class FinalEvaluation:
             The metrics row of the model (:func:`metrics_row`) for metrics.jsonl.
         """
         model = ModelFolder(name="final", path=final_dir)
+        if self.settings.chat:
+            check_chat_templates([model], key="eval.chat")
         payload = evaluate_models([model], self.tasks, self.settings, manager=self.manager)
         print(table(payload))
         write_json(output_dir / "eval.json", payload)

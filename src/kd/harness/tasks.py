@@ -15,16 +15,19 @@ templates, which lm-eval does not sandbox. kd reads its spec with PyYAML's safe 
 YAML tag and any key outside :data:`KEYS` in one line (key, file, fix), builds the prompt from
 plain field names (``{question}``: no attribute, index or filter), reads data files only from
 inside the folder (:func:`kd.folders.file_in`: no link out), checks every row, and generates the
-lm-eval task config itself (:func:`lm_eval_config`): built-in filters and metrics only.
+lm-eval task config itself (:func:`lm_eval_config`): kd's functions of the row for the prompt,
+target and choices (no Jinja), built-in filters and metrics only.
 
 Only the standard library and PyYAML are imported: a bad task file answers before torch loads.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import string
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,8 +140,18 @@ def _where(path: Path) -> str:
     return one_line(str(path))
 
 
-def _refuse_tags(node: yaml.Node, path: Path, key: str = "(top)") -> None:
-    """Refuse any YAML tag that is not a plain standard type (``!function``, ``!!python/...``)."""
+def _refuse_tags(
+    node: yaml.Node, path: Path, key: str = "(top)", seen: set[int] | None = None
+) -> None:
+    """Refuse any YAML tag that is not a plain standard type (``!function``, ``!!python/...``).
+
+    A node an alias repeats is walked once (``seen``): an alias inside its own anchor, or aliases
+    of aliases, would otherwise recurse without end or take exponential time.
+    """
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return
+    seen.add(id(node))
     if node.tag and not node.tag.startswith(_STANDARD_TAG):
         raise KDUserError(
             f"{key}: {_where(path)} uses the YAML tag {one_line(node.tag)}, which would make "
@@ -152,11 +165,11 @@ def _refuse_tags(node: yaml.Node, path: Path, key: str = "(top)") -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             name = key_node.value if isinstance(key_node, yaml.ScalarNode) else key
-            _refuse_tags(key_node, path, str(name))
-            _refuse_tags(value_node, path, str(name))
+            _refuse_tags(key_node, path, str(name), seen)
+            _refuse_tags(value_node, path, str(name), seen)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _refuse_tags(item, path, key)
+            _refuse_tags(item, path, key, seen)
 
 
 def _read_yaml(path: Path, key: str) -> dict[str, Any]:
@@ -169,7 +182,11 @@ def _read_yaml(path: Path, key: str) -> dict[str, Any]:
     if node is None:
         raise KDUserError(f"{key}: {where} is empty; {FIX}")
     _refuse_tags(node, path)
-    data = yaml.safe_load(text)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # a key that is a list or mapping ("found unhashable key")
+        problem = one_line(str(getattr(e, "problem", "") or brief(e)))
+        raise KDUserError(f"{key}: cannot read {where} ({problem}); fix the YAML") from e
     if not isinstance(data, dict):
         raise KDUserError(f"{key}: {where} is not a mapping of keys; {FIX}")
     return data
@@ -210,8 +227,8 @@ def _field(data: Mapping[str, Any], key: str, path: Path, default: str) -> str:
 def parse_prompt(prompt: str, path: Path) -> tuple[tuple[str, str | None], ...]:
     """``prompt`` as ``(literal, field)`` pieces: braces only around a plain field name.
 
-    Literal text holds no brace at all (``{{`` and ``}}`` neither), so the Jinja template
-    :func:`lm_eval_config` writes from it is literal text and variable names only.
+    Literal text holds no brace at all (``{{`` and ``}}`` neither): the prompt is literal text
+    and field names only (:func:`lm_eval_config` fills it in with kd's own function, no template).
 
     Raises:
         KDUserError: a malformed template, a field that is not a plain name (attribute, index,
@@ -331,6 +348,16 @@ def _check_rows(spec: TaskSpec) -> int:
     return count
 
 
+def most_fewshot(spec: TaskSpec) -> int:
+    """The most few-shot examples each row of a checked task can get: lm-eval draws them from the
+    task's rows other than the one scored (a row equal to it counts as it)."""
+    with spec.data_file.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    # The fields lm-eval's documents hold (_rows_as_written), as text.
+    keys = [json.dumps([str(r[name]) for name in spec.fields()]) for r in rows]
+    return len(keys) - max(Counter(keys).values())
+
+
 def prompt_text(spec: TaskSpec, row: Mapping[str, Any]) -> str:
     """The prompt of ``row`` as lm-eval renders ``spec``'s template (fields as text)."""
     return "".join(lit + (str(row[f]) if f is not None else "") for lit, f in spec.prompt)
@@ -439,13 +466,47 @@ def read_task_folder(folder: Path, *, key: str = "--tasks") -> list[TaskSpec]:
     return specs
 
 
-def _jinja_prompt(pieces: tuple[tuple[str, str | None], ...]) -> str:
-    # Literal text holds no brace (parse_prompt), so it cannot open a Jinja block.
-    return "".join(literal + (f"{{{{{field}}}}}" if field else "") for literal, field in pieces)
+# lm-eval's doc_to_text / doc_to_target / doc_to_choice, as kd's own functions of the row. A
+# Jinja template there would be reparsed after rendering: lm-eval turns an all-digit text into an
+# int (a multiple-choice prompt "12" becomes a "multiple input" index: every row scored wrong) and
+# a bracketed target into a list ("[1, 2]": compared as the list's items, or retyped).
+def _row_prompt(pieces: tuple[tuple[str, str | None], ...], doc: Mapping[str, Any]) -> str:
+    return "".join(literal + (str(doc[field]) if field else "") for literal, field in pieces)
+
+
+def _row_text(field: str, doc: Mapping[str, Any]) -> str:
+    return str(doc[field])
+
+
+def _row_index(field: str, doc: Mapping[str, Any]) -> int:
+    return int(doc[field])
+
+
+def _row_choices(field: str, doc: Mapping[str, Any]) -> list[str]:
+    return [str(c) for c in doc[field]]
+
+
+def _rows_as_written(spec: TaskSpec, dataset: Any) -> Any:
+    """lm-eval's ``process_docs``: the task's rows as kd read them, not as the ``datasets`` JSON
+    loader typed them (a column of ints and floats is all floats there: 1 would be "1.0")."""
+    import datasets
+
+    rows = []
+    with spec.data_file.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                doc = {name: str(row[name]) for name in spec.fields()}
+                if spec.type == "multiple_choice":
+                    doc[spec.choices] = [str(c) for c in row[spec.choices]]
+                    doc[spec.answer] = int(row[spec.answer])
+                rows.append(doc)
+    return datasets.Dataset.from_list(rows)
 
 
 def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
-    """The lm-eval task config of ``spec``: JSON data, generated templates, built-in metrics.
+    """The lm-eval task config of ``spec``: JSON data, kd's functions of the row (no template),
+    built-in metrics.
 
     Returns:
         A dict for ``lm_eval``'s ``TaskManager.load`` / ``simple_evaluate(tasks=[...])``.
@@ -455,7 +516,11 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(spec.data_file)}},
         "test_split": "test",
-        "doc_to_text": _jinja_prompt(spec.prompt),
+        # Few-shot examples come from the rows too: named as the split evaluated, lm-eval leaves
+        # the row being scored out of its own examples (without it, a row may be shown its answer).
+        "fewshot_split": "test",
+        "process_docs": functools.partial(_rows_as_written, spec),
+        "doc_to_text": functools.partial(_row_prompt, spec.prompt),
         "target_delimiter": spec.target_delimiter,
         "fewshot_delimiter": spec.fewshot_delimiter,
         "metadata": {"version": 1, "kd_task_file": str(spec.spec_file)},
@@ -465,8 +530,8 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     if spec.type == "multiple_choice":
         return config | {
             "output_type": "multiple_choice",
-            "doc_to_choice": f"{{{{{spec.choices}}}}}",
-            "doc_to_target": f"{{{{{spec.answer}}}}}",
+            "doc_to_choice": functools.partial(_row_choices, spec.choices),
+            "doc_to_target": functools.partial(_row_index, spec.answer),
             "metric_list": [
                 {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                 {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
@@ -478,7 +543,7 @@ def lm_eval_config(spec: TaskSpec) -> dict[str, Any]:
     steps.append({"function": "take_first"})
     return config | {
         "output_type": "generate_until",
-        "doc_to_target": f"{{{{{spec.reference}}}}}",
+        "doc_to_target": functools.partial(_row_text, spec.reference),
         "generation_kwargs": {
             "until": list(spec.until),
             "max_gen_toks": spec.max_new_tokens,
