@@ -74,6 +74,11 @@ def model_folders(values: list[str]) -> list[Any]:
         name, sep, path = value.partition("=")
         if not sep or Path(value).exists():
             name, path = "", value
+        if not path.strip():  # Path("") is the current folder
+            raise KDUserError(
+                f"--model: {one_line(value)!r} names no folder; pass a Hugging Face model "
+                "folder (e.g. a run's final/), as DIR or NAME=DIR"
+            )
         folder = Path(path).expanduser()
         if not folder.is_dir():
             raise KDUserError(

@@ -70,6 +70,8 @@ def resolve_tasks(values: Sequence[str], *, key: str) -> Tasks:
     """
     tasks = Tasks()
     for value in values:
+        if not value.strip():  # Path("") is the current folder
+            raise KDUserError(f"{key}: an empty value; name a task folder or an lm-eval task")
         path = Path(value).expanduser()
         if path.exists() or "/" in value or value.startswith("."):
             tasks.specs += read_task_folder(path, key=key)

@@ -145,3 +145,23 @@ def test_a_failed_write_keeps_the_old_results_and_leaves_no_partial_file(tmp_pat
         write_json(out, {"new": True})
     assert out.read_text() == '{"old": true}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "", "--tasks", "T"], "--model: '' names no folder"),
+        (["--model", "student=", "--tasks", "T"], "--model: 'student=' names no folder"),
+        (["--model", "M", "--tasks", ""], "--tasks: an empty value"),
+    ],
+)
+def test_an_empty_model_or_task_is_refused_not_read_as_the_current_folder(
+    tmp_path, capsys, monkeypatch, no_weights, argv, message
+):
+    # An unset shell variable (--model "$DIR") must not evaluate whatever the current folder is.
+    model = _model(tmp_path / "m", chat_template=None)
+    tasks = _tasks(tmp_path / "tasks")
+    monkeypatch.chdir(model)
+    argv = [{"T": str(tasks), "M": str(model)}.get(a, a) for a in argv]
+    err = _one_line(capsys, *argv, "--output", str(tmp_path / "e.json"))
+    assert err.startswith(f"kd: error: {message}"), err
