@@ -488,3 +488,30 @@ def test_eval_block_scores_a_lora_students_merged_weights(assets, tmp_path, caps
     assert (out / "final" / "adapter" / "adapter_config.json").is_file()
     acc = json.loads((out / "eval.json").read_text())["results"]["arith_mc"]["acc"]["final"]
     assert acc["value"] == pytest.approx(choice_accuracy(out / "final", mc_rows()))
+
+
+def test_eval_block_chat_is_checked_before_training(assets, tmp_path, capsys):
+    """``eval.chat`` with a student whose tokenizer has no chat template: refused by ``kd
+    validate`` and by ``kd run`` before anything is written, not after hours of training."""
+    import shutil
+
+    from tests.conftest import make_config, tokenizer_node, write_config
+
+    tasks = write_mc_task(tmp_path / "tasks")
+    out = tmp_path / "run"
+    cfg = make_config(assets, out, eval={"tasks": [str(tasks)], "chat": True})
+    path = str(write_config(tmp_path / "c.yaml", cfg))
+    assert main(["validate", "--config", path]) == 0  # the tokenizer's template renders
+    plain = shutil.copytree(assets["tokenizer"], tmp_path / "tokenizer")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    cfg["tokenizer"] = tokenizer_node(plain, cfg["tokenizer"]["max_seq_len"])
+    path = str(write_config(tmp_path / "c.yaml", cfg))
+    capsys.readouterr()
+    for command in (["validate", "--config", path], ["run", "kd_single_device", "--config", path]):
+        assert main(command) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == 1 and err[0].startswith("kd: error: eval.chat: "), err
+        assert "set eval.chat=false" in err[0], err
+        assert not out.exists()

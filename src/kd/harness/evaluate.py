@@ -192,24 +192,28 @@ def check_chat_templates(models: Sequence[ModelFolder], *, key: str) -> None:
             (:func:`kd.hf.tokenization.render_chat_template`: the sandbox, the time limit).
     """
     from kd.generate import load_tokenizer
-    from kd.hf.tokenization import render_chat_template
 
     for model in models:
-        tokenizer = load_tokenizer(model.path)
-        where = one_line(str(model.path))
-        if not getattr(tokenizer, "chat_template", None):
-            drop = f"drop {key}" if key.startswith("--") else f"set {key}=false"
-            raise KDUserError(
-                f"{key}: the tokenizer of {where} has no chat_template (tokenizer_config.json or "
-                f"chat_template.jinja); {drop}, or copy the chat template of the model's original "
-                "folder"
-            )
-        render_chat_template(
-            tokenizer,
-            [[{"role": "user", "content": "2+2="}]],
-            where=f"{key}: the chat template of {where}",
-            add_generation_prompt=True,
+        _check_chat_template(load_tokenizer(model.path), where=one_line(str(model.path)), key=key)
+
+
+def _check_chat_template(tokenizer: Any, *, where: str, key: str) -> None:
+    """``tokenizer`` (of the folder ``where``) has a chat template that renders a user turn."""
+    from kd.hf.tokenization import render_chat_template
+
+    if not getattr(tokenizer, "chat_template", None):
+        drop = f"drop {key}" if key.startswith("--") else f"set {key}=false"
+        raise KDUserError(
+            f"{key}: the tokenizer of {where} has no chat_template (tokenizer_config.json or "
+            f"chat_template.jinja); {drop}, or copy the chat template of the model's original "
+            "folder"
         )
+    render_chat_template(
+        tokenizer,
+        [[{"role": "user", "content": "2+2="}]],
+        where=f"{key}: the chat template of {where}",
+        add_generation_prompt=True,
+    )
 
 
 def _load(model: ModelFolder, device: str) -> tuple[Any, Any]:
@@ -366,6 +370,8 @@ class FinalEvaluation:
     Args:
         settings: the run's :class:`kd.config.run.EvalSettings`.
         device: the run's device.
+        student: the run's :class:`kd.runtime.checkpoints.StudentSource`: with ``eval.chat``,
+            the chat template ``final/`` will carry is checked now (:meth:`check_chat`).
 
     Raises:
         KDUserError: lm_eval missing, or a task :func:`resolve_tasks` / :func:`task_manager`
@@ -374,7 +380,7 @@ class FinalEvaluation:
 
     KEY = "eval.tasks"
 
-    def __init__(self, settings: Any, *, device: str) -> None:
+    def __init__(self, settings: Any, *, device: str, student: Any = None) -> None:
         lm_eval_version()
         self.tasks = resolve_tasks(settings.tasks, key=self.KEY)
         self.settings = Settings(
@@ -386,6 +392,39 @@ class FinalEvaluation:
         )
         check_fewshot(self.tasks, settings.num_fewshot, key="eval.num_fewshot")
         self.manager = task_manager(self.tasks, key=self.KEY)
+        if student is not None:
+            self.check_chat(student)
+
+    def check_chat(self, student: Any) -> None:
+        """``eval.chat``: the chat template ``final/`` will carry renders, checked before training
+        (a run of hours must not end in this line). ``final/`` takes the tokenizer files of the
+        student's folder, else the run's, by name (``student``: the run's
+        :class:`kd.runtime.checkpoints.StudentSource`, what its checkpoints copy)."""
+        import shutil
+        import tempfile
+
+        from kd.generate import _load_tokenizer
+        from kd.models import HF_TOKENIZER_FILES
+
+        if not self.settings.chat:
+            return
+        source_dir, tokenizer_files = Path(student.source_dir), student.tokenizer_files
+        where = one_line(str(source_dir))
+        with tempfile.TemporaryDirectory(prefix="kd_chat_") as tmp:
+            for name in HF_TOKENIZER_FILES:
+                path = source_dir / name if (source_dir / name).is_file() else None
+                path = path or tokenizer_files.get(name)
+                if path is not None and path.is_file():
+                    shutil.copyfile(path, Path(tmp) / name)
+            try:
+                tokenizer = _load_tokenizer(Path(tmp), "eval.chat")
+            except KDUserError:
+                raise KDUserError(
+                    f"eval.chat: the student's tokenizer files ({where}) do not load with "
+                    "AutoTokenizer, so final/ could not be scored with its chat template; set "
+                    "eval.chat=false, or give the student folder its tokenizer files"
+                ) from None
+            _check_chat_template(tokenizer, where=where, key="eval.chat")
 
     def run(self, final_dir: Path, *, output_dir: Path) -> dict[str, float]:
         """Score ``final_dir``; print the table, write ``output_dir/eval.json``.

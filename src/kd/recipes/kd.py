@@ -6,8 +6,7 @@ Run it:
     kd run kd --config my.yaml batch_size=2 gradient_accumulation_steps=16
     kd run --nproc_per_node 8 kd --config llama3_1/8B_to_8B_full_distributed
 
-``kd_single_device`` and ``kd_distributed`` (torchtune's names) run this recipe too. Under torchrun
-both models are sharded with FSDP2 and the loss curve matches one device.
+``kd_single_device`` and ``kd_distributed`` (torchtune's names) run it too; torchrun: FSDP2.
 
 Features (each knob is a config key declared in kd/config/run.py; ``kd run --help`` lists them
 with their doc pages): the memory plan before any weight loads (``kd validate`` runs exactly
@@ -119,7 +118,8 @@ class KDRecipe:
         if run.eval is not None:  # the task files, their data and lm-eval's names
             from kd.harness.evaluate import FinalEvaluation
 
-            self.final_eval = FinalEvaluation(run.eval, device=str(self.device))
+            student = ctx.student_source(self.facts)
+            self.final_eval = FinalEvaluation(run.eval, device=str(self.device), student=student)
 
         def steps(max_steps: int | None) -> int:
             return ctx.steps_per_epoch(len(self.dataset), max_steps)
