@@ -18,8 +18,10 @@ status and JSON body the real server gives. Written from their source (the files
   ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (else FastAPI's 404 ``{"detail": "Not Found"}``);
   success is HTTP 200 with a plain-text line; a name already loaded without ``load_inplace`` is
   400 ``InvalidUserInput``, a path without an adapter 404 ``NotFoundError`` ("No adapter found"),
-  a server without ``--enable-lora`` 400 "LoRA is not enabled.", a rank above
-  ``--max-lora-rank`` 400; an unknown name to unload 404 "The lora adapter 'X' cannot be found.".
+  a load the engine refuses (a rank above ``--max-lora-rank``, no ``--enable-lora``) 500 "Call to
+  add_lora method failed: ..." (0.11-0.12: 400; :mod:`kd.testing_rollout_vllm`); an unknown name
+  to unload 404 "The lora adapter 'X' cannot be found.". A request the engine aborted (another
+  client's ``/pause``, an abort) is HTTP 200 with ``finish_reason`` ``abort``.
   ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1`` only) with ``update_config`` (``{"model_config":
   {"model": DIR}}``) then ``reload_weights``: ``{"results": [null]}``; a failing call 500
   ``InternalServerError``, a body without ``method`` 400.
@@ -28,7 +30,9 @@ status and JSON body the real server gives. Written from their source (the files
   ``stop_token_ids``, ``sampling_seed``, ``logit_bias``, ``ignore_eos``) and ``lora_path`` (a
   loaded adapter's name); each answer ``{"text", "output_ids", "meta_info": {"id",
   "finish_reason": {"type": "stop", "matched": id} | {"type": "length", "length": n},
-  "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version"}}``; a request it
+  "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version"}}`` (no
+  ``weight_version`` before August 2025, sgl-project/sglang PR #8795); an aborted request 200
+  with ``finish_reason`` ``{"type": "abort", "message": "Abort before prefill"}``; a request it
   refuses 400 ``{"error": {"message"}}``. ``POST /update_weights_from_disk`` (``model_path``,
   ``weight_version``) and ``/load_lora_adapter`` / ``/unload_lora_adapter`` answer ``{"success",
   "message" | "error_message", ...}`` with HTTP 200 or 400 ("LoRA is not enabled. Please set
@@ -78,6 +82,7 @@ import torch
 
 from kd.testing_rollout_engine import RolloutEngine, poison, prompt_table
 from kd.testing_rollout_sglang import SGLangAnswers
+from kd.testing_rollout_vllm import VLLMAnswers
 from kd.testing_server import ServerLifecycle, _Handler
 
 __all__ = ["RolloutTestServer", "main"]
@@ -113,7 +118,7 @@ class _RequestError(Exception):
         self.raw = raw
 
 
-class RolloutTestServer(SGLangAnswers, ServerLifecycle):
+class RolloutTestServer(SGLangAnswers, VLLMAnswers, ServerLifecycle):
     """A vLLM- or SGLang-protocol generation server of a Hugging Face folder on 127.0.0.1.
 
     Args:
@@ -129,6 +134,9 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             exist).
         sleep_mode: vLLM's ``--enable-sleep-mode``.
         max_lora_rank: ``--max-lora-rank``.
+        legacy_lora_errors: vLLM 0.11-0.12's answer to a failed adapter load (400, not 500).
+        weight_versions: SGLang's ``weight_version`` in its answers (False: a release before
+            August 2025).
         max_model_len: ``--max-model-len`` (SGLang ``--context-length``).
         token: ``--api-key`` (None: none).
         admin_token: SGLang's ``--admin-api-key`` (None: none).
@@ -144,7 +152,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             :data:`kd.testing_server.FAULTS`), ``"bad_id"`` (a completion's first id replaced by
             the model's last row, which no tokenizer token has), ``"lost"`` (the request is
             carried out, then the connection closes before the answer: an answer lost on the
-            way, which the client retries) or ``""``.
+            way, which the client retries), ``"abort"`` (a rollout answered as the engine
+            answers one aborted before it ran) or ``""``.
         kill_on: a path whose next request kills the server before it answers (a crash during a
             weight push); None: none.
         on_post: ``(path, body) -> None`` called with every POST before it is answered (a test's
@@ -164,6 +173,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         dev_mode: bool = True,
         sleep_mode: bool = False,
         max_lora_rank: int = 16,
+        legacy_lora_errors: bool = False,
+        weight_versions: bool = True,
         max_model_len: int = 4096,
         token: str | None = None,
         admin_token: str | None = None,
@@ -185,6 +196,8 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         self.model_name = self.model_names[0]
         self.enable_lora = enable_lora
         self.max_lora_rank = max_lora_rank
+        self.legacy_lora_errors = legacy_lora_errors
+        self.weight_versions = weight_versions
         self.max_model_len = max_model_len
         self.model.sees = None if sees is None else Path(sees).resolve()
         self.hang_s = hang_s
@@ -264,7 +277,25 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
+            **({"weight_version": self.weight_version} if self.weight_versions else {}),
+        }
+
+    def aborted(self, path: str, body: dict[str, Any]) -> Any:
+        """The answer to a rollout the engine aborted before it sampled a token."""
+        if path == "/generate":
+            return self.sglang_aborted(body)
+        ids = [] if body.get("return_token_ids") else None
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "abort"}
+        choice |= {"stop_reason": None, "token_ids": ids, "prompt_logprobs": None}
+        usage = {"prompt_tokens": len(body.get("prompt") or ()), "completion_tokens": 0}
+        model = body.get("model")
+        return {
+            "id": f"cmpl-{self.requests}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model if model in self.model.adapters else self.model_name,
+            "choices": [choice],
+            "usage": usage,
         }
 
     def vllm_error(self, status: int, message: str, kind: str, param: str | None = None) -> Any:
@@ -404,92 +435,6 @@ class RolloutTestServer(SGLangAnswers, ServerLifecycle):
         }
         return 200, answer, None
 
-    def vllm_load_lora(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path:
-            message = "Both 'lora_name' and 'lora_path' must be provided."
-            return 400, self.vllm_error(400, message, "InvalidUserInput"), None
-        if not body.get("load_inplace") and name in self.lora_paths:
-            message = (
-                f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                "adapter in place, set 'load_inplace' to True."
-            )
-            return 400, self.vllm_error(400, message, "InvalidUserInput"), None
-        try:
-            if not self.enable_lora:
-                raise RuntimeError("LoRA is not enabled.")
-            adapter = self.model.load_adapter(path, max_rank=self.max_lora_rank)
-        except Exception as e:  # noqa: BLE001 - vLLM answers the engine's error
-            message = f"Loading lora {name} failed: {e}"
-            if "No adapter found" in str(e):
-                return 404, self.vllm_error(404, message, "NotFoundError"), None
-            return 400, self.vllm_error(400, message, "BadRequestError"), None
-        with self._model_lock:
-            self.model.adapters[name] = adapter
-            self.lora_paths[name] = path
-        return 200, None, f"Success: LoRA adapter '{name}' added successfully.".encode()
-
-    def vllm_unload_lora(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        name = body.get("lora_name")
-        if not name:
-            message = "'lora_name' needs to be provided to unload a LoRA adapter."
-            return 400, self.vllm_error(400, message, "InvalidUserInput"), None
-        if name not in self.lora_paths:
-            message = f"The lora adapter '{name}' cannot be found."
-            return 404, self.vllm_error(404, message, "NotFoundError"), None
-        with self._model_lock:
-            del self.lora_paths[name]
-            self.model.adapters.pop(name, None)
-        return 200, None, f"Success: LoRA adapter '{name}' removed successfully.".encode()
-
-    def vllm_sleep(self, query: dict[str, list[str]]) -> tuple[int, Any, bytes | None]:
-        level = int(query.get("level", ["1"])[0])
-        with self._model_lock:
-            if self.sleep_mode and not self.asleep:
-                self.dropped = self.dropped or level >= 2
-            self.asleep |= {"weights", "kv_cache"} if level >= 1 else set()
-            self.paused = True
-        return 200, None, b""
-
-    def vllm_wake_up(self, query: dict[str, list[str]]) -> tuple[int, Any, bytes | None]:
-        tags = query.get("tags") or ["weights", "kv_cache"]
-        with self._model_lock:
-            if "weights" in tags and "weights" in self.asleep and self.dropped:
-                self.model.drop_weights()  # remapped empty: a reload must fill them
-            self.asleep -= set(tags)
-            self.paused = False  # EngineCore.wake_up resumes scheduling at every wake
-        return 200, None, b""
-
-    def vllm_collective_rpc(self, body: dict[str, Any]) -> tuple[int, Any, bytes | None]:
-        method = body.get("method")
-        if method is None:  # an HTTPException, through vLLM's handler
-            message = "Missing 'method' in request body"
-            return 400, self.vllm_error(400, message, "Bad Request"), None
-        args = body.get("args") or []
-        try:
-            if method == "update_config":
-                overrides = args[0] if args else {}
-                for name, values in overrides.items():
-                    if name not in ("load_config", "model_config"):
-                        raise AssertionError(
-                            f"Config `{name}` not supported. Allowed configs: "
-                            "{'load_config', 'model_config'}"
-                        )
-                    if name == "model_config" and "model" in values:
-                        self.reload_path = str(values["model"])
-            elif method == "reload_weights":
-                with self._model_lock:
-                    if self.sleep_mode and "weights" in self.asleep:
-                        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-                    self.model.reload(self.reload_path or self.model_path)
-                    self.dropped = False
-            else:
-                raise AttributeError(f"'Worker' object has no attribute '{method}'")
-        except Exception as e:  # noqa: BLE001 - vLLM's exception handler: a 500 ErrorResponse
-            message = f"{type(e).__name__}: {e}"
-            return 500, self.vllm_error(500, message, "InternalServerError"), None
-        return 200, {"results": [None]}, None
-
     def server_info(self) -> dict[str, Any]:
         """vLLM's ``GET /server_info?config_format=json`` (its config: the parts kd reads;
         ``lora_config`` null without ``--enable-lora``) or SGLang's ``GET /server_info`` (its
@@ -615,6 +560,8 @@ class _RolloutHandler(_Handler):
             status, payload, text = 500, owner.vllm_error(500, str(e), "InternalServerError"), None
         if fault == "bad_id" and status == 200:
             poison(payload, owner.model.vocab - 1)
+        if fault == "abort" and status == 200:
+            payload = owner.aborted(path, body)
         if fault == "lost":  # done, but the answer never reaches the client
             self.close_connection = True
             return

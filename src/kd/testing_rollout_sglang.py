@@ -23,6 +23,7 @@ class SGLangAnswers:
     enable_lora: bool
     max_lora_rank: int
     weight_version: str
+    weight_versions: bool
     requests: int
     _model_lock: threading.Lock
 
@@ -77,6 +78,8 @@ class SGLangAnswers:
                     "cached_tokens": 0,
                     "e2e_latency": 0.0,
                 }
+                if not self.weight_versions:  # a release before August 2025
+                    del meta["weight_version"]
                 if body.get("return_logprob"):
                     meta.update(self._input_logprobs(prompt, body, lora))
                 out.append(
@@ -87,6 +90,13 @@ class SGLangAnswers:
                     }
                 )
         return 200, (out[0] if single and len(out) == 1 else out), None
+
+    def sglang_aborted(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A request aborted before it ran (``/abort_request``, a weight update or pause that
+        aborts): ``TokenizerManager._handle_abort_req``'s answer, HTTP 200."""
+        reason = {"type": "abort", "message": "Abort before prefill"}
+        meta = {"id": f"req-{self.requests}", "finish_reason": reason}
+        return {"text": "", "meta_info": {**meta, "prompt_tokens": 0, "completion_tokens": 0}}
 
     def _input_logprobs(self, prompt: list[int], body: dict[str, Any], lora: Any) -> dict:
         """``return_logprob`` with ``logprob_start_len`` 0: ``input_token_logprobs`` (``[logprob,
@@ -121,7 +131,7 @@ class SGLangAnswers:
             return 400, {"success": False, "message": message, "num_paused_requests": 0}, None
         message = "Succeeded to update model weights."
         version = body.get("weight_version")
-        if version is not None:
+        if version is not None and self.weight_versions:  # an older release ignores the field
             self.weight_version = str(version)
             message += f" Weight version updated to {version}."
         return 200, {"success": True, "message": message, "num_paused_requests": 0}, None

@@ -65,7 +65,14 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError, brief, one_line
 from kd.fileio import fsync_path
 from kd.rollouts.base import Completions, Prompts, RolloutStopped
-from kd.rollouts.served_check import check_sample, model_gap, weights_lost
+from kd.rollouts.served_check import (
+    SampleCheck,
+    load_lora,
+    model_gap,
+    push_refused,
+    retry_aborted,
+    weights_lost,
+)
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient, ServerUnavailable
 from kd.rollouts.served_probe import check_server
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, BadAnswer, Sample, VLLMGeneration
@@ -90,16 +97,6 @@ _TMP = ".tmp_"
 _VERSION_RE = re.compile(r"^v(\d+)$")
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _KEY = "on_policy"
-# What the servers say of a folder they cannot read (vLLM's LoRA loader, its weight loader,
-# SGLang's weight iterator and LoRA config reader).
-_UNREADABLE = (
-    "No adapter found",
-    "Cannot find any model weights",
-    "Failed to get weights iterator",
-    "No such file",
-    "does not exist",
-    "not found",
-)
 
 
 def version_dir(sync_dir: Path, version: int) -> Path:
@@ -193,6 +190,7 @@ class ServedSampler:
         # the first push wakes it in order (waking an awake tag is a no-op).
         self._asleep = 2 if settings.server_sleep else 0
         self._model_checked = False
+        self._check = SampleCheck(settings, sync.vocab_limit, sync.stop_ids)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.sync_dir = (
@@ -401,29 +399,10 @@ class ServedSampler:
     def _adapter_name(self, version: int) -> str:
         return f"{self._adapter_prefix}{version}"
 
-    def _refused(self, what: str, status: int, text: str, folder: Path) -> RolloutStopped:
-        shown = self.client.shown(text[:200])
-        if "LoRA is not enabled" in text:
-            fix = "start the server with --enable-lora (and --max-lora-rank >= the student's rank)"
-        elif "rank" in text and ("max_lora_rank" in text or "max-lora-rank" in text):
-            fix = "start the server with --max-lora-rank at least the student's lora rank"
-        elif self.protocol.lora_disabled(status, text) and self.sync.lora:
-            fix = "start vllm serve with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
-        elif status == 404 and '"detail"' in text:
-            fix = "start vllm serve with VLLM_SERVER_DEV_MODE=1 in its environment"
-        elif "not supported in the v2 runner" in text:
-            fix = "run vLLM's default model runner (reload_weights), or train a LoRA student"
-        elif any(w in text for w in _UNREADABLE):
-            fix = (
-                f"the server must read {folder} at that path: point {_KEY}.server_sync_dir at a "
-                "folder it sees (a shared disk on another machine), then resume"
-            )
-        else:
-            fix = "see the server's log, fix it and resume"
-        return RolloutStopped(
-            f"{_KEY}.server_url: {self.client.url} refused {what} (weight version "
-            f"{folder.name}) with HTTP {status} ({shown}); {fix}"
-        )
+    def _refused(self, what: str, answer: tuple[int, str, Any], folder: Path) -> RolloutStopped:
+        disabled = self.protocol.lora_disabled(answer[0], answer[1])
+        kw = {"lora_rank": self.sync.lora_rank, "lora_disabled": disabled}
+        return push_refused(self.client, what, answer, folder, **kw)
 
     def _load_adapter(self, folder: Path, version: int) -> None:
         name = self._adapter_name(version)
@@ -432,13 +411,13 @@ class ServedSampler:
         if not self._pushed_once:  # a name left loaded by a run that was killed
             self.client.call("POST", unload, {"lora_name": name}, push=True)
         path, body = self.protocol.load_lora(name, adapter)
-        status, text, data = self.client.call("POST", path, body, push=True)
+        status, text, data = load_lora(self.client, self.protocol, path, body)
         if status == 400 and "already" in text:  # vLLM "already been loaded", SGLang "exists"
             # This version's name, loaded before a kill or by an attempt whose answer was lost.
             self.client.call("POST", unload, {"lora_name": name}, push=True)
-            status, text, data = self.client.call("POST", path, body, push=True)
+            status, text, data = load_lora(self.client, self.protocol, path, body)
         if status != 200 or (isinstance(data, dict) and data.get("success") is False):
-            raise self._refused("the student's LoRA adapter", status, text, folder)
+            raise self._refused("the student's LoRA adapter", (status, text, data), folder)
         if self.adapter is not None and self.adapter != name:
             self.client.call("POST", unload, {"lora_name": self.adapter}, push=True)
 
@@ -448,7 +427,7 @@ class ServedSampler:
         for path, body in self.protocol.reload(str(folder.resolve()), version):
             status, text, data = self.client.call("POST", path, body, push=True)
             if status != 200 or (isinstance(data, dict) and data.get("success") is False):
-                raise self._refused("the student's weights", status, text, folder)
+                raise self._refused("the student's weights", (status, text, data), folder)
         if deep:
             self._wake("kv_cache")
             self._asleep = 0
@@ -562,8 +541,11 @@ class ServedSampler:
             return self._pool
 
     def _one(self, body: dict[str, Any], rows: Sequence[int]) -> Sample:
-        status, text, data = self.client.call("POST", self.protocol.generate_path, body)
         where = f"{self.client.url}{self.protocol.generate_path}"
+        return retry_aborted(lambda: self._rollout(body, where), self.client, where)
+
+    def _rollout(self, body: dict[str, Any], where: str) -> Sample:
+        status, text, data = self.client.call("POST", self.protocol.generate_path, body)
         if status != 200 and self.adapter is not None and self.adapter in text:
             raise weights_lost(where, self.version, self.client.shown(text[:160]))
         if status != 200:
@@ -578,14 +560,7 @@ class ServedSampler:
             sample = self.protocol.parse(
                 data, adapter=self.adapter, model=self.settings.server_model
             )
-            check_sample(
-                sample,
-                self.settings,
-                self.sync.vocab_limit,
-                self.sync.stop_ids,
-                where=where,
-                version=None if self.sync.lora else self.version,
-            )
+            self._check(sample, where=where, version=None if self.sync.lora else self.version)
         except BadAnswer as e:
             raise RolloutStopped(
                 f"{_KEY}.server_url: {where} gave a malformed rollout: {self.client.shown(str(e))}; "

@@ -95,24 +95,33 @@ class ServerClient:
             timeout=self.timeout, retries=s.server_retries, backoff=s.server_backoff
         )
 
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
+    def _session(self, retry_500: bool) -> requests.Session:
+        sessions = getattr(self._local, "sessions", None)
+        if sessions is None:
+            sessions = self._local.sessions = {}
+        if retry_500 not in sessions:
             s = self.settings
-            session = deadline_session(
+            sessions[retry_500] = deadline_session(
                 retries=s.server_retries,
                 backoff=s.server_backoff,
-                statuses=_RETRY_STATUS,
+                statuses=tuple(x for x in _RETRY_STATUS if retry_500 or x != 500),
                 methods=("GET", "POST"),
             )
-            self._local.session = session
-        return session
+        return sessions[retry_500]
 
     def call(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, push: bool = False
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        push: bool = False,
+        retry_500: bool = True,
     ) -> tuple[int, str, Any]:
         """``(status, text, JSON or None)`` of one request, retried by its deadline; ``push``:
-        a weight push (SGLang's admin key, when ``on_policy.server_admin_token_env`` is set).
+        a weight push (SGLang's admin key, when ``on_policy.server_admin_token_env`` is set);
+        ``retry_500`` False: an HTTP 500 is answered at once, not retried (a route whose 500 may
+        be the server's own refusal, which the caller reads).
 
         Raises:
             ServerUnavailable: the server stayed down, too slow, or kept answering 429 / 5xx.
@@ -127,7 +136,7 @@ class ServerClient:
         start = time.monotonic()
         try:
             with deadline(attempt_s=self.timeout, total_s=self.deadline_s):
-                response = self._session().request(
+                response = self._session(retry_500).request(
                     method,
                     f"{s.server_url}{path}",
                     json=body,
@@ -151,7 +160,7 @@ class ServerClient:
                 f"over {time.monotonic() - start:.0f} s ({self.shown(brief(e, 160))}; {limits}); "
                 "start the server (or raise on_policy.server_retries) and resume"
             ) from None
-        if response.status_code in _RETRY_STATUS:
+        if response.status_code in _RETRY_STATUS and (retry_500 or response.status_code != 500):
             raise ServerUnavailable(
                 f"{_KEY}.server_url: {shown} answered HTTP {response.status_code} after "
                 f"{s.server_retries} retries ({self.shown(response.text[:160])}); fix the "

@@ -12,12 +12,16 @@ Read from their source (the files and what they answer):
 * vLLM, built against 0.11-0.12 (the v1 engine): ``vllm/entrypoints/openai/completion/protocol.py``
   (``CompletionRequest``: ``prompt: list[int] | list[list[int]] | str | ...``, ``seed``,
   ``stop_token_ids``, ``logit_bias``, ``return_token_ids`` -> ``CompletionResponseChoice.token_ids``,
-  ``finish_reason`` / ``stop_reason``); ``vllm/entrypoints/serve/lora/api_router.py`` (the LoRA
+  ``finish_reason`` / ``stop_reason``: ``abort`` for a request the engine aborted, HTTP 200
+  with the ids sampled so far; ``error`` is always a 500);
+  ``vllm/entrypoints/serve/lora/api_router.py`` (the LoRA
   routes are attached only when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set: FastAPI's 404
   otherwise; success is ``Response(status_code=200, content=str)``) and
   ``vllm/entrypoints/openai/models/serving.py`` (``load_lora_adapter``: 400 ``InvalidUserInput``
-  for a name already loaded, 404 ``NotFoundError`` for "No adapter found", 400 otherwise;
-  ``unload_lora_adapter``: 404 "cannot be found"); the full-weight reload is
+  for a name already loaded, 404 ``NotFoundError`` for "No adapter found", otherwise the engine's
+  "Call to add_lora method failed: ..." with 400 in 0.11-0.12 and 500 ``InternalServerError`` on
+  the main branch of 2026, see ``VLLMGeneration.refused_load``; ``unload_lora_adapter``: 404
+  "cannot be found"); the full-weight reload is
   ``POST /collective_rpc`` (``vllm/entrypoints/serve/dev/rpc/api_router.py``, attached only with
   ``VLLM_SERVER_DEV_MODE=1``) calling the worker's ``update_config({"model_config": {"model":
   DIR}})`` and then ``reload_weights()`` (``gpu_model_runner``: ``get_model_loader(load_config)
@@ -40,7 +44,10 @@ Read from their source (the files and what they answer):
   ``temperature`` 0 is ``top_k`` 1, ``top_k`` -1 is the whole vocabulary, ``sampling_seed``,
   ``logit_bias``); ``tokenizer_manager.py`` (the answer ``{"text", "output_ids", "meta_info":
   {"finish_reason": {"type": "stop", "matched": id} | {"type": "length", ...}, "weight_version",
-  ...}}``; "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."), commits of 2025-26.
+  ...}}``, ``weight_version`` since August 2025, PR #8795; an aborted request 200 with
+  ``{"type": "abort", "message": "Abort before prefill"}`` and no ``output_ids``
+  (``_handle_abort_req``); "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."),
+  commits of 2025-26.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["GEN_PROTOCOLS", "BadAnswer", "Sample", "SGLangGeneration", "VLLMGeneration"]
+__all__ = ["GEN_PROTOCOLS", "Aborted", "BadAnswer", "Sample", "SGLangGeneration", "VLLMGeneration"]
 
 # The logit bias that keeps an id out of every sample (both servers clamp biases to +-100).
 _NEVER = -100.0
@@ -57,6 +64,12 @@ _NEVER = -100.0
 
 class BadAnswer(ValueError):
     """A server answer that is not what the protocol promises (the message says where)."""
+
+
+class Aborted(Exception):  # noqa: N818 - the server's word, not kd's error
+    """The server aborted the request (vLLM's ``finish_reason`` ``abort``; SGLang's
+    ``{"type": "abort", "message"}``): another client paused or aborted its requests, or a weight
+    update did; asked again, it may run (the message is the server's word)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,11 @@ class GenerationProtocol(Protocol):
         """Whether an answer to the LoRA probe says runtime LoRA loading is off."""
         ...
 
+    def refused_load(self, data: Any) -> bool:
+        """Whether an HTTP 500 answer (its JSON) to a LoRA load is the server's own refusal of
+        the adapter, which it gives again when asked again (not a passing failure)."""
+        ...
+
 
 class VLLMGeneration:
     """vLLM: ``POST /v1/completions`` with ``return_token_ids``; LoRA at ``/v1/*_lora_adapter``;
@@ -197,16 +215,16 @@ class VLLMGeneration:
         choice = answer["choices"][0]
         if not isinstance(choice, dict):
             raise BadAnswer("choice 0 is not an object")
+        reason = choice.get("finish_reason")
+        if reason == "abort":  # the engine aborted it (a pause, an abort): 200, partial ids
+            raise Aborted("finish_reason abort")
         if choice.get("token_ids") is None:
             raise BadAnswer(
                 "choice 0 has no token_ids (return_token_ids needs vLLM 0.10.2 or later)"
             )
         ids = _ints(choice.get("token_ids"), "choices[0].token_ids")
-        reason = choice.get("finish_reason")
-        if reason not in ("stop", "length", "abort"):
+        if reason not in ("stop", "length"):
             raise BadAnswer(f"choices[0].finish_reason is {reason!r}")
-        if reason == "abort":
-            raise BadAnswer("the server aborted the request (finish_reason abort)")
         stop = choice.get("stop_reason")
         if reason == "stop" and isinstance(stop, int) and (not ids or ids[-1] != stop):
             ids.append(stop)
@@ -238,6 +256,14 @@ class VLLMGeneration:
     def lora_disabled(self, status: int, text: str) -> bool:
         # The routes are not attached without VLLM_ALLOW_RUNTIME_LORA_UPDATING: FastAPI's 404.
         return status == 404 and '"detail"' in text
+
+    def refused_load(self, data: Any) -> bool:
+        # load_lora_adapter catches whatever the engine's add_lora raised ("Call to add_lora
+        # method failed: LoRA rank 32 is greater than max_lora_rank 16.", an engine that died)
+        # and answers it as its own ErrorResponse: 500 InternalServerError on vLLM's main branch
+        # of 2026 (400 in 0.11-0.12); a proxy's or a crash's 500 has not that body.
+        error = data.get("error") if isinstance(data, dict) else None
+        return isinstance(error, dict) and error.get("type") == "InternalServerError"
 
     # Sleep mode (``vllm/entrypoints/serve/dev/sleep/api_router.py``, dev mode; the memory is
     # the server's own only with --enable-sleep-mode, docs/features/sleep_mode.md): ``POST
@@ -313,15 +339,15 @@ class SGLangGeneration:
             answer = answer[0]
         if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
             raise BadAnswer("the answer has no meta_info")
+        reason = answer["meta_info"].get("finish_reason")
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        if kind == "abort":  # aborted before prefill: no output_ids (HTTP 200)
+            raise Aborted(f"finish_reason abort: {reason.get('message')}")
         if "output_ids" not in answer:
             raise BadAnswer("the answer has no output_ids")
         ids = _ints(answer["output_ids"], "output_ids")
-        reason = answer["meta_info"].get("finish_reason")
-        kind = reason.get("type") if isinstance(reason, dict) else None
-        if kind not in ("stop", "length", "abort"):
+        if kind not in ("stop", "length"):
             raise BadAnswer(f"meta_info.finish_reason is {reason!r}")
-        if kind == "abort":
-            raise BadAnswer(f"the server aborted the request ({reason.get('message')})")
         matched = reason.get("matched")
         if (
             kind == "stop"
@@ -361,6 +387,9 @@ class SGLangGeneration:
 
     def lora_disabled(self, status: int, text: str) -> bool:
         return status == 400 and "LoRA is not enabled" in text
+
+    def refused_load(self, data: Any) -> bool:
+        return False  # SGLang refuses a load with 400 success false; a 500 is a crash's
 
 
 GEN_PROTOCOLS: dict[str, GenerationProtocol] = {

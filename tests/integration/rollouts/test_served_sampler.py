@@ -889,6 +889,23 @@ def test_the_test_server_answers_lora_mistakes_as_the_servers_do(assets, tmp_pat
             "The following requested LoRA adapters are not loaded: a"
             in r.json()["error"]["message"]
         )
+        # An aborted request (TokenizerManager._handle_abort_req): 200, no output_ids.
+        s.faults.append("abort")
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        r = requests.post(f"{s.url}/generate", json=body)
+        assert r.status_code == 200 and "output_ids" not in r.json()
+        reason = {"type": "abort", "message": "Abort before prefill"}
+        assert r.json()["meta_info"]["finish_reason"] == reason
+    with RolloutTestServer(assets["student"], api="sglang", weight_versions=False) as s:
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert "weight_version" not in requests.post(f"{s.url}/generate", json=body).json()
+        assert "weight_version" not in requests.get(f"{s.url}/get_model_info").json()
+    with RolloutTestServer(assets["student"], api="vllm", model_name=SERVED_NAME) as v:
+        v.faults.append("abort")  # an engine abort (another client's /pause): 200
+        body = {"model": SERVED_NAME, "prompt": [1, 2], "return_token_ids": True}
+        r = requests.post(f"{v.url}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == SERVED_NAME
+        assert r.json()["choices"][0]["finish_reason"] == "abort"
 
 
 @pytest.mark.parametrize(
@@ -987,3 +1004,96 @@ def test_a_server_that_dies_during_async_sampling_stops_before_the_next_step_tra
         cfg = config(assets, out, lora=True, on_policy=served(fresh, "vllm", **fast))
         assert kd_run(cfg, tmp_path / "resume.yaml", "resume_from_checkpoint=true") == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["vllm-main", "vllm-0.12"])
+def test_an_adapter_rank_above_the_servers_stops_at_the_first_push_naming_the_flag(
+    assets, tmp_path, capsys, legacy
+):
+    """A vLLM server without dev mode does not say its --max-lora-rank, so the probe passes and
+    the first push (version 0) is refused: vLLM's main branch answers HTTP 500 "Call to add_lora
+    method failed: LoRA rank 4 is greater than max_lora_rank 2." (0.11-0.12: 400). Asked once,
+    not retried (it would refuse again), and the one line says the server's words and the flag."""
+    with RolloutTestServer(
+        assets["student"],
+        api="vllm",
+        model_name=SERVED_NAME,
+        dev_mode=False,
+        max_lora_rank=2,
+        legacy_lora_errors=legacy,
+    ) as server:
+        node = served(server, "vllm", server_backoff=0)
+        cfg = config(assets, tmp_path / "out", lora=True, on_policy=node)
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+        loads = [p for p, _ in server.log if p == "/v1/load_lora_adapter"]
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert f"with HTTP {400 if legacy else 500}" in lines[0], lines[0]
+    assert "LoRA rank 4 is greater than max_lora_rank 2." in lines[0], lines[0]
+    assert "start the server with --max-lora-rank 4 or more" in lines[0], lines[0]
+    assert "retries" not in lines[0]
+    assert len(loads) == 1  # a deterministic refusal is not asked again
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert not metrics.exists() or read_metrics(tmp_path / "out") == []  # nothing trained
+
+
+def _abort_rollouts(server: RolloutTestServer, *, after: int, times: int | None) -> None:
+    """Every rollout from the ``after + 1``-th on is answered as aborted (``times`` of them;
+    None: all), as the server answers a request another client's pause or abort cut."""
+    state = {"rollouts": 0, "aborted": 0}
+
+    def abort(path, body):
+        if is_rollout(path, body):
+            state["rollouts"] += 1
+            if state["rollouts"] > after and (times is None or state["aborted"] < times):
+                state["aborted"] += 1
+                server.faults.appendleft("abort")
+
+    server.on_post = abort
+
+
+@pytest.mark.parametrize("api", ["vllm", "sglang"])
+def test_an_aborted_rollout_is_asked_again_and_the_run_goes_on(assets, tmp_path, capsys, api):
+    """One rollout answered aborted (vLLM finish_reason "abort", SGLang's "Abort before
+    prefill" without output_ids): asked again, the run ends as one never aborted; aborted every
+    time, the run stops after step 1 saying the server aborted it (not a malformed answer)."""
+    lora = api == "vllm"
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        _abort_rollouts(server, after=9, times=1)
+        node = served(server, api, server_backoff=0)
+        cfg = config(assets, tmp_path / "once", lora=lora, on_policy=node)
+        assert kd_run(cfg, tmp_path / "once.yaml") == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "once")] == [1, 2, 3]
+
+    with RolloutTestServer(assets["student"], api=api, model_name=SERVED_NAME) as server:
+        _abort_rollouts(server, after=8, times=None)  # step 2's rollouts on
+        node = served(server, api, server_backoff=0, server_retries=2)
+        cfg = config(assets, tmp_path / "out", lora=lora, on_policy=node)
+        capsys.readouterr()
+        rc = kd_run(cfg, tmp_path / "c.yaml")
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "aborted the rollout 3 time(s)" in lines[0], lines[0]
+    assert "see the server's log" in lines[0] and "malformed" not in lines[0], lines[0]
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]
+    assert (tmp_path / "out" / "step_000001").is_dir()
+
+
+def test_an_sglang_without_weight_versions_is_said_once(assets, tmp_path, capsys):
+    """An SGLang before August 2025 answers without meta_info.weight_version: the run goes on
+    (a vLLM full student has none either), and the log says once what kd cannot check."""
+    with RolloutTestServer(
+        assets["student"], api="sglang", model_name=SERVED_NAME, weight_versions=False
+    ) as server:
+        cfg = config(assets, tmp_path / "out", lora=False, on_policy=served(server, "sglang"))
+        capsys.readouterr()
+        assert kd_run(cfg, tmp_path / "c.yaml") == 0
+    err = capsys.readouterr().err
+    assert err.count("answers without meta_info.weight_version") == 1, err
+    assert "SGLang before August 2025" in err
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1, 2, 3]
