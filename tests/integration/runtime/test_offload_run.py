@@ -14,6 +14,9 @@ from kd.memory import fake_device
 from kd.runtime import offload
 from kd.teachers import parking
 from tests.conftest import FAKE_ACCELERATOR, REAL_CUDA, make_config, read_metrics, write_config
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401
+from tests.integration.teachers.test_multi_cross import _cross_member, _multi
+from tests.integration.teachers.test_multi_run import _member
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
 
@@ -291,6 +294,33 @@ def test_teacher_offload_refusals(assets, tmp_path, capsys, top, says):
     assert len(err) == 1 and err[0].startswith("kd: error: teacher_offload: park ")
     assert says in err[0] and err[0].endswith("set teacher_offload=none")
     assert not (tmp_path / "out").exists()
+
+
+def test_teacher_offload_refuses_a_member_with_another_tokenizer(
+    assets,
+    other_tok_teacher,  # noqa: F811
+    letter_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """A member of teachers: with cross_tokenizer is loaded resident (kd.teachers.cross), so
+    parking is refused for it as for a top-level cross_tokenizer (it ran resident while the plan
+    counted it parked)."""
+    out = tmp_path / "out"
+    members = [
+        _member("p", assets["teacher"], out),
+        _cross_member("x", other_tok_teacher),
+    ]
+    teachers = {"combine": "weights", "members": members}
+    cfg = _multi(assets, out, letter_data, teachers, teacher_offload="park")
+    path = write_config(tmp_path / "c.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kd: error: teacher_offload: park does not park a teacher with another tokenizer "
+        "(cross_tokenizer); set teacher_offload=none"
+    ]
+    assert not out.exists()
 
 
 HIDDEN = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine"}

@@ -69,13 +69,18 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         data.get("teachers", {}).get("members") if isinstance(data.get("teachers"), dict) else None
     )
     local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    crossed = data.get("cross_tokenizer") is not None
     if isinstance(members, list):
-        local = local or any(
-            isinstance(m, dict)
+        own = [
+            m
+            for m in members
+            if isinstance(m, dict)
             and m.get("teacher_model") is not None
             and m.get("teacher_logits") is None
-            for m in members
-        )
+        ]
+        local = local or bool(own)
+        # a member with another tokenizer is loaded resident (kd.teachers.cross)
+        crossed = crossed or any(m.get("cross_tokenizer") is not None for m in own)
     reasons = []
     if not local or data.get("self_teacher") is not None:
         reasons.append("needs a local teacher model (teacher_model) to park")
@@ -83,7 +88,7 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         reasons.append("does not park an int8 teacher (teacher_quantization)")
     if data.get("compile"):
         reasons.append("does not park compiled layers (compile)")
-    if data.get("cross_tokenizer") is not None:
+    if crossed:
         reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
     if reasons:
         problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
