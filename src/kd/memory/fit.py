@@ -183,22 +183,15 @@ def _optimizers(knobs: TrainKnobs, device: str) -> list[str]:
 
 def _host_offloads(knobs: TrainKnobs, device: str, has_teacher: bool) -> list[tuple[bool, str]]:
     """(activation offloading, teacher offload) pairs the recipe accepts here, the current first:
-    on one CUDA device, the student's activations to host memory, and a teacher model (not
-    quantized, not the student itself, not another tokenizer's) parked or streamed."""
+    on one CUDA device, the student's activations to host memory, and a teacher parked or
+    streamed where the config's checks let it (:attr:`TrainKnobs.teacher_parkable`)."""
     out = [(knobs.activation_offloading, knobs.teacher_offload)]
     if not device.startswith("cuda") or knobs.world_size > 1:
         return out
     acts = [knobs.activation_offloading] + ([True] if not knobs.activation_offloading else [])
     teachers = [knobs.teacher_offload]
-    parkable = (
-        has_teacher
-        and knobs.teacher_offload == "none"
-        and knobs.teacher_bytes_per_param is None
-        and not knobs.self_teacher_copy
-        and not knobs.cross_tokenizer
-        and not knobs.teacher_own_device  # teacher_device: it has a device of its own
-    )
-    if parkable:
+    parkable = knobs.teacher_offload == "none" and knobs.teacher_bytes_per_param is None
+    if has_teacher and parkable and knobs.teacher_parkable:  # the config's checks take it
         teachers += ["park", "stream"]
     return [out[0], *(p for p in itertools.product(acts, teachers) if p != out[0])]
 
@@ -535,11 +528,14 @@ def suggestions(
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
+            # an int8 teacher is not parked (kd.config.teacher_kinds.model.check_teacher_offload)
+            best = _quantized_teacher_setting(
+                student, teacher, knobs, per_param, per_param == int8, **common
+            )
             if best is None:
                 continue
             option, saving = best
-            with_knobs = f" with {option.description}" if option.overrides else ""
+            with_knobs = f" with {option.description}" if option.description else ""
             out.append(
                 FitOption(
                     option.overrides,
@@ -634,6 +630,7 @@ def _quantized_teacher_setting(
     teacher: ModelShape,
     knobs: TrainKnobs,
     per_param: float,
+    resident: bool,
     *,
     budget_bytes: int,
     device: str,
@@ -643,10 +640,11 @@ def _quantized_teacher_setting(
 ) -> tuple[FitOption, int] | None:
     """The fastest knob setting that fits only because the teacher is quantized to
     ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
-    none (or it saves less than :data:`MIN_SAVING_BYTES`)."""
+    none (or it saves less than :data:`MIN_SAVING_BYTES`). ``resident``: never parked."""
     found: list[tuple[FitOption, int]] = []
+    unpark = ["teacher_offload=none"] if resident and knobs.teacher_offload != "none" else []
     for k, over, words, t in _settings(
-        knobs,
+        replace(knobs, teacher_offload="none", teacher_parkable=False) if resident else knobs,
         device=device,
         bound=bound,
         optimizer_keys=optimizer_keys,
@@ -659,7 +657,9 @@ def _quantized_teacher_setting(
         quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
         saving = plain - quantized.peak_bytes
         if quantized.peak_bytes <= budget_bytes < plain and saving >= MIN_SAVING_BYTES:
-            found.append((FitOption(over, quantized.peak_bytes, t, ", ".join(words)), saving))
+            found.append(
+                (FitOption([*unpark, *over], quantized.peak_bytes, t, ", ".join(words)), saving)
+            )
     if not found:
         return None
     return min(found, key=lambda f: (round(f[0].relative_time, 4), f[0].peak_bytes))

@@ -4,6 +4,7 @@ the world size, each planned again from its overrides and fitting the budget and
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -239,3 +240,50 @@ def test_dataset_examples_counts_local_files_only(tmp_path):
         [local, {**node, "source": "tatsu-lab/alpaca"}],
     ):
         assert dataset_examples(unknown) is None, unknown
+
+
+def _fit_json(argv: list[str], *flags: str, capsys) -> list[dict]:
+    from kd import cli
+
+    assert cli.main([*argv, "--fit", "--json", *flags]) == 1
+    return json.loads(capsys.readouterr().out).get("fit", [])
+
+
+def _accepted(argv: list[str], options: list[dict], capsys) -> None:
+    """Every option, applied as printed (an int8 suggestion with its teacher_quantization=int8),
+    passes the config's checks: exit 0 or 1 (fits or not), never 2 (refused)."""
+    from kd import cli
+
+    for opt in options:
+        int8 = "teacher_quantization=int8" in opt["description"]
+        extra = ["teacher_quantization=int8"] if int8 else []
+        code = cli.main([*argv, *extra, *opt["overrides"], "--json"])
+        assert code in (0, 1), (opt, capsys.readouterr().err)
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "over", [["compile=true"], ["device=cuda:0", "teacher_device=cuda:0"]], ids=["compile", "dev"]
+)
+def test_fit_never_parks_a_teacher_the_config_refuses_to_park(over, capsys):
+    """compile, or teacher_device (even the student's own): teacher_offload is refused, so no
+    option offers it (--fit offered optimizer_in_cpu=true teacher_offload=stream, then refused)."""
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "40", *over]
+    options = _fit_json(argv, capsys=capsys)
+    assert not any(o.startswith("teacher_offload=") for opt in options for o in opt["overrides"])
+    _accepted(argv, options, capsys)
+
+
+@pytest.mark.parametrize("over", [[], ["teacher_offload=park"]], ids=["resident", "parked"])
+def test_int8_teacher_suggestion_is_never_parked(over, capsys):
+    """An int8 teacher is not parked (check_teacher_offload): its suggestion keeps the teacher
+    resident (and unparks one the config parks); applied with teacher_quantization=int8 it is
+    accepted (it said teacher_offload=stream, which the run refused)."""
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "36", *over]
+    options = _fit_json(argv, "--consider-teacher-quantization", capsys=capsys)
+    int8 = [o for o in options if "teacher_quantization=int8" in o["description"]]
+    assert int8
+    for opt in int8:
+        assert not {"teacher_offload=park", "teacher_offload=stream"} & set(opt["overrides"])
+        assert ("teacher_offload=none" in opt["overrides"]) == bool(over)
+    _accepted(argv, options, capsys)

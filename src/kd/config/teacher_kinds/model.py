@@ -22,6 +22,7 @@ __all__ = [
     "check_teacher",
     "check_teacher_device",
     "check_teacher_offload",
+    "offload_accepted",
     "plan_local_model",
 ]
 
@@ -92,6 +93,20 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
     if reasons:
         problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
+
+
+def offload_accepted(run: RunConfig) -> bool:
+    """Whether ``run`` with ``teacher_offload: park`` passes :func:`check_teacher_offload` and
+    :func:`check_teacher_device` (``kd plan --fit`` suggests parking only then)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(OmegaConf.create(run.yaml), resolve=True)
+    assert isinstance(data, dict)
+    data["teacher_offload"] = "park"
+    problems: list[Problem] = []
+    check_teacher_offload(data, problems)
+    check_teacher_device(data, problems)
+    return not problems
 
 
 def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
