@@ -283,6 +283,12 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
             "(measure your link)"
         )
     phases, peak_phase, terms = _with_reserve(phases, subphases, k, teacher)
+    if host.host and k.device_type == "cpu":
+        notes.append(
+            "device: cpu: the host memory above is this machine's RAM, the device's own: "
+            "offloading saves none there (set teacher_offload=none, "
+            "enable_activation_offloading=false)"
+        )
     own = teacher_device_components(teacher, k) if k.teacher_own_device and teacher else {}
     if own:
         notes.append(

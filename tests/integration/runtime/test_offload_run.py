@@ -132,15 +132,24 @@ def test_parked_teacher_is_exact(assets, tmp_path, parked, mode):
     assert any("val_loss" in r for r in off[0])
 
 
-def test_everything_offloaded_is_exact(assets, tmp_path, parked, managers):
-    """Activation offloading and a streamed teacher together: still the resident run."""
+def test_everything_offloaded_is_exact(assets, tmp_path, parked, managers, capsys):
+    """Activation offloading and a streamed teacher together: still the resident run. On
+    device: cpu each key says, in one line, that it saves nothing there."""
     top = {"enable_activation_checkpointing": True}
     base = _kd_run(assets, tmp_path / "resident", **top)
+    assert "saves no memory" not in capsys.readouterr().err
     off = _kd_run(
         assets, tmp_path / "off", enable_activation_offloading=True, teacher_offload="stream", **top
     )
     assert len(parked) == 1 and len(managers) == 1
     _assert_same(base, off)
+    said = [line for line in capsys.readouterr().err.splitlines() if "saves no memory" in line]
+    assert said == [
+        "kd: teacher_offload: stream on device cpu saves no memory (host memory is this "
+        "machine's RAM, the device's own); set teacher_offload=none",
+        "kd: enable_activation_offloading on device cpu saves no memory (host memory is this "
+        "machine's RAM, the device's own); set enable_activation_offloading=false",
+    ]
 
 
 # ------------------------------------------------------------------ on the fake accelerator
@@ -396,6 +405,38 @@ def test_streamed_teacher_prefetches_the_next_layer(monkeypatch):
     assert p.prefetched == len(layers)  # layer 0 with the embedding, each layer the next
     assert seen == [2] * (len(layers) - 1) + [1]
     assert not p._pending
+    assert all(now is host for now, host in p.host_copies())
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_a_teacher_parked_on_the_cpu_is_not_copied_again(mode):
+    """device: cpu: the host copies are on the device already; a unit brought in is their
+    storage, not a second copy of the teacher in the same memory (park held two during each
+    forward). Between forwards the modules hold the host copies, as on CUDA."""
+    from kd import models
+    from tests.conftest import tiny_hidden_decoder
+
+    model = tiny_hidden_decoder()
+    models.freeze(model)
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want = model(tokens)
+    p = parking.ParkedWeights(model, torch.device("cpu"), mode=mode)
+    layer = models.decoder_layers(model)[0]
+    seen: list[bool] = []  # per parameter brought in: it shares its host copy's storage
+
+    def same_storage(*_args):
+        for u in p._units:
+            for slot in u.slots:
+                for m, n in slot.places:
+                    if m._parameters[n] is not slot.host:  # brought in
+                        seen.append(m._parameters[n].data_ptr() == slot.host.data_ptr())
+
+    layer.register_forward_pre_hook(same_storage)
+    with torch.no_grad():
+        got = model(tokens)
+    assert seen and all(seen)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert all(now is host for now, host in p.host_copies())
 
 

@@ -217,3 +217,13 @@ def test_a_sampling_parked_teacher_moves_twice():
     # and during the rollout all its weights are on the device
     gen = estimate(LLAMA, TEACHER, sampling).phases["generation"]["teacher_weights"]
     assert gen == 2 * TEACHER.total_params()
+
+
+def test_on_the_cpu_the_plan_says_offloading_saves_nothing():
+    """device: cpu: host memory is the device's RAM; the plan says so next to its host terms
+    (it spoke of pinned memory and PCIe only)."""
+    said = "device: cpu: the host memory above is this machine's RAM"
+    for k in (replace(K, teacher_offload="park"), replace(K, activation_offloading=True)):
+        assert any(said in n for n in estimate(LLAMA, TEACHER, replace(k, device_type="cpu")).notes)
+        assert not any(said in n for n in estimate(LLAMA, TEACHER, k).notes)
+    assert not any(said in n for n in estimate(LLAMA, TEACHER, replace(K, device_type="cpu")).notes)
