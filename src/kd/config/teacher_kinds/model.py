@@ -24,6 +24,8 @@ __all__ = [
     "check_teacher_offload",
     "offload_accepted",
     "plan_local_model",
+    "teacher_device_under_torchrun",
+    "torchrun_problem",
 ]
 
 
@@ -107,6 +109,36 @@ def offload_accepted(run: RunConfig) -> bool:
     check_teacher_offload(data, problems)
     check_teacher_device(data, problems)
     return not problems
+
+
+def teacher_device_under_torchrun(name: str) -> str:
+    """The line ``teacher_device`` is refused with under torchrun."""
+    return (
+        f"teacher_device: {name} puts the teacher on its own device in one process; under "
+        "torchrun the teacher is sharded over the ranks' devices (FSDP2): remove "
+        "teacher_device, or run on one process"
+    )
+
+
+def torchrun_problem(run: RunConfig) -> str | None:
+    """The line a run under torchrun refuses a local teacher's one-device keys with, before any
+    weight is read (:meth:`kd.teachers.build.ModelTeacherSource.check`); ``kd plan --world-size
+    N`` refuses them with it too. None when none is set."""
+    if run.teacher_quantization != "none":
+        return (
+            f"teacher_quantization: {run.teacher_quantization} runs on one device (an "
+            "FSDP2-sharded teacher is not quantized); set teacher_quantization=none, or run on "
+            "one device"
+        )
+    if run.teacher_offload != "none":
+        return (
+            f"teacher_offload: {run.teacher_offload} runs on one device (an FSDP2-sharded teacher "
+            "keeps only its shard); set teacher_offload=none (fsdp.cpu_offload keeps the shards "
+            "in host memory), or run on one device"
+        )
+    if run.teacher_device is not None:
+        return teacher_device_under_torchrun(run.teacher_device)
+    return None
 
 
 def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
