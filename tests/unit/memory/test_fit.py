@@ -22,6 +22,7 @@ from kd.memory.plan import MemoryPlan, attach_fit
 from kd.testing import write_jsonl
 
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
+FULL_14B_3B_TEACHER = "torchtune.models.qwen2_5.qwen2_5_14b_instruct"
 DISTRIBUTED_8B = "llama3_1/8B_to_8B_full_distributed"
 
 
@@ -287,3 +288,37 @@ def test_int8_teacher_suggestion_is_never_parked(over, capsys):
         assert not {"teacher_offload=park", "teacher_offload=stream"} & set(opt["overrides"])
         assert ("teacher_offload=none" in opt["overrides"]) == bool(over)
     _accepted(argv, options, capsys)
+
+
+def test_fit_states_what_several_parked_teachers_move(tmp_path, capsys):
+    """teachers: with two local members, an option that parks them states the bytes and seconds
+    the plan of that option moves (every member, brought in in turn), not the largest's alone
+    (it said 208.5 GiB, the 14B member's, where the plan moved 313.8)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from kd import cli
+
+    cfg = OmegaConf.to_container(load_config(FULL_14B_3B, []), resolve=True)
+    member = {"teacher_checkpointer": cfg.pop("teacher_checkpointer")}
+    del cfg["teacher_model"]
+    seven = "torchtune.models.qwen2_5.qwen2_5_7b_instruct"
+    cfg["teachers"] = {
+        "members": [
+            {"name": "big", "teacher_model": {"_component_": FULL_14B_3B_TEACHER}, **member},
+            {"name": "small", "teacher_model": {"_component_": seven}, **member},
+        ]
+    }
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = ["plan", "--config", str(path), "--budget-gib", "48"]
+    options = _fit_json(argv, capsys=capsys)
+    parked = [o for o in options if "teacher_offload=stream" in o["overrides"]]
+    assert parked
+    for opt in parked:
+        assert cli.main([*argv, *opt["overrides"], "--json"]) == 0
+        moved = json.loads(capsys.readouterr().out)["host"]["moved_gib_per_step"]
+        said = (
+            f"(one layer at a time, the next prefetched): {moved['parked_teacher']:.1f} GiB moved"
+        )
+        assert said in opt["description"], (opt["description"], moved)
