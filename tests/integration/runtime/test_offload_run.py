@@ -230,6 +230,47 @@ def test_parameter_views_stay_and_slices_are_dense(monkeypatch):
     assert any(t._base is lin.weight for t in kept)  # weight.t() stayed where it was
 
 
+def test_a_transposed_activation_comes_back_with_its_strides():
+    """A dense saved tensor that is not contiguous (a transposed view) comes back with its own
+    strides, as torchtune's host copy keeps them: a compiled layer's backward asserts them
+    (``compile`` with ``enable_activation_offloading`` and no checkpointing failed its first
+    backward: "expected ... stride 28==1")."""
+    seen: list[tuple[int, ...]] = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            seen.append(t.stride())
+            return grad * 2
+
+    x = torch.randn(16, 64, requires_grad=True)
+    manager = offload.HostActivations("cpu")
+    with manager:
+        y = (x * 1.0).t()  # [64, 16], strides (1, 64)
+        out = Saves.apply(y).sum()
+    assert manager.offloaded_bytes == 16 * 64 * 4 and not y.is_contiguous()
+    out.backward()
+    assert seen == [y.stride()]
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_offloaded_activations_are_exact(assets, tmp_path, managers):
+    """compile: the compiled layers' saved tensors go to host copies and come back with the
+    strides their backward asserts; the same numbers as without offloading."""
+    top = {"compile": True}
+    base = _kd_run(assets, tmp_path / "resident", **top)
+    off = _kd_run(assets, tmp_path / "offload", enable_activation_offloading=True, **top)
+    assert len(managers) == 1 and managers[0].offloaded_bytes > 0
+    _assert_same(base, off)
+
+
 def test_compute_stream_is_read_live():
     """Off CUDA there is one stream (None); torchtune's cached default stream is never used."""
     manager = offload.HostActivations("cpu")
