@@ -144,6 +144,7 @@ def check_plot_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
+    from kd.config.teacher_kinds.model import torchrun_problem
     from kd.memory.estimate import estimate
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
@@ -156,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     target = resolve_target(args, for_plan=True)
     run, world = target.run, target.world_size
+    refused = torchrun_problem(run) if world > 1 else None
+    if refused is not None:  # as the run under torchrun, before any weight is read
+        raise KDUserError(refused)
     inputs = inputs_from_run(run, world_size=world, config_name=args.config)
     budget = resolve_budget(budget_gib=run.memory.budget_gib, device=run.device)
     if budget.source != "memory.budget_gib":

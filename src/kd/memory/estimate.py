@@ -205,6 +205,26 @@ def _with_reserve(
     return out, peak_phase, terms
 
 
+def _host_notes(host: HostTerms, k: TrainKnobs) -> list[str]:
+    """The plan's lines on host memory: its size and transfers; on ``device: cpu`` that it is
+    the device's own RAM, so offloading saves none there."""
+    notes = []
+    if host.moved:
+        notes.append(
+            f"host memory {host.host_bytes / GIB:.2f} GiB (pinned); "
+            f"{host.moved_bytes / GIB:.2f} GiB moved per optimizer step, "
+            f"~{host.seconds_per_step:.2f} s at an assumed {PCIE_GB_PER_S:g} GB/s PCIe "
+            "(measure your link)"
+        )
+    if host.host and k.device_type == "cpu":
+        notes.append(
+            "device: cpu: the host memory above is this machine's RAM, the device's own: "
+            "offloading saves none there (set teacher_offload=none, "
+            "enable_activation_offloading=false)"
+        )
+    return notes
+
+
 def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs) -> Estimate:
     """Per-phase bytes of one training step on one device.
 
@@ -275,13 +295,7 @@ def estimate(student: ModelShape, teacher: ModelShape | None, knobs: TrainKnobs)
             f"(torchtune's stash of {OFFLOAD_STASH} tensors and the layer in backward stay)"
         )
     host = host_terms(student, teacher, acts, k)
-    if host.moved:
-        notes.append(
-            f"host memory {host.host_bytes / GIB:.2f} GiB (pinned); "
-            f"{host.moved_bytes / GIB:.2f} GiB moved per optimizer step, "
-            f"~{host.seconds_per_step:.2f} s at an assumed {PCIE_GB_PER_S:g} GB/s PCIe "
-            "(measure your link)"
-        )
+    notes += _host_notes(host, k)
     phases, peak_phase, terms = _with_reserve(phases, subphases, k, teacher)
     own = teacher_device_components(teacher, k) if k.teacher_own_device and teacher else {}
     if own:

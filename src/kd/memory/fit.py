@@ -31,7 +31,7 @@ from typing import Any
 from kd import families
 from kd.memory.estimate import EVAL_PHASE, GEN_PHASE, GIB, Estimate, estimate
 from kd.memory.knobs import OptimizerSpec, TrainKnobs
-from kd.memory.offload import PCIE_GB_PER_S, parked_teacher_bytes
+from kd.memory.offload import PCIE_GB_PER_S
 from kd.memory.shapes import (
     BUILDERS,
     INT8_BYTES_PER_PARAM,  # noqa: F401  (re-exported: kd.memory.fit.INT8_BYTES_PER_PARAM)
@@ -57,6 +57,9 @@ _TIME = {
     "teacher_park": 1.5,
     "teacher_stream": 1.55,
 }
+
+# The words of a host offload (:func:`_settings`) -> its term in HostTerms.moved.
+_MOVED = {"activations in host": "offloaded_activations", "teacher in host": "parked_teacher"}
 
 # Examples per rank one optimizer step may need when the dataset's length is unknown at plan time.
 UNKNOWN_DATA_EXAMPLES = 4096
@@ -183,22 +186,15 @@ def _optimizers(knobs: TrainKnobs, device: str) -> list[str]:
 
 def _host_offloads(knobs: TrainKnobs, device: str, has_teacher: bool) -> list[tuple[bool, str]]:
     """(activation offloading, teacher offload) pairs the recipe accepts here, the current first:
-    on one CUDA device, the student's activations to host memory, and a teacher model (not
-    quantized, not the student itself, not another tokenizer's) parked or streamed."""
+    on one CUDA device, the student's activations to host memory, and a teacher parked or
+    streamed where the config's checks let it (:attr:`TrainKnobs.teacher_parkable`)."""
     out = [(knobs.activation_offloading, knobs.teacher_offload)]
     if not device.startswith("cuda") or knobs.world_size > 1:
         return out
     acts = [knobs.activation_offloading] + ([True] if not knobs.activation_offloading else [])
     teachers = [knobs.teacher_offload]
-    parkable = (
-        has_teacher
-        and knobs.teacher_offload == "none"
-        and knobs.teacher_bytes_per_param is None
-        and not knobs.self_teacher_copy
-        and not knobs.cross_tokenizer
-        and not knobs.teacher_own_device  # teacher_device: it has a device of its own
-    )
-    if parkable:
+    parkable = knobs.teacher_offload == "none" and knobs.teacher_bytes_per_param is None
+    if has_teacher and parkable and knobs.teacher_parkable:  # the config's checks take it
         teachers += ["park", "stream"]
     return [out[0], *(p for p in itertools.product(acts, teachers) if p != out[0])]
 
@@ -236,18 +232,11 @@ def _settings(
                 o, w = [*o, "enable_activation_offloading=true"], [*w, "activations in host memory"]
                 tt *= _TIME["activation_offloading"]
             if parked != knobs.teacher_offload:
-                moved = parked_teacher_bytes(teacher, kk) * kk.grad_accum
-                seconds = moved / (PCIE_GB_PER_S * 1e9)
                 how = (
                     "all of it" if parked == "park" else "one layer at a time, the next prefetched"
                 )
                 o = [*o, f"teacher_offload={parked}"]
-                w = [
-                    *w,
-                    f"teacher in host memory, on the device for its forwards ({how}): "
-                    f"{moved / GIB:.1f} GiB moved per step, ~{seconds:.1f} s at an assumed "
-                    f"{PCIE_GB_PER_S:g} GB/s",
-                ]
+                w = [*w, f"teacher in host memory, on the device for its forwards ({how})"]
                 tt *= _TIME[f"teacher_{parked}"]
             yield kk, o, w, tt
 
@@ -371,17 +360,21 @@ def _fitting(
 
 
 def _moved_words(words: list[str], est: Estimate) -> list[str]:
-    """``words`` with the activations' host transfers stated (bytes and seconds per step, as
-    the teacher's are), from the option's own estimate."""
-    acts = est.host.moved.get("offloaded_activations", 0)
-    if not acts:
-        return words
-    seconds = acts / (PCIE_GB_PER_S * 1e9)
-    said = (
-        f"activations in host memory: {acts / GIB:.1f} GiB moved per step, ~{seconds:.1f} s at an "
-        f"assumed {PCIE_GB_PER_S:g} GB/s (a side stream: overlapped with compute)"
-    )
-    return [said if w == "activations in host memory" else w for w in words]
+    """``words`` with the host transfers of offloaded activations and of a parked teacher (every
+    local member of ``teachers:``, twice when it samples) stated, bytes and seconds per step, from
+    the option's own estimate (:attr:`Estimate.host`)."""
+    out = []
+    for w in words:
+        key = next((c for head, c in _MOVED.items() if w.startswith(head)), "")
+        moved = est.host.moved.get(key, 0)
+        if moved:
+            side = " (a side stream: overlapped with compute)" * (key == "offloaded_activations")
+            w += (
+                f": {moved / GIB:.1f} GiB moved per step, ~{moved / (PCIE_GB_PER_S * 1e9):.1f} s "
+                f"at an assumed {PCIE_GB_PER_S:g} GB/s{side}"
+            )
+        out.append(w)
+    return out
 
 
 def fit_options(
@@ -535,11 +528,14 @@ def suggestions(
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
+            # an int8 teacher is not parked (kd.config.teacher_kinds.model.check_teacher_offload)
+            best = _quantized_teacher_setting(
+                student, teacher, knobs, per_param, per_param == int8, **common
+            )
             if best is None:
                 continue
             option, saving = best
-            with_knobs = f" with {option.description}" if option.overrides else ""
+            with_knobs = f" with {option.description}" if option.description else ""
             out.append(
                 FitOption(
                     option.overrides,
@@ -634,6 +630,7 @@ def _quantized_teacher_setting(
     teacher: ModelShape,
     knobs: TrainKnobs,
     per_param: float,
+    resident: bool,
     *,
     budget_bytes: int,
     device: str,
@@ -643,10 +640,11 @@ def _quantized_teacher_setting(
 ) -> tuple[FitOption, int] | None:
     """The fastest knob setting that fits only because the teacher is quantized to
     ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
-    none (or it saves less than :data:`MIN_SAVING_BYTES`)."""
+    none (or it saves less than :data:`MIN_SAVING_BYTES`). ``resident``: never parked."""
     found: list[tuple[FitOption, int]] = []
+    unpark = ["teacher_offload=none"] if resident and knobs.teacher_offload != "none" else []
     for k, over, words, t in _settings(
-        knobs,
+        replace(knobs, teacher_offload="none", teacher_parkable=False) if resident else knobs,
         device=device,
         bound=bound,
         optimizer_keys=optimizer_keys,
@@ -659,7 +657,8 @@ def _quantized_teacher_setting(
         quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
         saving = plain - quantized.peak_bytes
         if quantized.peak_bytes <= budget_bytes < plain and saving >= MIN_SAVING_BYTES:
-            found.append((FitOption(over, quantized.peak_bytes, t, ", ".join(words)), saving))
+            said = ", ".join(_moved_words(words, quantized))
+            found.append((FitOption([*unpark, *over], quantized.peak_bytes, t, said), saving))
     if not found:
         return None
     return min(found, key=lambda f: (round(f[0].relative_time, 4), f[0].peak_bytes))

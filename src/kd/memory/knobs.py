@@ -150,11 +150,14 @@ class TrainKnobs:
             (:func:`kd.memory.loss_head.cross_loss_bytes`), not the fused head.
         activation_offloading: the student's saved activations wait in host memory
             (``enable_activation_offloading``; :mod:`kd.memory.offload`).
-        teacher_offload: ``none`` or ``park``: the teacher's weights but its output projection
+        teacher_offload: ``none``, ``park`` or ``stream``: the teacher's weights but its output projection
             wait in host memory between its forwards (:mod:`kd.memory.offload`).
         teacher_own_device: the teacher runs on a device of its own (``teacher_device``): this
             device holds its output projection's copy and the hidden states it sends, not its
             weights or forward (:mod:`kd.memory.teacher_device` plans its device).
+        teacher_parkable: the config takes ``teacher_offload: park | stream``
+            (:func:`kd.config.teacher_kinds.model.offload_accepted`: not with ``compile``,
+            ``teacher_device``, ...); ``kd plan --fit`` suggests parking only then.
         other_teacher_head_params: the output projections of :attr:`other_teacher_params` (what
             stays on the device of a parked member).
         cross_vocab: the distribution size of the teacher with another tokenizer when it is not
@@ -198,6 +201,7 @@ class TrainKnobs:
     cross_vocab: int | None = None
     activation_offloading: bool = False
     teacher_offload: str = "none"
+    teacher_parkable: bool = True
     other_teacher_head_params: int = 0
     teacher_own_device: bool = False
     final_eval: FinalEvalKnobs | None = None

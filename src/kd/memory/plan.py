@@ -19,6 +19,7 @@ from kd import folders
 from kd.config import teacher_kinds as kinds
 from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
+from kd.config.teacher_kinds.model import offload_accepted
 from kd.errors import KDUserError, brief
 from kd.memory import eval_phase
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
@@ -504,6 +505,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         cross_vocab=tp.cross_vocab or None,
         activation_offloading=run.activation_offloading,
         teacher_offload=tp.offload if tp.teacher is not None else "none",
+        teacher_parkable=offload_accepted(run),
         other_teacher_head_params=tp.other_head_params,
         teacher_own_device=tp.teacher is not None and _own_device(run),
         final_eval=final_eval,

@@ -10,10 +10,11 @@ forward and brought back in backward), with kd's changes around its two hooks:
   current stream at pack/unpack time is not the default stream, and syncing against the cached
   one orders the copies against the wrong stream (axolotl PR #3833's fix, TRL PR #7195);
 * a saved tensor with a storage offset or non-contiguous strides (a slice such as shifted labels)
-  is made contiguous on the compute stream *before* torchtune's pack hook sees it, so the side
-  stream only ever reads a dense tensor the compute stream finished writing and no copy is
-  allocated from the side stream's pool (axolotl PR #3776: without it the shifted labels were
-  read after their block was reused);
+  is copied on the compute stream *before* torchtune's pack hook sees it (a dense one, such as a
+  transposed view, with its own strides, which a compiled layer's backward asserts; one with gaps
+  contiguous), so the side stream only ever reads a dense tensor the compute stream finished
+  writing and no copy is allocated from the side stream's pool (axolotl PR #3776: without it the
+  shifted labels were read after their block was reused);
 * views of parameters (the ``weight.t()`` a linear layer saves) stay where they are: they are on
   the device for the whole step anyway (under FSDP2 they are the gathered weights, freed and
   gathered again by FSDP2 itself), and offloading them would only copy weights over PCIe;
@@ -84,8 +85,10 @@ class HostActivations(OffloadActivations):
             kept = _is_parameter_view(activation)
             offloaded = not kept and _nbytes(activation) >= self.min_tensor_size_bytes
             if offloaded and (activation.storage_offset() != 0 or not activation.is_contiguous()):
-                # On the compute stream, before the side stream is told to wait for it.
-                activation = activation.clone(memory_format=torch.contiguous_format)
+                # On the compute stream, before the side stream is told to wait for it. A dense
+                # tensor keeps its strides (a transposed one stays transposed, as torchtune's host
+                # copy keeps them): a compiled layer's backward asserts the strides it saved.
+                activation = activation.clone(memory_format=torch.preserve_format)
             limit = self.min_tensor_size_bytes
             if kept:
                 self.min_tensor_size_bytes = sys.maxsize

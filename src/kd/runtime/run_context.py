@@ -225,6 +225,7 @@ class RunContext:
         checkpointing and offloading, FSDP2 when distributed)."""
         ac, lora = self.run.activation_checkpointing, facts.lora
         offload = self.device.type if self.run.activation_offloading else None
+        self._say_cpu_offload()
         return self.load_model(
             "model",
             facts.sources["model"],
@@ -237,6 +238,24 @@ class RunContext:
             ),
             run_dir=run_dir,
         )
+
+    def _say_cpu_offload(self) -> None:
+        """On ``device: cpu`` the offload keys run their hooks but save nothing: one line each
+        (docs/offloading.md)."""
+        if self.device.type != "cpu" or not self.world.is_rank_zero:
+            return
+        said = []
+        if self.run.teacher_offload != "none":
+            said.append((f"teacher_offload: {self.run.teacher_offload}", "teacher_offload=none"))
+        if self.run.activation_offloading:
+            said.append(("enable_activation_offloading", "enable_activation_offloading=false"))
+        for key, fix in said:
+            log.warning(
+                "%s on device cpu saves no memory (host memory is this machine's RAM, the "
+                "device's own); set %s",
+                key,
+                fix,
+            )
 
     def load_model(
         self,

@@ -22,6 +22,7 @@ import torch
 from kd import data, models
 from kd.config import teacher_kinds
 from kd.config.run import RunConfig
+from kd.config.teacher_kinds.model import torchrun_problem
 from kd.config.teacher_kinds.store import TeacherLogitsSettings
 from kd.errors import KDUserError
 from kd.runtime.prepare import prepare_teacher
@@ -127,6 +128,7 @@ class ModelTeacherSource:
     route_field: str | None = None
 
     def __init__(self, run: RunConfig | None = None):
+        self.run = run
         self.hidden_states = run.hidden_states if run is not None else None
         self.quantization: str = run.teacher_quantization if run is not None else "none"
         self.offload: str = run.teacher_offload if run is not None else "none"
@@ -138,17 +140,9 @@ class ModelTeacherSource:
         # checked against both models' layer counts (config.json).
         if self.hidden_states is not None:
             check_layer_map(self.hidden_states, facts)
-        if self.quantization != "none" and ctx.world.distributed:
-            raise KDUserError(
-                f"teacher_quantization: {self.quantization} runs on one device (an FSDP2-sharded "
-                "teacher is not quantized); set teacher_quantization=none, or run on one device"
-            )
-        if self.offload != "none" and ctx.world.distributed:
-            raise KDUserError(
-                f"teacher_offload: {self.offload} runs on one device (an FSDP2-sharded teacher "
-                "keeps only its shard); set teacher_offload=none (fsdp.cpu_offload keeps the "
-                "shards in host memory), or run on one device"
-            )
+        problem = torchrun_problem(self.run) if self.run is not None else None
+        if problem is not None and ctx.world.distributed:
+            raise KDUserError(problem)
         if self.device_name is not None:  # before any weight is read
             check_teacher_device(self.device_name, distributed=ctx.world.distributed)
 

@@ -16,7 +16,9 @@ the host copy after; dropping the device copy is freeing it. Stream safety of th
 compute stream waits on an event recorded after the side stream's copies before the unit runs,
 and each prefetched copy is marked used by the compute stream (``record_stream``), so the caching
 allocator does not hand its memory to a later copy before the kernels that read it are done. Off
-CUDA (the CPU, the fake accelerator) there is one stream: the same code copies at once. The modules' parameter entries are
+CUDA (the CPU, the fake accelerator) there is one stream: the same code copies at once; on
+``device: cpu`` the host copy is on the device already, so a unit brought in is its host
+copies' storage (a copy would hold the teacher twice in the same memory). The modules' parameter entries are
 swapped (not ``param.data``), so a parameter always is one tensor on one device. Moved bytes are
 counted (:attr:`ParkedWeights.moved_bytes`).
 
@@ -65,10 +67,14 @@ class _Unit:
 
     def copies(self, device: torch.device) -> list[nn.Parameter]:
         """A device copy of every parameter (asynchronous from pinned memory, on the current
-        stream)."""
+        stream); on the host's own device (``device: cpu``) the host copy's storage itself, not
+        a second copy of the teacher in the same memory."""
         return [
             nn.Parameter(
-                slot.host.detach().to(device, non_blocking=True, copy=True), requires_grad=False
+                slot.host.detach()
+                if slot.host.device == device
+                else slot.host.detach().to(device, non_blocking=True, copy=True),
+                requires_grad=False,
             )
             for slot in self.slots
         ]

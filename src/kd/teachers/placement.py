@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kd import models
+from kd.config.teacher_kinds.model import teacher_device_under_torchrun
 from kd.errors import KDUserError
 
 
@@ -40,11 +41,7 @@ def check_teacher_device(name: str, *, distributed: bool) -> torch.device:
         KDUserError: under torchrun, or a device this machine does not have.
     """
     if distributed:
-        raise KDUserError(
-            f"teacher_device: {name} puts the teacher on its own device in one process; under "
-            "torchrun the teacher is sharded over the ranks' devices (FSDP2): remove "
-            "teacher_device, or run on one process"
-        )
+        raise KDUserError(teacher_device_under_torchrun(name))
     device = torch.device(name)
     if device.type == "cpu":
         return device

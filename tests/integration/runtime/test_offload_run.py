@@ -14,6 +14,9 @@ from kd.memory import fake_device
 from kd.runtime import offload
 from kd.teachers import parking
 from tests.conftest import FAKE_ACCELERATOR, REAL_CUDA, make_config, read_metrics, write_config
+from tests.integration.teachers.test_cross_run import letter_data, other_tok_teacher  # noqa: F401
+from tests.integration.teachers.test_multi_cross import _cross_member, _multi
+from tests.integration.teachers.test_multi_run import _member
 
 SGD = {"_component_": "torch.optim.SGD", "lr": 0.5}
 
@@ -129,15 +132,24 @@ def test_parked_teacher_is_exact(assets, tmp_path, parked, mode):
     assert any("val_loss" in r for r in off[0])
 
 
-def test_everything_offloaded_is_exact(assets, tmp_path, parked, managers):
-    """Activation offloading and a streamed teacher together: still the resident run."""
+def test_everything_offloaded_is_exact(assets, tmp_path, parked, managers, capsys):
+    """Activation offloading and a streamed teacher together: still the resident run. On
+    device: cpu each key says, in one line, that it saves nothing there."""
     top = {"enable_activation_checkpointing": True}
     base = _kd_run(assets, tmp_path / "resident", **top)
+    assert "saves no memory" not in capsys.readouterr().err
     off = _kd_run(
         assets, tmp_path / "off", enable_activation_offloading=True, teacher_offload="stream", **top
     )
     assert len(parked) == 1 and len(managers) == 1
     _assert_same(base, off)
+    said = [line for line in capsys.readouterr().err.splitlines() if "saves no memory" in line]
+    assert said == [
+        "kd: teacher_offload: stream on device cpu saves no memory (host memory is this "
+        "machine's RAM, the device's own); set teacher_offload=none",
+        "kd: enable_activation_offloading on device cpu saves no memory (host memory is this "
+        "machine's RAM, the device's own); set enable_activation_offloading=false",
+    ]
 
 
 # ------------------------------------------------------------------ on the fake accelerator
@@ -218,6 +230,47 @@ def test_parameter_views_stay_and_slices_are_dense(monkeypatch):
     assert any(t._base is lin.weight for t in kept)  # weight.t() stayed where it was
 
 
+def test_a_transposed_activation_comes_back_with_its_strides():
+    """A dense saved tensor that is not contiguous (a transposed view) comes back with its own
+    strides, as torchtune's host copy keeps them: a compiled layer's backward asserts them
+    (``compile`` with ``enable_activation_offloading`` and no checkpointing failed its first
+    backward: "expected ... stride 28==1")."""
+    seen: list[tuple[int, ...]] = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (t,) = ctx.saved_tensors
+            seen.append(t.stride())
+            return grad * 2
+
+    x = torch.randn(16, 64, requires_grad=True)
+    manager = offload.HostActivations("cpu")
+    with manager:
+        y = (x * 1.0).t()  # [64, 16], strides (1, 64)
+        out = Saves.apply(y).sum()
+    assert manager.offloaded_bytes == 16 * 64 * 4 and not y.is_contiguous()
+    out.backward()
+    assert seen == [y.stride()]
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_offloaded_activations_are_exact(assets, tmp_path, managers):
+    """compile: the compiled layers' saved tensors go to host copies and come back with the
+    strides their backward asserts; the same numbers as without offloading."""
+    top = {"compile": True}
+    base = _kd_run(assets, tmp_path / "resident", **top)
+    off = _kd_run(assets, tmp_path / "offload", enable_activation_offloading=True, **top)
+    assert len(managers) == 1 and managers[0].offloaded_bytes > 0
+    _assert_same(base, off)
+
+
 def test_compute_stream_is_read_live():
     """Off CUDA there is one stream (None); torchtune's cached default stream is never used."""
     manager = offload.HostActivations("cpu")
@@ -293,6 +346,33 @@ def test_teacher_offload_refusals(assets, tmp_path, capsys, top, says):
     assert not (tmp_path / "out").exists()
 
 
+def test_teacher_offload_refuses_a_member_with_another_tokenizer(
+    assets,
+    other_tok_teacher,  # noqa: F811
+    letter_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """A member of teachers: with cross_tokenizer is loaded resident (kd.teachers.cross), so
+    parking is refused for it as for a top-level cross_tokenizer (it ran resident while the plan
+    counted it parked)."""
+    out = tmp_path / "out"
+    members = [
+        _member("p", assets["teacher"], out),
+        _cross_member("x", other_tok_teacher),
+    ]
+    teachers = {"combine": "weights", "members": members}
+    cfg = _multi(assets, out, letter_data, teachers, teacher_offload="park")
+    path = write_config(tmp_path / "c.yaml", cfg)
+    assert cli.main(["validate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "kd: error: teacher_offload: park does not park a teacher with another tokenizer "
+        "(cross_tokenizer); set teacher_offload=none"
+    ]
+    assert not out.exists()
+
+
 HIDDEN = {"layer_map": ["embed:embed", "0:0", "1:1", "norm:norm"], "loss": "cosine"}
 
 
@@ -366,6 +446,38 @@ def test_streamed_teacher_prefetches_the_next_layer(monkeypatch):
     assert p.prefetched == len(layers)  # layer 0 with the embedding, each layer the next
     assert seen == [2] * (len(layers) - 1) + [1]
     assert not p._pending
+    assert all(now is host for now, host in p.host_copies())
+
+
+@pytest.mark.parametrize("mode", ["park", "stream"])
+def test_a_teacher_parked_on_the_cpu_is_not_copied_again(mode):
+    """device: cpu: the host copies are on the device already; a unit brought in is their
+    storage, not a second copy of the teacher in the same memory (park held two during each
+    forward). Between forwards the modules hold the host copies, as on CUDA."""
+    from kd import models
+    from tests.conftest import tiny_hidden_decoder
+
+    model = tiny_hidden_decoder()
+    models.freeze(model)
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want = model(tokens)
+    p = parking.ParkedWeights(model, torch.device("cpu"), mode=mode)
+    layer = models.decoder_layers(model)[0]
+    seen: list[bool] = []  # per parameter brought in: it shares its host copy's storage
+
+    def same_storage(*_args):
+        for u in p._units:
+            for slot in u.slots:
+                for m, n in slot.places:
+                    if m._parameters[n] is not slot.host:  # brought in
+                        seen.append(m._parameters[n].data_ptr() == slot.host.data_ptr())
+
+    layer.register_forward_pre_hook(same_storage)
+    with torch.no_grad():
+        got = model(tokens)
+    assert seen and all(seen)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert all(now is host for now, host in p.host_copies())
 
 

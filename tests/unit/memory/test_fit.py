@@ -4,6 +4,7 @@ the world size, each planned again from its overrides and fitting the budget and
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from kd.memory.plan import MemoryPlan, attach_fit
 from kd.testing import write_jsonl
 
 FULL_14B_3B = "qwen2_5/14B_to_3B_full_single_device"
+FULL_14B_3B_TEACHER = "torchtune.models.qwen2_5.qwen2_5_14b_instruct"
 DISTRIBUTED_8B = "llama3_1/8B_to_8B_full_distributed"
 
 
@@ -239,3 +241,84 @@ def test_dataset_examples_counts_local_files_only(tmp_path):
         [local, {**node, "source": "tatsu-lab/alpaca"}],
     ):
         assert dataset_examples(unknown) is None, unknown
+
+
+def _fit_json(argv: list[str], *flags: str, capsys) -> list[dict]:
+    from kd import cli
+
+    assert cli.main([*argv, "--fit", "--json", *flags]) == 1
+    return json.loads(capsys.readouterr().out).get("fit", [])
+
+
+def _accepted(argv: list[str], options: list[dict], capsys) -> None:
+    """Every option, applied as printed (an int8 suggestion with its teacher_quantization=int8),
+    passes the config's checks: exit 0 or 1 (fits or not), never 2 (refused)."""
+    from kd import cli
+
+    for opt in options:
+        int8 = "teacher_quantization=int8" in opt["description"]
+        extra = ["teacher_quantization=int8"] if int8 else []
+        code = cli.main([*argv, *extra, *opt["overrides"], "--json"])
+        assert code in (0, 1), (opt, capsys.readouterr().err)
+        capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "over", [["compile=true"], ["device=cuda:0", "teacher_device=cuda:0"]], ids=["compile", "dev"]
+)
+def test_fit_never_parks_a_teacher_the_config_refuses_to_park(over, capsys):
+    """compile, or teacher_device (even the student's own): teacher_offload is refused, so no
+    option offers it (--fit offered optimizer_in_cpu=true teacher_offload=stream, then refused)."""
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "40", *over]
+    options = _fit_json(argv, capsys=capsys)
+    assert not any(o.startswith("teacher_offload=") for opt in options for o in opt["overrides"])
+    _accepted(argv, options, capsys)
+
+
+@pytest.mark.parametrize("over", [[], ["teacher_offload=park"]], ids=["resident", "parked"])
+def test_int8_teacher_suggestion_is_never_parked(over, capsys):
+    """An int8 teacher is not parked (check_teacher_offload): its suggestion keeps the teacher
+    resident (and unparks one the config parks); applied with teacher_quantization=int8 it is
+    accepted (it said teacher_offload=stream, which the run refused)."""
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "36", *over]
+    options = _fit_json(argv, "--consider-teacher-quantization", capsys=capsys)
+    int8 = [o for o in options if "teacher_quantization=int8" in o["description"]]
+    assert int8
+    for opt in int8:
+        assert not {"teacher_offload=park", "teacher_offload=stream"} & set(opt["overrides"])
+        assert ("teacher_offload=none" in opt["overrides"]) == bool(over)
+    _accepted(argv, options, capsys)
+
+
+def test_fit_states_what_several_parked_teachers_move(tmp_path, capsys):
+    """teachers: with two local members, an option that parks them states the bytes and seconds
+    the plan of that option moves (every member, brought in in turn), not the largest's alone
+    (it said 208.5 GiB, the 14B member's, where the plan moved 313.8)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from kd import cli
+
+    cfg = OmegaConf.to_container(load_config(FULL_14B_3B, []), resolve=True)
+    member = {"teacher_checkpointer": cfg.pop("teacher_checkpointer")}
+    del cfg["teacher_model"]
+    seven = "torchtune.models.qwen2_5.qwen2_5_7b_instruct"
+    cfg["teachers"] = {
+        "members": [
+            {"name": "big", "teacher_model": {"_component_": FULL_14B_3B_TEACHER}, **member},
+            {"name": "small", "teacher_model": {"_component_": seven}, **member},
+        ]
+    }
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    argv = ["plan", "--config", str(path), "--budget-gib", "48"]
+    options = _fit_json(argv, capsys=capsys)
+    parked = [o for o in options if "teacher_offload=stream" in o["overrides"]]
+    assert parked
+    for opt in parked:
+        assert cli.main([*argv, *opt["overrides"], "--json"]) == 0
+        moved = json.loads(capsys.readouterr().out)["host"]["moved_gib_per_step"]
+        said = (
+            f"(one layer at a time, the next prefetched): {moved['parked_teacher']:.1f} GiB moved"
+        )
+        assert said in opt["description"], (opt["description"], moved)

@@ -217,3 +217,34 @@ def test_a_sampling_parked_teacher_moves_twice():
     # and during the rollout all its weights are on the device
     gen = estimate(LLAMA, TEACHER, sampling).phases["generation"]["teacher_weights"]
     assert gen == 2 * TEACHER.total_params()
+
+
+def test_on_the_cpu_the_plan_says_offloading_saves_nothing():
+    """device: cpu: host memory is the device's RAM; the plan says so next to its host terms
+    (it spoke of pinned memory and PCIe only)."""
+    said = "device: cpu: the host memory above is this machine's RAM"
+    for k in (replace(K, teacher_offload="park"), replace(K, activation_offloading=True)):
+        assert any(said in n for n in estimate(LLAMA, TEACHER, replace(k, device_type="cpu")).notes)
+        assert not any(said in n for n in estimate(LLAMA, TEACHER, k).notes)
+    assert not any(said in n for n in estimate(LLAMA, TEACHER, replace(K, device_type="cpu")).notes)
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [
+        (["teacher_offload=stream"], "teacher_offload: stream runs on one device"),
+        (["teacher_quantization=int8"], "teacher_quantization: int8 runs on one device"),
+        (["device=cuda:0", "teacher_device=cuda:1"], "teacher_device: cuda:1 puts the teacher"),
+    ],
+    ids=["offload", "int8", "teacher-device"],
+)
+def test_plan_over_ranks_refuses_what_torchrun_refuses(over, says, capsys):
+    """``kd plan --world-size 2`` planned a parked, int8 or own-device teacher (per rank, host
+    terms and all) that the run under torchrun refuses before any weight is read: it refuses it
+    with the run's line (kd.config.teacher_kinds.model.torchrun_problem)."""
+    argv = ["plan", "--config", "llama3_1/8B_to_8B_full_distributed", "--budget-gib", "80"]
+    assert cli.main([*argv, "--world-size", "2", *over]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kd: error: {says}")
+    assert cli.main([*argv, *over]) in (0, 1)  # one rank: planned
+    assert "kd: error" not in capsys.readouterr().err

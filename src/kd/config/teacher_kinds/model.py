@@ -22,7 +22,10 @@ __all__ = [
     "check_teacher",
     "check_teacher_device",
     "check_teacher_offload",
+    "offload_accepted",
     "plan_local_model",
+    "teacher_device_under_torchrun",
+    "torchrun_problem",
 ]
 
 
@@ -69,13 +72,18 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         data.get("teachers", {}).get("members") if isinstance(data.get("teachers"), dict) else None
     )
     local = data.get("teacher_model") is not None and data.get("teacher_logits") is None
+    crossed = data.get("cross_tokenizer") is not None
     if isinstance(members, list):
-        local = local or any(
-            isinstance(m, dict)
+        own = [
+            m
+            for m in members
+            if isinstance(m, dict)
             and m.get("teacher_model") is not None
             and m.get("teacher_logits") is None
-            for m in members
-        )
+        ]
+        local = local or bool(own)
+        # a member with another tokenizer is loaded resident (kd.teachers.cross)
+        crossed = crossed or any(m.get("cross_tokenizer") is not None for m in own)
     reasons = []
     if not local or data.get("self_teacher") is not None:
         reasons.append("needs a local teacher model (teacher_model) to park")
@@ -83,10 +91,54 @@ def check_teacher_offload(data: dict[str, Any], problems: list[Problem]) -> None
         reasons.append("does not park an int8 teacher (teacher_quantization)")
     if data.get("compile"):
         reasons.append("does not park compiled layers (compile)")
-    if data.get("cross_tokenizer") is not None:
+    if crossed:
         reasons.append("does not park a teacher with another tokenizer (cross_tokenizer)")
     if reasons:
         problems.append(Problem("teacher_offload", f"{mode} {reasons[0]}; {fix}"))
+
+
+def offload_accepted(run: RunConfig) -> bool:
+    """Whether ``run`` with ``teacher_offload: park`` passes :func:`check_teacher_offload` and
+    :func:`check_teacher_device` (``kd plan --fit`` suggests parking only then)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(OmegaConf.create(run.yaml), resolve=True)
+    assert isinstance(data, dict)
+    data["teacher_offload"] = "park"
+    problems: list[Problem] = []
+    check_teacher_offload(data, problems)
+    check_teacher_device(data, problems)
+    return not problems
+
+
+def teacher_device_under_torchrun(name: str) -> str:
+    """The line ``teacher_device`` is refused with under torchrun."""
+    return (
+        f"teacher_device: {name} puts the teacher on its own device in one process; under "
+        "torchrun the teacher is sharded over the ranks' devices (FSDP2): remove "
+        "teacher_device, or run on one process"
+    )
+
+
+def torchrun_problem(run: RunConfig) -> str | None:
+    """The line a run under torchrun refuses a local teacher's one-device keys with, before any
+    weight is read (:meth:`kd.teachers.build.ModelTeacherSource.check`); ``kd plan --world-size
+    N`` refuses them with it too. None when none is set."""
+    if run.teacher_quantization != "none":
+        return (
+            f"teacher_quantization: {run.teacher_quantization} runs on one device (an "
+            "FSDP2-sharded teacher is not quantized); set teacher_quantization=none, or run on "
+            "one device"
+        )
+    if run.teacher_offload != "none":
+        return (
+            f"teacher_offload: {run.teacher_offload} runs on one device (an FSDP2-sharded teacher "
+            "keeps only its shard); set teacher_offload=none (fsdp.cpu_offload keeps the shards "
+            "in host memory), or run on one device"
+        )
+    if run.teacher_device is not None:
+        return teacher_device_under_torchrun(run.teacher_device)
+    return None
 
 
 def check_teacher_device(data: dict[str, Any], problems: list[Problem]) -> None:
