@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from kd.memory.estimate import estimate
     from kd.memory.fit import format_options
     from kd.memory.plan import attach_fit, inputs_from_run, make_plan
-    from kd.runtime.device import resolve_budget
+    from kd.runtime.device import optimizer_in_cpu_problem, resolve_budget
 
     t0 = time.perf_counter()
     if getattr(args, "compare_stored_logits", None) is not None:
@@ -157,7 +157,12 @@ def run(args: argparse.Namespace) -> int:
         check_plot_path(args.plot)
     target = resolve_target(args, for_plan=True)
     run, world = target.run, target.world_size
-    refused = torchrun_problem(run) if world > 1 else None
+    in_cpu = run.optimizer.in_cpu
+    refused = (
+        torchrun_problem(run) or optimizer_in_cpu_problem(in_cpu, "cuda", distributed=True)
+        if world > 1
+        else None
+    )
     if refused is not None:  # as the run under torchrun, before any weight is read
         raise KDUserError(refused)
     inputs = inputs_from_run(run, world_size=world, config_name=args.config)

@@ -29,6 +29,17 @@ def check_device(device: str) -> None:
         raise KDUserError("device: cuda is not available on this machine; set device=cpu")
 
 
+def optimizer_in_cpu_problem(in_cpu: bool, device: str, *, distributed: bool) -> str | None:
+    """The line ``optimizer_in_cpu`` is refused with (it offloads from one GPU: ``device`` cuda,
+    not ``distributed``), by the run and by ``kd plan --world-size N``; None when it may run."""
+    if not in_cpu or (device.startswith("cuda") and not distributed):
+        return None
+    return (
+        "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
+        "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
+    )
+
+
 def device_total_bytes(device: str) -> int | None:
     """Total memory of ``device``: the CUDA device's memory, or this machine's RAM for ``cpu``.
 

@@ -25,7 +25,7 @@ from kd.config.instantiate import build_component
 from kd.config.run import RunConfig
 from kd.errors import KDUserError
 from kd.runtime.checkpoints import StudentSource
-from kd.runtime.device import check_device
+from kd.runtime.device import check_device, optimizer_in_cpu_problem
 from kd.runtime.distributed import WorldInfo
 from kd.runtime.prepare import ShardSpec, materialize, prepare_student, shard_spec
 
@@ -95,11 +95,10 @@ class RunContext:
     def check_device(self) -> None:
         """The device exists; ``optimizer_in_cpu`` only on one CUDA device."""
         check_device(self.run.device)
-        if self.run.optimizer.in_cpu and (self.device.type != "cuda" or self.world.distributed):
-            raise KDUserError(
-                "optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, one rank); "
-                "with several ranks use fsdp.cpu_offload=true, on CPU set optimizer_in_cpu=false"
-            )
+        in_cpu, distributed = self.run.optimizer.in_cpu, self.world.distributed
+        refused = optimizer_in_cpu_problem(in_cpu, self.device.type, distributed=distributed)
+        if refused is not None:
+            raise KDUserError(refused)
 
     def tokenizer(self) -> Any:
         """The run's tokenizer, its files checked and a test text encoded (built once)."""

@@ -528,3 +528,19 @@ def test_streamed_teacher_copies_wait_for_the_forward_three_units_back():
             ("record", 4),
         ], (forward, log)
         assert not p._throttle._done  # the last unit's forward clears what was left
+
+
+def test_optimizer_in_cpu_on_the_cpu_is_refused_before_anything_is_written(
+    assets, tmp_path, capsys
+):
+    cfg = make_config(assets, tmp_path / "out", optimizer_in_cpu=True)
+    path = str(write_config(tmp_path / "c.yaml", cfg))
+    for command in (["validate", "--config", path], ["run", "kd", "--config", path]):
+        assert cli.main(command) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert err == [
+            "kd: error: optimizer_in_cpu: offloads optimizer states from one GPU (device=cuda, "
+            "one rank); with several ranks use fsdp.cpu_offload=true, on CPU set "
+            "optimizer_in_cpu=false"
+        ], err
+    assert not (tmp_path / "out").exists()

@@ -235,8 +235,9 @@ def test_on_the_cpu_the_plan_says_offloading_saves_nothing():
         (["teacher_offload=stream"], "teacher_offload: stream runs on one device"),
         (["teacher_quantization=int8"], "teacher_quantization: int8 runs on one device"),
         (["device=cuda:0", "teacher_device=cuda:1"], "teacher_device: cuda:1 puts the teacher"),
+        (["optimizer_in_cpu=true"], "optimizer_in_cpu: offloads optimizer states from one GPU"),
     ],
-    ids=["offload", "int8", "teacher-device"],
+    ids=["offload", "int8", "teacher-device", "optimizer-in-cpu"],
 )
 def test_plan_over_ranks_refuses_what_torchrun_refuses(over, says, capsys):
     """``kd plan --world-size 2`` planned a parked, int8 or own-device teacher (per rank, host
