@@ -531,18 +531,21 @@ def suggestions(
         out.append(alone)
     if teacher is not None and quantized_teacher and knobs.teacher_bytes_per_param is None:
         int8 = int8_teacher_bytes_per_param(teacher, knobs.dtype_bytes)
+        # kd parks no quantized teacher (teacher_offload refuses teacher_quantization)
+        unparked = replace(knobs, teacher_offload="none")
         for name, per_param in (("int8 weight-only", int8), ("NF4", NF4_BYTES_PER_PARAM)):
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
+            best = _quantized_teacher_setting(student, teacher, unparked, per_param, **common)
             if best is None:
                 continue
             option, saving = best
             with_knobs = f" with {option.description}" if option.overrides else ""
+            unpark = [] if knobs.teacher_offload == "none" else ["teacher_offload=none"]
             out.append(
                 FitOption(
-                    option.overrides,
+                    unpark + option.overrides,
                     option.peak_bytes,
                     option.relative_time * 1.1,
                     f"suggestion: an {name} teacher ({key}changes the "
@@ -653,8 +656,8 @@ def _quantized_teacher_setting(
         data_known=data_known,
         teacher=teacher,
     ):
-        if k.batch_size * k.grad_accum > bound:
-            continue
+        if k.batch_size * k.grad_accum > bound or k.teacher_offload != "none":
+            continue  # a quantized teacher is not parked
         plain = estimate(student, teacher, k).peak_bytes
         quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
         saving = plain - quantized.peak_bytes
