@@ -531,18 +531,20 @@ def suggestions(
         out.append(alone)
     if teacher is not None and quantized_teacher and knobs.teacher_bytes_per_param is None:
         int8 = int8_teacher_bytes_per_param(teacher, knobs.dtype_bytes)
-        # kd parks no quantized teacher (teacher_offload refuses teacher_quantization)
-        unparked = replace(knobs, teacher_offload="none")
         for name, per_param in (("int8 weight-only", int8), ("NF4", NF4_BYTES_PER_PARAM)):
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            best = _quantized_teacher_setting(student, teacher, unparked, per_param, **common)
+            best = _quantized_teacher_setting(
+                student, teacher, knobs, per_param, parked=per_param != int8, **common
+            )
             if best is None:
                 continue
             option, saving = best
             with_knobs = f" with {option.description}" if option.overrides else ""
-            unpark = [] if knobs.teacher_offload == "none" else ["teacher_offload=none"]
+            # kd parks no int8 teacher: a parked config is told to stop parking it
+            parked = per_param == int8 and knobs.teacher_offload != "none"
+            unpark = ["teacher_offload=none"] if parked else []
             out.append(
                 FitOption(
                     unpark + option.overrides,
@@ -643,10 +645,14 @@ def _quantized_teacher_setting(
     bound: int,
     optimizer_keys: tuple[str, ...],
     data_known: bool = False,
+    parked: bool = True,
 ) -> tuple[FitOption, int] | None:
     """The fastest knob setting that fits only because the teacher is quantized to
     ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
-    none (or it saves less than :data:`MIN_SAVING_BYTES`)."""
+    none (or it saves less than :data:`MIN_SAVING_BYTES`). ``parked``: settings may park the
+    teacher (``teacher_offload``, which refuses kd's int8 teacher); False: none does."""
+    if not parked:
+        knobs = replace(knobs, teacher_offload="none")
     found: list[tuple[FitOption, int]] = []
     for k, over, words, t in _settings(
         knobs,
@@ -656,8 +662,8 @@ def _quantized_teacher_setting(
         data_known=data_known,
         teacher=teacher,
     ):
-        if k.batch_size * k.grad_accum > bound or k.teacher_offload != "none":
-            continue  # a quantized teacher is not parked
+        if k.batch_size * k.grad_accum > bound or (not parked and k.teacher_offload != "none"):
+            continue
         plain = estimate(student, teacher, k).peak_bytes
         quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
         saving = plain - quantized.peak_bytes
