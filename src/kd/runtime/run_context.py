@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from kd import checkpoint, data, models
 from kd.backends import CHECKPOINTER_OF, backend_of
@@ -306,8 +307,11 @@ def _refuse_zero_output(model: nn.Module, key: str, source: models.WeightsSource
     Raises:
         KDUserError: names the key and the folder.
     """
+    weight = models.output_weight(model)
+    if is_fake(weight) or weight.is_meta:
+        return  # no values (the memory tracer's and the fake device's models)
     with torch.no_grad():
-        zero = not bool(models.output_weight(model).any())
+        zero = not bool(weight.any())
     if zero:
         raise KDUserError(
             f"{key}: the output projection loaded from {source.folder} is all zeros, so the "
