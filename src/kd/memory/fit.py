@@ -535,19 +535,14 @@ def suggestions(
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            best = _quantized_teacher_setting(
-                student, teacher, knobs, per_param, parked=per_param != int8, **common
-            )
+            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
             if best is None:
                 continue
             option, saving = best
             with_knobs = f" with {option.description}" if option.overrides else ""
-            # kd parks no int8 teacher: a parked config is told to stop parking it
-            parked = per_param == int8 and knobs.teacher_offload != "none"
-            unpark = ["teacher_offload=none"] if parked else []
             out.append(
                 FitOption(
-                    unpark + option.overrides,
+                    ["teacher_offload=none"] * (knobs.teacher_offload != "none") + option.overrides,
                     option.peak_bytes,
                     option.relative_time * 1.1,
                     f"suggestion: an {name} teacher ({key}changes the "
@@ -645,27 +640,23 @@ def _quantized_teacher_setting(
     bound: int,
     optimizer_keys: tuple[str, ...],
     data_known: bool = False,
-    parked: bool = True,
 ) -> tuple[FitOption, int] | None:
     """The fastest knob setting that fits only because the teacher is quantized to
     ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
-    none (or it saves less than :data:`MIN_SAVING_BYTES`). ``parked``: settings may park the
-    teacher (``teacher_offload``, which refuses kd's int8 teacher); False: none does."""
-    if not parked:
-        knobs = replace(knobs, teacher_offload="none")
+    none (or it saves less than :data:`MIN_SAVING_BYTES`). kd parks no quantized teacher."""
     found: list[tuple[FitOption, int]] = []
     for k, over, words, t in _settings(
-        knobs,
+        replace(knobs, teacher_offload="none", teacher_bytes_per_param=per_param),
         device=device,
         bound=bound,
         optimizer_keys=optimizer_keys,
         data_known=data_known,
         teacher=teacher,
     ):
-        if k.batch_size * k.grad_accum > bound or (not parked and k.teacher_offload != "none"):
+        if k.batch_size * k.grad_accum > bound:
             continue
-        plain = estimate(student, teacher, k).peak_bytes
-        quantized = estimate(student, teacher, replace(k, teacher_bytes_per_param=per_param))
+        plain = estimate(student, teacher, replace(k, teacher_bytes_per_param=None)).peak_bytes
+        quantized = estimate(student, teacher, k)
         saving = plain - quantized.peak_bytes
         if quantized.peak_bytes <= budget_bytes < plain and saving >= MIN_SAVING_BYTES:
             found.append((FitOption(over, quantized.peak_bytes, t, ", ".join(words)), saving))
