@@ -222,6 +222,19 @@ def truncated_checkpoint_file(assets, tmp, cfg):
     return _run(), "checkpointer: cannot load the weights in"
 
 
+def teacher_weights_all_zero(assets, tmp, cfg):
+    """a teacher `model.safetensors` of zeros (saved from an empty model)"""
+    from safetensors.torch import save_file
+
+    teacher = tmp / "teacher"
+    shutil.copytree(assets["teacher"], teacher)
+    weights = load_file(str(teacher / "model.safetensors"))
+    zero = {k: torch.zeros_like(v) for k, v in weights.items()}
+    save_file(zero, str(teacher / "model.safetensors"), metadata={"format": "pt"})
+    cfg["teacher_checkpointer"]["checkpoint_dir"] = str(teacher)
+    return _run(), "teacher_model: the output projection loaded from"
+
+
 def checkpoint_of_another_model(assets, tmp, cfg):
     return _run("model.num_layers=3"), "checkpointer: the checkpoint does not match the model"
 
@@ -1405,6 +1418,7 @@ CASES: list[Case] = [
     missing_checkpoint_dir,
     missing_checkpoint_file,
     truncated_checkpoint_file,
+    teacher_weights_all_zero,
     checkpoint_of_another_model,
     wrong_model_type,
     model_type_of_another_family,

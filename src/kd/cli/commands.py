@@ -88,7 +88,7 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
     Raises:
         KDUserError: any config mistake (all of them), or a bad flag.
     """
-    from kd.config import load_config, validate_config
+    from kd.config import load_config, teacher_kinds, validate_config
     from kd.config.run import run_config
     from kd.runtime.device import resolve_world_size
 
@@ -98,4 +98,6 @@ def resolve_target(args: argparse.Namespace, *, for_plan: bool = False) -> Targe
         overrides.append(f"memory.budget_gib={budget_flag(args.budget_gib)!r}")
     cfg = load_config(args.config, overrides)
     validate_config(cfg, check_paths=not for_plan, check_components=not for_plan)
-    return Target(args.config, cfg, run_config(cfg), world_size)
+    run = run_config(cfg)
+    teacher_kinds.refuse(run)  # what kd run refuses before building the teacher (no weights)
+    return Target(args.config, cfg, run, world_size)

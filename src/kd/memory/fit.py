@@ -528,10 +528,8 @@ def suggestions(
             key = (
                 "teacher_quantization=int8; " if per_param == int8 else "not a kd config key yet; "
             )
-            # an int8 teacher is not parked (kd.config.teacher_kinds.model.check_teacher_offload)
-            best = _quantized_teacher_setting(
-                student, teacher, knobs, per_param, per_param == int8, **common
-            )
+            # kd parks no quantized teacher (kd.config.teacher_kinds.model.check_teacher_offload)
+            best = _quantized_teacher_setting(student, teacher, knobs, per_param, **common)
             if best is None:
                 continue
             option, saving = best
@@ -630,7 +628,6 @@ def _quantized_teacher_setting(
     teacher: ModelShape,
     knobs: TrainKnobs,
     per_param: float,
-    resident: bool,
     *,
     budget_bytes: int,
     device: str,
@@ -640,11 +637,12 @@ def _quantized_teacher_setting(
 ) -> tuple[FitOption, int] | None:
     """The fastest knob setting that fits only because the teacher is quantized to
     ``per_param`` bytes per parameter, and what the quantization saves there; None when there is
-    none (or it saves less than :data:`MIN_SAVING_BYTES`). ``resident``: never parked."""
+    none (or it saves less than :data:`MIN_SAVING_BYTES`). kd parks no quantized teacher: a
+    config that parks it is told ``teacher_offload=none``."""
     found: list[tuple[FitOption, int]] = []
-    unpark = ["teacher_offload=none"] if resident and knobs.teacher_offload != "none" else []
+    unpark = ["teacher_offload=none"] if knobs.teacher_offload != "none" else []
     for k, over, words, t in _settings(
-        replace(knobs, teacher_offload="none", teacher_parkable=False) if resident else knobs,
+        replace(knobs, teacher_offload="none", teacher_parkable=False),
         device=device,
         bound=bound,
         optimizer_keys=optimizer_keys,

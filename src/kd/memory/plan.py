@@ -7,6 +7,7 @@ Importing it imports neither torch nor torchtune.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
@@ -610,6 +611,18 @@ def plan_from_config(
     return make_plan(inputs_from_run(run, world_size=world_size), budget)
 
 
+def _takes_int8(run: RunConfig, world_size: int) -> bool:
+    """Whether ``kd run`` takes ``teacher_quantization=int8`` for ``run``: one device, and a
+    kind that quantizes (a local teacher model; :func:`kd.config.teacher_kinds.refuse`)."""
+    if world_size > 1:
+        return False
+    try:
+        kinds.refuse(dataclasses.replace(run, teacher_quantization="int8"))
+    except KDUserError:
+        return False
+    return True
+
+
 def attach_fit(plan: MemoryPlan, run: RunConfig, *, quantized_teacher: bool = True) -> str | None:
     """Search the knobs for ``plan`` (:func:`kd.memory.fit.fit_options`) with the recipe's limits
     for the run's device and the dataset's size; sets ``plan.fit``. ``quantized_teacher``: also
@@ -622,6 +635,8 @@ def attach_fit(plan: MemoryPlan, run: RunConfig, *, quantized_teacher: bool = Tr
     from kd.memory.fit import examples_bound, fit_options
 
     size = run_dataset_size(run)
+    if quantized_teacher:
+        quantized_teacher = _takes_int8(run, plan.inputs.knobs.world_size)
     plan.fit = fit_options(
         plan.inputs.student,
         plan.inputs.teacher,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from kd import checkpoint, data, models
 from kd.backends import CHECKPOINTER_OF, backend_of
@@ -301,6 +302,8 @@ class RunContext:
                     ckpt_key, fix="check the checkpoint files", should_load_recipe_state=False
                 ),
             )
+            if key != "model":  # a student's new head may start at zero; a teacher's never does
+                _refuse_zero_output(model, key, source)
 
         shard = (
             shard_spec(self.run.fsdp, device_type=self.device.type, param_dtype=self.dtype)
@@ -312,6 +315,27 @@ class RunContext:
         if self.run.compile if compile is None else compile:
             models.compile_layers(model)
         return model
+
+
+def _refuse_zero_output(model: nn.Module, key: str, source: models.WeightsSource) -> None:
+    """A teacher whose output projection loaded as all zeros gives every token the same
+    probability at every position (a file saved from an empty or meta-device model): its KD term
+    would pull the student toward uniform, without any error.
+
+    Raises:
+        KDUserError: names the key and the folder.
+    """
+    weight = models.output_weight(model)
+    if is_fake(weight) or weight.is_meta:
+        return  # no values (the memory tracer's and the fake device's models)
+    with torch.no_grad():
+        zero = not bool(weight.any())
+    if zero:
+        raise KDUserError(
+            f"{key}: the output projection loaded from {source.folder} is all zeros, so the "
+            "teacher would give every token the same probability; the weights file is damaged "
+            "(saved from an empty model?): export or download it again"
+        )
 
 
 def _weights_origin(source: models.WeightsSource) -> str:

@@ -92,10 +92,8 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
     Raises:
         KDUserError: the kind refuses this run (``TeacherKind.refuse``).
     """
-    kind = teacher_kinds.selected(run)
-    if kind is not None and teacher_kinds.in_use(run) is None:
-        if kind.refuse is not None:
-            kind.refuse(run)
+    if teacher_kinds.selected(run) is not None and teacher_kinds.in_use(run) is None:
+        teacher_kinds.refuse(run)
         log.info(NOT_ASKED)
         return None
     return _source_of(run)
@@ -104,12 +102,10 @@ def teacher_source(run: RunConfig) -> TeacherSource | None:
 def _source_of(run: RunConfig) -> TeacherSource | None:
     """The source of the kind the registry selects for ``run`` (a whole run, or a member of
     ``teachers:``, built when the whole is), or None."""
+    teacher_kinds.refuse(run)
     kind = teacher_kinds.selected(run)
     if kind is None:
-        teacher_kinds.no_quantization(run, "this run has no teacher_model")
         return None
-    if kind.refuse is not None:
-        kind.refuse(run)
     source = kind.source
     if callable(source) and not isinstance(source, type):
         source = source(run)  # a function of the run choosing the reference

@@ -148,6 +148,7 @@ class CrossTokenizerSource:
             matched_weight=settings.matched_weight,
             ignore_index=self.run.loss.ignore_index,
             chat=self.chat,
+            folder=self.source.folder,
         )
 
 
@@ -246,8 +247,10 @@ class CrossTokenizerTeacher(Teacher):
         matched_weight: float | None,
         ignore_index: int = -100,
         chat: ChatRows | None = None,
+        folder: Path | None = None,
     ):
         self.model = model
+        self.folder = folder  # where its weights were read from (named when they hold NaN)
         self.chat = chat
         self.student_tokenizer = student_tokenizer
         self.teacher_tokenizer = teacher_tokenizer
@@ -368,7 +371,7 @@ class CrossTokenizerTeacher(Teacher):
     def check_loaded(self) -> None:
         from kd.runtime.checkpoints import check_loaded_weights_finite
 
-        check_loaded_weights_finite({"teacher_model": (self.model, Path())})
+        check_loaded_weights_finite({"teacher_model": (self.model, self.folder or Path())})
 
 
 class _Owner(Protocol):

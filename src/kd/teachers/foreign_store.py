@@ -386,14 +386,15 @@ class ForeignStoreReader:
                 f"{ALIGNMENT_KEY} to the tool's convention"
             )
         top_ids, top_lp = self._topk(ids, values, sel.tolist(), where)
-        if top_ids.numel() and int(top_ids.max()) >= student_vocab:
+        token_ids = lab.new_tensor([int(t) for t in tokens[:n]])
+        if token_ids.numel() and int(token_ids.max()) >= student_vocab:
             raise KDUserError(
-                f"{where}: teacher id {int(top_ids.max())} is outside the student's "
-                f"{student_vocab}-entry vocabulary; the teacher and student must share a "
-                "tokenizer"
+                f"{where} holds the token id {int(token_ids.max())} in input_ids, outside the "
+                f"student's {student_vocab}-entry vocabulary; the file was tokenized by another "
+                "tokenizer: the student (and the teacher) must use the file's"
             )
         return _Row(
-            row_hash(lab.new_tensor([int(t) for t in tokens[:n]]), lab),
+            row_hash(token_ids, lab),
             n,
             positions,
             top_ids,
@@ -421,6 +422,13 @@ class ForeignStoreReader:
                 f"{where}: position {sel[r]} has {n_ids[r]} ids and {n_values[r]} values; each "
                 "id needs its value"
             )
+        if len(sel) and int(n_ids.min()) == 0:
+            r = int(np.flatnonzero(n_ids == 0)[0])
+            raise KDUserError(
+                f"{where}: labelled position {sel[r]} holds no entries (an empty list); every "
+                "labelled position needs the teacher's top-k: fix or rewrite the file (or, for "
+                f"entries read at the wrong position, set {ALIGNMENT_KEY} to the tool's convention)"
+            )
         if len(sel) and int(n_ids.min()) < k:
             r = int(np.flatnonzero(n_ids < k)[0])
             raise KDUserError(
@@ -439,8 +447,21 @@ class ForeignStoreReader:
             for r, (i, v) in enumerate(zip(pid, pval, strict=True)):
                 all_ids[r, : len(i)], all_lp[r, : len(v)] = i, v
             valid = np.arange(m) < n_ids[:, None]
+        beyond = all_ids >= self._vocab if valid is None else valid & (all_ids >= self._vocab)
+        if beyond.any():  # any stored entry, not only the top-k kept: another tokenizer's ids
+            r = int(np.flatnonzero(beyond.any(axis=1))[0])
+            raise KDUserError(
+                f"{where}: position {sel[r]} holds the teacher id {int(all_ids[r][beyond[r]][0])}, "
+                f"outside the student's {self._vocab}-entry vocabulary; the teacher and student "
+                "must share a tokenizer"
+            )
         found = answer_checks.topk_problem(
-            all_ids, all_lp, valid=valid, mass_columns=self._mass_columns, whole=m >= self._vocab
+            all_ids,
+            all_lp,
+            vocab=self._vocab,
+            valid=valid,
+            mass_columns=self._mass_columns,
+            whole=m >= self._vocab,
         )
         if found is not None:
             raise KDUserError(

@@ -147,6 +147,27 @@ def test_cross_tokenizer_with_validation_is_one_line(assets, same_tok_teacher, t
     assert "Traceback" not in err
 
 
+def test_nan_weights_of_a_teacher_with_another_tokenizer_name_its_folder(
+    assets, same_tok_teacher, tmp_path, capsys
+):
+    """The first step's non-finite loss is blamed on the teacher's folder (it said 'as loaded
+    from .', which names no folder, under teachers: neither member's)."""
+    import safetensors.torch
+    import torch
+
+    bad = tmp_path / "nan_teacher"
+    shutil.copytree(same_tok_teacher, bad)
+    weights = safetensors.torch.load_file(bad / "model.safetensors")
+    nan = {k: torch.full_like(v, float("nan")) for k, v in weights.items()}
+    safetensors.torch.save_file(nan, bad / "model.safetensors", metadata={"format": "pt"})
+    cfg = _cfg(assets, tmp_path / "run", bad, cross_tokenizer={}, max_steps_per_epoch=1)
+    assert run_kd(cfg, tmp_path / "cfg.yaml") == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("kd: error:")]
+    assert line.startswith("kd: error: teacher_model: ") and f"as loaded from {bad}," in line, line
+
+
 def test_kd_init_writes_the_cross_tokenizer_config(
     other_tok_teacher, letter_data, tmp_path, capsys
 ):

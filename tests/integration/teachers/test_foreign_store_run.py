@@ -429,12 +429,46 @@ def _positive_logprob(row):
     values[e] = [abs(v) + 1.0 for v in values[e]]  # logits, not log-probs
 
 
+def _entries(row):
+    """The (ids, values) lists of a labelled position of a foreign row."""
+    values = row.get("logprobs") or row.get("top_values")
+    ids = row.get("target_token_ids") or row.get("token_ids")
+    p = len(row["labels"]) - 3  # a labelled position (its next label is not -100)
+    e = p - (len(row["input_ids"]) - len(values)) if "logprobs" in row else p
+    return ids[e], values[e]
+
+
+def _other_tokenizers_id_below_the_top_k(row):
+    # an entry the top-k does not keep: the file is still another tokenizer's (it trained)
+    ids, values = _entries(row)
+    ids[min(range(len(values)), key=values.__getitem__)] = STUDENT["vocab"] + 3
+
+
+def _empty_position(row):
+    ids, values = _entries(row)
+    ids.clear()
+    values.clear()
+
+
+def _input_id_outside_the_vocabulary(row):
+    row["input_ids"][2] = STUDENT["vocab"] + 1  # was an IndexError traceback from the embedding
+
+
 @pytest.mark.parametrize("fmt", ["axolotl", "distillkit"])
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
         (_negative_id, "holds the negative token id -5 in input_ids; token ids are >= 0"),
         (_positive_logprob, "holds a positive log-prob"),
+        (
+            _other_tokenizers_id_below_the_top_k,
+            f"holds the teacher id {STUDENT['vocab'] + 3}, outside the student's",
+        ),
+        (_empty_position, "holds no entries (an empty list)"),
+        (
+            _input_id_outside_the_vocabulary,
+            f"holds the token id {STUDENT['vocab'] + 1} in input_ids, outside the student's",
+        ),
     ],
 )
 def test_bad_foreign_rows_are_refused(assets, foreign, tmp_path, capsys, fmt, edit, expected):

@@ -322,3 +322,48 @@ def test_fit_states_what_several_parked_teachers_move(tmp_path, capsys):
             f"(one layer at a time, the next prefetched): {moved['parked_teacher']:.1f} GiB moved"
         )
         assert said in opt["description"], (opt["description"], moved)
+
+
+def _int8_options(plan: MemoryPlan) -> list:
+    return [o for o in plan.fit if o.extra.get("teacher_quantization") == "int8 weight-only"]
+
+
+@pytest.mark.parametrize("over", [[], ["teacher_offload=park"]])
+def test_int8_suggestion_is_a_config_kd_accepts(over):
+    """The int8 suggestion's overrides with teacher_quantization=int8 validate and plan to its
+    peak: kd parks no int8 teacher, so it never rides on teacher_offload (it suggested
+    ``optimizer_in_cpu=true teacher_offload=stream``, which kd validate refuses), and a parked
+    config is told to unpark."""
+    from kd.config import validate_config
+
+    base = ["device=cuda", *over]
+    for budget in (30, 36, 40):
+        plan = _fit(FULL_14B_3B, base, world_size=1, budget=budget)
+        for opt in _int8_options(plan):
+            assert not any(o.startswith("teacher_offload=") for o in opt.overrides) or (
+                over and "teacher_offload=none" in opt.overrides
+            ), opt.overrides
+            cfg = load_config(FULL_14B_3B, [*base, *opt.overrides, "teacher_quantization=int8"])
+            validate_config(cfg, check_paths=False, check_components=False)
+            again = plan_from_config(cfg, world_size=1, budget_gib=budget)
+            assert again.fits and again.peak_bytes == opt.peak_bytes, opt.overrides
+
+
+def test_no_int8_suggestion_where_the_run_refuses_it():
+    """Several teachers (their members are not quantized) and several ranks (an FSDP2-sharded
+    teacher is not quantized): kd run refuses teacher_quantization=int8, so --fit does not
+    suggest it."""
+    plain = _fit(FULL_14B_3B, ["device=cuda"], world_size=1, budget=40)
+    assert _int8_options(plain)
+    cfg = load_config(FULL_14B_3B, ["device=cuda"])
+    member = {"name": "a", "teacher_model": cfg.teacher_model}
+    member["teacher_checkpointer"] = cfg.teacher_checkpointer
+    several = ["teacher_model=null", "teacher_checkpointer=null"]
+    cfg = load_config(FULL_14B_3B, ["device=cuda", *several])
+    cfg.teachers = {"combine": "weights", "members": [member]}
+    plan = plan_from_config(cfg, world_size=1, budget_gib=40)
+    assert plan.peak_bytes == plain.peak_bytes
+    attach_fit(plan, run_config(cfg))
+    assert not _int8_options(plan)
+    sharded = _fit(DISTRIBUTED_8B, ["device=cuda"], world_size=2, budget=30)
+    assert not _int8_options(sharded)

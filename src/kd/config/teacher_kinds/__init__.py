@@ -55,6 +55,7 @@ __all__ = [
     "nested_problems",
     "no_quantization",
     "refusal",
+    "refuse",
     "register",
     "replacing_sections",
     "resolve",
@@ -123,6 +124,21 @@ def selected(run: RunConfig) -> TeacherKind | None:
         if kind.selects(run):
             return kind
     return None
+
+
+def refuse(run: RunConfig) -> None:
+    """What ``run``'s kind refuses that the schema pass lets through (:attr:`TeacherKind.refuse`;
+    without a teacher, ``teacher_quantization``): weight-free, so ``kd run`` (before building the
+    teacher), ``kd validate`` and ``kd plan`` refuse the same runs.
+
+    Raises:
+        KDUserError: the kind refuses ``run``.
+    """
+    kind = selected(run)
+    if kind is None:
+        no_quantization(run, "this run has no teacher_model")
+    elif kind.refuse is not None:
+        kind.refuse(run)
 
 
 def in_use(run: RunConfig) -> TeacherKind | None:
