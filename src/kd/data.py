@@ -346,14 +346,43 @@ def _long_line(path: Path, *, json: bool) -> int | None:
 class PretokenizedDataset(Dataset):
     """Rows of ``{"tokens", "labels"}`` already tokenized (:func:`pretokenized_dataset`)."""
 
-    def __init__(self, rows: list[dict[str, list[int]]]):
+    def __init__(self, rows: list[dict[str, list[int]]], source: str = "the rows"):
         self.rows = rows
+        self.source = source  # the file or folder they were read from
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.rows[index]
+
+    def first_beyond(self, vocab: int) -> tuple[int, int] | None:
+        """``(row, id)`` of the first row holding a token id outside ``0..vocab-1``, or None."""
+        for i, row in enumerate(self.rows):
+            bad = [t for t in row["tokens"] if not 0 <= t < vocab]
+            if bad:
+                return i, bad[0]
+        return None
+
+
+def check_token_ids(dataset: Any, *, vocab: tuple[str, int], key: str) -> None:
+    """A dataset of a file's own token ids (:class:`PretokenizedDataset`) holds only ids the
+    models embed (``vocab``: whose, and its size): another tokenizer's ids would fail in the
+    embedding at the first step (an index error on the CPU, a device-side assert on a GPU). Other
+    datasets' ids come from the run's tokenizer, checked against the models already.
+
+    Raises:
+        KDUserError: the first row holding such an id, named with ``key`` and its file.
+    """
+    whose, size = vocab
+    found = dataset.first_beyond(size) if isinstance(dataset, PretokenizedDataset) else None
+    if found is not None:
+        row, token = found
+        raise KDUserError(
+            f"{key}: row {row} of {dataset.source} holds the token id {token} in input_ids, "
+            f"outside the {whose} {size}-entry vocabulary; the file was tokenized by another "
+            "tokenizer: tokenize it with the run's (the student's) tokenizer"
+        )
 
 
 def pretokenized_dataset(
@@ -378,7 +407,8 @@ def pretokenized_dataset(
     del split
     max_seq_len = getattr(tokenizer, "max_seq_len", None)
     return PretokenizedDataset(
-        pretokenized_rows(data_files, max_seq_len=max_seq_len, key="dataset.data_files")
+        pretokenized_rows(data_files, max_seq_len=max_seq_len, key="dataset.data_files"),
+        source=one_line(str(data_files)),
     )
 
 

@@ -266,6 +266,16 @@ def tokenizer_ids_beyond_teacher_vocab(assets, tmp, cfg):
     return _run("teacher_model.vocab_size=200"), "the teacher (teacher_model) has only 200"
 
 
+def pretokenized_ids_beyond_the_vocabulary(assets, tmp, cfg):
+    """`kd.data.pretokenized_dataset` rows of another tokenizer: an id of 100000 in row 1"""
+    rows = [{"input_ids": [1 + (r + j) % 200 for j in range(12)]} for r in range(8)]
+    rows[1]["input_ids"][5] = 100_000  # an IndexError traceback from the embedding before
+    path = tmp / "ids.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg["dataset"] = {"_component_": "kd.data.pretokenized_dataset", "data_files": str(path)}
+    return _run(), "dataset: row 1 of"
+
+
 def teacher_of_another_family(assets, tmp, cfg):
     """a Llama-3 teacher for a Qwen2 student"""
     cfg["teacher_model"] = {
@@ -1426,6 +1436,7 @@ CASES: list[Case] = [
     corrupt_tokenizer_file,
     tokenizer_ids_beyond_student_vocab,
     tokenizer_ids_beyond_teacher_vocab,
+    pretokenized_ids_beyond_the_vocabulary,
     teacher_of_another_family,
     tokenizer_of_another_family,
     empty_dataset,

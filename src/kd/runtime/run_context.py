@@ -78,6 +78,7 @@ class RunContext:
             self.device = torch.device("cuda", world.local_rank)
         self.dtype = models.DTYPES[run.dtype]
         self._tokenizer: Any = None
+        self._ids_below: tuple[str, int] | None = None  # whose vocabulary a file's ids fit in
 
     def build(self, key: str, *args: Any, fix: str, **kwargs: Any) -> Any:
         """The component of config key ``key`` (allow-listed ``_component_``), called with
@@ -154,6 +155,9 @@ class RunContext:
             )
         if problems:
             raise KDUserError("\n".join(problems))
+        vocabs = [("student's", models.vocab_size(student))]
+        vocabs += [("teacher's", models.vocab_size(teacher))] * teacher_read
+        self._ids_below = min(vocabs, key=lambda v: v[1])
         if teacher_read:
             models.check_teacher_tokenizer(
                 sources["teacher_model"],
@@ -181,11 +185,14 @@ class RunContext:
 
     def dataset(self, node: Any, tokenizer: Any, *, key: str) -> Any:
         """The dataset of config key ``key`` (``dataset``, ``validation.dataset``), checked:
-        readable, non-empty, labelled; truncated examples are counted in a warning."""
+        readable, non-empty, labelled, a file's own token ids inside the vocabularies
+        :meth:`inspect_models` found; truncated examples are counted in a warning."""
         dataset = data.build_dataset(
             node, tokenizer, trust=self.run.trust_remote_components, key=key
         )
         truncated, checked = data.check_dataset(dataset, max_seq_len=self.run.max_seq_len, key=key)
+        if self._ids_below is not None:  # rows of token ids (no tokenizer drew them)
+            data.check_token_ids(dataset, vocab=self._ids_below, key=key)
         if truncated and self.world.is_rank_zero:
             log.warning(
                 "%s: %d of %d examples checked reach tokenizer.max_seq_len and are truncated",
