@@ -39,7 +39,8 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts import graphs, sampling
 from kd.rollouts.base import Completions, Prompts
-from kd.rollouts.decode import fast_rollout
+from kd.rollouts.decode import fast_rollout, length_groups
+from kd.rollouts.prompts import merge_completions, select_rows
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
@@ -148,22 +149,35 @@ class LocalSampler:
                 graphs=self.capture() if op.cuda_graphs else None,
             )
             return replace(done, version=self.version)
-        done = sampling.rollout(
-            model,
-            prompts,
-            max_new_tokens=op.max_new_tokens,
-            temperature=op.temperature,
-            top_p=op.top_p,
-            stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            vocab_limit=self.vocab_limit,
-            generators=generators,
-            all_done=(
-                (lambda here: not distributed.any_rank(not here, device=self.device))
-                if self.world.distributed
-                else None
-            ),
-        )
+        # Under torchrun a step's rows (batch_rollouts) are sampled in groups of at most
+        # rollout_batch_size rows too, as the plan counts them: every rank has as many rows
+        # (full micro-batches, the same coins), so as many groups, each a collective rollout.
+        size = op.rollout_batch_size if op.batch_rollouts else None
+        groups = length_groups(prompts.lengths.tolist(), size) if size else [list(range(len(rows)))]
+        whole = len(groups) == 1
+        parts: list[tuple[list[int], Completions]] = []
+        for group in groups:
+            done = sampling.rollout(
+                model,
+                prompts if whole else select_rows(prompts, group),
+                max_new_tokens=op.max_new_tokens,
+                temperature=op.temperature,
+                top_p=op.top_p,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                vocab_limit=self.vocab_limit,
+                generators=(
+                    generators if whole or generators is None else [generators[i] for i in group]
+                ),
+                all_done=(
+                    (lambda here: not distributed.any_rank(not here, device=self.device))
+                    if self.world.distributed
+                    else None
+                ),
+            )
+            parts.append((group, done))
+        if not whole:
+            done = merge_completions(parts, len(rows), width=op.max_new_tokens, pad_id=self.pad_id)
         return replace(done, version=self.version)
 
     def capture(self) -> graphs.Capture:

@@ -183,3 +183,32 @@ def test_cuda_graphs_reach_the_fast_decode_through_the_sampler(monkeypatch):
     assert captured  # the graphed run captured (the other did not ask)
     assert torch.equal(done["true"].tokens, done["false"].tokens)
     assert torch.equal(done["true"].lengths, done["false"].lengths)
+
+
+def test_rollout_batch_size_caps_the_rows_sampled_together_under_torchrun(monkeypatch):
+    """Under torchrun (the per-rank loop, not the fast decode) batch_rollouts samples the step's
+    rows in groups of at most rollout_batch_size, as the plan counts them (it sampled them all at
+    once, a KV cache the plan had not counted), each row with its own generator: the tokens of
+    one generation."""
+    import kd.rollouts.local
+    from tests.conftest import tiny_hidden_decoder
+    from tests.unit.rollouts.test_decode import prompts
+
+    widths: list[int] = []
+    original = kd.rollouts.local.sampling.rollout
+
+    def spy(model, p, **kw):  # noqa: ANN001, ANN202
+        widths.append(p.tokens.shape[0])
+        return original(model, p, **kw)
+
+    monkeypatch.setattr(kd.rollouts.local.sampling, "rollout", spy)
+    model = tiny_hidden_decoder(vocab=64, dim=32)
+    p = prompts(10, [5, 3, 7, 2, 6, 4, 1])
+    rows = [9, 3, 4, 0, 12, 7, 8]
+    done = {}
+    for size in ("null", "3"):
+        s = sampler(2, batch_rollouts="true", rollout_batch_size=size, temperature=1.0)
+        done[size] = s.sample(p, rows=rows, epoch=1, step=1, student=model)
+    assert widths == [7, 3, 3, 1]
+    assert torch.equal(done["3"].tokens, done["null"].tokens)
+    assert torch.equal(done["3"].lengths, done["null"].lengths)
