@@ -40,6 +40,7 @@ from kd.errors import KDUserError
 from kd.rollouts import graphs, sampling
 from kd.rollouts.base import Completions, Prompts
 from kd.rollouts.decode import fast_rollout, length_groups
+from kd.rollouts.plan import torchrun_problem
 from kd.rollouts.prompts import merge_completions, select_rows
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
@@ -90,30 +91,20 @@ class LocalSampler:
         self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
         self.copy_dtype = models.DTYPES[copy_dtype] if copy_dtype is not None else None
+        self._copy_name = copy_dtype
         # The frozen copy (async_steps: 1) and / or the copy in copy_dtype (sampling_dtype).
         self._policy: nn.Module | None = None
 
     def check(self) -> None:
         """The settings this sampler cannot honour on this job."""
-        if self.settings.async_steps > 0 and self.world.distributed:
-            raise KDUserError(
-                "on_policy.async_steps: 1 samples from a background thread on one device; under "
-                "torchrun set on_policy.async_steps=0"
-            )
-        if self.settings.cuda_graphs and self.world.distributed:
-            raise KDUserError(
-                "on_policy.cuda_graphs replays the one-device fast decode (batch_rollouts), "
-                "which torchrun's sharded student does not run; set on_policy.cuda_graphs=false"
-            )
+        if self.world.distributed:  # the line kd plan --world-size N refuses them with too
+            refused = torchrun_problem(self.settings, copy_dtype=self._copy_name)
+            if refused is not None:
+                raise KDUserError(refused)
         if self.settings.cuda_graphs and self.device.type != "cuda":
             raise KDUserError(
                 f"on_policy.cuda_graphs needs a CUDA device, and this run's is {self.device}; "
                 "set on_policy.cuda_graphs=false"
-            )
-        if self.copy_dtype is not None and self.world.distributed:
-            raise KDUserError(
-                "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
-                "kd does not shard; under torchrun set on_policy.sampling_dtype=null"
             )
 
     def sample(

@@ -212,3 +212,47 @@ def test_rollout_batch_size_caps_the_rows_sampled_together_under_torchrun(monkey
     assert widths == [7, 3, 3, 1]
     assert torch.equal(done["3"].tokens, done["null"].tokens)
     assert torch.equal(done["3"].lengths, done["null"].lengths)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"async_steps": 1},
+        {"sampling_dtype": "bf16", "dtype": "fp32"},
+        {"batch_rollouts": "true", "cuda_graphs": "true", "device": "cuda"},
+    ],
+    ids=["async", "sampling-dtype", "cuda-graphs"],
+)
+def test_plan_over_ranks_refuses_what_the_sampler_refuses_under_torchrun(over, capsys):
+    """``kd plan --world-size 2`` planned an on-policy sampler that the run under torchrun
+    refuses before any weight is read (a background thread, a bf16 copy, CUDA graphs): it
+    refuses it with the sampler's own line; one rank is planned."""
+    from kd import cli
+    from kd.config.run import run_config
+    from kd.rollouts.build import sampler_for
+
+    top = {k: over.pop(k) for k in ("dtype", "device") if k in over}
+    over = [f"on_policy.{k}={v}" for k, v in over.items()]
+    over += ["on_policy.lmbda=1", *(f"{k}={v}" for k, v in top.items())]
+    run = run_config(load_config(FULL_14B_3B, over))
+
+    class Tok:
+        pad_id, eos_id, stop_tokens = 0, 2, [2]
+
+    local = sampler_for(
+        run,
+        tokenizer=Tok(),
+        seed=0,
+        vocab_limit=10,
+        world=WorldInfo(2, 0, 0),
+        device=torch.device("cuda"),
+        output_dir=None,  # type: ignore[arg-type]
+    )
+    with pytest.raises(KDUserError) as refused:
+        local.check()
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "80", *over]
+    assert cli.main([*argv, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kd: error: {refused.value}"]
+    assert cli.main(argv) in (0, 1)  # one rank: planned
+    assert "kd: error" not in capsys.readouterr().err
