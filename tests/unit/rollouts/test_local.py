@@ -256,3 +256,24 @@ def test_plan_over_ranks_refuses_what_the_sampler_refuses_under_torchrun(over, c
     assert err == [f"kd: error: {refused.value}"]
     assert cli.main(argv) in (0, 1)  # one rank: planned
     assert "kd: error" not in capsys.readouterr().err
+
+
+def test_plan_over_ranks_refuses_a_served_samplers_async_steps(capsys):
+    """The served sampler's refusal of async_steps: 1 under torchrun (its probe) is kd plan
+    --world-size 2's too."""
+    from kd import cli
+
+    over = [
+        "on_policy.lmbda=1",
+        "on_policy.sampler=served",
+        "on_policy.server_url=http://127.0.0.1:9",
+        "on_policy.server_model=m",
+        "on_policy.async_steps=1",
+    ]
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "80", *over]
+    assert cli.main([*argv, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "kd: error: on_policy.async_steps: 1 asks the server from a background thread"
+    )
+    assert cli.main(argv) in (0, 1)
