@@ -1263,6 +1263,12 @@ def cuda_graphs_without_batch_rollouts(assets, tmp, cfg):
     return _validate(), "on_policy.cuda_graphs: replays the fast local decode"
 
 
+def rollout_batch_size_without_batch_rollouts(assets, tmp, cfg):
+    """`on_policy.rollout_batch_size` without `on_policy.batch_rollouts: true`"""
+    cfg["on_policy"] = {"lmbda": 1.0, "max_new_tokens": 4, "rollout_batch_size": 2}
+    return _validate(), "on_policy.rollout_batch_size: cuts the one generation per step"
+
+
 def served_sampler_unreachable(assets, tmp, cfg):
     """`on_policy.sampler: served`, nothing listening at `server_url`"""
     cfg["on_policy"] = {
@@ -1584,6 +1590,7 @@ CASES: list[Case] = [
     sampling_dtype_with_served_sampler,
     cuda_graphs_on_the_cpu,
     cuda_graphs_without_batch_rollouts,
+    rollout_batch_size_without_batch_rollouts,
 ]
 
 

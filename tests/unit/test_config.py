@@ -624,3 +624,21 @@ def test_cuda_graphs_apply_to_the_fast_local_decode_on_cuda(extra, line):
         assert (
             len(found) == 1 and line in found[0].message and "cuda_graphs=false" in found[0].message
         )
+
+
+@pytest.mark.parametrize("batch_rollouts", [None, False, True])
+def test_rollout_batch_size_needs_batch_rollouts(batch_rollouts):
+    """on_policy.rollout_batch_size groups batch_rollouts' one generation per step; without it
+    nothing reads it (it was silently ignored, and planned as ignored)."""
+    from kd.config.checks.features import check_on_policy
+
+    node = {"rollout_batch_size": 4}
+    if batch_rollouts is not None:
+        node["batch_rollouts"] = batch_rollouts
+    problems: list = []
+    check_on_policy({"on_policy": node}, problems)
+    found = [p for p in problems if p.key == "on_policy.rollout_batch_size"]
+    if batch_rollouts:
+        assert found == []
+    else:
+        assert len(found) == 1 and "on_policy.batch_rollouts=true" in found[0].message

@@ -18,10 +18,13 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kd.cli.commands import add_target_arguments, resolve_target
 from kd.errors import KDUserError, brief, one_line
+
+if TYPE_CHECKING:
+    from kd.config.run import RunConfig
 
 _EPILOG = """\
 The plan assumes every sequence is tokenizer.max_seq_len tokens long (memory.seq_len overrides it).
@@ -142,6 +145,19 @@ def check_plot_path(path: str) -> None:
         )
 
 
+def _sampler_torchrun_problem(run: RunConfig) -> str | None:
+    """The line the run's on-policy sampler refuses its settings with under torchrun
+    (:func:`kd.rollouts.plan.torchrun_problem`); None without ``on_policy``."""
+    from kd.rollouts import plan as rollout_plan
+
+    op = run.on_policy
+    if op is None:
+        return None
+    return rollout_plan.torchrun_problem(
+        op, copy_dtype=rollout_plan.copy_dtype(op, dtype=run.dtype)
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``kd plan``; returns the exit status (0 fits, 1 does not fit)."""
     from kd.config.teacher_kinds.model import torchrun_problem
@@ -159,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     run, world = target.run, target.world_size
     in_cpu = run.optimizer.in_cpu
     refused = (
-        torchrun_problem(run) or optimizer_in_cpu_problem(in_cpu, "cuda", distributed=True)
+        torchrun_problem(run)
+        or optimizer_in_cpu_problem(in_cpu, "cuda", distributed=True)
+        or _sampler_torchrun_problem(run)
         if world > 1
         else None
     )

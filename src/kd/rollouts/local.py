@@ -39,7 +39,9 @@ from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts import graphs, sampling
 from kd.rollouts.base import Completions, Prompts
-from kd.rollouts.decode import fast_rollout
+from kd.rollouts.decode import fast_rollout, length_groups
+from kd.rollouts.plan import torchrun_problem
+from kd.rollouts.prompts import merge_completions, select_rows
 from kd.runtime import distributed
 from kd.runtime.distributed import WorldInfo
 
@@ -89,30 +91,20 @@ class LocalSampler:
         self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
         self.copy_dtype = models.DTYPES[copy_dtype] if copy_dtype is not None else None
+        self._copy_name = copy_dtype
         # The frozen copy (async_steps: 1) and / or the copy in copy_dtype (sampling_dtype).
         self._policy: nn.Module | None = None
 
     def check(self) -> None:
         """The settings this sampler cannot honour on this job."""
-        if self.settings.async_steps > 0 and self.world.distributed:
-            raise KDUserError(
-                "on_policy.async_steps: 1 samples from a background thread on one device; under "
-                "torchrun set on_policy.async_steps=0"
-            )
-        if self.settings.cuda_graphs and self.world.distributed:
-            raise KDUserError(
-                "on_policy.cuda_graphs replays the one-device fast decode (batch_rollouts), "
-                "which torchrun's sharded student does not run; set on_policy.cuda_graphs=false"
-            )
+        if self.world.distributed:  # the line kd plan --world-size N refuses them with too
+            refused = torchrun_problem(self.settings, copy_dtype=self._copy_name)
+            if refused is not None:
+                raise KDUserError(refused)
         if self.settings.cuda_graphs and self.device.type != "cuda":
             raise KDUserError(
                 f"on_policy.cuda_graphs needs a CUDA device, and this run's is {self.device}; "
                 "set on_policy.cuda_graphs=false"
-            )
-        if self.copy_dtype is not None and self.world.distributed:
-            raise KDUserError(
-                "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
-                "kd does not shard; under torchrun set on_policy.sampling_dtype=null"
             )
 
     def sample(
@@ -148,22 +140,35 @@ class LocalSampler:
                 graphs=self.capture() if op.cuda_graphs else None,
             )
             return replace(done, version=self.version)
-        done = sampling.rollout(
-            model,
-            prompts,
-            max_new_tokens=op.max_new_tokens,
-            temperature=op.temperature,
-            top_p=op.top_p,
-            stop_ids=self.stop_ids,
-            pad_id=self.pad_id,
-            vocab_limit=self.vocab_limit,
-            generators=generators,
-            all_done=(
-                (lambda here: not distributed.any_rank(not here, device=self.device))
-                if self.world.distributed
-                else None
-            ),
-        )
+        # Under torchrun a step's rows (batch_rollouts) are sampled in groups of at most
+        # rollout_batch_size rows too, as the plan counts them: every rank has as many rows
+        # (full micro-batches, the same coins), so as many groups, each a collective rollout.
+        size = op.rollout_batch_size if op.batch_rollouts else None
+        groups = length_groups(prompts.lengths.tolist(), size) if size else [list(range(len(rows)))]
+        whole = len(groups) == 1
+        parts: list[tuple[list[int], Completions]] = []
+        for group in groups:
+            done = sampling.rollout(
+                model,
+                prompts if whole else select_rows(prompts, group),
+                max_new_tokens=op.max_new_tokens,
+                temperature=op.temperature,
+                top_p=op.top_p,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                vocab_limit=self.vocab_limit,
+                generators=(
+                    generators if whole or generators is None else [generators[i] for i in group]
+                ),
+                all_done=(
+                    (lambda here: not distributed.any_rank(not here, device=self.device))
+                    if self.world.distributed
+                    else None
+                ),
+            )
+            parts.append((group, done))
+        if not whole:
+            done = merge_completions(parts, len(rows), width=op.max_new_tokens, pad_id=self.pad_id)
         return replace(done, version=self.version)
 
     def capture(self) -> graphs.Capture:

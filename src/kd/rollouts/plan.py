@@ -26,6 +26,7 @@ __all__ = [
     "rollout_rows",
     "samples_on_device",
     "student_copy",
+    "torchrun_problem",
 ]
 
 # Whether a sampler of each kind (on_policy.sampler) runs the student on the training device.
@@ -73,3 +74,32 @@ def student_copy(settings: OnPolicySettings, *, dtype: str) -> bool:
     return samples_on_device(settings) and (
         settings.async_steps > 0 or copy_dtype(settings, dtype=dtype) is not None
     )
+
+
+def torchrun_problem(settings: OnPolicySettings, *, copy_dtype: str | None) -> str | None:
+    """The line the run's sampler refuses ``settings`` with under torchrun (several ranks),
+    before any weight is read (its ``check``); ``kd plan --world-size N`` refuses them with it
+    too. ``copy_dtype``: :func:`copy_dtype` of the run. None when they may run on several ranks."""
+    if settings.sampler == "served":
+        if settings.async_steps > 0:
+            return (
+                "on_policy.async_steps: 1 asks the server from a background thread, whose "
+                "failures the ranks cannot agree on; under torchrun set on_policy.async_steps=0"
+            )
+        return None
+    if settings.async_steps > 0:
+        return (
+            "on_policy.async_steps: 1 samples from a background thread on one device; under "
+            "torchrun set on_policy.async_steps=0"
+        )
+    if settings.cuda_graphs:
+        return (
+            "on_policy.cuda_graphs replays the one-device fast decode (batch_rollouts), "
+            "which torchrun's sharded student does not run; set on_policy.cuda_graphs=false"
+        )
+    if copy_dtype is not None:
+        return (
+            "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
+            "kd does not shard; under torchrun set on_policy.sampling_dtype=null"
+        )
+    return None

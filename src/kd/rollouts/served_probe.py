@@ -15,6 +15,7 @@ from pathlib import Path
 from kd.config.on_policy_settings import OnPolicySettings
 from kd.errors import KDUserError
 from kd.rollouts.base import RolloutStopped
+from kd.rollouts.plan import torchrun_problem
 from kd.rollouts.served_client import PROBE_TIMEOUT_S, ServerClient
 from kd.rollouts.served_protocols import GEN_PROTOCOLS, VLLMGeneration
 
@@ -44,11 +45,9 @@ def check_server(
         KDUserError: the first problem, one line naming the key and the fix.
     """
     s = settings
-    if s.async_steps > 0 and distributed:
-        raise KDUserError(
-            "on_policy.async_steps: 1 asks the server from a background thread, whose "
-            "failures the ranks cannot agree on; under torchrun set on_policy.async_steps=0"
-        )
+    refused = torchrun_problem(s, copy_dtype=None) if distributed else None
+    if refused is not None:  # the line kd plan --world-size N refuses it with too
+        raise KDUserError(refused)
     probe = ServerClient(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
     try:
         status, text, data = probe.call("GET", "/v1/models")

@@ -183,3 +183,97 @@ def test_cuda_graphs_reach_the_fast_decode_through_the_sampler(monkeypatch):
     assert captured  # the graphed run captured (the other did not ask)
     assert torch.equal(done["true"].tokens, done["false"].tokens)
     assert torch.equal(done["true"].lengths, done["false"].lengths)
+
+
+def test_rollout_batch_size_caps_the_rows_sampled_together_under_torchrun(monkeypatch):
+    """Under torchrun (the per-rank loop, not the fast decode) batch_rollouts samples the step's
+    rows in groups of at most rollout_batch_size, as the plan counts them (it sampled them all at
+    once, a KV cache the plan had not counted), each row with its own generator: the tokens of
+    one generation."""
+    import kd.rollouts.local
+    from tests.conftest import tiny_hidden_decoder
+    from tests.unit.rollouts.test_decode import prompts
+
+    widths: list[int] = []
+    original = kd.rollouts.local.sampling.rollout
+
+    def spy(model, p, **kw):  # noqa: ANN001, ANN202
+        widths.append(p.tokens.shape[0])
+        return original(model, p, **kw)
+
+    monkeypatch.setattr(kd.rollouts.local.sampling, "rollout", spy)
+    model = tiny_hidden_decoder(vocab=64, dim=32)
+    p = prompts(10, [5, 3, 7, 2, 6, 4, 1])
+    rows = [9, 3, 4, 0, 12, 7, 8]
+    done = {}
+    for size in ("null", "3"):
+        s = sampler(2, batch_rollouts="true", rollout_batch_size=size, temperature=1.0)
+        done[size] = s.sample(p, rows=rows, epoch=1, step=1, student=model)
+    assert widths == [7, 3, 3, 1]
+    assert torch.equal(done["3"].tokens, done["null"].tokens)
+    assert torch.equal(done["3"].lengths, done["null"].lengths)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"async_steps": 1},
+        {"sampling_dtype": "bf16", "dtype": "fp32"},
+        {"batch_rollouts": "true", "cuda_graphs": "true", "device": "cuda"},
+    ],
+    ids=["async", "sampling-dtype", "cuda-graphs"],
+)
+def test_plan_over_ranks_refuses_what_the_sampler_refuses_under_torchrun(over, capsys):
+    """``kd plan --world-size 2`` planned an on-policy sampler that the run under torchrun
+    refuses before any weight is read (a background thread, a bf16 copy, CUDA graphs): it
+    refuses it with the sampler's own line; one rank is planned."""
+    from kd import cli
+    from kd.config.run import run_config
+    from kd.rollouts.build import sampler_for
+
+    top = {k: over.pop(k) for k in ("dtype", "device") if k in over}
+    over = [f"on_policy.{k}={v}" for k, v in over.items()]
+    over += ["on_policy.lmbda=1", *(f"{k}={v}" for k, v in top.items())]
+    run = run_config(load_config(FULL_14B_3B, over))
+
+    class Tok:
+        pad_id, eos_id, stop_tokens = 0, 2, [2]
+
+    local = sampler_for(
+        run,
+        tokenizer=Tok(),
+        seed=0,
+        vocab_limit=10,
+        world=WorldInfo(2, 0, 0),
+        device=torch.device("cuda"),
+        output_dir=None,  # type: ignore[arg-type]
+    )
+    with pytest.raises(KDUserError) as refused:
+        local.check()
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "80", *over]
+    assert cli.main([*argv, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kd: error: {refused.value}"]
+    assert cli.main(argv) in (0, 1)  # one rank: planned
+    assert "kd: error" not in capsys.readouterr().err
+
+
+def test_plan_over_ranks_refuses_a_served_samplers_async_steps(capsys):
+    """The served sampler's refusal of async_steps: 1 under torchrun (its probe) is kd plan
+    --world-size 2's too."""
+    from kd import cli
+
+    over = [
+        "on_policy.lmbda=1",
+        "on_policy.sampler=served",
+        "on_policy.server_url=http://127.0.0.1:9",
+        "on_policy.server_model=m",
+        "on_policy.async_steps=1",
+    ]
+    argv = ["plan", "--config", FULL_14B_3B, "--budget-gib", "80", *over]
+    assert cli.main([*argv, "--world-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "kd: error: on_policy.async_steps: 1 asks the server from a background thread"
+    )
+    assert cli.main(argv) in (0, 1)

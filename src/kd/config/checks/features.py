@@ -76,6 +76,16 @@ def check_on_policy(data: dict[str, Any], problems: list[Problem]) -> None:
                 "bfloat16); set on_policy.sampling_dtype=null",
             )
         )
+    if node.get("rollout_batch_size") is not None and node.get("batch_rollouts") is not True:
+        problems.append(
+            Problem(
+                "on_policy.rollout_batch_size",
+                "cuts the one generation per step of on_policy.batch_rollouts into groups; "
+                "without it each micro-batch (batch_size rows) is sampled on its own and this is "
+                "never read; set on_policy.batch_rollouts=true, or on_policy.rollout_batch_size="
+                "null",
+            )
+        )
     if node.get("cuda_graphs") is True:
         _check_cuda_graphs(data, node, problems)
     if node.get("server_sleep") is True and node.get("sampler", "local") != "served":
