@@ -156,7 +156,8 @@ class RunContext:
         if problems:
             raise KDUserError("\n".join(problems))
         vocabs = [("student's", models.vocab_size(student))]
-        vocabs += [("teacher's", models.vocab_size(teacher))] * teacher_read
+        if teacher_read:
+            vocabs.append(("teacher's", models.vocab_size(teacher)))
         self._ids_below = min(vocabs, key=lambda v: v[1])
         if teacher_read:
             models.check_teacher_tokenizer(
