@@ -224,3 +224,70 @@ def test_any_rank_and_broadcast_on_a_one_rank_group(tmp_path):
         assert distributed.all_reduce_sum(torch.tensor([2.0])).item() == 2.0
     finally:
         dist.destroy_process_group()
+
+
+# Each rank's step checkpoint takes 3 s longer: longer than the launcher's --shutdown_timeout 1.
+_SLOW_SAVE = """
+import time
+
+from kd.runtime.run_checkpointer import RunCheckpointer
+
+_save = RunCheckpointer.save
+
+
+def _slow_save(self, *args, final, **kwargs):
+    if not final:
+        time.sleep(3)
+    return _save(self, *args, final=final, **kwargs)
+
+
+RunCheckpointer.save = _slow_save
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(assets, tmp_path):
+    """SIGTERM to ``kd run --nproc_per_node 2`` (Slurm, Kubernetes): the workers finish the step
+    and save, the launcher exits 0 without a traceback, and resume ends where one device does.
+    torchrun's own handler stopped its agent with a traceback and exit status 1, and killed the
+    workers --shutdown_timeout seconds (30 by default) after the signal, in the middle of a save
+    that took longer."""
+    import signal
+    import subprocess
+    import time
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = {"gradient_accumulation_steps": 1, "epochs": 2, "max_steps_per_epoch": None}
+    _single(write_config(tmp_path / "one.yaml", make_config(assets, one, batch_size=2, **common)))
+    cfg = write_config(tmp_path / "two.yaml", make_config(assets, two, batch_size=1, **common))
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD + _SLOW_SAVE)
+    path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "--shutdown_timeout"]
+    cmd += ["1", "kd_distributed", "--config", str(cfg)]
+    launcher = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 240
+        rows = two / "metrics.jsonl"
+        while launcher.poll() is None and not (rows.exists() and len(read_metrics(two)) >= 3):
+            assert time.monotonic() < deadline, "no third step"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-4000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    saved = sorted(two.glob("step_*"))
+    assert len(saved) == 1 and (saved[0] / "recipe_state.pt").exists(), err[-4000:]
+    stopped = int(saved[0].name.split("_")[1])
+    assert f"kd: received SIGTERM; stopped after step {stopped}" in err
+    assert [r["step"] for r in read_metrics(two)] == list(range(1, stopped + 1))
+    _launch(cfg, "resume_from_checkpoint=true")
+    _assert_same_metrics(one, two, steps=64)
+    _assert_same_files(one / "final", two / "final")
