@@ -7,6 +7,7 @@ as it can: per-step metrics, final weights, the saved resume state. fp32, shuffl
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
 # Loaded at start-up by every process of a 2-rank launch: a rank other than 0 that opens a
 # safetensors file (a checkpoint) fails, so each launch checks that only rank 0 reads weights.
 _RANK0_ONLY_GUARD = """
+import json
 import os
 if os.environ.get("RANK", "0") != "0":
     import safetensors
@@ -299,3 +301,30 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(assets, tmp_path):
         load_file(two / "final" / "model.safetensors"),
         tol=1e-4,
     )
+
+
+@pytest.mark.slow
+def test_a_bad_row_one_rank_reads_stops_every_rank_with_its_line(assets, tmp_path):
+    """Row 13 (read by rank 1 only, at step 2) has no output: every rank stops with rank 1's one
+    line. Rank 0 waited in the step's first collective until rank 1's exit broke it (NCCL waits
+    for its timeout), printed that traceback, and rank 1's line was never printed."""
+    from kd.testing import write_jsonl
+
+    rows = [json.loads(line) for line in assets["data"].read_text().splitlines()]
+    rows[13]["output"] = None
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    cfg = make_config(assets, tmp_path / "out", batch_size=2)
+    cfg["dataset"]["data_files"] = str(data)
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "kd_distributed"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    path = write_config(tmp_path / "bad.yaml", cfg)
+    proc = run_launch([*cmd, "--config", str(path)], env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith(
+        "kd: error: rank 1: dataset: reading the batches of step 2 failed ("
+    )
+    assert errors[0].endswith("; fix that row of the data file (the last checkpoint is kept)")
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]
