@@ -586,7 +586,7 @@ def steps_per_epoch(
 
 def next_micro_batches(batches: Iterator[Any], *, count: int, step: int) -> list[Any]:
     """The next ``count`` micro-batches of ``batches`` (the dataloader's iterator): one optimizer
-    step's worth. Collective under torchrun: every rank learns whether any rank failed.
+    step's worth.
 
     Args:
         batches: the dataloader's iterator for this epoch.
@@ -595,32 +595,12 @@ def next_micro_batches(batches: Iterator[Any], *, count: int, step: int) -> list
 
     Raises:
         KDUserError: reading them failed (a bad row raises whatever the transform raises); the
-            message names the step and the fix. Under torchrun every rank raises it when one
-            rank's rows failed (a bad row is read by one rank only: the others waited in the
-            step's first collective, and the failing rank's line was never printed, rank 0
-            printing), as ``rank <r>: <line>`` on the ranks that read no bad row.
+            message names the step and the fix.
     """
-    failure: KDUserError | None = None
     try:
-        got = [next(batches) for _ in range(count)]
+        return [next(batches) for _ in range(count)]
     except Exception as e:  # noqa: BLE001 - a bad row raises whatever the transform raises
-        failure = KDUserError(
+        raise KDUserError(
             f"dataset: reading the batches of step {step} failed ({brief(e)}); "
             "fix that row of the data file (the last checkpoint is kept)"
-        )
-        failure.__cause__ = e
-    from kd.runtime import distributed
-
-    if distributed.is_distributed():
-        import torch
-
-        cpu = torch.device("cpu")  # gloo: every process group kd starts has it for CPU tensors
-        if distributed.any_rank(failure is not None, device=cpu):
-            lines = distributed.all_gather_text(
-                None if failure is None else str(failure), device=cpu
-            )
-            rank, line = next((r, x) for r, x in enumerate(lines) if x is not None)
-            raise KDUserError(line if failure is not None else f"rank {rank}: {line}") from failure
-    if failure is not None:
-        raise failure
-    return got
+        ) from e
