@@ -338,30 +338,48 @@ def _torchrun_args(torchrun_tokens: list[str], launch: list[str]) -> Any:
 
 # The handlers torchrun's agent replaces (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
 _TORCHRUN_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+_SIGNALS_OPTIONS = ("--signals-to-handle", "--signals_to_handle")
 
 
 @contextlib.contextmanager
-def _torchrun_signal_handlers() -> Iterator[None]:
-    """Run torchrun in this process without losing Ctrl-C.
+def _torchrun_signal_handlers(args: argparse.Namespace, tokens: list[str]) -> Iterator[None]:
+    """Run torchrun in this process without losing Ctrl-C, and let its workers save on a stop.
 
-    torchrun's agent installs handlers that raise ``SignalException`` on SIGINT, SIGTERM, SIGHUP
-    and SIGQUIT and never puts the previous ones back: afterwards, Ctrl-C in the same process (a
+    SIGTERM and SIGINT go on to the workers (:class:`kd.runtime.interrupts.WorkerForwarder`):
+    they finish the step, save and exit 0, and so does the launcher. torchrun's agent keeps
+    SIGHUP and SIGQUIT (its ``--signals-to-handle``, unless the user chose them); its handlers
+    raise ``SignalException`` and were never put back: afterwards, Ctrl-C in the same process (a
     test session calling ``kd run --nproc_per_node 2`` in-process) raised an ordinary exception
     that the caller reported and went on from. Here the previous handlers come back when torchrun
-    returns, and a Ctrl-C during the run is a ``KeyboardInterrupt`` (the agent has stopped the
-    workers by then).
+    returns, and a ``SignalException`` for Ctrl-C is a ``KeyboardInterrupt`` (the agent has
+    stopped the workers by then).
     """
     import signal
     import threading
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from kd.runtime.interrupts import FORWARDED, WorkerForwarder
+
+    def raise_now(signum: int) -> None:
+        sig = signal.Signals(signum)
+        raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
+
     saved: dict[signal.Signals, Any] = {}
+    env_key = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torchrun sets it and leaves it set
+    env_before = os.environ.get(env_key)
     if threading.current_thread() is threading.main_thread():
         for name in _TORCHRUN_SIGNALS:
             sig = getattr(signal, name, None)
             if sig is not None:
                 saved[sig] = signal.getsignal(sig)
+        chosen = any(t.split("=")[0] in _SIGNALS_OPTIONS for t in tokens)
+        if not chosen and "PET_SIGNALS_TO_HANDLE" not in os.environ:  # torchrun's env form
+            kept = [n for n in _TORCHRUN_SIGNALS if n not in FORWARDED and hasattr(signal, n)]
+            args.signals_to_handle = ",".join(kept)
+            forward = WorkerForwarder(raise_now)
+            for name in FORWARDED:
+                signal.signal(getattr(signal, name), forward)
     try:
         yield
     except SignalException as e:
@@ -369,12 +387,17 @@ def _torchrun_signal_handlers() -> Iterator[None]:
             raise KeyboardInterrupt from e
         raise
     finally:
+        if env_before is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = env_before
         for sig, handler in saved.items():
             # getsignal() gives None for a handler installed from C: SIG_DFL is the closest.
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -395,11 +418,15 @@ def _launch_torchrun(torchrun_tokens: list[str], recipe: Recipe, recipe_args: li
     previous = os.environ.get("KD_NOTICES_SHOWN")
     os.environ["KD_NOTICES_SHOWN"] = "1"  # inherited by the workers
     try:
-        with _torchrun_signal_handlers():
+        with _torchrun_signal_handlers(args, torchrun_tokens):
             run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values() if f.exitcode]
-        return codes[0] if codes else 1
+        # A worker ended by a signal has a negative exit code: the shell's 128 + signal number.
+        return (codes[0] if codes[0] > 0 else 128 - codes[0]) if codes else 1
+    except SignalException as e:  # SIGHUP, SIGQUIT, or a stop before any worker started
+        print(f"kd: received {e.sigval.name}; the workers were stopped", file=sys.stderr)
+        return 128 + int(e.sigval)
     finally:
         if previous is None:
             os.environ.pop("KD_NOTICES_SHOWN", None)

@@ -246,7 +246,7 @@ class KDRecipe:
                     step = self.global_step + 1
                     try:
                         stats = self.train_step(
-                            data.next_micro_batches(batches, count=grad_accum, step=step)
+                            train.next_micro_batches(batches, count=grad_accum, step=step)
                         )
                     except (TeacherStopped, RolloutStopped) as e:  # save, then stop
                         bar.close()

@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
@@ -136,3 +137,50 @@ def stopped_message(signal_name: str | None, step: int, path: Path, *, world: Wo
     return f"kd: received {signal_name}; stopped after step {step}\n" + resume_hint(
         launch_command(sys.argv, world_size=world.world_size), path
     )
+
+
+# The stop signals the launcher passes on to its workers (their GracefulStop saves, then exits 0).
+FORWARDED = ("SIGTERM", "SIGINT")
+
+
+class WorkerForwarder:
+    """The ``kd run --nproc_per_node N`` launcher's handler for SIGTERM and SIGINT: the signal
+    goes on to the workers (this process's children), and torchrun's agent keeps waiting for them.
+
+    torchrun's own handler stopped its agent at once, sent the signal on and killed the workers
+    (SIGKILL) 30 s later, whatever they were doing: a save longer than that was lost, and the
+    launcher ended with a traceback and exit status 1 though the workers had saved and exited 0.
+    Forwarded, the workers' :class:`GracefulStop` finishes the step and saves as on one device, the
+    launcher exits with their status (0) and prints nothing of its own.
+
+    A signal before any worker exists, and a second Ctrl-C (stop without saving), are torchrun's
+    as before: ``raise_now(signum)`` raises its ``SignalException`` (the agent signals the
+    workers, then kills them after its shutdown timeout). ``workers`` lists their pids (default:
+    this process's children).
+    """
+
+    def __init__(
+        self, raise_now: Callable[[int], None], workers: Callable[[], list[int]] | None = None
+    ):
+        self.raise_now = raise_now
+        self.workers = workers or _children
+        self.forwarded = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        workers = self.workers()
+        if not workers or (self.forwarded and signum == signal.SIGINT):
+            self.raise_now(signum)
+            return
+        self.forwarded = True
+        for pid in workers:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # it has just ended
+                pass
+
+
+def _children() -> list[int]:
+    """The pids of this process's children: torchrun's workers, in the launcher."""
+    import psutil
+
+    return [p.pid for p in psutil.Process().children()]

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from kd import data
 from kd.config.run import LossSettings
 from kd.errors import KDUserError
 from kd.metrics import PhaseTimer
@@ -530,6 +531,35 @@ def build_lr_scheduler(ctx: Any, optimizer: torch.optim.Optimizer, num_training_
         fix="fix the scheduler's arguments",
         num_training_steps=num_training_steps,
     )
+
+
+def next_micro_batches(batches: Iterator[Any], *, count: int, step: int) -> list[Any]:
+    """:func:`kd.data.next_micro_batches`, agreed across ranks under torchrun (one all-reduce).
+
+    A bad row is read by one rank only: that rank raised alone, the others waited in the step's
+    first collective (gloo: a traceback once its exit broke the connection; NCCL: until its
+    timeout), and its line was never printed (only rank 0 prints). Now every rank raises it, as
+    ``rank <r>: <line>`` on the ranks that read no bad row.
+
+    Raises:
+        KDUserError: reading this rank's micro-batches, or another rank's, failed.
+    """
+    failure: KDUserError | None = None
+    try:
+        got = data.next_micro_batches(batches, count=count, step=step)
+    except KDUserError as e:
+        failure = e
+    if distributed.is_distributed():
+        cpu = torch.device("cpu")  # gloo: every process group kd starts has it for CPU tensors
+        if distributed.any_rank(failure is not None, device=cpu):
+            lines = distributed.all_gather_text(
+                None if failure is None else str(failure), device=cpu
+            )
+            rank, line = next((r, x) for r, x in enumerate(lines) if x is not None)
+            raise KDUserError(line if failure is not None else f"rank {rank}: {line}") from failure
+    if failure is not None:
+        raise failure
+    return got
 
 
 def skip_or_stop(

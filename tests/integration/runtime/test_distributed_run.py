@@ -7,6 +7,7 @@ as it can: per-step metrics, final weights, the saved resume state. fp32, shuffl
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ COMPARED = ("loss", "ce_loss", "kd_loss", "grad_norm", "lr", "num_tokens")
 # Loaded at start-up by every process of a 2-rank launch: a rank other than 0 that opens a
 # safetensors file (a checkpoint) fails, so each launch checks that only rank 0 reads weights.
 _RANK0_ONLY_GUARD = """
+import json
 import os
 if os.environ.get("RANK", "0") != "0":
     import safetensors
@@ -224,3 +226,105 @@ def test_any_rank_and_broadcast_on_a_one_rank_group(tmp_path):
         assert distributed.all_reduce_sum(torch.tensor([2.0])).item() == 2.0
     finally:
         dist.destroy_process_group()
+
+
+# Each rank's step checkpoint takes 3 s longer: longer than the launcher's --shutdown_timeout 1.
+_SLOW_SAVE = """
+import time
+
+from kd.runtime.run_checkpointer import RunCheckpointer
+
+_save = RunCheckpointer.save
+
+
+def _slow_save(self, *args, final, **kwargs):
+    if not final:
+        time.sleep(3)
+    return _save(self, *args, final=final, **kwargs)
+
+
+RunCheckpointer.save = _slow_save
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_exits_0_and_resumes(assets, tmp_path):
+    """SIGTERM to ``kd run --nproc_per_node 2`` (Slurm, Kubernetes): the workers finish the step
+    and save, the launcher exits 0 without a traceback, and resume ends where one device does.
+    torchrun's own handler stopped its agent with a traceback and exit status 1, and killed the
+    workers --shutdown_timeout seconds (30 by default) after the signal, in the middle of a save
+    that took longer."""
+    import signal
+    import subprocess
+    import time
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = {"gradient_accumulation_steps": 1, "epochs": 1, "max_steps_per_epoch": None}
+    _single(write_config(tmp_path / "one.yaml", make_config(assets, one, batch_size=2, **common)))
+    cfg = write_config(tmp_path / "two.yaml", make_config(assets, two, batch_size=1, **common))
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(_RANK0_ONLY_GUARD + _SLOW_SAVE)
+    path = os.pathsep.join(p for p in (str(guard), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "--shutdown_timeout"]
+    cmd += ["1", "kd_distributed", "--config", str(cfg)]
+    launcher = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 240
+        rows = two / "metrics.jsonl"
+        while launcher.poll() is None and not (rows.exists() and len(read_metrics(two)) >= 3):
+            assert time.monotonic() < deadline, "no third step"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err[-4000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    saved = sorted(two.glob("step_*"))
+    assert len(saved) == 1 and (saved[0] / "recipe_state.pt").exists(), err[-4000:]
+    stopped = int(saved[0].name.split("_")[1])
+    assert f"kd: received SIGTERM; stopped after step {stopped}" in err
+    assert [r["step"] for r in read_metrics(two)] == list(range(1, stopped + 1))
+    _launch(cfg, "resume_from_checkpoint=true")
+    # 32 steps: float noise between the two layouts grows past TOL in the weights.
+    rows, reference = read_metrics(two), read_metrics(one)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 33))
+    for x, y in zip(reference, rows, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-4, rel=0), x["step"]
+    _assert_same_tensors(
+        load_file(one / "final" / "model.safetensors"),
+        load_file(two / "final" / "model.safetensors"),
+        tol=1e-4,
+    )
+
+
+@pytest.mark.slow
+def test_a_bad_row_one_rank_reads_stops_every_rank_with_its_line(assets, tmp_path):
+    """Row 13 (read by rank 1 only, at step 2) has no output: every rank stops with rank 1's one
+    line. Rank 0 waited in the step's first collective until rank 1's exit broke it (NCCL waits
+    for its timeout), printed that traceback, and rank 1's line was never printed."""
+    from kd.testing import write_jsonl
+
+    rows = [json.loads(line) for line in assets["data"].read_text().splitlines()]
+    rows[13]["output"] = None
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    cfg = make_config(assets, tmp_path / "out", batch_size=2)
+    cfg["dataset"]["data_files"] = str(data)
+    cmd = [sys.executable, "-m", "kd.cli", "run", "--nproc_per_node", "2", "kd_distributed"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    path = write_config(tmp_path / "bad.yaml", cfg)
+    proc = run_launch([*cmd, "--config", str(path)], env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
+    assert len(errors) == 1, proc.stderr[-4000:]
+    assert errors[0].startswith(
+        "kd: error: rank 1: dataset: reading the batches of step 2 failed ("
+    )
+    assert errors[0].endswith("; fix that row of the data file (the last checkpoint is kept)")
+    assert [r["step"] for r in read_metrics(tmp_path / "out")] == [1]

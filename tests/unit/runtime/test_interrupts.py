@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -88,3 +89,29 @@ def test_the_suite_guard_names_a_test_that_leaves_a_handler_and_puts_it_back():
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     with signal_state_kept("clean"), GracefulStop():
         pass
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_worker_forwarder_passes_a_stop_on_and_a_second_ctrl_c_stops_now():
+    """The launcher's SIGTERM / SIGINT go on to its workers (children) and it keeps waiting; with
+    no worker yet, or on a second Ctrl-C, torchrun's stop (``raise_now``) runs instead."""
+    import subprocess
+
+    from kd.runtime.interrupts import WorkerForwarder
+
+    raised: list[int] = []
+    pids: list[int] = []
+    forward = WorkerForwarder(raised.append, workers=lambda: pids)
+    forward(signal.SIGTERM, None)  # no worker yet
+    assert raised == [signal.SIGTERM] and not forward.forwarded
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pids.append(worker.pid)
+    try:
+        forward(signal.SIGTERM, None)
+        assert worker.wait(timeout=30) == -signal.SIGTERM and forward.forwarded
+        assert raised == [signal.SIGTERM]
+        forward(signal.SIGINT, None)  # the second signal, a Ctrl-C: stop now
+        assert raised == [signal.SIGTERM, signal.SIGINT]
+    finally:
+        worker.kill()
+        worker.wait()
