@@ -519,6 +519,14 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         )
     if run.compile:
         notes.append("compile=true: planned as eager (compiled layers usually save less)")
+    op = run.on_policy
+    if op is not None and op.async_steps > 0 and op.lmbda > 0 and op.sampler == "local":
+        notes.append(
+            "on_policy.async_steps: 1: the next step's rollout (its KV cache and decode "
+            "temporaries) runs beside this step's forward, backward and optimizer step, and is "
+            "not added to them (only the sampler's frozen copy is): leave room for the "
+            "generation phase's kv_cache and activations beside the peak"
+        )
     model = run.components["model"]
     return PlanInputs(
         student=student,

@@ -421,3 +421,24 @@ def test_sampling_copy_trace_matches_estimate(tiny_dirs, backend, lora, extra): 
     if "sampling_dtype" in extra:  # the copy's keys and values in bf16 (int64 positions beside)
         kv = est.phases[GEN_PHASE]["kv_cache"], plain.phases[GEN_PHASE]["kv_cache"]
         assert kv[0] < 0.55 * kv[1]
+
+
+@pytest.mark.parametrize(
+    ("over", "said"),
+    [
+        (["on_policy.async_steps=1"], True),
+        (["on_policy.async_steps=0"], False),
+        (["on_policy.async_steps=1", "on_policy.lmbda=0"], False),  # nothing is sampled
+    ],
+)
+def test_the_plan_says_an_async_rollout_is_not_beside_the_training_phases(over, said):
+    """async_steps: 1 samples the next step during this one; the plan counts the frozen copy in
+    every phase but not that rollout's cache and temporaries, and says so."""
+    from kd.memory.plan import inputs_from_run
+
+    base = ["on_policy.lmbda=1", "on_policy.batch_rollouts=true", "device=cuda"]
+    run = _run(load_config(FULL_14B_3B, [*base, *over]))
+    notes = inputs_from_run(run, world_size=1, config_name="c").notes
+    assert any(
+        n.startswith("on_policy.async_steps: 1: the next step's rollout") for n in notes
+    ) == (said)
