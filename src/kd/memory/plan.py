@@ -20,7 +20,7 @@ from kd import folders
 from kd.config import teacher_kinds as kinds
 from kd.config.run import RunConfig, run_config
 from kd.config.teacher_kinds import TeacherPlan
-from kd.config.teacher_kinds.model import offload_accepted
+from kd.config.teacher_kinds.model import offload_accepted, own_device
 from kd.errors import KDUserError, brief
 from kd.memory import eval_phase
 from kd.memory.estimate import COMPONENTS, GIB, Estimate, estimate
@@ -35,6 +35,7 @@ from kd.memory.shapes import (
     int8_teacher_bytes_per_param,
     shape_from_component,
 )
+from kd.rollouts import plan as rollout_plan
 
 PHASE_LABELS = {
     "generation": "generation",
@@ -508,7 +509,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         teacher_offload=tp.offload if tp.teacher is not None else "none",
         teacher_parkable=offload_accepted(run),
         other_teacher_head_params=tp.other_head_params,
-        teacher_own_device=tp.teacher is not None and _own_device(run),
+        teacher_own_device=tp.teacher is not None and own_device(run),
         final_eval=final_eval,
         teacher_logits=run.loss.needs_teacher_logits,
     )
@@ -519,14 +520,7 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         )
     if run.compile:
         notes.append("compile=true: planned as eager (compiled layers usually save less)")
-    op = run.on_policy
-    if op is not None and op.async_steps > 0 and op.lmbda > 0 and op.sampler == "local":
-        notes.append(
-            "on_policy.async_steps: 1: the next step's rollout (its KV cache and decode "
-            "temporaries) runs beside this step's forward, backward and optimizer step, and is "
-            "not added to them (only the sampler's frozen copy is): leave room for the "
-            "generation phase's kv_cache and activations beside the peak"
-        )
+    notes += rollout_plan.uncounted(run.on_policy)
     model = run.components["model"]
     return PlanInputs(
         student=student,
@@ -544,19 +538,6 @@ def inputs_from_run(run: RunConfig, *, world_size: int = 1, config_name: str = "
         and run.on_policy.sampler == "served"
         and run.on_policy.server_sleep,
     )
-
-
-def _own_device(run: RunConfig) -> bool:
-    """Whether ``teacher_device`` names a device other than the student's (``cuda`` is
-    ``cuda:0``)."""
-    if run.teacher_device is None:
-        return False
-
-    def split(name: str) -> tuple[str, int]:
-        kind, _, index = name.partition(":")
-        return kind, int(index or 0)
-
-    return split(run.teacher_device) != split(run.device)
 
 
 def _store_manifest(folder: Path) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ __all__ = [
     "samples_on_device",
     "student_copy",
     "torchrun_problem",
+    "uncounted",
 ]
 
 # Whether a sampler of each kind (on_policy.sampler) runs the student on the training device.
@@ -103,3 +104,19 @@ def torchrun_problem(settings: OnPolicySettings, *, copy_dtype: str | None) -> s
             "kd does not shard; under torchrun set on_policy.sampling_dtype=null"
         )
     return None
+
+
+def uncounted(settings: OnPolicySettings | None) -> list[str]:
+    """The plan's notes on what a sampler holds that the plan does not count: with
+    ``async_steps: 1`` the local sampler's next rollout (its KV cache and decode temporaries) is
+    live during the step's forward, backward and optimizer step, which count only its copy."""
+    if settings is None or not settings.async_steps or not settings.lmbda:
+        return []
+    if not samples_on_device(settings):
+        return []
+    return [
+        "on_policy.async_steps: 1: the next step's rollout (its KV cache and decode temporaries) "
+        "runs beside this step's forward, backward and optimizer step, and is not added to them "
+        "(only the sampler's frozen copy is): leave room for the generation phase's kv_cache and "
+        "activations beside the peak"
+    ]

@@ -120,6 +120,19 @@ def teacher_device_under_torchrun(name: str) -> str:
     )
 
 
+def own_device(run: RunConfig) -> bool:
+    """Whether ``teacher_device`` names a device other than the student's (``cuda`` is
+    ``cuda:0``)."""
+    if run.teacher_device is None:
+        return False
+
+    def split(name: str) -> tuple[str, int]:
+        kind, _, index = name.partition(":")
+        return kind, int(index or 0)
+
+    return split(run.teacher_device) != split(run.device)
+
+
 def torchrun_problem(run: RunConfig) -> str | None:
     """The line a run under torchrun refuses a local teacher's one-device keys with, before any
     weight is read (:meth:`kd.teachers.build.ModelTeacherSource.check`); ``kd plan --world-size
