@@ -300,9 +300,13 @@ def _restore(
     if rank0 and saved_world != world.world_size:
         log.warning(
             "resuming a %d-rank checkpoint on %d ranks: batch_size is per rank, so the global "
-            "batch changes and the run will not match an uninterrupted one",
+            "batch changes and the run will not match an uninterrupted one; the epoch's position "
+            "is counted in this run's batches, so rows of this epoch are %s; resume on %d ranks "
+            "to go on exactly",
             saved_world,
             world.world_size,
+            "trained again" if world.world_size < saved_world else "skipped",
+            saved_world,
         )
     validation = state.get("validation")
     rollouts = state.get("rollouts")
