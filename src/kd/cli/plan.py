@@ -153,9 +153,8 @@ def _sampler_torchrun_problem(run: RunConfig) -> str | None:
     op = run.on_policy
     if op is None:
         return None
-    return rollout_plan.torchrun_problem(
-        op, copy_dtype=rollout_plan.copy_dtype(op, dtype=run.dtype)
-    )
+    copies = rollout_plan.copy_dtype(op, dtype=run.dtype) is not None
+    return rollout_plan.torchrun_problem(op, copies=copies)
 
 
 def run(args: argparse.Namespace) -> int:

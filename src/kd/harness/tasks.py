@@ -28,7 +28,7 @@ import json
 import re
 import string
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -348,38 +348,40 @@ def _check_rows(spec: TaskSpec) -> int:
     return count
 
 
+def _rows(spec: TaskSpec) -> Iterator[dict[str, Any]]:
+    """The rows of a checked task's data file (:func:`_check_rows` has read every one)."""
+    with spec.data_file.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
 def most_fewshot(spec: TaskSpec) -> int:
     """The most few-shot examples each row of a checked task can get: lm-eval draws them from the
     task's rows other than the one scored (a row equal to it counts as it)."""
-    with spec.data_file.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     # The fields lm-eval's documents hold (_rows_as_written), as text.
-    keys = [json.dumps([str(r[name]) for name in spec.fields()]) for r in rows]
+    keys = [json.dumps([str(r[name]) for name in spec.fields()]) for r in _rows(spec)]
     return len(keys) - max(Counter(keys).values())
 
 
 def prompt_text(spec: TaskSpec, row: Mapping[str, Any]) -> str:
     """The prompt of ``row`` as lm-eval renders ``spec``'s template (fields as text)."""
-    return "".join(lit + (str(row[f]) if f is not None else "") for lit, f in spec.prompt)
+    return _row_prompt(spec.prompt, row)
 
 
 def row_texts(spec: TaskSpec, *, limit: int | None = None) -> list[tuple[str, list[str]]]:
     """The first ``limit`` rows of a checked task (:func:`read_task_file`) as text: each row's
     prompt and its answers (the choices; the reference)."""
     out: list[tuple[str, list[str]]] = []
-    with spec.data_file.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
-            answers = (
-                [str(c) for c in row[spec.choices]]
-                if spec.type == "multiple_choice"
-                else [str(row[spec.reference])]
-            )
-            out.append((prompt_text(spec, row), answers))
+    for row in _rows(spec):
+        if limit is not None and len(out) >= limit:
+            break
+        answers = (
+            [str(c) for c in row[spec.choices]]
+            if spec.type == "multiple_choice"
+            else [str(row[spec.reference])]
+        )
+        out.append((prompt_text(spec, row), answers))
     return out
 
 
@@ -492,15 +494,12 @@ def _rows_as_written(spec: TaskSpec, dataset: Any) -> Any:
     import datasets
 
     rows = []
-    with spec.data_file.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                doc = {name: str(row[name]) for name in spec.fields()}
-                if spec.type == "multiple_choice":
-                    doc[spec.choices] = [str(c) for c in row[spec.choices]]
-                    doc[spec.answer] = int(row[spec.answer])
-                rows.append(doc)
+    for row in _rows(spec):
+        doc = {name: str(row[name]) for name in spec.fields()}
+        if spec.type == "multiple_choice":
+            doc[spec.choices] = [str(c) for c in row[spec.choices]]
+            doc[spec.answer] = int(row[spec.answer])
+        rows.append(doc)
     return datasets.Dataset.from_list(rows)
 
 

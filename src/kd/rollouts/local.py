@@ -91,14 +91,13 @@ class LocalSampler:
         self.stop_ids = sampling.stop_token_ids(tokenizer)
         self.version = 0
         self.copy_dtype = models.DTYPES[copy_dtype] if copy_dtype is not None else None
-        self._copy_name = copy_dtype
         # The frozen copy (async_steps: 1) and / or the copy in copy_dtype (sampling_dtype).
         self._policy: nn.Module | None = None
 
     def check(self) -> None:
         """The settings this sampler cannot honour on this job."""
         if self.world.distributed:  # the line kd plan --world-size N refuses them with too
-            refused = torchrun_problem(self.settings, copy_dtype=self._copy_name)
+            refused = torchrun_problem(self.settings, copies=self.copy_dtype is not None)
             if refused is not None:
                 raise KDUserError(refused)
         if self.settings.cuda_graphs and self.device.type != "cuda":
@@ -124,16 +123,19 @@ class LocalSampler:
             if op.temperature > 0
             else None
         )
+        how: dict[str, Any] = {  # what both decoding loops sample with
+            "max_new_tokens": op.max_new_tokens,
+            "temperature": op.temperature,
+            "top_p": op.top_p,
+            "stop_ids": self.stop_ids,
+            "pad_id": self.pad_id,
+            "vocab_limit": self.vocab_limit,
+        }
         if op.batch_rollouts and not self.world.distributed:
             done = fast_rollout(
                 model,
                 prompts,
-                max_new_tokens=op.max_new_tokens,
-                temperature=op.temperature,
-                top_p=op.top_p,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                vocab_limit=self.vocab_limit,
+                **how,
                 generators=generators,
                 group_size=op.rollout_batch_size,
                 compile=self.compile,
@@ -151,12 +153,7 @@ class LocalSampler:
             done = sampling.rollout(
                 model,
                 prompts if whole else select_rows(prompts, group),
-                max_new_tokens=op.max_new_tokens,
-                temperature=op.temperature,
-                top_p=op.top_p,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                vocab_limit=self.vocab_limit,
+                **how,
                 generators=(
                     generators if whole or generators is None else [generators[i] for i in group]
                 ),

@@ -77,10 +77,11 @@ def student_copy(settings: OnPolicySettings, *, dtype: str) -> bool:
     )
 
 
-def torchrun_problem(settings: OnPolicySettings, *, copy_dtype: str | None) -> str | None:
+def torchrun_problem(settings: OnPolicySettings, *, copies: bool) -> str | None:
     """The line the run's sampler refuses ``settings`` with under torchrun (several ranks),
     before any weight is read (its ``check``); ``kd plan --world-size N`` refuses them with it
-    too. ``copy_dtype``: :func:`copy_dtype` of the run. None when they may run on several ranks."""
+    too. ``copies``: the sampler keeps a copy in another dtype (:func:`copy_dtype` is not None).
+    None when they may run on several ranks."""
     if settings.sampler == "served":
         if settings.async_steps > 0:
             return (
@@ -98,7 +99,7 @@ def torchrun_problem(settings: OnPolicySettings, *, copy_dtype: str | None) -> s
             "on_policy.cuda_graphs replays the one-device fast decode (batch_rollouts), "
             "which torchrun's sharded student does not run; set on_policy.cuda_graphs=false"
         )
-    if copy_dtype is not None:
+    if copies:
         return (
             "on_policy.sampling_dtype keeps a whole copy of the student on one device, which "
             "kd does not shard; under torchrun set on_policy.sampling_dtype=null"

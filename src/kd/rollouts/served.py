@@ -401,8 +401,10 @@ class ServedSampler:
 
     def _refused(self, what: str, answer: tuple[int, str, Any], folder: Path) -> RolloutStopped:
         disabled = self.protocol.lora_disabled(answer[0], answer[1])
-        kw = {"lora_rank": self.sync.lora_rank, "lora_disabled": disabled}
-        return push_refused(self.client, what, answer, folder, **kw)
+        rank = self.sync.lora_rank
+        return push_refused(
+            self.client, what, answer, folder, lora_rank=rank, lora_disabled=disabled
+        )
 
     def _load_adapter(self, folder: Path, version: int) -> None:
         name = self._adapter_name(version)

@@ -45,7 +45,7 @@ def check_server(
         KDUserError: the first problem, one line naming the key and the fix.
     """
     s = settings
-    refused = torchrun_problem(s, copy_dtype=None) if distributed else None
+    refused = torchrun_problem(s, copies=False) if distributed else None
     if refused is not None:  # the line kd plan --world-size N refuses it with too
         raise KDUserError(refused)
     probe = ServerClient(s, timeout=min(s.server_timeout, PROBE_TIMEOUT_S))
